@@ -1,0 +1,1 @@
+//! Engine: sessions, KV cache, sampler (stub).

@@ -1,0 +1,1 @@
+//! Model fetching and cache (stub, filled in by its owner).

@@ -1,0 +1,1 @@
+//! Model fingerprint (stub, filled in by its owner).

@@ -1,0 +1,1 @@
+//! Element-wise ops (owned by the engine author).

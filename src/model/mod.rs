@@ -1,0 +1,1 @@
+//! Models: hyperparameters, weights, per-architecture forward (stub).
