@@ -1,1 +1,2 @@
 //! Engine: sessions, KV cache, sampler (stub).
+pub mod sampler;

@@ -1,0 +1,1 @@
+//! Chat templates (stub, filled in by its owner).

@@ -1,0 +1,1 @@
+//! Sampling (stub, filled in by its owner).
