@@ -228,42 +228,37 @@ impl Sampler {
         }
     }
 
-    /// Top-p over the whole vocabulary without sorting all of it: the normaliser is one pass, then growing
-    /// prefixes of the best tokens are selected until their mass reaches `p` (almost always within the first 64).
+    /// Top-p over the whole vocabulary without sorting all of it. The normaliser takes one pass; peaked
+    /// distributions then reach `p` within the best 64 tokens (a heap pass). Flat ones go to a weighted
+    /// quickselect, linear on average, which leaves exactly llama.cpp's kept set at the front (not in order:
+    /// the order does not change what is drawn).
     fn top_p_full(&mut self, p: f32) {
         let src: &[f32] = &self.scratch;
         let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::NEG_INFINITY {
+        if max == f32::NEG_INFINITY || max == f32::INFINITY {
             materialise(src, &mut self.candidates);
             return;
         }
         let z: f64 = src.iter().map(|&l| ((l - max) as f64).exp()).sum();
-        let mut m = 64;
-        loop {
-            if m >= src.len() {
-                materialise(src, &mut self.candidates);
-                sort_desc(&mut self.candidates);
-            } else {
-                select_top(src, m, &mut self.candidates);
+        let target = p as f64 * z;
+        select_top(src, 64.min(src.len()), &mut self.candidates);
+        let mut cum = 0.0f64;
+        for i in 0..self.candidates.len() {
+            cum += ((self.candidates[i].logit - max) as f64).exp();
+            if cum >= target {
+                self.candidates.truncate(i + 1);
+                return;
             }
-            let mut cum = 0.0f64;
-            for i in 0..self.candidates.len() {
-                cum += ((self.candidates[i].logit - max) as f64).exp() / z;
-                if cum >= p as f64 {
-                    self.candidates.truncate(i + 1);
-                    return;
-                }
-            }
-            if m >= src.len() {
-                return; // rounding kept the sum just below p: keep everything
-            }
-            // Heap selection loses to a plain sort once a sizeable part of the vocabulary is needed.
-            m = if m * 8 >= src.len() / 4 {
-                src.len()
-            } else {
-                m * 8
-            };
         }
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(src.iter().enumerate().map(|(i, &l)| Candidate {
+            id: i as u32,
+            logit: l,
+            p: (l - max).exp(),
+        }));
+        let k = weighted_select(c, target);
+        c.truncate(k);
     }
 
     /// Softmax over the survivors and one draw from it.
@@ -370,6 +365,48 @@ fn select_top(src: &[f32], k: usize, out: &mut Vec<Candidate>) {
         }
     }
     sort_desc(out);
+}
+
+/// Reorders `c` so that its first `k` entries are the best candidates (by [`Candidate::better`]) whose weights
+/// `p` first reach `target` when summed best first; returns that `k` (all of `c` if the total falls short).
+/// Quickselect with a median-of-three pivot; `better` is a strict total order, so ties cannot degrade it.
+fn weighted_select(c: &mut [Candidate], target: f64) -> usize {
+    let (mut lo, mut hi) = (0, c.len());
+    let mut acc = 0.0f64; // weight of c[..lo], all known to be in the set; always < target
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        let last = hi - 1;
+        // Median of c[lo], c[mid], c[last] into c[last].
+        if c[mid].better(&c[lo]) {
+            c.swap(mid, lo);
+        }
+        if c[last].better(&c[lo]) {
+            c.swap(last, lo);
+        }
+        if c[mid].better(&c[last]) {
+            c.swap(mid, last);
+        }
+        let pivot = c[last];
+        let mut store = lo;
+        let mut mass = 0.0f64;
+        for i in lo..last {
+            if c[i].better(&pivot) {
+                mass += c[i].p as f64;
+                c.swap(i, store);
+                store += 1;
+            }
+        }
+        c.swap(store, last);
+        if acc + mass >= target {
+            hi = store;
+        } else if acc + mass + pivot.p as f64 >= target {
+            return store + 1;
+        } else {
+            acc += mass + pivot.p as f64;
+            lo = store + 1;
+        }
+    }
+    lo
 }
 
 /// Top-p over candidates already sorted best first; softmax over the candidates themselves, like llama.cpp.
@@ -617,6 +654,50 @@ mod tests {
         }
         assert!(seen[..500].iter().all(|&x| x), "every kept token is drawn");
         assert!(seen[500..].iter().all(|&x| !x), "no cut token is drawn");
+    }
+
+    #[test]
+    fn weighted_selection_matches_a_sorted_prefix() {
+        for salt in 0..10u32 {
+            let v: Vec<f32> = (0..500u32)
+                .map(|i| ((i * 7919 + salt * 31) % 60) as f32 / 10.0)
+                .collect();
+            let mut sorted = Vec::new();
+            materialise(&v, &mut sorted);
+            sort_desc(&mut sorted);
+            let total: f64 = v.iter().map(|&l| (l as f64).exp()).sum();
+            for frac in [0.0001, 0.1, 0.5, 0.9, 0.999, 1.0] {
+                let target = frac * total;
+                let mut cum = 0.0;
+                let want_k = sorted
+                    .iter()
+                    .position(|c| {
+                        cum += (c.logit as f64).exp();
+                        cum >= target
+                    })
+                    .map_or(sorted.len(), |i| i + 1);
+                let mut c: Vec<Candidate> = v
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &l)| Candidate {
+                        id: i as u32,
+                        logit: l,
+                        p: (l as f64).exp() as f32,
+                    })
+                    .collect();
+                let k = weighted_select(&mut c, target);
+                // Summation order differs; allow the boundary to move by one in a near-tie.
+                assert!(
+                    k.abs_diff(want_k) <= 1,
+                    "k {k} want {want_k} frac {frac} salt {salt}"
+                );
+                let mut got: Vec<u32> = c[..k].iter().map(|c| c.id).collect();
+                got.sort_unstable();
+                let mut want: Vec<u32> = sorted[..k].iter().map(|c| c.id).collect();
+                want.sort_unstable();
+                assert_eq!(got, want, "frac {frac} salt {salt}");
+            }
+        }
     }
 
     #[test]
