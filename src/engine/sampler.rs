@@ -235,7 +235,7 @@ impl Sampler {
     fn top_p_full(&mut self, p: f32) {
         let src: &[f32] = &self.scratch;
         let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::NEG_INFINITY || max == f32::INFINITY {
+        if max.is_infinite() {
             materialise(src, &mut self.candidates);
             return;
         }
