@@ -76,3 +76,8 @@ impl Matrix {
         self.bytes().len()
     }
 }
+
+/// Weight types the matmul kernels compute with (Q8_1 and Q8_K only ever hold activations).
+pub fn supports(ty: GgmlType) -> bool {
+    !matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K)
+}
