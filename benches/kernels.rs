@@ -38,17 +38,11 @@ fn matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
     let bytes = ty.row_bytes(cols).unwrap() * rows;
     let mut data: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
     if ty == GgmlType::F32 {
-        data = (0..rows * cols)
-            .flat_map(|_| rng.f().to_le_bytes())
-            .collect();
+        data = (0..rows * cols).flat_map(|_| rng.f().to_le_bytes()).collect();
     } else {
         for b in data.chunks_mut(ty.type_size()) {
             for &o in f16_offsets(ty) {
-                b[o..o + 2].copy_from_slice(
-                    &half::f16::from_f32(0.01 + rng.f() * 0.01)
-                        .to_bits()
-                        .to_le_bytes(),
-                );
+                b[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01 + rng.f() * 0.01).to_bits().to_le_bytes());
             }
         }
     }
@@ -114,11 +108,7 @@ fn main() {
             }
             let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.f()).collect();
             let mut y = vec![0.0; n_tok * rows];
-            let reps = if n_tok == 1 {
-                if big { 11 } else { 201 }
-            } else {
-                5
-            };
+            let reps = if n_tok == 1 { if big { 11 } else { 201 } } else { 5 };
             let s = time(reps, || matmul(&pool, &w, &x, n_tok, &mut y, &mut scratch));
             if n_tok == 1 {
                 println!(

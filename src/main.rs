@@ -156,20 +156,10 @@ struct BenchArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
     /// Prompt lengths to test (comma-separated; 0 to skip).
-    #[arg(
-        short = 'p',
-        long = "n-prompt",
-        default_value = "512",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'p', long = "n-prompt", default_value = "512", value_delimiter = ',')]
     n_prompt: Vec<usize>,
     /// Generation lengths to test (comma-separated; 0 to skip).
-    #[arg(
-        short = 'n',
-        long = "n-gen",
-        default_value = "128",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
     n_gen: Vec<usize>,
     #[arg(short = 't', long)]
     threads: Option<usize>,
@@ -177,12 +167,7 @@ struct BenchArgs {
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     reps: usize,
     /// Context depths to test at (comma-separated).
-    #[arg(
-        short = 'd',
-        long = "ctx-depth",
-        default_value = "0",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'd', long = "ctx-depth", default_value = "0", value_delimiter = ',')]
     depths: Vec<usize>,
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     batch_size: usize,
@@ -196,11 +181,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Run(a) => cmd_run(a),
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
-        Cmd::Tokenize {
-            model,
-            file,
-            pieces,
-        } => cmd_tokenize(&model, &file, pieces),
+        Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
         Cmd::Perplexity(a) => cmd_perplexity(a),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Models { cmd } => cmd_models(cmd),
@@ -213,9 +194,7 @@ fn main() {
 }
 
 fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// Loads model, vocabulary and a thread pool.
@@ -240,8 +219,9 @@ fn load(model: &str, threads: Option<usize>) -> Result<(Arc<Model>, Vocab, Arc<T
 fn cmd_run(a: RunArgs) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("cannot read prompt file {}", f.display()))?
+        }
         (Some(_), Some(_)) => bail!("give the prompt either as an argument or with -f, not both"),
         (None, None) => bail!("no prompt: pass it as an argument or with -f FILE"),
     };
@@ -262,11 +242,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         });
         let r = tmpl.render(&msgs, true)?;
         if a.verbose {
-            eprintln!(
-                "chat template ({}) rendered {} bytes",
-                tmpl.source(),
-                r.len()
-            );
+            eprintln!("chat template ({}) rendered {} bytes", tmpl.source(), r.len());
         }
         r
     } else {
@@ -360,10 +336,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
-    let piece = |id: Option<u32>| {
-        id.map(|i| vocab.token_text(i).to_string())
-            .unwrap_or_default()
-    };
+    let piece = |id: Option<u32>| id.map(|i| vocab.token_text(i).to_string()).unwrap_or_default();
     ChatTemplate::from_metadata(
         file.get_str("tokenizer.chat_template"),
         file.architecture()?,
@@ -409,12 +382,7 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     if list_tensors {
         for name in &g.tensor_order {
             let t = &g.tensors[name];
-            println!(
-                "  {name:<40} {:<6} {:?} {} bytes",
-                t.ty.name(),
-                t.dims,
-                t.size
-            );
+            println!("  {name:<40} {:<6} {:?} {} bytes", t.ty.name(), t.dims, t.size);
         }
     }
     let vocab = Vocab::from_gguf(&g)?;
@@ -428,10 +396,7 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     let tmpl = chat_template(&g, &vocab)?;
     match g.get_str("tokenizer.chat_template") {
         Some(t) => println!("chat template (from the GGUF):\n{t}"),
-        None => println!(
-            "chat template:    none in the file; using the {}",
-            tmpl.source()
-        ),
+        None => println!("chat template:    none in the file; using the {}", tmpl.source()),
     }
     Ok(())
 }
@@ -441,8 +406,7 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
     let g = GgufFile::open(&path)?;
     let vocab = Vocab::from_gguf(&g)?;
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let text = String::from_utf8(bytes)
-        .with_context(|| format!("{} is not valid UTF-8", file.display()))?;
+    let text = String::from_utf8(bytes).with_context(|| format!("{} is not valid UTF-8", file.display()))?;
     let ids = vocab.tokenize(&text, false, false);
     let line: Vec<String> = if pieces {
         ids.iter()
@@ -457,8 +421,7 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let (model, vocab, pool) = load(&a.model, a.threads)?;
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("cannot read {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let n_ctx = a.ctx;
     if n_ctx < 8 {
         bail!("--ctx must be at least 8");
@@ -487,20 +450,14 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     for c in 0..n_chunk {
         let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
         if vocab.add_bos() {
-            chunk[0] = vocab
-                .bos()
-                .context("the model adds BOS but has no BOS token")?;
+            chunk[0] = vocab.bos().context("the model adds BOS but has no BOS token")?;
         }
         session.rewind(0);
         for (b, toks) in chunk.chunks(batch).enumerate() {
             let start = b * batch;
             let end = start + toks.len();
             // Only batches holding scored positions (first .. n_ctx-2) need logits.
-            let want = if end > first {
-                Want::AllLogits
-            } else {
-                Want::Hidden
-            };
+            let want = if end > first { Want::AllLogits } else { Want::Hidden };
             let out = session.forward(Input::Tokens(toks), want)?;
             if want == Want::Hidden {
                 continue;
@@ -519,14 +476,8 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     }
     eprintln!();
     let ppl = (nll / count as f64).exp();
-    eprintln!(
-        "{count} positions scored in {:.1} s",
-        t0.elapsed().as_secs_f64()
-    );
-    println!(
-        "perplexity: {ppl:.4} top1: {:.4}",
-        top1 as f64 / count as f64
-    );
+    eprintln!("{count} positions scored in {:.1} s", t0.elapsed().as_secs_f64());
+    println!("perplexity: {ppl:.4} top1: {:.4}", top1 as f64 / count as f64);
     Ok(())
 }
 
@@ -579,10 +530,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             );
         }
     })?;
-    eprintln!(
-        "peak RSS: {:.1} MiB",
-        baton::bench::peak_rss() as f64 / 1048576.0
-    );
+    eprintln!("peak RSS: {:.1} MiB", baton::bench::peak_rss() as f64 / 1048576.0);
     Ok(())
 }
 
@@ -592,10 +540,7 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
             let paths = if names.is_empty() {
                 fetch::fetch_all()?
             } else {
-                names
-                    .iter()
-                    .map(|n| fetch::fetch(n))
-                    .collect::<Result<Vec<_>>>()?
+                names.iter().map(|n| fetch::fetch(n)).collect::<Result<Vec<_>>>()?
             };
             for p in paths {
                 println!("{}", p.display());

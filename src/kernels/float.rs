@@ -1,33 +1,21 @@
 //! Float storage types (F32, F16, BF16): conversion to f32 and the f32 dot they are multiplied with.
 
 pub fn dequantize_f32(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(
-        src.len(),
-        dst.len() * 4,
-        "source bytes do not match the row length"
-    );
+    assert_eq!(src.len(), dst.len() * 4, "source bytes do not match the row length");
     for (b, y) in src.chunks_exact(4).zip(dst.iter_mut()) {
         *y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
 }
 
 pub fn dequantize_f16(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(
-        src.len(),
-        dst.len() * 2,
-        "source bytes do not match the row length"
-    );
+    assert_eq!(src.len(), dst.len() * 2, "source bytes do not match the row length");
     for (b, y) in src.chunks_exact(2).zip(dst.iter_mut()) {
         *y = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
     }
 }
 
 pub fn dequantize_bf16(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(
-        src.len(),
-        dst.len() * 2,
-        "source bytes do not match the row length"
-    );
+    assert_eq!(src.len(), dst.len() * 2, "source bytes do not match the row length");
     for (b, y) in src.chunks_exact(2).zip(dst.iter_mut()) {
         *y = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
     }
@@ -58,10 +46,7 @@ mod tests {
     #[test]
     fn float_rows_decode() {
         let mut y = [0.0f32; 3];
-        let src: Vec<u8> = [1.5f32, -2.0, 1e-3]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let src: Vec<u8> = [1.5f32, -2.0, 1e-3].iter().flat_map(|v| v.to_le_bytes()).collect();
         dequantize_f32(&src, &mut y);
         assert_eq!(y, [1.5, -2.0, 1e-3]);
         // f16: 1.0 = 0x3c00, -2.0 = 0xc000, 65504 = 0x7bff.

@@ -223,10 +223,7 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [u8]) {
             b[4 + j] = ((iscale * v[j]).round_ties_even() as i32).min(127) as i8 as u8;
         }
         for g in 0..16 {
-            let s: i32 = b[4 + 16 * g..20 + 16 * g]
-                .iter()
-                .map(|&q| q as i8 as i32)
-                .sum();
+            let s: i32 = b[4 + 16 * g..20 + 16 * g].iter().map(|&q| q as i8 as i32).sum();
             b[260 + 2 * g..262 + 2 * g].copy_from_slice(&(s as i16).to_le_bytes());
         }
         b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
@@ -246,11 +243,7 @@ pub fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i32; 16]) {
 
 pub fn dot_q2_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q2_K_BYTES)
-        .zip(x.chunks_exact(Q8_K_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q2_K_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
         let (yd, q8, bsums) = q8k_parts(y);
         let sc = &b[0..16];
         let summs: i32 = (0..16).map(|j| (sc[j] >> 4) as i32 * bsums[j]).sum();
@@ -262,9 +255,7 @@ pub fn dot_q2_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
                     let g = 8 * half + 2 * j + part;
                     let base = 128 * half + 32 * j + 16 * part;
                     let s: i32 = (0..16)
-                        .map(|l| {
-                            ((q[16 * part + l] >> (2 * j)) & 3) as i32 * q8[base + l] as i8 as i32
-                        })
+                        .map(|l| ((q[16 * part + l] >> (2 * j)) & 3) as i32 * q8[base + l] as i8 as i32)
                         .sum();
                     isum += (sc[g] & 0xf) as i32 * s;
                 }
@@ -277,11 +268,7 @@ pub fn dot_q2_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q3_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q3_K_BYTES)
-        .zip(x.chunks_exact(Q8_K_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q3_K_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
         let (yd, q8, _) = q8k_parts(y);
         let scales = q3k_scales(&b[96..108]);
         let hm = &b[0..32];
@@ -295,8 +282,7 @@ pub fn dot_q3_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
                     let base = 128 * half + 32 * j;
                     let s: i32 = (16 * part..16 * part + 16)
                         .map(|l| {
-                            let v =
-                                ((q[l] >> (2 * j)) & 3) as i32 - if hm[l] & m != 0 { 0 } else { 4 };
+                            let v = ((q[l] >> (2 * j)) & 3) as i32 - if hm[l] & m != 0 { 0 } else { 4 };
                             v * q8[base + l] as i8 as i32
                         })
                         .sum();
@@ -311,11 +297,7 @@ pub fn dot_q3_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q4_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q4_K_BYTES)
-        .zip(x.chunks_exact(Q8_K_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q4_K_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
         let (yd, q8, bsums) = q8k_parts(y);
         let scales = &b[4..16];
         let (mut isum, mut summs) = (0i32, 0i32);
@@ -330,8 +312,7 @@ pub fn dot_q4_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
                 a2 += (q[l] >> 4) as i32 * q8[64 * j + 32 + l] as i8 as i32;
             }
             isum += s1 as i32 * a1 + s2 as i32 * a2;
-            summs += m1 as i32 * (bsums[4 * j] + bsums[4 * j + 1])
-                + m2 as i32 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
+            summs += m1 as i32 * (bsums[4 * j] + bsums[4 * j + 1]) + m2 as i32 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
         }
         sum += yd * f16_at(b, 0) * isum as f32 - yd * f16_at(b, 2) * summs as f32;
     }
@@ -340,11 +321,7 @@ pub fn dot_q4_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q5_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q5_K_BYTES)
-        .zip(x.chunks_exact(Q8_K_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q5_K_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
         let (yd, q8, bsums) = q8k_parts(y);
         let scales = &b[4..16];
         let qh = &b[16..48];
@@ -362,8 +339,7 @@ pub fn dot_q5_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
                 a2 += v2 * q8[64 * j + 32 + l] as i8 as i32;
             }
             isum += s1 as i32 * a1 + s2 as i32 * a2;
-            summs += m1 as i32 * (bsums[4 * j] + bsums[4 * j + 1])
-                + m2 as i32 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
+            summs += m1 as i32 * (bsums[4 * j] + bsums[4 * j + 1]) + m2 as i32 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
         }
         sum += yd * f16_at(b, 0) * isum as f32 - yd * f16_at(b, 2) * summs as f32;
     }
@@ -372,11 +348,7 @@ pub fn dot_q5_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q6_k_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q6_K_BYTES)
-        .zip(x.chunks_exact(Q8_K_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q6_K_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
         let (yd, q8, _) = q8k_parts(y);
         let sc = &b[192..208];
         let mut acc = [0i32; 16];
@@ -416,11 +388,7 @@ mod tests {
             aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
             aux[0] = (aux[0] & k2) | ((tmp & k1) << 4);
             aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-            let want: Vec<i8> = aux
-                .iter()
-                .flat_map(|a| a.to_le_bytes())
-                .map(|b| b as i8 - 32)
-                .collect();
+            let want: Vec<i8> = aux.iter().flat_map(|a| a.to_le_bytes()).map(|b| b as i8 - 32).collect();
             assert_eq!(q3k_scales(&s).to_vec(), want);
         }
     }
@@ -430,12 +398,8 @@ mod tests {
         // d = 1, dmin = 0.5; scale/min pair j = (j + 1, j) for j < 4, and (j + 1 + 16, j + 32) for j >= 4 so the
         // high bits are exercised; every quant nibble = 3 (low) and 5 (high).
         let mut b = vec![0x00, 0x3c, 0x00, 0x38];
-        let sc: Vec<u8> = (0..8)
-            .map(|j| if j < 4 { j as u8 + 1 } else { j as u8 + 17 })
-            .collect();
-        let mn: Vec<u8> = (0..8)
-            .map(|j| if j < 4 { j as u8 } else { j as u8 + 32 })
-            .collect();
+        let sc: Vec<u8> = (0..8).map(|j| if j < 4 { j as u8 + 1 } else { j as u8 + 17 }).collect();
+        let mn: Vec<u8> = (0..8).map(|j| if j < 4 { j as u8 } else { j as u8 + 32 }).collect();
         let mut s = [0u8; 12];
         for j in 0..4 {
             s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
@@ -449,10 +413,7 @@ mod tests {
         for j in 0..8 {
             let q = if j % 2 == 0 { 3.0 } else { 5.0 };
             let want = sc[j] as f32 * q - 0.5 * mn[j] as f32;
-            assert!(
-                y[32 * j..32 * j + 32].iter().all(|&v| v == want),
-                "sub-block {j}"
-            );
+            assert!(y[32 * j..32 * j + 32].iter().all(|&v| v == want), "sub-block {j}");
         }
     }
 
@@ -500,10 +461,7 @@ mod tests {
             for g in 0..16 {
                 assert_eq!(
                     bs[g],
-                    qs[16 * g..16 * g + 16]
-                        .iter()
-                        .map(|&v| v as i8 as i32)
-                        .sum::<i32>()
+                    qs[16 * g..16 * g + 16].iter().map(|&v| v as i8 as i32).sum::<i32>()
                 );
             }
         }
@@ -531,11 +489,7 @@ mod tests {
             deq(&w, &mut wd);
             dequantize_q8_k(&xq, &mut xd);
             let want: f64 = wd.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let scale: f64 = wd
-                .iter()
-                .zip(&xd)
-                .map(|(a, b)| (*a as f64 * *b as f64).abs())
-                .sum();
+            let scale: f64 = wd.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
             let got = dot(n, &w, &xq) as f64;
             assert!((got - want).abs() <= 1e-5 * scale, "{got} vs {want}");
             assert!(rel_close(got as f32, want as f32, 1e-2) || (got - want).abs() <= 1e-5 * scale);

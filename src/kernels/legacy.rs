@@ -261,11 +261,7 @@ pub fn quantize_row_q5_1(x: &[f32], out: &mut [u8]) {
 
 pub fn dot_q4_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q4_0_BYTES)
-        .zip(x.chunks_exact(Q8_0_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q4_0_BYTES).zip(x.chunks_exact(Q8_0_BYTES)).take(n) {
         let mut s = 0i32;
         for j in 0..16 {
             s += ((b[2 + j] & 15) as i32 - 8) * y[2 + j] as i8 as i32;
@@ -278,11 +274,7 @@ pub fn dot_q4_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q4_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q4_1_BYTES)
-        .zip(x.chunks_exact(Q8_1_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q4_1_BYTES).zip(x.chunks_exact(Q8_1_BYTES)).take(n) {
         let mut s = 0i32;
         for j in 0..16 {
             s += (b[4 + j] & 15) as i32 * y[4 + j] as i8 as i32;
@@ -295,11 +287,7 @@ pub fn dot_q4_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q5_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q5_0_BYTES)
-        .zip(x.chunks_exact(Q8_0_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q5_0_BYTES).zip(x.chunks_exact(Q8_0_BYTES)).take(n) {
         let qh = u32_at(b, 2);
         let mut s = 0i32;
         for j in 0..16 {
@@ -315,11 +303,7 @@ pub fn dot_q5_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q5_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q5_1_BYTES)
-        .zip(x.chunks_exact(Q8_1_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q5_1_BYTES).zip(x.chunks_exact(Q8_1_BYTES)).take(n) {
         let qh = u32_at(b, 4);
         let mut s = 0i32;
         for j in 0..16 {
@@ -335,11 +319,7 @@ pub fn dot_q5_1_q8_1(n: usize, w: &[u8], x: &[u8]) -> f32 {
 
 pub fn dot_q8_0_q8_0(n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w
-        .chunks_exact(Q8_0_BYTES)
-        .zip(x.chunks_exact(Q8_0_BYTES))
-        .take(n)
-    {
+    for (b, y) in w.chunks_exact(Q8_0_BYTES).zip(x.chunks_exact(Q8_0_BYTES)).take(n) {
         let mut s = 0i32;
         for j in 0..QK {
             s += b[2 + j] as i8 as i32 * y[2 + j] as i8 as i32;
@@ -400,13 +380,7 @@ mod tests {
     }
 
     /// Every value comes back within `tol_steps` quantization steps (`range / levels`).
-    fn round_trip(
-        quant: fn(&[f32], &mut [u8]),
-        deq: fn(&[u8], &mut [f32]),
-        bytes: usize,
-        levels: f32,
-        tol_steps: f32,
-    ) {
+    fn round_trip(quant: fn(&[f32], &mut [u8]), deq: fn(&[u8], &mut [f32]), bytes: usize, levels: f32, tol_steps: f32) {
         let mut rng = Rng(7);
         let x: Vec<f32> = (0..QK * 5).map(|_| rng.normal()).collect();
         let mut q = vec![0u8; 5 * bytes];
@@ -417,10 +391,7 @@ mod tests {
             let range = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 2.0;
             for (a, b) in xb.iter().zip(yb) {
                 // Plus f16 rounding of the scale.
-                assert!(
-                    (a - b).abs() <= range / levels * tol_steps * 1.01 + 1e-3,
-                    "{a} vs {b}"
-                );
+                assert!((a - b).abs() <= range / levels * tol_steps * 1.01 + 1e-3, "{a} vs {b}");
             }
         }
     }

@@ -27,8 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use kquants::quantize_row_q8_k;
 pub use legacy::{
-    quantize_row_q4_0, quantize_row_q4_1, quantize_row_q5_0, quantize_row_q5_1, quantize_row_q8_0,
-    quantize_row_q8_1,
+    quantize_row_q4_0, quantize_row_q4_1, quantize_row_q5_0, quantize_row_q5_1, quantize_row_q8_0, quantize_row_q8_1,
 };
 
 /// Dequantizes one row: `src` holds `dst.len() / ty.block_size()` blocks of `ty`. Panics if the lengths disagree
@@ -215,14 +214,7 @@ fn row_chunk(rows: usize, n_tok: usize, n_threads: usize) -> usize {
 }
 
 /// `y[t * w.rows + r] = Σ_k W[r, k] · x[t * w.cols + k]` for each of the `n_tok` input rows.
-pub fn matmul(
-    pool: &ThreadPool,
-    w: &Matrix,
-    x: &[f32],
-    n_tok: usize,
-    y: &mut [f32],
-    scratch: &mut Scratch,
-) {
+pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32], scratch: &mut Scratch) {
     matmul_with(kernels(), pool, w, x, n_tok, y, scratch)
 }
 
@@ -285,10 +277,7 @@ pub fn matmul_with(
         return;
     };
 
-    let xrb = qk
-        .vec_dot_type
-        .row_bytes(cols)
-        .expect("weight rows are whole blocks");
+    let xrb = qk.vec_dot_type.row_bytes(cols).expect("weight rows are whole blocks");
     if scratch.xq.len() < n_tok * xrb {
         scratch.xq.resize(n_tok * xrb, 0);
     }
@@ -304,10 +293,7 @@ pub fn matmul_with(
         });
     } else {
         for t in 0..n_tok {
-            quant(
-                &x[t * cols..(t + 1) * cols],
-                &mut scratch.xq[t * xrb..(t + 1) * xrb],
-            );
+            quant(&x[t * cols..(t + 1) * cols], &mut scratch.xq[t * xrb..(t + 1) * xrb]);
         }
     }
     let xq = &scratch.xq[..n_tok * xrb];
@@ -377,21 +363,14 @@ mod tests {
 
     pub(crate) fn random_matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
         let data = match ty {
-            GgmlType::F32 => (0..rows * cols)
-                .flat_map(|_| rng.normal().to_le_bytes())
-                .collect(),
+            GgmlType::F32 => (0..rows * cols).flat_map(|_| rng.normal().to_le_bytes()).collect(),
             GgmlType::F16 => (0..rows * cols)
                 .flat_map(|_| half::f16::from_f32(rng.normal()).to_le_bytes())
                 .collect(),
             GgmlType::BF16 => (0..rows * cols)
                 .flat_map(|_| half::bf16::from_f32(rng.normal()).to_le_bytes())
                 .collect(),
-            _ => random_blocks(
-                rng,
-                rows * cols / ty.block_size(),
-                ty.type_size(),
-                f16_offsets(ty),
-            ),
+            _ => random_blocks(rng, rows * cols / ty.block_size(), ty.type_size(), f16_offsets(ty)),
         };
         Matrix {
             ty,
@@ -409,34 +388,19 @@ mod tests {
         let mut rng = Rng(21);
         let pool = ThreadPool::new(3);
         let mut scratch = Scratch::default();
-        for ty in [
-            F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K,
-        ] {
+        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
             for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 1), (70, 256, 5), (9, 768, 9)] {
                 let w = random_matrix(&mut rng, ty, rows, cols);
                 let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();
                 let mut y = vec![f32::NAN; n_tok * rows];
-                matmul_with(
-                    &Kernels::scalar(),
-                    &pool,
-                    &w,
-                    &x,
-                    n_tok,
-                    &mut y,
-                    &mut scratch,
-                );
+                matmul_with(&Kernels::scalar(), &pool, &w, &x, n_tok, &mut y, &mut scratch);
                 let wf = w.to_f32();
                 for t in 0..n_tok {
                     for r in 0..rows {
                         let xr = &x[t * cols..(t + 1) * cols];
                         let wr = &wf[r * cols..(r + 1) * cols];
-                        let exact: f64 =
-                            wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
-                        let mag: f64 = wr
-                            .iter()
-                            .zip(xr)
-                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
-                            .sum();
+                        let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let mag: f64 = wr.iter().zip(xr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
                         let got = y[t * rows + r] as f64;
                         // Activation quantization error is ~1/254 of each product's magnitude at most.
                         assert!(
@@ -476,8 +440,7 @@ mod tests {
             let pool = ThreadPool::new(threads);
             let mut scratch = Scratch::default();
             for ty in [F32, Q4_1, Q5_0, Q8_0, Q4K, Q6K] {
-                for (rows, cols, n_tok) in [(1, 256, 1), (61, 512, 1), (130, 256, 7), (5, 1024, 70)]
-                {
+                for (rows, cols, n_tok) in [(1, 256, 1), (61, 512, 1), (130, 256, 7), (5, 1024, 70)] {
                     let w = random_matrix(&mut rng, ty, rows, cols);
                     let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();
                     let mut want = vec![0.0; n_tok * rows];
@@ -534,36 +497,19 @@ mod tests {
         };
         let check = |what: &str, ty: GgmlType, got: &[f32], want: &[f32]| {
             assert_eq!(got.len(), want.len(), "{what}");
-            let bad = got
-                .iter()
-                .zip(want)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            let maxd = got
-                .iter()
-                .zip(want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let bad = got.iter().zip(want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            let maxd = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             println!(
                 "{what} {ty}: {} values, {bad} not bit-identical, max |diff| {maxd:e}",
                 got.len()
             );
-            assert!(
-                maxd <= 1e-6 * want.iter().fold(0.0f32, |a, v| a.max(v.abs())),
-                "{what}"
-            );
+            assert!(maxd <= 1e-6 * want.iter().fold(0.0f32, |a, v| a.max(v.abs())), "{what}");
         };
         let g = GgufFile::open(Path::new(&model)).unwrap();
         let mut n = 0;
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
-            let Some(name) = p
-                .file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .strip_suffix(".f32")
-            else {
+            let Some(name) = p.file_name().unwrap().to_str().unwrap().strip_suffix(".f32") else {
                 continue;
             };
             let info = g.tensor_info(name).unwrap();
@@ -581,13 +527,7 @@ mod tests {
         let syn = Path::new(&dir).join("synthetic");
         for e in std::fs::read_dir(&syn).unwrap() {
             let p = e.unwrap().path();
-            let Some(name) = p
-                .file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .strip_suffix(".bin")
-            else {
+            let Some(name) = p.file_name().unwrap().to_str().unwrap().strip_suffix(".bin") else {
                 continue;
             };
             let ty = [

@@ -100,8 +100,7 @@ impl ThreadPool {
         let s = &*self.shared;
         let job: &(dyn Fn(usize, usize) + Sync) = &f;
         // SAFETY: the lifetime is erased only while this function waits for every worker to finish with the job.
-        let job: Job =
-            unsafe { std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), Job>(job) };
+        let job: Job = unsafe { std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), Job>(job) };
         // SAFETY: no worker reads `job` now (see `Shared`).
         unsafe { *s.job.get() = Some(job) };
         s.panicked.store(false, Ordering::Relaxed);
@@ -331,9 +330,6 @@ mod tests {
         for _ in 0..n {
             pool.run(|_, _| {});
         }
-        println!(
-            "empty run: {:.2} us",
-            t.elapsed().as_secs_f64() * 1e6 / n as f64
-        );
+        println!("empty run: {:.2} us", t.elapsed().as_secs_f64() * 1e6 / n as f64);
     }
 }

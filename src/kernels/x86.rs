@@ -15,9 +15,7 @@ use std::arch::x86_64::*;
 
 /// Whether this CPU runs the AVX2 table.
 pub fn has_avx2() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
 /// Whether this CPU runs the AVX-512 table.
@@ -43,10 +41,7 @@ fn run_multi(
     let m = out.len();
     assert!((1..=4).contains(&m), "1 to 4 tokens per call");
     assert!(w.len() >= n * wbytes, "weight row too short");
-    assert!(
-        x.len() >= (m - 1) * xs + n * xbytes,
-        "activation rows too short"
-    );
+    assert!(x.len() >= (m - 1) * xs + n * xbytes, "activation rows too short");
     let (w, x) = (w.as_ptr(), x.as_ptr());
     // SAFETY: bounds checked above; the table holding these wrappers is only built when the features exist.
     unsafe {
@@ -106,55 +101,13 @@ macro_rules! wrap {
     };
 }
 
-wrap!(
-    q4_1_dot_avx2,
-    q4_1_multi_avx2,
-    q4_1_avx2,
-    Q4_1_BYTES,
-    Q8_1_BYTES
-);
-wrap!(
-    q8_0_dot_avx2,
-    q8_0_multi_avx2,
-    q8_0_avx2,
-    Q8_0_BYTES,
-    Q8_0_BYTES
-);
-wrap!(
-    q5_0_dot_avx2,
-    q5_0_multi_avx2,
-    q5_0_avx2,
-    Q5_0_BYTES,
-    Q8_0_BYTES
-);
-wrap!(
-    q4_k_dot_avx2,
-    q4_k_multi_avx2,
-    q4_k_avx2,
-    Q4_K_BYTES,
-    Q8_K_BYTES
-);
-wrap!(
-    q6_k_dot_avx2,
-    q6_k_multi_avx2,
-    q6_k_avx2,
-    Q6_K_BYTES,
-    Q8_K_BYTES
-);
-wrap!(
-    q4_1_dot_avx512,
-    q4_1_multi_avx512,
-    q4_1_avx512,
-    Q4_1_BYTES,
-    Q8_1_BYTES
-);
-wrap!(
-    q8_0_dot_avx512,
-    q8_0_multi_avx512,
-    q8_0_avx512,
-    Q8_0_BYTES,
-    Q8_0_BYTES
-);
+wrap!(q4_1_dot_avx2, q4_1_multi_avx2, q4_1_avx2, Q4_1_BYTES, Q8_1_BYTES);
+wrap!(q8_0_dot_avx2, q8_0_multi_avx2, q8_0_avx2, Q8_0_BYTES, Q8_0_BYTES);
+wrap!(q5_0_dot_avx2, q5_0_multi_avx2, q5_0_avx2, Q5_0_BYTES, Q8_0_BYTES);
+wrap!(q4_k_dot_avx2, q4_k_multi_avx2, q4_k_avx2, Q4_K_BYTES, Q8_K_BYTES);
+wrap!(q6_k_dot_avx2, q6_k_multi_avx2, q6_k_avx2, Q6_K_BYTES, Q8_K_BYTES);
+wrap!(q4_1_dot_avx512, q4_1_multi_avx512, q4_1_avx512, Q4_1_BYTES, Q8_1_BYTES);
+wrap!(q8_0_dot_avx512, q8_0_multi_avx512, q8_0_avx512, Q8_0_BYTES, Q8_0_BYTES);
 
 fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -233,22 +186,14 @@ unsafe fn load128(p: *const u8) -> __m128i {
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn nibbles(q: __m128i) -> __m256i {
-    _mm256_and_si256(
-        _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
-        _mm256_set1_epi8(0x0f),
-    )
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f))
 }
 
 /// 32 bits to 32 bytes: 0xff where the bit is set.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn bytes_from_bits(x: u32) -> __m256i {
-    let shuf = _mm256_set_epi64x(
-        0x0303030303030303,
-        0x0202020202020202,
-        0x0101010101010101,
-        0,
-    );
+    let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
     let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
@@ -269,11 +214,7 @@ unsafe fn f32_dot(n: usize, a: *const f32, b: *const f32) -> f32 {
         let mut i = 0;
         while i + 32 <= n {
             for (k, s) in acc.iter_mut().enumerate() {
-                *s = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(a.add(i + 8 * k)),
-                    _mm256_loadu_ps(b.add(i + 8 * k)),
-                    *s,
-                );
+                *s = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8 * k)), _mm256_loadu_ps(b.add(i + 8 * k)), *s);
             }
             i += 32;
         }
@@ -338,16 +279,10 @@ unsafe fn q8_block(x: *const f32, out: *mut u8, with_sum: bool) {
             _mm256_loadu_ps(x.add(16)),
             _mm256_loadu_ps(x.add(24)),
         ];
-        let mut m = _mm256_max_ps(
-            _mm256_andnot_ps(abs_mask, v[0]),
-            _mm256_andnot_ps(abs_mask, v[1]),
-        );
+        let mut m = _mm256_max_ps(_mm256_andnot_ps(abs_mask, v[0]), _mm256_andnot_ps(abs_mask, v[1]));
         m = _mm256_max_ps(
             m,
-            _mm256_max_ps(
-                _mm256_andnot_ps(abs_mask, v[2]),
-                _mm256_andnot_ps(abs_mask, v[3]),
-            ),
+            _mm256_max_ps(_mm256_andnot_ps(abs_mask, v[2]), _mm256_andnot_ps(abs_mask, v[3])),
         );
         let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -356,10 +291,7 @@ unsafe fn q8_block(x: *const f32, out: *mut u8, with_sum: bool) {
         let id = _mm256_set1_ps(if a != 0.0 { 127.0 / a } else { 0.0 });
         let mut q = [_mm256_setzero_si256(); 4];
         for k in 0..4 {
-            let r = _mm256_round_ps(
-                _mm256_mul_ps(v[k], id),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-            );
+            let r = _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             q[k] = _mm256_cvtps_epi32(r);
         }
         let off = if with_sum { 4 } else { 2 };
@@ -370,11 +302,7 @@ unsafe fn q8_block(x: *const f32, out: *mut u8, with_sum: bool) {
             let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
             let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
             let s = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
-            std::ptr::copy_nonoverlapping(
-                super::legacy::f16_bytes(s as f32 * d).as_ptr(),
-                out.add(2),
-                2,
-            );
+            std::ptr::copy_nonoverlapping(super::legacy::f16_bytes(s as f32 * d).as_ptr(), out.add(2), 2);
         }
     }
 }
@@ -423,10 +351,7 @@ unsafe fn q8k_block(x: *const f32, b: &mut [u8]) {
                 let r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 q[k] = _mm256_min_epi32(_mm256_cvtps_epi32(r), cap);
             }
-            _mm256_storeu_si256(
-                b.as_mut_ptr().add(4 + 32 * g) as *mut __m256i,
-                pack_i32x32(q),
-            );
+            _mm256_storeu_si256(b.as_mut_ptr().add(4 + 32 * g) as *mut __m256i, pack_i32x32(q));
             // Sums of each 16: q[0] + q[1] and q[2] + q[3].
             for (h, (a, c)) in [(q[0], q[1]), (q[2], q[3])].into_iter().enumerate() {
                 let s = _mm256_add_epi32(a, c);
@@ -445,13 +370,7 @@ unsafe fn q8k_block(x: *const f32, b: &mut [u8]) {
 // AVX2 kernels.
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_avx2<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q4_1_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); N];
@@ -463,8 +382,7 @@ unsafe fn q4_1_avx2<const N: usize>(
             for t in 0..N {
                 let yb = x.add(t * xs + b * Q8_1_BYTES);
                 let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, load256(yb.add(4))), ones);
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
                 summ[t] += mw * f16(yb.add(2));
             }
         }
@@ -475,13 +393,7 @@ unsafe fn q4_1_avx2<const N: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_avx2<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q8_0_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..n {
@@ -492,8 +404,7 @@ unsafe fn q8_0_avx2<const N: usize>(
             for t in 0..N {
                 let yb = x.add(t * xs + b * Q8_0_BYTES);
                 let p = dot_i8_signed(ax, qw, load256(yb.add(2)));
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
             }
         }
         for t in 0..N {
@@ -503,13 +414,7 @@ unsafe fn q8_0_avx2<const N: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_avx2<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q5_0_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..n {
@@ -523,8 +428,7 @@ unsafe fn q5_0_avx2<const N: usize>(
             for t in 0..N {
                 let yb = x.add(t * xs + b * Q8_0_BYTES);
                 let p = dot_i8_signed(ax, qw, load256(yb.add(2)));
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
             }
         }
         for t in 0..N {
@@ -554,13 +458,7 @@ fn k4_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_avx2<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q4_k_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let m4 = _mm256_set1_epi8(0x0f);
         let mut acc = [_mm256_setzero_ps(); N];
@@ -590,12 +488,10 @@ unsafe fn q4_k_avx2<const N: usize>(
                 let yb = x.add(t * xs + b * Q8_K_BYTES);
                 let yd = std::ptr::read_unaligned(yb as *const f32);
                 let bs = load256(yb.add(260));
-                let bs =
-                    _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+                let bs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
                 let prod = _mm_madd_epi16(mins, bs);
                 accm[t] = _mm_fmadd_ps(_mm_set1_ps(-yd * dminw), _mm_cvtepi32_ps(prod), accm[t]);
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
             }
         }
         for t in 0..N {
@@ -608,13 +504,7 @@ unsafe fn q4_k_avx2<const N: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_avx2<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q6_k_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(3);
@@ -655,18 +545,14 @@ unsafe fn q6_k_avx2<const N: usize>(
                     for t in 0..N {
                         let q8 = load256(x.add(t * xs + b * Q8_K_BYTES + 4 + 128 * half + 32 * k));
                         // (q - 32)·y = q·y - 32·y, both fit i16 pairs.
-                        let p = _mm256_sub_epi16(
-                            _mm256_maddubs_epi16(*qk, q8),
-                            _mm256_maddubs_epi16(m32, q8),
-                        );
+                        let p = _mm256_sub_epi16(_mm256_maddubs_epi16(*qk, q8), _mm256_maddubs_epi16(m32, q8));
                         sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(s, p));
                     }
                 }
             }
             for t in 0..N {
                 let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
             }
         }
         for t in 0..N {
@@ -695,13 +581,7 @@ fn scale_pair(a: f32, b: f32) -> __m512 {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn q4_1_avx512<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q4_1_avx512<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let ones = _mm512_set1_epi16(1);
         let m4 = _mm512_set1_epi8(0x0f);
@@ -719,19 +599,10 @@ unsafe fn q4_1_avx512<const N: usize>(
                 1,
             );
             // Lanes 1 and 3 (the high nibbles) shifted down.
-            let qw = _mm512_and_si512(
-                _mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16(q, 4)),
-                m4,
-            );
+            let qw = _mm512_and_si512(_mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16(q, 4)), m4);
             for t in 0..N {
-                let (y0, y1) = (
-                    x.add(t * xs + b * Q8_1_BYTES),
-                    x.add(t * xs + (b + 1) * Q8_1_BYTES),
-                );
-                let p = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(qw, pair256(y0.add(4), y1.add(4))),
-                    ones,
-                );
+                let (y0, y1) = (x.add(t * xs + b * Q8_1_BYTES), x.add(t * xs + (b + 1) * Q8_1_BYTES));
+                let p = _mm512_madd_epi16(_mm512_maddubs_epi16(qw, pair256(y0.add(4), y1.add(4))), ones);
                 let d = scale_pair(d0 * f16(y0), d1 * f16(y1));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, acc[t]);
                 summ[t] += m0 * f16(y0.add(2)) + m1 * f16(y1.add(2));
@@ -752,13 +623,7 @@ unsafe fn q4_1_avx512<const N: usize>(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn q8_0_avx512<const N: usize>(
-    n: usize,
-    w: *const u8,
-    x: *const u8,
-    xs: usize,
-    out: &mut [f32; N],
-) {
+unsafe fn q8_0_avx512<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
     unsafe {
         let ones = _mm512_set1_epi16(1);
         let mut acc = [_mm512_setzero_ps(); N];
@@ -772,30 +637,17 @@ unsafe fn q8_0_avx512<const N: usize>(
             // where the weight is 0, which `ax` does already).
             let neg = _mm512_movepi8_mask(qw);
             for t in 0..N {
-                let (y0, y1) = (
-                    x.add(t * xs + b * Q8_0_BYTES),
-                    x.add(t * xs + (b + 1) * Q8_0_BYTES),
-                );
+                let (y0, y1) = (x.add(t * xs + b * Q8_0_BYTES), x.add(t * xs + (b + 1) * Q8_0_BYTES));
                 let y = pair256(y0.add(2), y1.add(2));
                 let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
                 let p = _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sy), ones);
-                acc[t] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(p),
-                    scale_pair(d0 * f16(y0), d1 * f16(y1)),
-                    acc[t],
-                );
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale_pair(d0 * f16(y0), d1 * f16(y1)), acc[t]);
             }
             b += 2;
         }
         let mut tail = [0.0f32; N];
         if b < n {
-            q8_0_avx2::<N>(
-                1,
-                w.add(b * Q8_0_BYTES),
-                x.add(b * Q8_0_BYTES),
-                xs,
-                &mut tail,
-            );
+            q8_0_avx2::<N>(1, w.add(b * Q8_0_BYTES), x.add(b * Q8_0_BYTES), xs, &mut tail);
         }
         for t in 0..N {
             out[t] = _mm512_reduce_add_ps(acc[t]) + tail[t];
@@ -829,8 +681,7 @@ mod tests {
         let mut rng = Rng(99);
         for k in tables() {
             for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
-                let (fast, slow): (QKernel, QKernel) =
-                    (k.for_type(ty).unwrap(), s.for_type(ty).unwrap());
+                let (fast, slow): (QKernel, QKernel) = (k.for_type(ty).unwrap(), s.for_type(ty).unwrap());
                 let vdt = fast.vec_dot_type;
                 assert_eq!(vdt, slow.vec_dot_type);
                 let offs = super::super::tests::f16_offsets(ty);
@@ -841,22 +692,13 @@ mod tests {
                     let x: Vec<f32> = (0..4 * cols).map(|_| rng.normal()).collect();
                     let mut xq = vec![0u8; 4 * xrb];
                     for t in 0..4 {
-                        (s.quant(vdt))(
-                            &x[t * cols..(t + 1) * cols],
-                            &mut xq[t * xrb..(t + 1) * xrb],
-                        );
+                        (s.quant(vdt))(&x[t * cols..(t + 1) * cols], &mut xq[t * xrb..(t + 1) * xrb]);
                     }
-                    let want: Vec<f32> =
-                        (0..4).map(|t| (slow.dot)(nb, &w, &xq[t * xrb..])).collect();
+                    let want: Vec<f32> = (0..4).map(|t| (slow.dot)(nb, &w, &xq[t * xrb..])).collect();
                     let mag: f32 = want.iter().fold(1e-3, |a, v| a.max(v.abs()));
                     let close = |a: f32, b: f32| (a - b).abs() <= 2e-5 * mag + 1e-4 * b.abs();
                     let got = (fast.dot)(nb, &w, &xq);
-                    assert!(
-                        close(got, want[0]),
-                        "{} {ty} nb{nb}: {got} vs {}",
-                        k.isa,
-                        want[0]
-                    );
+                    assert!(close(got, want[0]), "{} {ty} nb{nb}: {got} vs {}", k.isa, want[0]);
                     let Some(multi) = fast.multi else { continue };
                     for m in 1..=4 {
                         let mut out = vec![0.0; m];
