@@ -886,6 +886,15 @@ impl Vocab {
         &self.pieces[self.piece_offs[i] as usize..self.piece_offs[i + 1] as usize]
     }
 
+    /// The bytes a token renders as in generated text (llama_token_to_piece with special = false): empty
+    /// for control and unknown tokens, otherwise as [`Vocab::token_bytes`].
+    pub fn token_bytes_visible(&self, id: u32) -> &[u8] {
+        match self.attrs.get(id as usize) {
+            Some(a) if a & (ATTR_CONTROL | ATTR_UNKNOWN) == 0 => self.token_bytes(id),
+            _ => &[],
+        }
+    }
+
     /// The raw vocabulary entry (empty for an out-of-range id).
     pub fn token_text(&self, id: u32) -> &str {
         if (id as usize) < self.table.len() {

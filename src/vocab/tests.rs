@@ -111,6 +111,8 @@ fn special_tokens_need_parse_special_but_user_defined_do_not() {
         "user-defined tokens are matched even without parse_special"
     );
     assert_eq!(v.token_bytes(im), b"<|im_start|>");
+    assert_eq!(v.token_bytes_visible(im), b"");
+    assert_eq!(v.token_bytes_visible(tag), b"<tag>");
 }
 
 #[test]
