@@ -41,8 +41,7 @@ fn golden_dir() -> PathBuf {
 }
 
 fn texts() -> Vec<String> {
-    let raw = std::fs::read_to_string(golden_dir().join("tokenizer_texts.json"))
-        .expect("tokenizer_texts.json");
+    let raw = std::fs::read_to_string(golden_dir().join("tokenizer_texts.json")).expect("tokenizer_texts.json");
     let j: Value = serde_json::from_str(&raw).expect("valid json");
     j["texts"]
         .as_array()
@@ -87,8 +86,7 @@ fn compare_with_llama_cpp(model: (&str, &str)) {
     let cases = j["cases"].as_array().expect("cases");
     for case in cases {
         let text = case["text"].as_str().expect("text");
-        for (mode, add_special, parse_special) in [("plain", false, false), ("special", true, true)]
-        {
+        for (mode, add_special, parse_special) in [("plain", false, false), ("special", true, true)] {
             let want = ids(&case[mode]);
             let got = vocab.tokenize(text, add_special, parse_special);
             if got != want {
@@ -146,10 +144,7 @@ fn round_trip(model: (&str, &str)) {
     let Some(vocab) = load(model) else { return };
     for text in texts() {
         let ids = vocab.tokenize(&text, false, false);
-        let bytes: Vec<u8> = ids
-            .iter()
-            .flat_map(|&i| vocab.token_bytes(i).iter().copied())
-            .collect();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&i| vocab.token_bytes(i).iter().copied()).collect();
         assert_eq!(
             String::from_utf8_lossy(&bytes),
             text,

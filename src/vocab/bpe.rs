@@ -69,13 +69,12 @@ pub fn merge_word(word: &str, merges: &Merges, out: &mut Vec<(usize, usize)>) {
     let mut buf = String::new();
     // (rank, left, right, size): the min-heap pops the lowest rank, then the leftmost pair.
     let mut heap: BinaryHeap<Reverse<(u32, usize, usize, usize)>> = BinaryHeap::new();
-    let mut add_bigram =
-        |heap: &mut BinaryHeap<_>, syms: &[Sym], l: Option<usize>, r: Option<usize>| {
-            let (Some(l), Some(r)) = (l, r) else { return };
-            if let Some(rank) = merges.rank(&mut buf, text(&syms[l]), text(&syms[r])) {
-                heap.push(Reverse((rank, l, r, syms[l].len + syms[r].len)));
-            }
-        };
+    let mut add_bigram = |heap: &mut BinaryHeap<_>, syms: &[Sym], l: Option<usize>, r: Option<usize>| {
+        let (Some(l), Some(r)) = (l, r) else { return };
+        if let Some(rank) = merges.rank(&mut buf, text(&syms[l]), text(&syms[r])) {
+            heap.push(Reverse((rank, l, r, syms[l].len + syms[r].len)));
+        }
+    };
     for i in 1..syms.len() {
         add_bigram(&mut heap, &syms, Some(i - 1), Some(i));
     }
@@ -95,11 +94,7 @@ pub fn merge_word(word: &str, merges: &Merges, out: &mut Vec<(usize, usize)>) {
         add_bigram(&mut heap, &syms, prev, Some(l));
         add_bigram(&mut heap, &syms, Some(l), next);
     }
-    out.extend(
-        syms.iter()
-            .filter(|s| s.len > 0)
-            .map(|s| (s.start, s.start + s.len)),
-    );
+    out.extend(syms.iter().filter(|s| s.len > 0).map(|s| (s.start, s.start + s.len)));
 }
 
 #[cfg(test)]
@@ -110,9 +105,7 @@ mod tests {
         let m = Merges::new(merges.iter().map(|s| s.to_string()));
         let mut out = Vec::new();
         merge_word(word, &m, &mut out);
-        out.into_iter()
-            .map(|(a, b)| word[a..b].to_string())
-            .collect()
+        out.into_iter().map(|(a, b)| word[a..b].to_string()).collect()
     }
 
     #[test]

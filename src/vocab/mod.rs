@@ -140,10 +140,7 @@ impl TokenTable {
                         break;
                     }
                     other if table.text(other - 1) == text => {
-                        bail!(
-                            "duplicate token in vocabulary: {text:?} has ids {} and {id}",
-                            other - 1
-                        )
+                        bail!("duplicate token in vocabulary: {text:?} has ids {} and {id}", other - 1)
                     }
                     _ => i = (i + 1) & mask,
                 }
@@ -279,8 +276,7 @@ impl Vocab {
             .context("GGUF has no tokenizer.ggml.model")?
             .to_string();
         let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("").to_string();
-        let tokens =
-            array(g, "tokenizer.ggml.tokens")?.context("GGUF has no tokenizer.ggml.tokens")?;
+        let tokens = array(g, "tokenizer.ggml.tokens")?.context("GGUF has no tokenizer.ggml.tokens")?;
         let mut texts: Vec<Cow<str>> = Vec::with_capacity(tokens.len());
         for (i, t) in tokens.iter().enumerate() {
             let s = t
@@ -301,9 +297,8 @@ impl Vocab {
                 a.iter()
                     .enumerate()
                     .map(|(i, v)| {
-                        v.as_i64().with_context(|| {
-                            format!("tokenizer.ggml.token_type[{i}] is not an integer")
-                        })
+                        v.as_i64()
+                            .with_context(|| format!("tokenizer.ggml.token_type[{i}] is not an integer"))
                     })
                     .collect::<Result<_>>()?,
             ),
@@ -367,14 +362,14 @@ impl Vocab {
             let lines = merges.context("BPE tokenizer without tokenizer.ggml.merges")?;
             merges_table = Some(bpe::Merges::new(lines.into_iter()));
             split = Some(match pre {
-                "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
-                | "minerva-7b" | "mellum2" => PreSplit::DigitsThenGpt2,
-                "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
-                | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "mpt" | "olmo" | "jais"
-                | "trillion" | "granite-docling" | "exaone4" | "jina-v1-en" | "jina-v2-code"
-                | "roberta-bpe" => PreSplit::Gpt2,
-                "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
-                | "midm-2.0" | "lfm2" | "jina-v5-nano" => {
+                "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => {
+                    PreSplit::DigitsThenGpt2
+                }
+                "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es" | "jina-v2-de" | "a.x-4.0"
+                | "mellum" | "modern-bert" | "mpt" | "olmo" | "jais" | "trillion" | "granite-docling" | "exaone4"
+                | "jina-v1-en" | "jina-v2-code" | "roberta-bpe" => PreSplit::Gpt2,
+                "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
+                | "jina-v5-nano" => {
                     ignore_merges = true;
                     add_bos = true;
                     PreSplit::Llama3
@@ -396,10 +391,7 @@ impl Vocab {
         let mut attrs: Vec<u16> = match &token_types {
             Some(t) => {
                 if t.len() < n {
-                    bail!(
-                        "tokenizer.ggml.token_type has {} entries for {n} tokens",
-                        t.len()
-                    );
+                    bail!("tokenizer.ggml.token_type has {} entries for {n} tokens", t.len());
                 }
                 t[..n].iter().map(|&v| attr_from_type(v)).collect()
             }
@@ -408,10 +400,7 @@ impl Vocab {
         let scores = match scores {
             Some(s) => {
                 if s.len() < n {
-                    bail!(
-                        "tokenizer.ggml.scores has {} entries for {n} tokens",
-                        s.len()
-                    );
+                    bail!("tokenizer.ggml.scores has {} entries for {n} tokens", s.len());
                 }
                 s[..n].to_vec()
             }
@@ -468,8 +457,7 @@ impl Vocab {
 
         // Text-based detection of special tokens. llama.cpp walks an unordered map and takes the first match;
         // this takes the lowest id, which agrees whenever a vocabulary has one candidate per role.
-        let find =
-            |names: &[&str]| -> Option<u32> { names.iter().filter_map(|t| ids.get(t)).min() };
+        let find = |names: &[&str]| -> Option<u32> { names.iter().filter_map(|t| ids.get(t)).min() };
         let detect = |slot: &mut Option<u32>, names: &[&str], attrs: &mut Vec<u16>| {
             if slot.is_none()
                 && let Some(id) = find(names)
@@ -545,13 +533,7 @@ impl Vocab {
         );
         detect(
             &mut fim_rep,
-            &[
-                "<|fim_repo|>",
-                "<|repo_name|>",
-                "<fim-repo>",
-                "<REPO>",
-                "<reponame>",
-            ],
+            &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
             &mut attrs,
         );
         detect(&mut fim_sep, &["<|file_sep|>"], &mut attrs);
@@ -720,10 +702,7 @@ impl Vocab {
                 }
             } else if attr & ATTR_BYTE != 0 {
                 // "<0xAB>" -> the byte 0xAB
-                let b = text
-                    .get(3..5)
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .unwrap_or(0);
+                let b = text.get(3..5).and_then(|h| u8::from_str_radix(h, 16).ok()).unwrap_or(0);
                 pieces.push(b);
             }
             // unused / undefined tokens render as nothing
@@ -846,11 +825,7 @@ impl Vocab {
         let mut syms = Vec::new();
         for (a, b) in pretokenize::split(text, split) {
             enc.clear();
-            enc.extend(
-                text.as_bytes()[a..b]
-                    .iter()
-                    .map(|&byte| table[byte as usize]),
-            );
+            enc.extend(text.as_bytes()[a..b].iter().map(|&byte| table[byte as usize]));
             syms.clear();
             if self.ignore_merges && self.table.get(&enc).is_some() {
                 syms.push((0, enc.len()));
@@ -864,10 +839,7 @@ impl Vocab {
                     None => {
                         // llama.cpp looks each byte of the (encoded) symbol up as a one-byte token.
                         for byte in piece.bytes() {
-                            if let Some(id) = std::str::from_utf8(&[byte])
-                                .ok()
-                                .and_then(|s| self.table.get(s))
-                            {
+                            if let Some(id) = std::str::from_utf8(&[byte]).ok().and_then(|s| self.table.get(s)) {
                                 out.push(id);
                             }
                         }
@@ -915,9 +887,7 @@ impl Vocab {
 
     /// Control tokens (and tokens llama.cpp promoted to control by their text).
     pub fn is_control(&self, id: u32) -> bool {
-        self.attrs
-            .get(id as usize)
-            .is_some_and(|a| a & ATTR_CONTROL != 0)
+        self.attrs.get(id as usize).is_some_and(|a| a & ATTR_CONTROL != 0)
     }
 
     pub fn n_tokens(&self) -> usize {
@@ -989,11 +959,7 @@ impl spm::SpmVocab for Vocab {
     }
     fn byte_token(&self, b: u8) -> Option<u32> {
         // llama.cpp throws when a byte has no token; falling back to <unk> keeps going.
-        self.byte_tokens
-            .get(b as usize)
-            .copied()
-            .flatten()
-            .or(self.unk)
+        self.byte_tokens.get(b as usize).copied().flatten().or(self.unk)
     }
 }
 

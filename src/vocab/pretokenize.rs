@@ -63,10 +63,7 @@ pub fn split(text: &str, how: PreSplit) -> Vec<(usize, usize)> {
             PreSplit::Llama3 => llama3_segment(&cp, ini, end, &mut words),
         }
     }
-    words
-        .into_iter()
-        .map(|(a, b)| (cp.offs[a], cp.offs[b]))
-        .collect()
+    words.into_iter().map(|(a, b)| (cp.offs[a], cp.offs[b])).collect()
 }
 
 /// The `\p{N}` pass: llama.cpp runs it with std::regex over the collapsed text, where ASCII stays itself and
@@ -250,9 +247,7 @@ fn llama3_segment(cp: &Cpts, ini: usize, end: usize, out: &mut Vec<(usize, usize
         }
 
         // [^\r\n\p{L}\p{N}]?\p{L}+
-        if !(cpt == '\r' || cpt == '\n' || flags.is_number())
-            && (flags.is_letter() || get_flags(pos + 1).is_letter())
-        {
+        if !(cpt == '\r' || cpt == '\n' || flags.is_number()) && (flags.is_letter() || get_flags(pos + 1).is_letter()) {
             pos += 1;
             while get_flags(pos).is_letter() {
                 pos += 1;
@@ -328,24 +323,15 @@ mod tests {
     use super::*;
 
     fn words(text: &str, how: PreSplit) -> Vec<&str> {
-        split(text, how)
-            .into_iter()
-            .map(|(a, b)| &text[a..b])
-            .collect()
+        split(text, how).into_iter().map(|(a, b)| &text[a..b]).collect()
     }
 
     #[test]
     fn gpt2_basic_words_and_spaces() {
         assert_eq!(words("Hello world", PreSplit::Gpt2), ["Hello", " world"]);
-        assert_eq!(
-            words("Hello  world", PreSplit::Gpt2),
-            ["Hello", " ", " world"]
-        );
+        assert_eq!(words("Hello  world", PreSplit::Gpt2), ["Hello", " ", " world"]);
         assert_eq!(words("a   ", PreSplit::Gpt2), ["a", "   "]);
-        assert_eq!(
-            words("I'm he'll", PreSplit::Gpt2),
-            ["I", "'m", " he", "'ll"]
-        );
+        assert_eq!(words("I'm he'll", PreSplit::Gpt2), ["I", "'m", " he", "'ll"]);
         // uppercase contractions are not special in the GPT-2 pattern
         assert_eq!(words("I'M", PreSplit::Gpt2), ["I", "'", "M"]);
         assert_eq!(words("x!!! ?", PreSplit::Gpt2), ["x", "!!!", " ?"]);
@@ -356,27 +342,15 @@ mod tests {
 
     #[test]
     fn smollm_isolates_every_digit() {
-        assert_eq!(
-            words("a 123", PreSplit::DigitsThenGpt2),
-            ["a", " ", "1", "2", "3"]
-        );
-        assert_eq!(
-            words("x²+½", PreSplit::DigitsThenGpt2),
-            ["x", "²", "+", "½"]
-        );
-        assert_eq!(
-            words("v1.2", PreSplit::DigitsThenGpt2),
-            ["v", "1", ".", "2"]
-        );
+        assert_eq!(words("a 123", PreSplit::DigitsThenGpt2), ["a", " ", "1", "2", "3"]);
+        assert_eq!(words("x²+½", PreSplit::DigitsThenGpt2), ["x", "²", "+", "½"]);
+        assert_eq!(words("v1.2", PreSplit::DigitsThenGpt2), ["v", "1", ".", "2"]);
     }
 
     #[test]
     fn llama3_groups_digits_by_three_and_newlines() {
         assert_eq!(words("1234567", PreSplit::Llama3), ["123", "456", "7"]);
-        assert_eq!(
-            words("Hello\n\n world", PreSplit::Llama3),
-            ["Hello", "\n\n", " world"]
-        );
+        assert_eq!(words("Hello\n\n world", PreSplit::Llama3), ["Hello", "\n\n", " world"]);
         assert_eq!(words("I'M", PreSplit::Llama3), ["I", "'M"]);
     }
 

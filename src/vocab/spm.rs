@@ -46,9 +46,7 @@ impl PartialOrd for Bigram {
 impl Ord for Bigram {
     /// Max-heap order: higher score first, then the lower left index.
     fn cmp(&self, o: &Self) -> Ordering {
-        self.score
-            .total_cmp(&o.score)
-            .then_with(|| o.left.cmp(&self.left))
+        self.score.total_cmp(&o.score).then_with(|| o.left.cmp(&self.left))
     }
 }
 
@@ -70,21 +68,20 @@ pub fn tokenize<V: SpmVocab>(text: &str, vocab: &V, out: &mut Vec<u32>) {
         return;
     }
     let mut heap = BinaryHeap::new();
-    let try_add =
-        |heap: &mut BinaryHeap<Bigram>, syms: &[Sym], l: Option<usize>, r: Option<usize>| {
-            let (Some(l), Some(r)) = (l, r) else { return };
-            // Left and right are adjacent in the text, so their concatenation is a slice of it.
-            let size = syms[l].len + syms[r].len;
-            let piece = &text[syms[l].start..syms[l].start + size];
-            if let Some(id) = vocab.lookup(piece) {
-                heap.push(Bigram {
-                    left: l,
-                    right: r,
-                    score: vocab.score(id),
-                    size,
-                });
-            }
-        };
+    let try_add = |heap: &mut BinaryHeap<Bigram>, syms: &[Sym], l: Option<usize>, r: Option<usize>| {
+        let (Some(l), Some(r)) = (l, r) else { return };
+        // Left and right are adjacent in the text, so their concatenation is a slice of it.
+        let size = syms[l].len + syms[r].len;
+        let piece = &text[syms[l].start..syms[l].start + size];
+        if let Some(id) = vocab.lookup(piece) {
+            heap.push(Bigram {
+                left: l,
+                right: r,
+                score: vocab.score(id),
+                size,
+            });
+        }
+    };
     for i in 1..syms.len() {
         try_add(&mut heap, &syms, Some(i - 1), Some(i));
     }
@@ -164,13 +161,7 @@ mod tests {
 
     #[test]
     fn best_score_merges_first() {
-        let v = Tiny::new(&[
-            ("a", -1.0),
-            ("b", -1.0),
-            ("c", -1.0),
-            ("ab", -5.0),
-            ("bc", -2.0),
-        ]);
+        let v = Tiny::new(&[("a", -1.0), ("b", -1.0), ("c", -1.0), ("ab", -5.0), ("bc", -2.0)]);
         // "bc" scores higher than "ab"; afterwards "a"+"bc" is not a token, so the result is a, bc.
         assert_eq!(v.pieces("abc"), ["a", "bc"]);
         let v = Tiny::new(&[

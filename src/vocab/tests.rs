@@ -52,9 +52,7 @@ fn bpe_merges_words_after_the_smollm_split() {
             ("Ġw", NORMAL),
             ("Ġworld", NORMAL),
         ],
-        &[
-            "H e", "l l", "ll o", "He llo", "Ġ w", "o r", "Ġw or", "Ġwor ld", "l d",
-        ],
+        &["H e", "l l", "ll o", "He llo", "Ġ w", "o r", "Ġw or", "Ġwor ld", "l d"],
         &no_meta(),
     );
     let ids = v.tokenize("Hello world", false, false);
@@ -66,10 +64,7 @@ fn bpe_merges_words_after_the_smollm_split() {
     let ids = v.tokenize("a 12", false, false);
     assert_eq!(texts_of(&v, &ids), ["a", "Ġ", "1", "2"]);
     // Decoding undoes the byte mapping.
-    let bytes: Vec<u8> = ids
-        .iter()
-        .flat_map(|&i| v.token_bytes(i).to_vec())
-        .collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&i| v.token_bytes(i).to_vec()).collect();
     assert_eq!(bytes, b"a 12");
 }
 
@@ -77,10 +72,7 @@ fn bpe_merges_words_after_the_smollm_split() {
 fn bpe_non_ascii_bytes_round_trip() {
     let v = bpe_vocab("gpt-2", &[], &[], &no_meta());
     let ids = v.tokenize("é😀", false, false);
-    let bytes: Vec<u8> = ids
-        .iter()
-        .flat_map(|&i| v.token_bytes(i).to_vec())
-        .collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&i| v.token_bytes(i).to_vec()).collect();
     assert_eq!(bytes, "é😀".as_bytes());
     assert_eq!(ids.len(), 6); // one token per byte
     // A merge whose result is not a token: llama.cpp looks up the symbol's bytes one by one, and the
@@ -91,12 +83,7 @@ fn bpe_non_ascii_bytes_round_trip() {
 
 #[test]
 fn special_tokens_need_parse_special_but_user_defined_do_not() {
-    let v = bpe_vocab(
-        "gpt-2",
-        &[("<|im_start|>", CONTROL), ("<tag>", USER)],
-        &[],
-        &no_meta(),
-    );
+    let v = bpe_vocab("gpt-2", &[("<|im_start|>", CONTROL), ("<tag>", USER)], &[], &no_meta());
     let im = v.token_id("<|im_start|>").unwrap();
     let tag = v.token_id("<tag>").unwrap();
     let with = v.tokenize("<|im_start|>x<tag>", false, true);
@@ -163,12 +150,7 @@ fn bos_eos_and_eog_follow_metadata_and_names() {
 
 #[test]
 fn spm_escapes_spaces_and_falls_back_to_bytes() {
-    let mut texts: Vec<Cow<str>> = vec![
-        "<pad>".into(),
-        "<eos>".into(),
-        "<bos>".into(),
-        "<unk>".into(),
-    ];
+    let mut texts: Vec<Cow<str>> = vec!["<pad>".into(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
     let mut types = vec![CONTROL; 4];
     let mut scores = vec![0.0f32; 4];
     for b in 0..=255u8 {
@@ -206,16 +188,7 @@ fn spm_escapes_spaces_and_falls_back_to_bytes() {
             _ => None,
         },
     };
-    let v = Vocab::build(
-        "llama",
-        "default",
-        texts,
-        Some(scores),
-        Some(types),
-        None,
-        &md,
-    )
-    .unwrap();
+    let v = Vocab::build("llama", "default", texts, Some(scores), Some(types), None, &md).unwrap();
     assert_eq!(v.kind(), VocabKind::Spm);
     let id = |t: &str| v.token_id(t).unwrap();
     // "Hi" (-1.0) merges first, then "re" (-1.4), then "▁t" (-1.5), which makes "▁th" (-1.2) possible.

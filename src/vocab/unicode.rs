@@ -28,11 +28,9 @@ impl Flags {
 
     pub fn of(c: char) -> Flags {
         let cat = match get_general_category(c) {
-            Gc::UppercaseLetter
-            | Gc::LowercaseLetter
-            | Gc::TitlecaseLetter
-            | Gc::ModifierLetter
-            | Gc::OtherLetter => Self::LETTER,
+            Gc::UppercaseLetter | Gc::LowercaseLetter | Gc::TitlecaseLetter | Gc::ModifierLetter | Gc::OtherLetter => {
+                Self::LETTER
+            }
             Gc::NonspacingMark | Gc::SpacingMark | Gc::EnclosingMark => Self::ACCENT_MARK,
             Gc::DecimalNumber | Gc::LetterNumber | Gc::OtherNumber => Self::NUMBER,
             Gc::ConnectorPunctuation
@@ -42,19 +40,13 @@ impl Flags {
             | Gc::InitialPunctuation
             | Gc::FinalPunctuation
             | Gc::OtherPunctuation => Self::PUNCTUATION,
-            Gc::MathSymbol | Gc::CurrencySymbol | Gc::ModifierSymbol | Gc::OtherSymbol => {
-                Self::SYMBOL
-            }
+            Gc::MathSymbol | Gc::CurrencySymbol | Gc::ModifierSymbol | Gc::OtherSymbol => Self::SYMBOL,
             Gc::SpaceSeparator | Gc::LineSeparator | Gc::ParagraphSeparator => Self::SEPARATOR,
             Gc::Control | Gc::Format | Gc::Surrogate | Gc::PrivateUse => Self::CONTROL,
             // Unassigned, and any category a later crate version might add.
             _ => Self::UNDEFINED,
         };
-        let ws = if is_white_space(c) {
-            Self::WHITESPACE
-        } else {
-            0
-        };
+        let ws = if is_white_space(c) { Self::WHITESPACE } else { 0 };
         Flags(cat | ws)
     }
 
@@ -102,8 +94,7 @@ pub fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable =
-            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let cp = if printable {
             b
         } else {
