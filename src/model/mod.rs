@@ -1,1 +1,222 @@
-//! Models: hyperparameters, weights, per-architecture forward (stub).
+//! What a model is: hyperparameters, the weights of one contiguous layer range, and the per-architecture math.
+//!
+//! A [`Model`] holds only the tensors of its layer range, plus the token embedding when the range starts at layer 0
+//! and the output norm and head when it ends at the last layer. Weights stay in the memory map: pages of layers outside
+//! the range are never touched. Global layer indices are kept everywhere.
+
+pub mod blocks;
+pub mod gemma3;
+pub mod hparams;
+pub mod llama;
+pub mod random;
+
+pub use hparams::{Arch, Hparams, RopeType};
+
+use crate::gguf::GgufFile;
+use crate::kernels::Matrix;
+use anyhow::{Context, Result, bail};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The weights of one transformer block. Gemma-only tensors are `None` for llama.
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub wo: Matrix,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub ffn_gate: Matrix,
+    pub ffn_up: Matrix,
+    pub ffn_down: Matrix,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+pub struct Model {
+    pub file: Arc<GgufFile>,
+    pub hp: Hparams,
+    /// Global indices of the layers this model holds.
+    pub range: Range<usize>,
+    /// `layers[i]` is global layer `range.start + i`.
+    pub layers: Vec<LayerWeights>,
+    /// Present when the range starts at layer 0.
+    pub tok_embd: Option<Matrix>,
+    /// Present when the range ends at the last layer.
+    pub output_norm: Option<Vec<f32>>,
+    pub output: Option<Matrix>,
+    /// Content hash of the file, computed (or read from the cache) on first use.
+    fingerprint: std::sync::OnceLock<String>,
+}
+
+/// Parses `"A:B"` (B exclusive, `end` allowed) into a layer range checked against `n_layer`.
+pub fn parse_layer_range(s: &str, n_layer: usize) -> Result<Range<usize>> {
+    let (a, b) = s
+        .split_once(':')
+        .with_context(|| format!("layer range {s:?} must look like A:B"))?;
+    let a: usize = a.trim().parse().with_context(|| format!("bad layer index {a:?}"))?;
+    let b: usize = match b.trim() {
+        "end" | "" => n_layer,
+        v => v.parse().with_context(|| format!("bad layer index {v:?}"))?,
+    };
+    if a >= b || b > n_layer {
+        bail!("layer range {a}:{b} is empty or beyond the model's {n_layer} layers");
+    }
+    Ok(a..b)
+}
+
+impl Model {
+    /// Loads the whole model.
+    pub fn load(path: &Path) -> Result<Model> {
+        Self::load_range(path, None)
+    }
+
+    /// Loads the layers `range` (global indices; `None` = all).
+    pub fn load_range(path: &Path, range: Option<Range<usize>>) -> Result<Model> {
+        let file = Arc::new(GgufFile::open(path)?);
+        Self::from_file(file, range)
+    }
+
+    pub fn from_file(file: Arc<GgufFile>, range: Option<Range<usize>>) -> Result<Model> {
+        let hp = Hparams::from_gguf(&file)?;
+        let range = range.unwrap_or(0..hp.n_layer);
+        if range.start >= range.end || range.end > hp.n_layer {
+            bail!(
+                "layer range {}..{} is outside the model's {} layers",
+                range.start,
+                range.end,
+                hp.n_layer
+            );
+        }
+        let f = &file;
+        let matrix = |name: &str, cols: usize, rows: usize| -> Result<Matrix> {
+            let info = f.tensor_info(name)?;
+            let m = Matrix::mapped(f, info)?;
+            if m.cols != cols || m.rows != rows {
+                bail!("tensor {name:?} is {}x{}, expected {cols}x{rows}", m.cols, m.rows);
+            }
+            if !crate::kernels::matrix::supports(m.ty) {
+                bail!("tensor {name:?} has type {} which Baton cannot compute with", m.ty);
+            }
+            Ok(m)
+        };
+        let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let info = f.tensor_info(name)?;
+            let m = Matrix::mapped(f, info)?;
+            if m.rows * m.cols != n {
+                bail!("tensor {name:?} has {} elements, expected {n}", m.rows * m.cols);
+            }
+            Ok(m.to_f32())
+        };
+        let opt_vector = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if f.tensors.contains_key(name) {
+                vector(name, n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+
+        let e = hp.n_embd;
+        let mut layers = Vec::with_capacity(range.len());
+        for il in range.clone() {
+            let p = |t: &str| format!("blk.{il}.{t}.weight");
+            let lw = LayerWeights {
+                attn_norm: vector(&p("attn_norm"), e)?,
+                wq: matrix(&p("attn_q"), e, hp.n_embd_q())?,
+                wk: matrix(&p("attn_k"), e, hp.n_embd_k())?,
+                wv: matrix(&p("attn_v"), e, hp.n_embd_v())?,
+                wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
+                q_norm: opt_vector(&p("attn_q_norm"), hp.head_dim_k)?,
+                k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
+                post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
+                ffn_norm: vector(&p("ffn_norm"), e)?,
+                ffn_gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
+                ffn_up: matrix(&p("ffn_up"), e, hp.n_ff)?,
+                ffn_down: matrix(&p("ffn_down"), hp.n_ff, e)?,
+                post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
+            };
+            if hp.arch == Arch::Gemma3
+                && (lw.q_norm.is_none()
+                    || lw.k_norm.is_none()
+                    || lw.post_attn_norm.is_none()
+                    || lw.post_ffn_norm.is_none())
+            {
+                bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
+            }
+            layers.push(lw);
+        }
+
+        let first = range.start == 0;
+        let last = range.end == hp.n_layer;
+        let tok_embd = if first {
+            Some(matrix("token_embd.weight", e, hp.n_vocab)?)
+        } else {
+            None
+        };
+        let (output_norm, output) = if last {
+            let head = if f.tensors.contains_key("output.weight") {
+                "output.weight"
+            } else {
+                "token_embd.weight"
+            };
+            (
+                Some(vector("output_norm.weight", e)?),
+                Some(matrix(head, e, hp.n_vocab)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Model {
+            file,
+            hp,
+            range,
+            layers,
+            tok_embd,
+            output_norm,
+            output,
+            fingerprint: Default::default(),
+        })
+    }
+
+    /// The model file's fingerprint (see [`crate::fingerprint`]), the same for every layer range of one file.
+    pub fn fingerprint(&self) -> Result<&str> {
+        if let Some(f) = self.fingerprint.get() {
+            return Ok(f);
+        }
+        let f = crate::fingerprint::fingerprint(&self.file.path)?;
+        Ok(self.fingerprint.get_or_init(|| f))
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.range.start == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.range.end == self.hp.n_layer
+    }
+
+    pub fn layer(&self, il: usize) -> &LayerWeights {
+        &self.layers[il - self.range.start]
+    }
+
+    /// Bytes of weights one decoded token reads through this range (layers + head), for bandwidth figures.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.wq.size_bytes()
+                    + l.wk.size_bytes()
+                    + l.wv.size_bytes()
+                    + l.wo.size_bytes()
+                    + l.ffn_gate.size_bytes()
+                    + l.ffn_up.size_bytes()
+                    + l.ffn_down.size_bytes()
+            })
+            .sum();
+        per_layer + self.output.as_ref().map_or(0, |m| m.size_bytes())
+    }
+}

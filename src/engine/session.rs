@@ -1,0 +1,276 @@
+//! One conversation's timeline on one node: the tokens seen so far and the KV cache of the model's layer range.
+//!
+//! [`Session::forward`] is the layer-range forward pass: tokens (first range) or a hidden state (any other range) in,
+//! a hidden state (not the last range) or logits (last range) out. Running `0..k` then `k..n` with the hidden state
+//! handed over computes exactly the same operations as `0..n` at once, so the logits are bit-identical.
+
+use super::kv_cache::KvCache;
+use crate::kernels::ops::{self, RopeTable};
+use crate::kernels::{self, ThreadPool};
+use crate::model::blocks::{Buffers, Step};
+use crate::model::{Arch, Model, gemma3, llama};
+use anyhow::{Result, bail};
+use std::sync::Arc;
+
+/// The input of a forward pass.
+pub enum Input<'a> {
+    /// Token ids; only for a range that starts at layer 0.
+    Tokens(&'a [u32]),
+    /// The residual stream entering the range's first layer, `[n_tok, n_embd]`.
+    Hidden(&'a [f32]),
+}
+
+/// What a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// The residual stream leaving the range's last layer, `[n_tok, n_embd]`.
+    Hidden,
+    /// Logits of the batch's last token, `[n_vocab]` (last range only).
+    LastLogits,
+    /// Logits of every token of the batch, `[n_tok, n_vocab]` (last range only; perplexity, speculative verify).
+    AllLogits,
+}
+
+pub struct Session {
+    pub model: Arc<Model>,
+    pub pool: Arc<ThreadPool>,
+    pub kv: KvCache,
+    /// Token ids whose KV the cache holds, when known (always, for a range fed with tokens).
+    tokens: Vec<u32>,
+    bufs: Buffers,
+    /// One RoPE table per frequency base the range uses.
+    ropes: Vec<RopeTable>,
+    /// Residual stream of the current batch.
+    x: Vec<f32>,
+    /// Output logits (grown on demand for `AllLogits`).
+    logits: Vec<f32>,
+    /// Normalised hidden state feeding the output head.
+    head_in: Vec<f32>,
+}
+
+impl Session {
+    /// A session of `n_ctx` positions that runs batches of at most `n_batch` tokens.
+    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<Session> {
+        let hp = &model.hp;
+        if n_ctx == 0 || n_batch == 0 {
+            bail!("context and batch sizes must be positive");
+        }
+        let mut bases: Vec<f32> = Vec::new();
+        for il in model.range.clone() {
+            let b = hp.rope_base_of(il);
+            if !bases.contains(&b) {
+                bases.push(b);
+            }
+        }
+        let ropes = bases.iter().map(|&b| RopeTable::new(b, hp.n_rot, n_ctx)).collect();
+        let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
+        Ok(Session {
+            kv: KvCache::new(hp, model.range.clone(), n_ctx),
+            tokens: Vec::new(),
+            x: vec![0.0; n_batch * hp.n_embd],
+            logits: vec![0.0; if model.is_last() { hp.n_vocab } else { 0 }],
+            head_in: vec![0.0; hp.n_embd],
+            bufs,
+            ropes,
+            model,
+            pool,
+        })
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.kv.n_ctx
+    }
+
+    pub fn n_batch(&self) -> usize {
+        self.bufs.n_batch
+    }
+
+    /// Positions held in the cache.
+    pub fn n_past(&self) -> usize {
+        self.kv.n_pos()
+    }
+
+    /// Tokens whose KV the cache holds (empty for a range fed with hidden states unless set by the caller).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Records the token ids behind the positions held (a later range learns them from its peer).
+    pub fn set_tokens(&mut self, tokens: &[u32]) {
+        self.tokens.clear();
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    /// Forgets every position from `n` on.
+    pub fn rewind(&mut self, n: usize) {
+        self.kv.rewind(n);
+        self.tokens.truncate(n);
+    }
+
+    /// Keeps the longest prefix of the cache that `tokens` starts with and returns its length; the caller then feeds
+    /// only `tokens[kept..]`. At least one token is always left to feed, so the caller gets fresh logits.
+    pub fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
+        let held = &self.tokens[..self.tokens.len().min(self.n_past())];
+        let mut n = held.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        if n == tokens.len() && n > 0 {
+            n -= 1;
+        }
+        self.rewind(n);
+        n
+    }
+
+    /// Runs the model's layer range over one batch appended at position `n_past()`.
+    pub fn forward(&mut self, input: Input, want: Want) -> Result<&[f32]> {
+        let model = self.model.clone();
+        let hp = &model.hp;
+        let e = hp.n_embd;
+        let n_tok = match input {
+            Input::Tokens(t) => t.len(),
+            Input::Hidden(h) => {
+                if h.len() % e != 0 {
+                    bail!(
+                        "hidden state of {} values is not a whole number of {e}-wide rows",
+                        h.len()
+                    );
+                }
+                h.len() / e
+            }
+        };
+        if n_tok == 0 {
+            bail!("empty batch");
+        }
+        if n_tok > self.n_batch() {
+            bail!(
+                "batch of {n_tok} tokens exceeds the session's batch size {}",
+                self.n_batch()
+            );
+        }
+        let pos0 = self.n_past();
+        if pos0 + n_tok > self.n_ctx() {
+            bail!(
+                "context full: {pos0} positions held + {n_tok} new exceed the context size {} (use a larger -c)",
+                self.n_ctx()
+            );
+        }
+        if want != Want::Hidden && !model.is_last() {
+            bail!("this session holds layers {:?}, not the output head", model.range);
+        }
+
+        // Input: embed the tokens, or take the hidden state as is.
+        match input {
+            Input::Tokens(toks) => {
+                let Some(embd) = &model.tok_embd else {
+                    bail!(
+                        "this session holds layers {:?}, it takes hidden states, not tokens",
+                        model.range
+                    );
+                };
+                for (t, &id) in toks.iter().enumerate() {
+                    if id as usize >= hp.n_vocab {
+                        bail!("token id {id} is outside the vocabulary of {}", hp.n_vocab);
+                    }
+                    let row = &mut self.x[t * e..(t + 1) * e];
+                    embd.dequantize_row_into(id as usize, row);
+                    if hp.embd_scale != 1.0 {
+                        ops::scale_inplace(row, hp.embd_scale);
+                    }
+                }
+                if self.tokens.len() == pos0 {
+                    self.tokens.extend_from_slice(toks);
+                }
+            }
+            Input::Hidden(h) => {
+                self.x[..h.len()].copy_from_slice(h);
+                self.tokens.truncate(pos0);
+            }
+        }
+
+        // The layers, in order.
+        for il in model.range.clone() {
+            let base = hp.rope_base_of(il);
+            let rope = self
+                .ropes
+                .iter()
+                .find(|r| r.base == base)
+                .expect("table built for every base");
+            let step = Step {
+                hp,
+                pool: &self.pool,
+                rope,
+                il,
+                pos0,
+                n_tok,
+            };
+            let lw = model.layer(il);
+            let mut kv = self.kv.layer_mut(il);
+            match hp.arch {
+                Arch::Llama => llama::layer(&step, lw, &mut self.x, &mut self.bufs, &mut kv),
+                Arch::Gemma3 => gemma3::layer(&step, lw, &mut self.x, &mut self.bufs, &mut kv),
+            }
+        }
+        self.kv.set_n_pos(pos0 + n_tok);
+
+        // Output: the hidden state, or the final norm and the head.
+        match want {
+            Want::Hidden => Ok(&self.x[..n_tok * e]),
+            Want::LastLogits => {
+                self.head(n_tok - 1..n_tok)?;
+                Ok(&self.logits[..hp.n_vocab])
+            }
+            Want::AllLogits => {
+                self.head(0..n_tok)?;
+                Ok(&self.logits[..n_tok * hp.n_vocab])
+            }
+        }
+    }
+
+    /// Final norm and output head for the given rows of the batch, into `self.logits`.
+    fn head(&mut self, rows: std::ops::Range<usize>) -> Result<()> {
+        let model = &self.model;
+        let hp = &model.hp;
+        let (norm, out) = (model.output_norm.as_ref().unwrap(), model.output.as_ref().unwrap());
+        let e = hp.n_embd;
+        let n = rows.len();
+        if self.head_in.len() < n * e {
+            self.head_in.resize(n * e, 0.0);
+        }
+        if self.logits.len() < n * hp.n_vocab {
+            self.logits.resize(n * hp.n_vocab, 0.0);
+        }
+        for (i, t) in rows.enumerate() {
+            ops::rms_norm(
+                &self.x[t * e..(t + 1) * e],
+                norm,
+                hp.rms_eps,
+                &mut self.head_in[i * e..(i + 1) * e],
+            );
+        }
+        kernels::matmul(
+            &self.pool,
+            out,
+            &self.head_in[..n * e],
+            n,
+            &mut self.logits[..n * hp.n_vocab],
+            &mut self.bufs.mm,
+        );
+        Ok(())
+    }
+
+    /// Feeds `tokens` in batches and returns the logits of the last one (full-model sessions).
+    pub fn eval(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        if tokens.is_empty() {
+            bail!("nothing to evaluate");
+        }
+        let nb = self.n_batch();
+        let n_chunks = tokens.len().div_ceil(nb);
+        for (i, chunk) in tokens.chunks(nb).enumerate() {
+            let want = if i + 1 == n_chunks {
+                Want::LastLogits
+            } else {
+                Want::Hidden
+            };
+            self.forward(Input::Tokens(chunk), want)?;
+        }
+        Ok(&self.logits[..self.model.hp.n_vocab])
+    }
+}

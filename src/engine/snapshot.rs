@@ -1,0 +1,394 @@
+//! KV snapshots: any layer range and position range of a session's cache, in a versioned, backend-neutral file
+//! (safetensors with a metadata header; see docs/kv-format.md). The same encoding carries KV on the wire.
+//!
+//! Per layer `il`, tensors `k.{il}` `[n_head_kv, n_pos, head_dim_k]` and `v.{il}` `[n_head_kv, n_pos, head_dim_v]`,
+//! K after RoPE. At 8 bits, each row (one head at one position) is stored as i8 with an f32 scale in `k.{il}.scale` /
+//! `v.{il}.scale` `[n_head_kv, n_pos]`. Every tensor's checksum (SHA-256 of its bytes, first 16 hex digits) is in the
+//! header, so it is checked wherever the tensor sits in the file.
+
+use super::Session;
+use crate::model::Hparams;
+use anyhow::{Context, Result, bail};
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+pub const FORMAT: &str = "baton-kv";
+pub const VERSION: u32 = 1;
+
+/// Element type of KV in a snapshot or on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    F16,
+    BF16,
+    /// i8 with one f32 scale per row (absmax / 127).
+    Q8,
+}
+
+impl KvDtype {
+    pub fn parse(s: &str) -> Result<KvDtype> {
+        Ok(match s {
+            "f32" | "32" => KvDtype::F32,
+            "f16" | "16" => KvDtype::F16,
+            "bf16" => KvDtype::BF16,
+            "q8" | "8" => KvDtype::Q8,
+            other => bail!("unknown KV type {other:?} (f32, f16, bf16, q8)"),
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::BF16 => "bf16",
+            KvDtype::Q8 => "q8",
+        }
+    }
+}
+
+/// Encodes rows of `width` f32 values; for Q8 also returns one scale per row.
+pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) {
+    match dt {
+        KvDtype::F32 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), Vec::new()),
+        KvDtype::F16 => (
+            x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+            Vec::new(),
+        ),
+        KvDtype::BF16 => (
+            x.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
+            Vec::new(),
+        ),
+        KvDtype::Q8 => {
+            let mut out = Vec::with_capacity(x.len());
+            let mut scales = Vec::with_capacity(x.len() / width);
+            for row in x.chunks(width) {
+                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let scale = amax / 127.0;
+                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                out.extend(row.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+                scales.push(scale);
+            }
+            (out, scales)
+        }
+    }
+}
+
+/// Decodes rows written by [`encode_rows`] into `out` (`out.len()` values).
+pub fn decode_rows(bytes: &[u8], scales: &[f32], width: usize, dt: KvDtype, out: &mut [f32]) -> Result<()> {
+    let n = out.len();
+    let need = match dt {
+        KvDtype::F32 => n * 4,
+        KvDtype::F16 | KvDtype::BF16 => n * 2,
+        KvDtype::Q8 => n,
+    };
+    if bytes.len() != need {
+        bail!("KV data is {} bytes, expected {need}", bytes.len());
+    }
+    match dt {
+        KvDtype::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes(c.try_into().unwrap());
+            }
+        }
+        KvDtype::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        KvDtype::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        KvDtype::Q8 => {
+            if scales.len() * width != n {
+                bail!("KV scales cover {} rows, data has {}", scales.len(), n / width.max(1));
+            }
+            for ((row, q), &s) in out.chunks_mut(width).zip(bytes.chunks(width)).zip(scales) {
+                for (o, &b) in row.iter_mut().zip(q) {
+                    *o = (b as i8) as f32 * s;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn checksum(bytes: &[u8]) -> String {
+    let d = Sha256::digest(bytes);
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The header fields that must agree between a snapshot and the session it is restored into.
+fn model_fields(hp: &Hparams, fingerprint: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("fingerprint", fingerprint.to_string()),
+        ("arch", hp.arch.name().to_string()),
+        ("n_layer", hp.n_layer.to_string()),
+        ("n_head_kv", hp.n_head_kv.to_string()),
+        ("head_dim_k", hp.head_dim_k.to_string()),
+        ("head_dim_v", hp.head_dim_v.to_string()),
+        ("rope_type", format!("{:?}", hp.rope_type).to_lowercase()),
+        ("rope_base", hp.rope_base.to_string()),
+        ("rope_base_swa", hp.rope_base_swa.to_string()),
+        (
+            "sliding_window",
+            hp.sliding_window.map_or("none".into(), |w| w.to_string()),
+        ),
+    ]
+}
+
+/// Serialises layers `layers` and positions `pos` of the session's cache.
+pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<Vec<u8>> {
+    let kv = &s.kv;
+    if layers.start < kv.layers.start || layers.end > kv.layers.end || layers.is_empty() {
+        bail!(
+            "layers {layers:?} are not all held by this session (it holds {:?})",
+            kv.layers
+        );
+    }
+    if pos.end > s.n_past() || pos.is_empty() {
+        bail!(
+            "positions {pos:?} are not all held (the session holds 0..{})",
+            s.n_past()
+        );
+    }
+    let hp = &s.model.hp;
+    let fp = s.model.fingerprint()?;
+    let mut meta: HashMap<String, String> = HashMap::new();
+    meta.insert("format".into(), FORMAT.into());
+    meta.insert("version".into(), VERSION.to_string());
+    for (k, v) in model_fields(hp, fp) {
+        meta.insert(k.into(), v);
+    }
+    meta.insert("layer_start".into(), layers.start.to_string());
+    meta.insert("layer_end".into(), layers.end.to_string());
+    meta.insert("pos_start".into(), pos.start.to_string());
+    meta.insert("pos_end".into(), pos.end.to_string());
+    meta.insert("dtype".into(), dt.name().into());
+    let toks = s.tokens();
+    if toks.len() >= pos.end {
+        let ids: Vec<String> = toks[pos.clone()].iter().map(|t| t.to_string()).collect();
+        meta.insert("tokens".into(), ids.join(","));
+    }
+
+    let n_pos = pos.len();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for il in layers.clone() {
+        for (name, hd) in [("k", kv.head_dim_k), ("v", kv.head_dim_v)] {
+            let mut rows = Vec::with_capacity(kv.n_head_kv * n_pos * hd);
+            for h in 0..kv.n_head_kv {
+                let src = if name == "k" {
+                    kv.k_rows(il, h, pos.clone())
+                } else {
+                    kv.v_rows(il, h, pos.clone())
+                };
+                rows.extend_from_slice(src);
+            }
+            let (bytes, scales) = encode_rows(&rows, hd, dt);
+            let st_dtype = match dt {
+                KvDtype::F32 => Dtype::F32,
+                KvDtype::F16 => Dtype::F16,
+                KvDtype::BF16 => Dtype::BF16,
+                KvDtype::Q8 => Dtype::I8,
+            };
+            tensors.push((format!("{name}.{il}"), st_dtype, vec![kv.n_head_kv, n_pos, hd], bytes));
+            if dt == KvDtype::Q8 {
+                let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                tensors.push((format!("{name}.{il}.scale"), Dtype::F32, vec![kv.n_head_kv, n_pos], sb));
+            }
+        }
+    }
+    for (name, _, _, bytes) in &tensors {
+        meta.insert(format!("checksum.{name}"), checksum(bytes));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, d, shape, b)| Ok((n.clone(), TensorView::new(*d, shape.clone(), b)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    Ok(safetensors::serialize(views, &Some(meta))?)
+}
+
+pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<()> {
+    let bytes = save_bytes(s, layers, pos, dt)?;
+    crate::util::write_atomic(path, &bytes)
+}
+
+/// What a snapshot holds, from its header.
+#[derive(Debug, Clone)]
+pub struct SnapshotInfo {
+    pub layers: Range<usize>,
+    pub pos: Range<usize>,
+    pub dtype: KvDtype,
+    pub tokens: Option<Vec<u32>>,
+}
+
+/// Restores a snapshot into the session: every header field must match the session's model and layer range, its
+/// positions must start at or before the session's `n_past()` (the rest of the session is rewound to its end), and
+/// every checksum must hold. Nothing in the session changes unless all checks pass.
+pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
+    let (_, header) = SafeTensors::read_metadata(bytes).context("not a safetensors KV snapshot")?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    let get = |k: &str| {
+        meta.get(k)
+            .map(String::as_str)
+            .with_context(|| format!("snapshot header lacks {k:?}"))
+    };
+    let num = |k: &str| -> Result<usize> {
+        get(k)?
+            .parse()
+            .with_context(|| format!("snapshot field {k} is not a number"))
+    };
+    if get("format")? != FORMAT {
+        bail!("not a Baton KV snapshot (format {:?})", get("format")?);
+    }
+    let version: u32 = get("version")?.parse().context("bad snapshot version")?;
+    if version > VERSION {
+        bail!("snapshot format version {version} is newer than this Baton reads ({VERSION}); upgrade Baton");
+    }
+    let hp = s.model.hp.clone();
+    let fp = s.model.fingerprint()?.to_string();
+    for (k, mine) in model_fields(&hp, &fp) {
+        let theirs = get(k)?;
+        if theirs != mine {
+            bail!("snapshot is from another model: {k} is {theirs} in the snapshot, {mine} in this session's model");
+        }
+    }
+    let layers = num("layer_start")?..num("layer_end")?;
+    if layers != s.kv.layers {
+        bail!(
+            "snapshot holds layers {}..{}, this session holds {}..{}",
+            layers.start,
+            layers.end,
+            s.kv.layers.start,
+            s.kv.layers.end
+        );
+    }
+    let pos = num("pos_start")?..num("pos_end")?;
+    if pos.start > s.n_past() || pos.end > s.n_ctx() || pos.is_empty() {
+        bail!(
+            "snapshot positions {}..{} cannot follow the session's {} positions (context {})",
+            pos.start,
+            pos.end,
+            s.n_past(),
+            s.n_ctx()
+        );
+    }
+    let dt = KvDtype::parse(get("dtype")?)?;
+    let tokens = match meta.get("tokens") {
+        Some(t) if !t.is_empty() => Some(
+            t.split(',')
+                .map(|x| x.parse::<u32>())
+                .collect::<Result<Vec<_>, _>>()
+                .context("bad token list in snapshot")?,
+        ),
+        _ => None,
+    };
+    let st = SafeTensors::deserialize(bytes).context("corrupt snapshot")?;
+    let n_pos = pos.len();
+
+    // Decode and check everything before touching the cache.
+    let mut decoded: Vec<(usize, bool, Vec<f32>)> = Vec::new();
+    for il in layers.clone() {
+        for (name, hd) in [("k", hp.head_dim_k), ("v", hp.head_dim_v)] {
+            let tname = format!("{name}.{il}");
+            let t = st
+                .tensor(&tname)
+                .with_context(|| format!("snapshot lacks tensor {tname}"))?;
+            if t.shape() != [hp.n_head_kv, n_pos, hd] {
+                bail!(
+                    "snapshot tensor {tname} has shape {:?}, expected {:?}",
+                    t.shape(),
+                    [hp.n_head_kv, n_pos, hd]
+                );
+            }
+            if checksum(t.data()) != get(&format!("checksum.{tname}"))? {
+                bail!("snapshot tensor {tname} fails its checksum: the file is corrupt");
+            }
+            let scales: Vec<f32> = if dt == KvDtype::Q8 {
+                let sname = format!("{tname}.scale");
+                let st_ = st
+                    .tensor(&sname)
+                    .with_context(|| format!("snapshot lacks tensor {sname}"))?;
+                if checksum(st_.data()) != get(&format!("checksum.{sname}"))? {
+                    bail!("snapshot tensor {sname} fails its checksum: the file is corrupt");
+                }
+                st_.data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let mut rows = vec![0.0f32; hp.n_head_kv * n_pos * hd];
+            decode_rows(t.data(), &scales, hd, dt, &mut rows).with_context(|| format!("snapshot tensor {tname}"))?;
+            decoded.push((il, name == "k", rows));
+        }
+    }
+
+    s.rewind(pos.start);
+    for (il, is_k, rows) in decoded {
+        let hd = if is_k { hp.head_dim_k } else { hp.head_dim_v };
+        for h in 0..hp.n_head_kv {
+            let src = &rows[h * n_pos * hd..(h + 1) * n_pos * hd];
+            let dst = if is_k {
+                s.kv.k_rows_mut(il, h, pos.clone())
+            } else {
+                s.kv.v_rows_mut(il, h, pos.clone())
+            };
+            dst.copy_from_slice(src);
+        }
+    }
+    s.kv.set_n_pos(pos.end);
+    let mut toks = s.tokens()[..s.tokens().len().min(pos.start)].to_vec();
+    match &tokens {
+        Some(t) if toks.len() == pos.start => {
+            toks.extend_from_slice(t);
+            s.set_tokens(&toks);
+        }
+        _ => s.set_tokens(&[]),
+    }
+    Ok(SnapshotInfo {
+        layers,
+        pos,
+        dtype: dt,
+        tokens,
+    })
+}
+
+pub fn restore(s: &mut Session, path: &Path) -> Result<SnapshotInfo> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
+    restore_bytes(s, &bytes).with_context(|| format!("cannot restore {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codecs_round_trip_within_their_precision() {
+        let x: Vec<f32> = (0..256).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+        for (dt, tol) in [
+            (KvDtype::F32, 0.0),
+            (KvDtype::F16, 2e-3),
+            (KvDtype::BF16, 2e-2),
+            (KvDtype::Q8, 3.0 / 127.0),
+        ] {
+            let (b, s) = encode_rows(&x, 64, dt);
+            let mut y = vec![0.0; x.len()];
+            decode_rows(&b, &s, 64, dt, &mut y).unwrap();
+            let err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(err <= tol, "{dt:?}: max error {err}");
+        }
+    }
+
+    #[test]
+    fn decode_refuses_wrong_lengths() {
+        let mut y = vec![0.0; 8];
+        assert!(decode_rows(&[0; 31], &[], 8, KvDtype::F32, &mut y).is_err());
+        assert!(decode_rows(&[0; 8], &[1.0, 2.0], 4, KvDtype::Q8, &mut y).is_err());
+    }
+}

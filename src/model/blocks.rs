@@ -1,0 +1,204 @@
+//! Building blocks shared by the architecture files (as llama.cpp's graph helpers): the scratch buffers of a
+//! forward pass, the view of one layer's KV cache, and the attention steps. Each architecture file is then a short
+//! script calling these in its own order.
+
+use super::{Hparams, LayerWeights};
+use crate::kernels::ops::{self, RopeTable};
+use crate::kernels::{self, Matrix, ThreadPool};
+
+/// Scratch space for a forward pass over up to `n_batch` tokens; allocated once per session so a decoded token
+/// allocates nothing.
+pub struct Buffers {
+    pub n_batch: usize,
+    /// Normalised input of the current sub-block, `[n_tok, n_embd]`.
+    pub xn: Vec<f32>,
+    /// `[n_tok, n_head * head_dim_k]`
+    pub q: Vec<f32>,
+    /// `[n_tok, n_head_kv * head_dim_k]`
+    pub k: Vec<f32>,
+    /// `[n_tok, n_head_kv * head_dim_v]`
+    pub v: Vec<f32>,
+    /// Attention output, `[n_tok, n_head * head_dim_v]`.
+    pub att: Vec<f32>,
+    /// Output of a projection back to the residual width, `[n_tok, n_embd]`.
+    pub o: Vec<f32>,
+    /// Feed-forward gate and up projections, `[n_tok, n_ff]`.
+    pub g: Vec<f32>,
+    pub u: Vec<f32>,
+    /// One row of attention scores per thread.
+    pub scores: Vec<f32>,
+    pub n_ctx: usize,
+    pub mm: kernels::Scratch,
+}
+
+impl Buffers {
+    pub fn new(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> Buffers {
+        Buffers {
+            n_batch,
+            xn: vec![0.0; n_batch * hp.n_embd],
+            q: vec![0.0; n_batch * hp.n_embd_q()],
+            k: vec![0.0; n_batch * hp.n_embd_k()],
+            v: vec![0.0; n_batch * hp.n_embd_v()],
+            att: vec![0.0; n_batch * hp.n_head * hp.head_dim_v],
+            o: vec![0.0; n_batch * hp.n_embd],
+            g: vec![0.0; n_batch * hp.n_ff],
+            u: vec![0.0; n_batch * hp.n_ff],
+            scores: vec![0.0; n_threads * n_ctx],
+            n_ctx,
+            mm: kernels::Scratch::default(),
+        }
+    }
+}
+
+/// One layer's KV cache: K is `[n_head_kv, n_ctx, head_dim_k]`, V `[n_head_kv, n_ctx, head_dim_v]`, positions in
+/// order. K is stored after RoPE.
+pub struct LayerKv<'a> {
+    pub k: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub n_ctx: usize,
+}
+
+/// What every step of one layer's forward needs to know.
+pub struct Step<'a> {
+    pub hp: &'a Hparams,
+    pub pool: &'a ThreadPool,
+    /// The RoPE table of this layer's frequency base.
+    pub rope: &'a RopeTable,
+    /// Global layer index.
+    pub il: usize,
+    /// Position of the first token of the batch.
+    pub pos0: usize,
+    pub n_tok: usize,
+}
+
+/// A raw pointer that threads of the pool may share to write disjoint parts of one buffer.
+#[derive(Clone, Copy)]
+pub struct SyncPtr(pub *mut f32);
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `y = x · Wᵀ` for the batch.
+pub fn project(s: &Step, w: &Matrix, x: &[f32], y: &mut [f32], mm: &mut kernels::Scratch) {
+    kernels::matmul(
+        s.pool,
+        w,
+        &x[..s.n_tok * w.cols],
+        s.n_tok,
+        &mut y[..s.n_tok * w.rows],
+        mm,
+    );
+}
+
+/// RMS-normalises each row of `x` (`[n_tok, width]`) into `out`.
+pub fn norm_rows(s: &Step, x: &[f32], w: &[f32], out: &mut [f32]) {
+    let width = w.len();
+    for t in 0..s.n_tok {
+        ops::rms_norm(
+            &x[t * width..(t + 1) * width],
+            w,
+            s.hp.rms_eps,
+            &mut out[t * width..(t + 1) * width],
+        );
+    }
+}
+
+/// RMS-normalises each row of `x` (`[n_tok, width]`) in place.
+pub fn norm_rows_inplace(s: &Step, x: &mut [f32], w: &[f32]) {
+    let width = w.len();
+    for row in x[..s.n_tok * width].chunks_mut(width) {
+        ops::rms_norm_inplace(row, w, s.hp.rms_eps);
+    }
+}
+
+/// RMS-normalises, in place, every head of `x` (`[n_tok, n_heads, head_dim]`) with the per-head weight `w`.
+pub fn norm_heads(s: &Step, x: &mut [f32], w: &[f32], n_heads: usize) {
+    let hd = w.len();
+    for head in x[..s.n_tok * n_heads * hd].chunks_mut(hd) {
+        ops::rms_norm_inplace(head, w, s.hp.rms_eps);
+    }
+}
+
+/// Computes Q, K and V of the batch from the normalised input `b.xn`.
+pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
+    project(s, &lw.wq, &b.xn, &mut b.q, &mut b.mm);
+    project(s, &lw.wk, &b.xn, &mut b.k, &mut b.mm);
+    project(s, &lw.wv, &b.xn, &mut b.v, &mut b.mm);
+}
+
+/// Rotates Q and K by position and appends K and V to the layer's cache at `pos0..pos0+n_tok`.
+pub fn rope_and_store(s: &Step, b: &mut Buffers, kv: &mut LayerKv) {
+    let hp = s.hp;
+    let neox = hp.rope_type == super::RopeType::Neox;
+    let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
+    for t in 0..s.n_tok {
+        let pos = s.pos0 + t;
+        for h in 0..hp.n_head {
+            let o = (t * hp.n_head + h) * hdk;
+            s.rope.apply(&mut b.q[o..o + hdk], pos, neox);
+        }
+        for h in 0..hp.n_head_kv {
+            let o = (t * hp.n_head_kv + h) * hdk;
+            s.rope.apply(&mut b.k[o..o + hdk], pos, neox);
+            let dst = (h * kv.n_ctx + pos) * hdk;
+            kv.k[dst..dst + hdk].copy_from_slice(&b.k[o..o + hdk]);
+            let ov = (t * hp.n_head_kv + h) * hdv;
+            let dst = (h * kv.n_ctx + pos) * hdv;
+            kv.v[dst..dst + hdv].copy_from_slice(&b.v[ov..ov + hdv]);
+        }
+    }
+}
+
+/// Causal attention of the batch's queries over the cache (positions `0..=pos` for a query at `pos`, or the last
+/// `window` of them on sliding-window layers), written to `b.att`. Parallel over (token, head).
+pub fn attend(s: &Step, b: &mut Buffers, kv: &LayerKv) {
+    let hp = s.hp;
+    let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
+    let group = hp.n_head / hp.n_head_kv;
+    let window = hp.window(s.il);
+    let n_tasks = s.n_tok * hp.n_head;
+    let n_ctx = kv.n_ctx;
+    let q = &b.q;
+    let att = SyncPtr(b.att.as_mut_ptr());
+    let scores = SyncPtr(b.scores.as_mut_ptr());
+    let (kc, vc) = (&*kv.k, &*kv.v);
+    let scale = hp.attn_scale;
+    s.pool.run(|ith, nth| {
+        // SAFETY: each thread owns its own score row, and writes only the att rows of its own tasks.
+        let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * n_ctx), n_ctx) };
+        let mut task = ith;
+        while task < n_tasks {
+            let (t, h) = (task / hp.n_head, task % hp.n_head);
+            let kvh = h / group;
+            let pos = s.pos0 + t;
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let qh = &q[(t * hp.n_head + h) * hdk..][..hdk];
+            let kbase = &kc[kvh * n_ctx * hdk..];
+            let mut max = f32::NEG_INFINITY;
+            for j in lo..=pos {
+                let v = ops::dot(qh, &kbase[j * hdk..(j + 1) * hdk]) * scale;
+                sc[j] = v;
+                max = max.max(v);
+            }
+            let mut sum = 0.0f32;
+            for v in &mut sc[lo..=pos] {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv) };
+            out.fill(0.0);
+            let vbase = &vc[kvh * n_ctx * hdv..];
+            let inv = 1.0 / sum;
+            for j in lo..=pos {
+                ops::axpy(out, sc[j] * inv, &vbase[j * hdv..(j + 1) * hdv]);
+            }
+            task += nth;
+        }
+    });
+}

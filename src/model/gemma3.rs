@@ -1,0 +1,36 @@
+//! `gemma3`: like llama, plus RMSNorm of each query and key head, a norm after attention and after the
+//! feed-forward (four norms per block), GELU-tanh gating, embeddings scaled by √n_embd, and five sliding-window
+//! layers (RoPE base 10 000) for each global layer (RoPE base 1 000 000). The window is applied in
+//! [`blocks::attend`] from [`super::Hparams::window`], at prefill and decode alike.
+
+use super::LayerWeights;
+use super::blocks::{self, Buffers, LayerKv, Step};
+use crate::kernels::ops;
+
+/// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place.
+pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut LayerKv) {
+    let hp = s.hp;
+    let n = s.n_tok * hp.n_embd;
+    let (q_norm, k_norm) = (lw.q_norm.as_deref().unwrap(), lw.k_norm.as_deref().unwrap());
+
+    // Attention, with per-head Q/K norms before RoPE and a norm on its output before the residual add.
+    blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
+    blocks::qkv(s, lw, b);
+    blocks::norm_heads(s, &mut b.q, q_norm, hp.n_head);
+    blocks::norm_heads(s, &mut b.k, k_norm, hp.n_head_kv);
+    blocks::rope_and_store(s, b, kv);
+    blocks::attend(s, b, kv);
+    blocks::project(s, &lw.wo, &b.att, &mut b.o, &mut b.mm);
+    blocks::norm_rows_inplace(s, &mut b.o, lw.post_attn_norm.as_deref().unwrap());
+    ops::add_inplace(&mut x[..n], &b.o[..n]);
+
+    // Feed-forward: down(gelu(gate(x)) * up(x)), normalised before the residual add.
+    blocks::norm_rows(s, x, &lw.ffn_norm, &mut b.xn);
+    blocks::project(s, &lw.ffn_gate, &b.xn, &mut b.g, &mut b.mm);
+    blocks::project(s, &lw.ffn_up, &b.xn, &mut b.u, &mut b.mm);
+    let nf = s.n_tok * hp.n_ff;
+    ops::gelu_mul(&mut b.g[..nf], &b.u[..nf]);
+    blocks::project(s, &lw.ffn_down, &b.g, &mut b.o, &mut b.mm);
+    blocks::norm_rows_inplace(s, &mut b.o, lw.post_ffn_norm.as_deref().unwrap());
+    ops::add_inplace(&mut x[..n], &b.o[..n]);
+}

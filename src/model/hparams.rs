@@ -1,0 +1,230 @@
+//! Hyperparameters read from GGUF metadata, with the per-architecture defaults llama.cpp applies.
+
+use crate::gguf::GgufFile;
+use anyhow::{Context, Result, bail};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// How RoPE pairs dimensions: adjacent pairs (llama.cpp's NORM, used by `llama` whose converter permutes Q/K) or
+/// the two halves of the head (NEOX, used by Gemma).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeType {
+    Norm,
+    Neox,
+}
+
+#[derive(Clone, Debug)]
+pub struct Hparams {
+    pub arch: Arch,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    pub n_vocab: usize,
+    pub n_ctx_train: usize,
+    pub rms_eps: f32,
+    pub rope_type: RopeType,
+    /// Number of rotated dimensions per head.
+    pub n_rot: usize,
+    pub rope_base: f32,
+    /// RoPE base of sliding-window layers (Gemma 3: 10 000 while global layers use 1 000 000).
+    pub rope_base_swa: f32,
+    /// Sliding window of local-attention layers, in positions (a query at p sees keys p-window+1 ..= p).
+    pub sliding_window: Option<usize>,
+    /// Per layer: does it use the sliding window?
+    pub swa_layers: Vec<bool>,
+    /// Scale applied to q·k (before softmax).
+    pub attn_scale: f32,
+    /// Scale applied to the token embedding (Gemma: √n_embd).
+    pub embd_scale: f32,
+}
+
+impl Hparams {
+    pub fn from_gguf(g: &GgufFile) -> Result<Hparams> {
+        let arch_name = g.architecture()?;
+        let arch = match arch_name {
+            "llama" => Arch::Llama,
+            "gemma3" => Arch::Gemma3,
+            other => bail!("unsupported architecture {other:?} (supported: llama, gemma3)"),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let u = |k: &str| -> Result<usize> { Ok(g.require_u64(&key(k))? as usize) };
+
+        let n_layer = u("block_count")?;
+        let n_embd = u("embedding_length")?;
+        let n_ff = u("feed_forward_length")?;
+        let n_head = u("attention.head_count")?;
+        let n_head_kv = g
+            .get_u64(&key("attention.head_count_kv"))
+            .map(|v| v as usize)
+            .unwrap_or(n_head);
+        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            bail!("invalid head counts: {n_head} query heads, {n_head_kv} KV heads");
+        }
+        let head_dim_k = g
+            .get_u64(&key("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(n_embd / n_head);
+        let head_dim_v = g
+            .get_u64(&key("attention.value_length"))
+            .map(|v| v as usize)
+            .unwrap_or(n_embd / n_head);
+        let n_ctx_train = u("context_length")?;
+        let rms_eps = g
+            .get_f32(&key("attention.layer_norm_rms_epsilon"))
+            .context("missing attention.layer_norm_rms_epsilon")?;
+        let rope_base = g.get_f32(&key("rope.freq_base")).unwrap_or(10000.0);
+        let n_rot = g
+            .get_u64(&key("rope.dimension_count"))
+            .map(|v| v as usize)
+            .unwrap_or(head_dim_k);
+        let token_embd = g.tensor_info("token_embd.weight")?;
+        let n_vocab = token_embd.n_rows();
+        if token_embd.ne0() != n_embd {
+            bail!(
+                "token_embd.weight has rows of {} but embedding_length is {n_embd}",
+                token_embd.ne0()
+            );
+        }
+        if n_rot > head_dim_k || n_rot % 2 != 0 {
+            bail!("rope dimension count {n_rot} does not fit head size {head_dim_k}");
+        }
+
+        let hp = match arch {
+            Arch::Llama => Hparams {
+                arch,
+                n_layer,
+                n_embd,
+                n_ff,
+                n_head,
+                n_head_kv,
+                head_dim_k,
+                head_dim_v,
+                n_vocab,
+                n_ctx_train,
+                rms_eps,
+                rope_type: RopeType::Norm,
+                n_rot,
+                rope_base,
+                rope_base_swa: rope_base,
+                sliding_window: None,
+                swa_layers: vec![false; n_layer],
+                attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
+                embd_scale: 1.0,
+            },
+            Arch::Gemma3 => {
+                let window = u("attention.sliding_window")?;
+                // Gemma 3: five local layers, then one global (llama.cpp's swa pattern 6).
+                let swa_layers = (0..n_layer).map(|il| il % 6 < 5).collect();
+                Hparams {
+                    arch,
+                    n_layer,
+                    n_embd,
+                    n_ff,
+                    n_head,
+                    n_head_kv,
+                    head_dim_k,
+                    head_dim_v,
+                    n_vocab,
+                    n_ctx_train,
+                    rms_eps,
+                    rope_type: RopeType::Neox,
+                    n_rot,
+                    rope_base,
+                    rope_base_swa: 10000.0,
+                    sliding_window: Some(window),
+                    swa_layers,
+                    // query_pre_attn_scalar = head_dim for every size but 27B (which has 62 layers).
+                    attn_scale: if n_layer == 62 {
+                        1.0 / ((n_embd / n_head) as f32).sqrt()
+                    } else {
+                        1.0 / (head_dim_k as f32).sqrt()
+                    },
+                    embd_scale: (n_embd as f32).sqrt(),
+                }
+            }
+        };
+        Ok(hp)
+    }
+
+    /// Width of K (or V) rows per position across KV heads.
+    pub fn n_embd_k(&self) -> usize {
+        self.n_head_kv * self.head_dim_k
+    }
+    pub fn n_embd_v(&self) -> usize {
+        self.n_head_kv * self.head_dim_v
+    }
+    pub fn n_embd_q(&self) -> usize {
+        self.n_head * self.head_dim_k
+    }
+
+    /// The sliding window of layer `il`, if it has one.
+    pub fn window(&self, il: usize) -> Option<usize> {
+        if self.swa_layers[il] { self.sliding_window } else { None }
+    }
+
+    pub fn rope_base_of(&self, il: usize) -> f32 {
+        if self.swa_layers[il] {
+            self.rope_base_swa
+        } else {
+            self.rope_base
+        }
+    }
+
+    /// KV bytes per token at f32, over `n_layers` layers.
+    pub fn kv_bytes_per_token(&self, n_layers: usize) -> usize {
+        n_layers * (self.n_embd_k() + self.n_embd_v()) * 4
+    }
+}
+
+impl fmt::Display for Hparams {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "architecture:     {}", self.arch.name())?;
+        writeln!(f, "layers:           {}", self.n_layer)?;
+        writeln!(f, "embedding:        {}", self.n_embd)?;
+        writeln!(f, "feed-forward:     {}", self.n_ff)?;
+        writeln!(f, "heads (q/kv):     {}/{}", self.n_head, self.n_head_kv)?;
+        writeln!(f, "head size (k/v):  {}/{}", self.head_dim_k, self.head_dim_v)?;
+        writeln!(f, "vocabulary:       {}", self.n_vocab)?;
+        writeln!(f, "training context: {}", self.n_ctx_train)?;
+        writeln!(f, "rms epsilon:      {:e}", self.rms_eps)?;
+        writeln!(
+            f,
+            "rope:             {:?}, {} dims, base {}{}",
+            self.rope_type,
+            self.n_rot,
+            self.rope_base,
+            if self.sliding_window.is_some() {
+                format!(" (local layers {})", self.rope_base_swa)
+            } else {
+                String::new()
+            }
+        )?;
+        if let Some(w) = self.sliding_window {
+            let n_local = self.swa_layers.iter().filter(|&&s| s).count();
+            writeln!(
+                f,
+                "sliding window:   {w} ({n_local} local layers, {} global)",
+                self.n_layer - n_local
+            )?;
+        }
+        write!(f, "attention scale:  {}", self.attn_scale)
+    }
+}

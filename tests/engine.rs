@@ -1,0 +1,219 @@
+//! Engine behaviour on real and random-weight models: layer-range splits are bit-exact, snapshots resume exactly,
+//! prefixes are reused, bad snapshots are refused.
+
+mod common;
+
+use baton::engine::snapshot::{self, KvDtype};
+use baton::engine::{Input, Session, Want};
+use baton::gguf::GgufFile;
+use baton::kernels::ThreadPool;
+use baton::kernels::ops::argmax;
+use baton::model::random::{RandomSpec, write_random_model};
+use baton::model::{Arch, Model};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn pool() -> Arc<ThreadPool> {
+    Arc::new(ThreadPool::new(2))
+}
+
+fn random_model(arch: Arch, dir: &Path) -> PathBuf {
+    let base = GgufFile::open(&common::model("smollm2")).unwrap();
+    let p = dir.join(format!("random-{}.gguf", arch.name()));
+    write_random_model(&base, &RandomSpec::tiny(arch), &p).unwrap();
+    p
+}
+
+/// Some token ids that exist in every vocabulary used here.
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n).map(|i| 100 + (i as u32 * 37) % 900).collect()
+}
+
+/// Logits of every position, running the layers as one range or split at `k`.
+fn logits_split(path: &Path, toks: &[u32], split: Option<usize>) -> Vec<f32> {
+    match split {
+        None => {
+            let m = Arc::new(Model::load(path).unwrap());
+            let mut s = Session::new(m, pool(), 256, 64).unwrap();
+            s.forward(Input::Tokens(toks), Want::AllLogits).unwrap().to_vec()
+        }
+        Some(k) => {
+            let a = Arc::new(Model::load_range(path, Some(0..k)).unwrap());
+            let n = a.hp.n_layer;
+            let b = Arc::new(Model::load_range(path, Some(k..n)).unwrap());
+            assert!(
+                a.output.is_none() && b.tok_embd.is_none(),
+                "a range loads only what it needs"
+            );
+            let mut sa = Session::new(a, pool(), 256, 64).unwrap();
+            let mut sb = Session::new(b, pool(), 256, 64).unwrap();
+            let h = sa.forward(Input::Tokens(toks), Want::Hidden).unwrap().to_vec();
+            sb.forward(Input::Hidden(&h), Want::AllLogits).unwrap().to_vec()
+        }
+    }
+}
+
+fn check_split_bit_exact(path: &Path) {
+    let toks = prompt(40);
+    let whole = logits_split(path, &toks, None);
+    let n = Model::load(path).unwrap().hp.n_layer;
+    for k in [1, n / 2, n - 1] {
+        let split = logits_split(path, &toks, Some(k));
+        assert!(whole == split, "split at {k} changed the logits of {}", path.display());
+    }
+}
+
+#[test]
+fn split_is_bit_exact_random_models() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in [Arch::Llama, Arch::Gemma3] {
+        check_split_bit_exact(&random_model(arch, dir.path()));
+    }
+}
+
+#[test]
+fn split_is_bit_exact_real_models() {
+    for name in ["smollm2", "gemma3"] {
+        check_split_bit_exact(&common::model(name));
+    }
+}
+
+/// Greedy tokens after `toks`, decoding one token at a time.
+fn greedy(s: &mut Session, toks: &[u32], n: usize) -> Vec<u32> {
+    let mut next = argmax(s.eval(toks).unwrap()) as u32;
+    let mut out = vec![next];
+    while out.len() < n {
+        next = argmax(s.forward(Input::Tokens(&[next]), Want::LastLogits).unwrap()) as u32;
+        out.push(next);
+    }
+    out
+}
+
+#[test]
+fn batched_prefill_matches_token_by_token_and_window_holds_at_decode() {
+    // The random gemma3 has a window of 16, so 40 positions cross it at prefill and decode alike.
+    let dir = tempfile::tempdir().unwrap();
+    for arch in [Arch::Llama, Arch::Gemma3] {
+        let path = random_model(arch, dir.path());
+        let m = Arc::new(Model::load(&path).unwrap());
+        let toks = prompt(40);
+        let mut a = Session::new(m.clone(), pool(), 128, 64).unwrap();
+        let batched = a.forward(Input::Tokens(&toks), Want::AllLogits).unwrap().to_vec();
+        let mut b = Session::new(m.clone(), pool(), 128, 64).unwrap();
+        let nv = m.hp.n_vocab;
+        for (i, t) in toks.iter().enumerate() {
+            let l = b.forward(Input::Tokens(&[*t]), Want::LastLogits).unwrap();
+            let max_err = l
+                .iter()
+                .zip(&batched[i * nv..(i + 1) * nv])
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                max_err < 2e-3,
+                "{arch:?} position {i}: one-by-one differs from batched by {max_err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn snapshot_restore_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["smollm2", "gemma3"] {
+        let path = common::model(name);
+        let m = Arc::new(Model::load(&path).unwrap());
+        let toks = prompt(30);
+        let mut a = Session::new(m.clone(), pool(), 128, 32).unwrap();
+        let straight = greedy(&mut a, &toks, 12);
+
+        let mut b = Session::new(m.clone(), pool(), 128, 32).unwrap();
+        let first = greedy(&mut b, &toks, 5);
+        let file = dir.path().join(format!("{name}.kv"));
+        let n = b.n_past();
+        snapshot::save(&b, &file, m.range.clone(), 0..n, KvDtype::F32).unwrap();
+        drop(b);
+        let mut c = Session::new(m.clone(), pool(), 128, 32).unwrap();
+        let info = snapshot::restore(&mut c, &file).unwrap();
+        assert_eq!(info.pos, 0..n);
+        assert_eq!(c.n_past(), n);
+        // Continue from the last generated token, which was sampled but not yet fed.
+        let mut next = *first.last().unwrap();
+        let mut out = first.clone();
+        while out.len() < 12 {
+            next = argmax(c.forward(Input::Tokens(&[next]), Want::LastLogits).unwrap()) as u32;
+            out.push(next);
+        }
+        assert_eq!(out, straight, "{name}: restoring a snapshot changed the continuation");
+    }
+}
+
+#[test]
+fn snapshot_refuses_other_model_range_and_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = common::model("smollm2");
+    let rand_path = random_model(Arch::Llama, dir.path());
+    let m = Arc::new(Model::load(&real).unwrap());
+    let mut s = Session::new(m.clone(), pool(), 64, 32).unwrap();
+    s.eval(&prompt(10)).unwrap();
+    let bytes = snapshot::save_bytes(&s, 0..30, 0..10, KvDtype::F16).unwrap();
+
+    // Another model.
+    let other = Arc::new(Model::load(&rand_path).unwrap());
+    let mut o = Session::new(other, pool(), 64, 32).unwrap();
+    let e = format!("{:#}", snapshot::restore_bytes(&mut o, &bytes).unwrap_err());
+    assert!(e.contains("another model") && e.contains("fingerprint"), "{e}");
+
+    // Another layer range of the same model.
+    let part = Arc::new(Model::load_range(&real, Some(0..10)).unwrap());
+    let mut p = Session::new(part, pool(), 64, 32).unwrap();
+    let e = format!("{:#}", snapshot::restore_bytes(&mut p, &bytes).unwrap_err());
+    assert!(e.contains("layers 0..30") && e.contains("0..10"), "{e}");
+
+    // A flipped byte in the tensor data (the end of the file is data).
+    let mut bad = bytes.clone();
+    let at = bad.len() - 5;
+    bad[at] ^= 0x55;
+    let mut f = Session::new(m.clone(), pool(), 64, 32).unwrap();
+    let e = format!("{:#}", snapshot::restore_bytes(&mut f, &bad).unwrap_err());
+    assert!(e.contains("checksum"), "{e}");
+    assert_eq!(f.n_past(), 0, "a refused snapshot leaves the session untouched");
+
+    // A newer format version.
+    let needle = b"\"version\":\"1\"";
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the header holds the version");
+    let mut newer = bytes.clone();
+    newer[at + needle.len() - 2] = b'9';
+    let e = format!("{:#}", snapshot::restore_bytes(&mut f, &newer).unwrap_err());
+    assert!(e.contains("version 9"), "{e}");
+}
+
+#[test]
+fn prefix_reuse_gives_the_same_logits() {
+    let m = Arc::new(Model::load(&common::model("smollm2")).unwrap());
+    let toks = prompt(24);
+    let mut fresh = Session::new(m.clone(), pool(), 64, 32).unwrap();
+    let want = fresh.eval(&toks).unwrap().to_vec();
+    let mut s = Session::new(m.clone(), pool(), 64, 32).unwrap();
+    s.eval(&toks[..16]).unwrap();
+    let mut other = toks[..10].to_vec();
+    other.extend_from_slice(&[5, 6, 7]);
+    s.rewind(10);
+    s.eval(&other[10..]).unwrap(); // the cache now diverges from `toks` at 10
+    let kept = s.reuse_prefix(&toks);
+    assert_eq!(kept, 10);
+    let got = s.eval(&toks[kept..]).unwrap().to_vec();
+    let max_err = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(max_err < 2e-3, "prefix reuse changed logits by {max_err}");
+}
+
+#[test]
+fn context_overflow_is_an_error() {
+    let m = Arc::new(Model::load(&common::model("smollm2")).unwrap());
+    let mut s = Session::new(m, pool(), 16, 16).unwrap();
+    s.eval(&prompt(10)).unwrap();
+    let e = s.eval(&prompt(10)).unwrap_err().to_string();
+    assert!(e.contains("context"), "{e}");
+}
