@@ -100,12 +100,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         let uses_bos = text.contains("bos_token");
-        env.add_template_owned(NAME, text).map_err(|e| {
-            anyhow!(
-                "chat template ({source}) does not compile: {}",
-                one_line(&e)
-            )
-        })?;
+        env.add_template_owned(NAME, text)
+            .map_err(|e| anyhow!("chat template ({source}) does not compile: {}", one_line(&e)))?;
         Ok(ChatTemplate {
             env,
             source,
@@ -146,9 +142,7 @@ impl ChatTemplate {
     ) -> Result<String> {
         let text = self.render(messages, add_generation_prompt)?;
         Ok(match text.strip_prefix(self.bos.as_str()) {
-            Some(rest) if tokenizer_adds_bos && self.uses_bos && !self.bos.is_empty() => {
-                rest.to_owned()
-            }
+            Some(rest) if tokenizer_adds_bos && self.uses_bos && !self.bos.is_empty() => rest.to_owned(),
             _ => text,
         })
     }
@@ -259,9 +253,7 @@ mod tests {
     fn smollm2_template_from_gguf() {
         let t = smollm2();
         assert_eq!(t.source(), "gguf");
-        let out = t
-            .render(&[ChatMessage::user("What is 2+2?")], true)
-            .unwrap();
+        let out = t.render(&[ChatMessage::user("What is 2+2?")], true).unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
@@ -279,9 +271,7 @@ mod tests {
              <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
         );
         // SmolLM2's BOS text is `<|im_start|>`, but the template never emits `bos_token`: nothing is stripped.
-        let out = t
-            .render_for_tokenizer(&[ChatMessage::user("x")], true, true)
-            .unwrap();
+        let out = t.render_for_tokenizer(&[ChatMessage::user("x")], true, true).unwrap();
         assert!(out.starts_with("<|im_start|>system\n"));
     }
 
@@ -343,56 +333,37 @@ mod tests {
         assert_eq!(t.source(), "gguf");
         let msgs = [ChatMessage::user("  xy "), ChatMessage::user("ab")];
         assert_eq!(t.render(&msgs, false).unwrap(), "<bos>XY!AB<eos>");
-        assert_eq!(
-            t.render_for_tokenizer(&msgs, false, true).unwrap(),
-            "XY!AB<eos>"
-        );
-        assert_eq!(
-            t.render_for_tokenizer(&msgs, false, false).unwrap(),
-            "<bos>XY!AB<eos>"
-        );
+        assert_eq!(t.render_for_tokenizer(&msgs, false, true).unwrap(), "XY!AB<eos>");
+        assert_eq!(t.render_for_tokenizer(&msgs, false, false).unwrap(), "<bos>XY!AB<eos>");
 
         // trim_blocks + lstrip_blocks: block tags leave no stray newlines or indentation.
         let blocks = "{% for m in messages %}\n    {% if true %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
         let t = ChatTemplate::from_metadata(Some(blocks), "llama", "", "").unwrap();
         assert_eq!(t.render(&msgs, false).unwrap(), "[  xy ]\n[ab]\n");
 
-        let t =
-            ChatTemplate::from_metadata(Some("{{ raise_exception('no tools') }}"), "llama", "", "")
-                .unwrap();
+        let t = ChatTemplate::from_metadata(Some("{{ raise_exception('no tools') }}"), "llama", "", "").unwrap();
         let err = t.render(&msgs, true).unwrap_err().to_string();
         assert!(
             err.contains("template raised: no tools") && err.contains("(gguf)"),
             "{err}"
         );
 
-        let t =
-            ChatTemplate::from_metadata(Some("{{ strftime_now('%d %b %Y') }}"), "llama", "", "")
-                .unwrap();
+        let t = ChatTemplate::from_metadata(Some("{{ strftime_now('%d %b %Y') }}"), "llama", "", "").unwrap();
         assert_eq!(t.render(&msgs, true).unwrap().len(), 11);
     }
 
     #[test]
     fn broken_template_is_a_clear_error() {
-        let err = ChatTemplate::from_metadata(
-            Some("{% for m in messages %}{{ m.content }}"),
-            "llama",
-            "",
-            "",
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            err.starts_with("chat template (gguf) does not compile"),
-            "{err}"
-        );
+        let err = ChatTemplate::from_metadata(Some("{% for m in messages %}{{ m.content }}"), "llama", "", "")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("chat template (gguf) does not compile"), "{err}");
         assert!(!err.contains('\n'), "{err}");
-        let err =
-            ChatTemplate::from_metadata(Some("{{ messages[0].content + 1 }}"), "llama", "", "")
-                .unwrap()
-                .render(&[ChatMessage::user("a")], true)
-                .unwrap_err()
-                .to_string();
+        let err = ChatTemplate::from_metadata(Some("{{ messages[0].content + 1 }}"), "llama", "", "")
+            .unwrap()
+            .render(&[ChatMessage::user("a")], true)
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("chat template (gguf) failed"), "{err}");
     }
 

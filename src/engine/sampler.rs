@@ -141,11 +141,8 @@ impl Sampler {
             return argmax(logits); // nothing to rewrite: skip the copy
         }
         self.scratch.clear();
-        self.scratch.extend(
-            logits
-                .iter()
-                .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }),
-        );
+        self.scratch
+            .extend(logits.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }));
         self.apply_penalty();
 
         if temp <= 0.0 {
@@ -181,16 +178,17 @@ impl Sampler {
             if max > f32::NEG_INFINITY {
                 if full {
                     self.candidates.clear();
-                    self.candidates.extend(
-                        src.iter()
-                            .enumerate()
-                            .filter(|&(_, &l)| l >= threshold)
-                            .map(|(i, &l)| Candidate {
-                                id: i as u32,
-                                logit: l,
-                                p: 0.0,
-                            }),
-                    );
+                    self.candidates
+                        .extend(
+                            src.iter()
+                                .enumerate()
+                                .filter(|&(_, &l)| l >= threshold)
+                                .map(|(i, &l)| Candidate {
+                                    id: i as u32,
+                                    logit: l,
+                                    p: 0.0,
+                                }),
+                        );
                     full = false;
                 } else {
                     self.candidates.retain(|c| c.logit >= threshold);
@@ -267,10 +265,7 @@ impl Sampler {
         softmax(c);
         let total: f64 = c.iter().map(|x| x.p as f64).sum();
         if total <= 0.0 || !total.is_finite() {
-            return c
-                .iter()
-                .fold(c[0], |b, x| if x.better(&b) { *x } else { b })
-                .id;
+            return c.iter().fold(c[0], |b, x| if x.better(&b) { *x } else { b }).id;
         }
         let u = self.rng.r#gen::<f64>() * total;
         let mut cum = 0.0f64;
@@ -474,9 +469,7 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
         top.insert(pos, (i as u32, l));
         top.truncate(k);
     }
-    top.into_iter()
-        .map(|(i, l)| (i, (l as f64 - log_z) as f32))
-        .collect()
+    top.into_iter().map(|(i, l)| (i, (l as f64 - log_z) as f32)).collect()
 }
 
 #[cfg(test)]
@@ -586,10 +579,7 @@ mod tests {
             }
         }
         // At most 4 degrees of freedom here; 30 is far beyond the 0.9999 quantile (≈ 23.5 for df 4).
-        assert!(
-            chi2 < 30.0,
-            "chi2 {chi2}: counts {counts:?}, expected {expected:?}"
-        );
+        assert!(chi2 < 30.0, "chi2 {chi2}: counts {counts:?}, expected {expected:?}");
     }
 
     const BASE: [f64; 7] = [0.4, 0.25, 0.15, 0.1, 0.06, 0.03, 0.01];
@@ -687,10 +677,7 @@ mod tests {
                     .collect();
                 let k = weighted_select(&mut c, target);
                 // Summation order differs; allow the boundary to move by one in a near-tie.
-                assert!(
-                    k.abs_diff(want_k) <= 1,
-                    "k {k} want {want_k} frac {frac} salt {salt}"
-                );
+                assert!(k.abs_diff(want_k) <= 1, "k {k} want {want_k} frac {frac} salt {salt}");
                 let mut got: Vec<u32> = c[..k].iter().map(|c| c.id).collect();
                 got.sort_unstable();
                 let mut want: Vec<u32> = sorted[..k].iter().map(|c| c.id).collect();
@@ -705,9 +692,7 @@ mod tests {
         let mut out = Vec::with_capacity(300);
         for salt in 0..10u32 {
             // Many ties: values in 0..50 over 300 tokens.
-            let v: Vec<f32> = (0..300u32)
-                .map(|i| ((i * 7919 + salt * 31) % 50) as f32)
-                .collect();
+            let v: Vec<f32> = (0..300u32).map(|i| ((i * 7919 + salt * 31) % 50) as f32).collect();
             let mut all = Vec::new();
             materialise(&v, &mut all);
             sort_desc(&mut all);
@@ -784,10 +769,7 @@ mod tests {
         assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN]), 1);
         let all_neg_inf = [f32::NEG_INFINITY; 3];
         assert!(s.sample(&all_neg_inf) < 3);
-        assert!(
-            s.sample(&[0.0, 1.0, 2.0, 3.0, 4.0]) < 5,
-            "longer than n_vocab"
-        );
+        assert!(s.sample(&[0.0, 1.0, 2.0, 3.0, 4.0]) < 5, "longer than n_vocab");
         assert!(s.sample(&[f32::INFINITY, 0.0, 0.0]) < 3);
     }
 
@@ -802,17 +784,10 @@ mod tests {
             assert_eq!(*id, wid);
             assert!((*lp as f64 - (wl - z.ln())).abs() < 1e-5, "{lp}");
         }
-        assert_eq!(
-            top_logprobs(&logits, 10).len(),
-            4,
-            "NaN is never a candidate"
-        );
+        assert_eq!(top_logprobs(&logits, 10).len(), 4, "NaN is never a candidate");
         assert!(top_logprobs(&logits, 0).is_empty());
         assert!(top_logprobs(&[], 3).is_empty());
-        let total: f64 = top_logprobs(&logits, 5)
-            .iter()
-            .map(|&(_, lp)| (lp as f64).exp())
-            .sum();
+        let total: f64 = top_logprobs(&logits, 5).iter().map(|&(_, lp)| (lp as f64).exp()).sum();
         assert!((total - 1.0).abs() < 1e-5);
     }
 
@@ -893,20 +868,13 @@ mod tests {
             ("default chain, uniform in +-5", &uniform, default),
             ("greedy", &zipf, SamplerParams::greedy()),
             ("top-p only, zipf", &zipf, top_p_only.clone()),
-            (
-                "top-p only, uniform in +-5 (worst case)",
-                &uniform,
-                top_p_only,
-            ),
+            ("top-p only, uniform in +-5 (worst case)", &uniform, top_p_only),
             ("no truncation, zipf", &zipf, params(0.8, 0, 1.0, 0.0, 1)),
         ] {
             let mut s = Sampler::new(p, n);
             // Thread CPU time, not wall time: the machine is shared, and waiting for a core is not our cost.
             let cpu = || {
-                let mut ts = libc::timespec {
-                    tv_sec: 0,
-                    tv_nsec: 0,
-                };
+                let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
                 // SAFETY: clock_gettime only writes the timespec we own.
                 unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
                 ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
