@@ -275,6 +275,24 @@ mod tests {
         assert!(out.starts_with("<|im_start|>system\n"));
     }
 
+    /// The embedded text is the real file's: `cargo test --lib -- --ignored chat_templates_of_cached_models`.
+    #[test]
+    #[ignore]
+    fn chat_templates_of_cached_models() {
+        let dir = crate::fetch::models_dir().unwrap();
+        let smol = crate::gguf::GgufFile::open(&dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+        assert_eq!(smol.get_str("tokenizer.chat_template"), Some(SMOLLM2));
+        let gemma = crate::gguf::GgufFile::open(&dir.join("gemma-3-270m-q4_k_m.gguf")).unwrap();
+        let t = ChatTemplate::from_metadata(
+            gemma.get_str("tokenizer.chat_template"),
+            gemma.architecture().unwrap(),
+            "<bos>",
+            "<eos>",
+        )
+        .unwrap();
+        assert_eq!(t.source(), "built-in gemma");
+    }
+
     #[test]
     fn gemma_fallback() {
         let t = gemma();
