@@ -240,7 +240,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
             role: "user".into(),
             content: prompt.clone(),
         });
-        let r = tmpl.render(&msgs, true)?;
+        let r = tmpl.render_for_tokenizer(&msgs, true, vocab.add_bos())?;
         if a.verbose {
             eprintln!("chat template ({}) rendered {} bytes", tmpl.source(), r.len());
         }
@@ -318,7 +318,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         let logits = session.forward(Input::Tokens(&[next]), Want::LastLogits)?;
         next = sampler.sample(logits);
     }
-    let tail = decoder.finish();
+    let tail = decoder.flush();
     out.write_all(tail.as_bytes())?;
     writeln!(out)?;
     out.flush()?;
