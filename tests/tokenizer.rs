@@ -62,7 +62,11 @@ fn ids(v: &Value) -> Vec<u32> {
 
 fn compare_with_llama_cpp(model: (&str, &str)) {
     let Some(vocab) = load(model) else { return };
-    let path = golden_dir().join(format!("tokens-{}.json", model.0));
+    // BATON_TOKENS_DIR points the comparison at other llama-ref output (e.g. extra texts) without editing.
+    let dir = std::env::var("BATON_TOKENS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| golden_dir());
+    let path = dir.join(format!("tokens-{}.json", model.0));
     let Ok(raw) = std::fs::read_to_string(&path) else {
         eprintln!(
             "SKIP: golden file {} not found (written by tools/llama-ref)",
