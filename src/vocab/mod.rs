@@ -9,6 +9,15 @@
 //! The `tokenizers` crate is not used: it needs tokenizer.json rather than GGUF metadata, and llama.cpp's
 //! algorithms differ from the reference ones in places that change ids (see `spm.rs`, `bpe.rs`,
 //! `pretokenize.rs`).
+//!
+//! Verified id for id against llama.cpp (llama-cpp-sys-2 0.1.161) on SmolLM2 (gpt2/smollm) and Gemma 3
+//! (llama SPM); see tests/tokenizer.rs. Known, deliberate differences, none of which affects those models:
+//! - the name-based LSTRIP/RSTRIP attributes llama.cpp sets for phi-3, jina and modern-bert are not applied;
+//! - where llama.cpp's order is unspecified (equal-length special tokens in its std::sort; which of several
+//!   candidate texts its unordered_map yields first as EOT/FIM token) the lower id is taken;
+//! - a byte with no byte token gives `<unk>` instead of llama.cpp's exception;
+//! - codepoint categories are Unicode 16 (llama.cpp's table is 15.x);
+//! - the Llama-3 split is a port that no cached model exercises yet.
 
 mod bpe;
 mod pretokenize;
@@ -555,6 +564,8 @@ impl Vocab {
             &mut attrs,
         );
         detect(&mut fim_sep, &["<|file_sep|>"], &mut attrs);
+        // The FIM prefix/suffix/middle ids are not used further; detecting them matters only because it
+        // marks the tokens as control, which changes how they are partitioned and rendered.
         let _ = (fim_pre, fim_suf, fim_mid);
 
         // Control tokens whose text says "unused" are marked unused.
