@@ -189,6 +189,9 @@ fn eog_and_special_ids() {
         assert!(v.is_eog(2)); // <|im_end|>
         assert!(v.is_eog(0)); // <|endoftext|>
         assert!(!v.is_eog(1)); // <|im_start|>
+        // As llama.cpp's load log prints them: EOT 0, EOG {0, 2, 4 (<reponame>, taken as FIM repo)}.
+        assert_eq!(v.eot(), Some(0));
+        assert_eq!(v.eog_ids(), [0, 2, 4]);
         assert_eq!(v.tokenize("<|im_start|>", false, true), [1]);
         assert_eq!(v.token_bytes(1), b"<|im_start|>");
     }
@@ -199,6 +202,11 @@ fn eog_and_special_ids() {
         assert!(v.is_eog(v.token_id("<end_of_turn>").unwrap()));
         assert!(!v.is_eog(v.token_id("<start_of_turn>").unwrap()));
         assert_eq!(v.tokenize("", true, true), [2]);
+        // llama.cpp: EOT 106, EOG {1 <eos>, 106 <end_of_turn>, 212 </s> (user-defined, promoted by its text)}.
+        assert_eq!(v.eot(), Some(106));
+        assert_eq!(v.eog_ids(), [1, 106, 212]);
+        assert_eq!(v.unk(), Some(3));
+        assert_eq!(v.pad(), Some(0));
     }
 }
 
