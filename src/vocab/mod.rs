@@ -1,7 +1,7 @@
 //! Tokenizers built from GGUF metadata, matching llama.cpp's `llama_tokenize` token for token.
 //!
 //! Two tokenizer families are supported: byte-level BPE (`tokenizer.ggml.model = gpt2`, with the GPT-2,
-//! SmolLM/StarCoder and Llama-3 pre-tokenizer splits) and llama.cpp's SentencePiece-style merge tokenizer
+//! SmolLM/StarCoder, Llama-3 and Qwen2 pre-tokenizer splits) and llama.cpp's SentencePiece-style merge tokenizer
 //! (`tokenizer.ggml.model = llama`). Everything that decides ids follows llama.cpp's `llama-vocab.cpp`:
 //! the token attributes and their text-based fix-ups, the special-token partition that runs before the
 //! tokenizer proper, BOS/EOS insertion and the end-of-generation set.
@@ -17,7 +17,7 @@
 //!   candidate texts its unordered_map yields first as EOT/FIM token) the lower id is taken;
 //! - a byte with no byte token gives `<unk>` instead of llama.cpp's exception;
 //! - codepoint categories are Unicode 16 (llama.cpp's table is 15.x);
-//! - the Llama-3 split is a port that no cached model exercises yet.
+//! - the Llama-3 and Qwen2 splits are ports that no cached model exercises yet.
 
 mod bpe;
 mod pretokenize;
@@ -389,12 +389,14 @@ impl Vocab {
                     PreSplit::Llama3
                 }
                 "dbrx" | "smaug-bpe" => PreSplit::Llama3,
+                "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
+                | "hunyuan" | "solar-open" => PreSplit::Qwen2,
                 "glm4" | "chatglm-bpe" => {
                     bos = None;
                     PreSplit::Llama3
                 }
                 other => bail!(
-                    "unsupported BPE pre-tokenizer '{other}' (supported: smollm/starcoder family, gpt-2 family, llama3 family)"
+                    "unsupported BPE pre-tokenizer '{other}' (supported: smollm/starcoder, gpt-2, llama3 and qwen2 families)"
                 ),
             });
         }
