@@ -1,8 +1,8 @@
 //! Tokenizers built from GGUF metadata, matching llama.cpp's `llama_tokenize` token for token.
 //!
 //! Two tokenizer families are supported: byte-level BPE (`tokenizer.ggml.model = gpt2`, with the GPT-2,
-//! SmolLM/StarCoder, Llama-3 and Qwen2 pre-tokenizer splits) and llama.cpp's SentencePiece-style merge tokenizer
-//! (`tokenizer.ggml.model = llama`). Everything that decides ids follows llama.cpp's `llama-vocab.cpp`:
+//! SmolLM/StarCoder, Llama-3 and Qwen2 pre-tokenizer splits) and llama.cpp's SentencePiece-style merge
+//! tokenizer (`tokenizer.ggml.model = llama`). Everything that decides ids follows llama.cpp's `llama-vocab.cpp`:
 //! the token attributes and their text-based fix-ups, the special-token partition that runs before the
 //! tokenizer proper, BOS/EOS insertion and the end-of-generation set.
 //!
@@ -12,7 +12,9 @@
 //!
 //! Verified id for id against llama.cpp (llama-cpp-sys-2 0.1.161) on SmolLM2 (gpt2/smollm) and Gemma 3
 //! (llama SPM); see tests/tokenizer.rs. The gpt-2, llama3 and qwen2 splits were checked the same way on
-//! copies of SmolLM2 with `tokenizer.ggml.pre` rewritten (130 texts, both modes, all equal). Known, deliberate differences, none of which affects those models:
+//! copies of SmolLM2 with `tokenizer.ggml.pre` rewritten (130 texts, both modes, all equal).
+//!
+//! Known, deliberate differences, none of which affects those models:
 //! - the name-based LSTRIP/RSTRIP attributes llama.cpp sets for phi-3, jina and modern-bert are not applied;
 //! - where llama.cpp's order is unspecified (equal-length special tokens in its std::sort; which of several
 //!   candidate texts its unordered_map yields first as EOT/FIM token) the lower id is taken;
