@@ -12,7 +12,8 @@
 //!
 //! Verified id for id against llama.cpp (llama-cpp-sys-2 0.1.161) on SmolLM2 (gpt2/smollm) and Gemma 3
 //! (llama SPM); see tests/tokenizer.rs. The gpt-2, llama3 and qwen2 splits were checked the same way on
-//! copies of SmolLM2 with `tokenizer.ggml.pre` rewritten (130 texts, both modes, all equal).
+//! copies of SmolLM2 with `tokenizer.ggml.pre` rewritten, and the SPM space prefix on a copy of Gemma 3
+//! with `add_space_prefix` set (130 texts, both modes, all equal).
 //!
 //! Known, deliberate differences, none of which affects those models:
 //! - the name-based LSTRIP/RSTRIP attributes llama.cpp sets for phi-3, jina and modern-bert are not applied;
