@@ -61,7 +61,11 @@ fn ids(v: &Value) -> Vec<u32> {
 
 fn compare_with_llama_cpp(model: (&str, &str)) {
     let Some(vocab) = load(model) else { return };
-    let path = golden_dir().join(format!("tokens-{}.json", model.0));
+    // BATON_TOKENS_DIR points the comparison at other llama-ref output (e.g. extra texts) without editing.
+    let dir = std::env::var("BATON_TOKENS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| golden_dir());
+    let path = dir.join(format!("tokens-{}.json", model.0));
     let Ok(raw) = std::fs::read_to_string(&path) else {
         eprintln!(
             "SKIP: golden file {} not found (written by tools/llama-ref)",
@@ -180,6 +184,9 @@ fn eog_and_special_ids() {
         assert!(v.is_eog(2)); // <|im_end|>
         assert!(v.is_eog(0)); // <|endoftext|>
         assert!(!v.is_eog(1)); // <|im_start|>
+        // As llama.cpp's load log prints them: EOT 0, EOG {0, 2, 4 (<reponame>, taken as FIM repo)}.
+        assert_eq!(v.eot(), Some(0));
+        assert_eq!(v.eog_ids(), [0, 2, 4]);
         assert_eq!(v.tokenize("<|im_start|>", false, true), [1]);
         assert_eq!(v.token_bytes(1), b"<|im_start|>");
     }
@@ -190,6 +197,11 @@ fn eog_and_special_ids() {
         assert!(v.is_eog(v.token_id("<end_of_turn>").unwrap()));
         assert!(!v.is_eog(v.token_id("<start_of_turn>").unwrap()));
         assert_eq!(v.tokenize("", true, true), [2]);
+        // llama.cpp: EOT 106, EOG {1 <eos>, 106 <end_of_turn>, 212 </s> (user-defined, promoted by its text)}.
+        assert_eq!(v.eot(), Some(106));
+        assert_eq!(v.eog_ids(), [1, 106, 212]);
+        assert_eq!(v.unk(), Some(3));
+        assert_eq!(v.pad(), Some(0));
     }
 }
 

@@ -18,6 +18,8 @@ pub enum PreSplit {
     DigitsThenGpt2,
     /// The Llama-3 pattern with `\p{N}{1,3}` (llama3, dbrx, smaug, chatglm4, ...).
     Llama3,
+    /// The same pattern with single digits, `\p{N}` (qwen2, stablelm2, hunyuan, megrez, ...).
+    Qwen2,
 }
 
 /// A text's codepoints with their byte offsets and flags, shared by the splitters.
@@ -60,7 +62,9 @@ pub fn split(text: &str, how: PreSplit) -> Vec<(usize, usize)> {
     for &(ini, end) in &segments {
         match how {
             PreSplit::Gpt2 | PreSplit::DigitsThenGpt2 => gpt2_segment(&cp, ini, end, &mut words),
-            PreSplit::Llama3 => llama3_segment(&cp, ini, end, &mut words),
+            PreSplit::Llama3 => llama3_segment(&cp, ini, end, 3, &mut words),
+            // llama.cpp's qwen2 matcher is the llama3 one taking one digit at a time.
+            PreSplit::Qwen2 => llama3_segment(&cp, ini, end, 1, &mut words),
         }
     }
     words.into_iter().map(|(a, b)| (cp.offs[a], cp.offs[b])).collect()
@@ -205,8 +209,15 @@ fn lower(c: Option<char>) -> Option<char> {
     c.map(|c| c.to_lowercase().next().unwrap_or(c))
 }
 
-/// llama.cpp's `unicode_regex_split_custom_llama3` for one segment `[ini, end)`.
-fn llama3_segment(cp: &Cpts, ini: usize, end: usize, out: &mut Vec<(usize, usize)>) {
+/// llama.cpp's `unicode_regex_split_custom_llama3` (`max_digits` 3) and `..._qwen2` (`max_digits` 1) for
+/// one segment `[ini, end)`.
+fn llama3_segment(
+    cp: &Cpts,
+    ini: usize,
+    end: usize,
+    max_digits: usize,
+    out: &mut Vec<(usize, usize)>,
+) {
     let get_cpt = |pos: usize| {
         if pos >= ini && pos < end {
             Some(cp.chars[pos])
@@ -256,12 +267,12 @@ fn llama3_segment(cp: &Cpts, ini: usize, end: usize, out: &mut Vec<(usize, usize
             continue;
         }
 
-        // \p{N}{1,3}
+        // \p{N}{1,3} (or \p{N})
         if flags.is_number() {
             let mut ini_n = pos;
             while get_flags(pos).is_number() {
                 pos += 1;
-                if pos - ini_n >= 3 {
+                if pos - ini_n >= max_digits {
                     em.add(pos);
                     ini_n = pos;
                 }
@@ -352,12 +363,23 @@ mod tests {
         assert_eq!(words("1234567", PreSplit::Llama3), ["123", "456", "7"]);
         assert_eq!(words("Hello\n\n world", PreSplit::Llama3), ["Hello", "\n\n", " world"]);
         assert_eq!(words("I'M", PreSplit::Llama3), ["I", "'M"]);
+        assert_eq!(
+            words("x 1234", PreSplit::Qwen2),
+            ["x", " ", "1", "2", "3", "4"]
+        );
+        // one non-letter may lead a letter run; punctuation takes trailing newlines
+        assert_eq!(words("\"hi\"\n\n", PreSplit::Qwen2), ["\"hi", "\"\n\n"]);
     }
 
     #[test]
     fn split_covers_the_whole_text() {
         let text = "Emoji: 😀🎉👍🏽 zero\u{200b}width  tabs\t\tend \u{3000}x";
-        for how in [PreSplit::Gpt2, PreSplit::DigitsThenGpt2, PreSplit::Llama3] {
+        for how in [
+            PreSplit::Gpt2,
+            PreSplit::DigitsThenGpt2,
+            PreSplit::Llama3,
+            PreSplit::Qwen2,
+        ] {
             let joined: String = words(text, how).concat();
             assert_eq!(joined, text);
         }
