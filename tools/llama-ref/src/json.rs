@@ -22,7 +22,11 @@ fn inline(v: &Value) -> Option<String> {
     let compact = || serde_json::to_string(v).unwrap_or_default();
     match v {
         Value::Array(items) if items.iter().all(is_scalar) => Some(compact()),
-        Value::Array(items) if items.iter().all(|i| matches!(i, Value::Array(a) if a.iter().all(is_scalar))) => {
+        Value::Array(items)
+            if items
+                .iter()
+                .all(|i| matches!(i, Value::Array(a) if a.iter().all(is_scalar))) =>
+        {
             let s = compact();
             (s.len() <= INLINE_WIDTH).then_some(s)
         }

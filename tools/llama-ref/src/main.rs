@@ -119,7 +119,10 @@ struct BenchArgs {
 
 #[derive(Args)]
 struct AllArgs {
-    #[arg(long, default_value = "~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    #[arg(
+        long,
+        default_value = "~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    )]
     smollm2: String,
     #[arg(long, default_value = "~/.cache/baton/models/gemma-3-270m-q4_k_m.gguf")]
     gemma3: String,
@@ -146,7 +149,14 @@ fn run() -> Result<()> {
     match cli.cmd {
         Cmd::Tokens(a) => tokens_cmd(&backend, &a.model, &a.texts, &a.out),
         Cmd::Greedy(a) => greedy_cmd(&backend, &a.model, a.n_predict, a.n_ctx, &a.out),
-        Cmd::Perplexity(a) => ppl_cmd(&backend, &a.model, &a.text, a.n_ctx, &a.out, a.dump_logits.as_deref()),
+        Cmd::Perplexity(a) => ppl_cmd(
+            &backend,
+            &a.model,
+            &a.text,
+            a.n_ctx,
+            &a.out,
+            a.dump_logits.as_deref(),
+        ),
         Cmd::Bench(a) => bench_cmd(&backend, &a),
         Cmd::All(a) => all_cmd(&backend, &a),
     }
@@ -163,10 +173,32 @@ fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
     let texts = a.golden.join("tokenizer_texts.json");
     let ppl_text = a.golden.join("ppl-text.txt");
     for (name, path) in [("smollm2", &a.smollm2), ("gemma3", &a.gemma3)] {
-        let m = ModelArgs { model: expand_home(path), name: name.to_string(), threads: a.threads };
-        tokens_cmd(backend, &m, &texts, &a.golden.join(format!("tokens-{name}.json")))?;
-        greedy_cmd(backend, &m, 48, 2048, &a.golden.join(format!("greedy-{name}.json")))?;
-        ppl_cmd(backend, &m, &ppl_text, 512, &a.golden.join(format!("perplexity-{name}.json")), None)?;
+        let m = ModelArgs {
+            model: expand_home(path),
+            name: name.to_string(),
+            threads: a.threads,
+        };
+        tokens_cmd(
+            backend,
+            &m,
+            &texts,
+            &a.golden.join(format!("tokens-{name}.json")),
+        )?;
+        greedy_cmd(
+            backend,
+            &m,
+            48,
+            2048,
+            &a.golden.join(format!("greedy-{name}.json")),
+        )?;
+        ppl_cmd(
+            backend,
+            &m,
+            &ppl_text,
+            512,
+            &a.golden.join(format!("perplexity-{name}.json")),
+            None,
+        )?;
     }
     Ok(())
 }
@@ -253,15 +285,19 @@ fn top_k(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
 fn mean_std(logits: &[f32]) -> (f64, f64) {
     let n = logits.len() as f64;
     let mean = logits.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = logits.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let var = logits
+        .iter()
+        .map(|&v| (v as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n;
     (mean, var.sqrt())
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<()> {
-    if let Some(dir) = path.parent() {
-        if !dir.as_os_str().is_empty() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
+    if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let text = json::render(v);
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
@@ -275,8 +311,10 @@ fn file_size(path: &Path) -> u64 {
 // tokens
 
 fn tokens_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -> Result<()> {
-    let raw = std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
-    let parsed: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
+    let raw =
+        std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
+    let parsed: Value =
+        serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
     let list = parsed
         .get("texts")
         .and_then(Value::as_array)
@@ -286,7 +324,9 @@ fn tokens_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -
     let mut cases = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for t in list {
-        let text = t.as_str().ok_or_else(|| anyhow!("a text in {} is not a string", texts.display()))?;
+        let text = t
+            .as_str()
+            .ok_or_else(|| anyhow!("a text in {} is not a string", texts.display()))?;
         let plain = vocab.tokenize(text.as_bytes(), false, false);
         let special = vocab.tokenize(text.as_bytes(), true, true);
         seen.extend(plain.iter().chain(&special).map(|t| t.0));
@@ -341,19 +381,32 @@ fn chat_prompt(arch: &str) -> Result<String> {
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
              <|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
         )),
-        "gemma3" => Ok(format!("<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")),
+        "gemma3" => Ok(format!(
+            "<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n"
+        )),
         other => bail!("no chat template written for architecture {other}"),
     }
 }
 
-fn greedy_cmd(backend: &LlamaBackend, m: &ModelArgs, n_predict: usize, n_ctx: u32, out: &Path) -> Result<()> {
+fn greedy_cmd(
+    backend: &LlamaBackend,
+    m: &ModelArgs,
+    n_predict: usize,
+    n_ctx: u32,
+    out: &Path,
+) -> Result<()> {
     let model = load_model(backend, &m.model)?;
-    let arch = model.meta_val_str("general.architecture").unwrap_or_default();
+    let arch = model
+        .meta_val_str("general.architecture")
+        .unwrap_or_default();
     let prompts: Vec<(&str, String)> = vec![
         ("capital", "The capital of France is".to_string()),
         ("code", "def fibonacci(n):".to_string()),
         ("question", "Why is the sky blue?".to_string()),
-        ("story", "Once upon a time, in a small village by the sea,".to_string()),
+        (
+            "story",
+            "Once upon a time, in a small village by the sea,".to_string(),
+        ),
         ("paragraph", LONG_PARAGRAPH.to_string()),
         ("chat", chat_prompt(&arch)?),
     ];
@@ -365,7 +418,10 @@ fn greedy_cmd(backend: &LlamaBackend, m: &ModelArgs, n_predict: usize, n_ctx: u3
     for (label, text) in &prompts {
         let prompt = vocab.tokenize(text.as_bytes(), true, true);
         if prompt.is_empty() || prompt.len() + n_predict > n_ctx as usize {
-            bail!("prompt {label} has {} tokens, which does not fit n_ctx {n_ctx}", prompt.len());
+            bail!(
+                "prompt {label} has {} tokens, which does not fit n_ctx {n_ctx}",
+                prompt.len()
+            );
         }
         ctx.clear_kv_cache();
         let mut batch = LlamaBatch::new(prompt.len().max(1), 1);
@@ -373,16 +429,23 @@ fn greedy_cmd(backend: &LlamaBackend, m: &ModelArgs, n_predict: usize, n_ctx: u3
         for (i, &t) in prompt.iter().enumerate() {
             batch.add(t, i as i32, &[0], i == last)?;
         }
-        ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed on prompt {label}: {e}"))?;
+        ctx.decode(&mut batch)
+            .map_err(|e| anyhow!("decode failed on prompt {label}: {e}"))?;
 
         let logits = ctx.get_logits_ith(batch.n_tokens() - 1).to_vec();
         let (mean, std) = mean_std(&logits);
-        let top20: Vec<Value> = top_k(&logits, 20).into_iter().map(|(i, v)| json!([i, v])).collect();
+        let top20: Vec<Value> = top_k(&logits, 20)
+            .into_iter()
+            .map(|(i, v)| json!([i, v]))
+            .collect();
 
         let mut steps = Vec::new();
         let mut output = Vec::new();
         let mut cur = logits;
         let mut pos = prompt.len() as i32;
+        // Generation runs the full n_predict steps even past an end-of-generation token, so every prompt
+        // yields the same amount of comparison data; first_eog marks where a chat front end would stop.
+        let mut first_eog = None;
         for _ in 0..n_predict {
             let top2 = top_k(&cur, 2);
             let (id, logit) = top2[0];
@@ -391,23 +454,26 @@ fn greedy_cmd(backend: &LlamaBackend, m: &ModelArgs, n_predict: usize, n_ctx: u3
             min_gap = min_gap.min(gap);
             steps.push(json!({"id": id, "logit": logit, "second": top2[1].0, "gap": gap}));
             let tok = LlamaToken(id as i32);
-            output.push(tok);
-            if vocab.is_eog(tok) {
-                break;
+            if first_eog.is_none() && vocab.is_eog(tok) {
+                first_eog = Some(output.len());
             }
+            output.push(tok);
             batch.clear();
             batch.add(tok, pos, &[0], true)?;
             pos += 1;
-            ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed while generating for {label}: {e}"))?;
+            ctx.decode(&mut batch)
+                .map_err(|e| anyhow!("decode failed while generating for {label}: {e}"))?;
             cur = ctx.get_logits_ith(0).to_vec();
         }
         total_steps += output.len();
-        let text_out = String::from_utf8_lossy(&vocab.detokenize(&output, false, true)).into_owned();
+        let text_out =
+            String::from_utf8_lossy(&vocab.detokenize(&output, false, true)).into_owned();
         results.push(json!({
             "label": label,
             "prompt": text,
             "prompt_ids": ids(&prompt),
             "output_ids": ids(&output),
+            "first_eog": first_eog,
             "output_text": text_out,
             "steps": steps,
             "last_prompt_logits": {"top20": top20, "mean": mean, "std": std},
@@ -416,7 +482,7 @@ fn greedy_cmd(backend: &LlamaBackend, m: &ModelArgs, n_predict: usize, n_ctx: u3
     let mut doc = model_info(&model, &m.name, &m.model);
     doc["settings"] = json!({
         "n_ctx": n_ctx, "n_batch": n_ctx, "n_ubatch": 512, "threads": m.threads, "n_predict": n_predict,
-        "add_special": true, "parse_special": true, "sampling": "argmax, first index wins ties; stops after an end-of-generation token",
+        "add_special": true, "parse_special": true, "sampling": "argmax, first index wins ties; always n_predict steps, even past an end-of-generation token",
     });
     doc["prompts"] = Value::Array(results);
     write_json(out, &doc)?;
@@ -450,7 +516,12 @@ fn ppl_cmd(
     out: &Path,
     dump_logits: Option<&Path>,
 ) -> Result<()> {
-    let text = std::fs::read_to_string(text_path).with_context(|| format!("reading {}", text_path.display()))?;
+    let mut text = std::fs::read_to_string(text_path)
+        .with_context(|| format!("reading {}", text_path.display()))?;
+    // llama-perplexity's `-f` drops one trailing newline from the file before tokenizing.
+    if text.ends_with('\n') {
+        text.pop();
+    }
     let model = load_model(backend, &m.model)?;
     let vocab = model.vocab();
     if vocab.should_add_eos() {
@@ -461,7 +532,12 @@ fn ppl_cmd(
     let tokens = vocab.tokenize(text.as_bytes(), true, false);
     let n = n_ctx as usize;
     if tokens.len() < 2 * n {
-        bail!("{} tokenizes to {} tokens; perplexity needs at least {}", text_path.display(), tokens.len(), 2 * n);
+        bail!(
+            "{} tokenizes to {} tokens; perplexity needs at least {}",
+            text_path.display(),
+            tokens.len(),
+            2 * n
+        );
     }
     let n_chunk = tokens.len() / n;
     let first = n / 2;
@@ -491,7 +567,8 @@ fn ppl_cmd(
             // Only positions >= first produce logits, as in llama-perplexity.
             batch.add(tok, k as i32, &[0], k >= first)?;
         }
-        ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed on chunk {c}: {e}"))?;
+        ctx.decode(&mut batch)
+            .map_err(|e| anyhow!("decode failed on chunk {c}: {e}"))?;
         // Positions first .. n-2 predict tokens first+1 .. n-1 (n - first - 1 scores per chunk).
         for j in first..n - 1 {
             let logits = ctx.get_logits_ith(j as i32);
@@ -519,7 +596,11 @@ fn ppl_cmd(
     let mean = nll_sum / count as f64;
     let ppl = mean.exp();
     let var = nll2_sum / count as f64 - mean * mean;
-    let ppl_err = if var > 0.0 { (var / (count as f64 - 1.0)).sqrt() * ppl } else { f64::NAN };
+    let ppl_err = if var > 0.0 {
+        (var / (count as f64 - 1.0)).sqrt() * ppl
+    } else {
+        f64::NAN
+    };
 
     let mut doc = model_info(&model, &m.name, &m.model);
     doc["settings"] = json!({
@@ -582,9 +663,12 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
     let n_batch = a.n_batch.max(1);
     let mut ctx = new_context(backend, &model, n_ctx, n_batch, n_batch.min(512), a.threads)?;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let file = a.model.file_name().map(|f| f.to_string_lossy().into_owned());
+    let file = a
+        .model
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned());
 
-    let mut run_pp = |ctx: &mut LlamaContext, seed: &mut u64| -> Result<f64> {
+    let run_pp = |ctx: &mut LlamaContext, seed: &mut u64| -> Result<f64> {
         let mut toks = random_tokens(a.n_prompt, n_vocab, seed);
         toks[0] = bos;
         ctx.clear_kv_cache();
@@ -595,7 +679,8 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
             for (i, &tok) in chunk.iter().enumerate() {
                 batch.add(tok, (base + i) as i32, &[0], i == chunk.len() - 1)?;
             }
-            ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed: {e}"))?;
+            ctx.decode(&mut batch)
+                .map_err(|e| anyhow!("decode failed: {e}"))?;
         }
         let _ = ctx.get_logits_ith(-1);
         Ok(t.elapsed().as_secs_f64())
@@ -609,7 +694,8 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
         for (i, &next) in toks.iter().enumerate() {
             batch.clear();
             batch.add(tok, i as i32, &[0], true)?;
-            ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed: {e}"))?;
+            ctx.decode(&mut batch)
+                .map_err(|e| anyhow!("decode failed: {e}"))?;
             let _ = ctx.get_logits_ith(0);
             tok = next;
         }
@@ -625,10 +711,18 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
     }
     for (name, n, is_pp) in tests {
         // One warm-up run, as llama-bench does.
-        if is_pp { run_pp(&mut ctx, &mut seed)? } else { run_tg(&mut ctx, &mut seed)? };
+        let _warmup = if is_pp {
+            run_pp(&mut ctx, &mut seed)?
+        } else {
+            run_tg(&mut ctx, &mut seed)?
+        };
         let mut rates = Vec::new();
         for _ in 0..a.repetitions {
-            let secs = if is_pp { run_pp(&mut ctx, &mut seed)? } else { run_tg(&mut ctx, &mut seed)? };
+            let secs = if is_pp {
+                run_pp(&mut ctx, &mut seed)?
+            } else {
+                run_tg(&mut ctx, &mut seed)?
+            };
             rates.push(n as f64 / secs);
         }
         let mut sorted = rates.clone();
