@@ -53,6 +53,16 @@ enum Cmd {
     Perplexity(PerplexityArgs),
     /// Measure prompt-processing (pp) and generation (tg) speed, like llama-bench.
     Bench(BenchArgs),
+    /// Rewrite a model with its weight matrices in another type (f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1).
+    Quantize {
+        /// Input model (name or path).
+        input: String,
+        /// Output GGUF path.
+        output: PathBuf,
+        /// Target type.
+        #[arg(long = "type", default_value = "q8_0")]
+        ty: String,
+    },
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
@@ -184,6 +194,7 @@ fn main() {
         Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
         Cmd::Perplexity(a) => cmd_perplexity(a),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Quantize { input, output, ty } => cmd_quantize(&input, &output, &ty),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -531,6 +542,21 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         }
     })?;
     eprintln!("peak RSS: {:.1} MiB", baton::bench::peak_rss() as f64 / 1048576.0);
+    Ok(())
+}
+
+fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
+    let target = baton::model::quantize::parse_target(ty)?;
+    let path = fetch::resolve(input)?;
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors").unwrap());
+    bar.set_message(format!("quantizing to {target}"));
+    let (n, bytes) = baton::model::quantize::quantize_file(&path, output, target, |i, n| {
+        bar.set_length(n as u64);
+        bar.set_position(i as u64);
+    })?;
+    bar.finish_and_clear();
+    eprintln!("wrote {} ({n} tensors converted to {target}, {:.1} MiB)", output.display(), bytes as f64 / 1048576.0);
     Ok(())
 }
 

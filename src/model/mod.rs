@@ -8,6 +8,7 @@ pub mod blocks;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
+pub mod quantize;
 pub mod random;
 
 pub use hparams::{Arch, Hparams, RopeType};
