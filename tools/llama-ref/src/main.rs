@@ -95,6 +95,10 @@ struct PplArgs {
     /// arithmetic can be checked independently (e.g. with numpy).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
+    /// Chunks evaluated together as separate sequences of one batch (llama-perplexity's default
+    /// `-b 2048` with `-c 512` uses 4); results differ from 1 only by float summation order.
+    #[arg(long, default_value_t = 1)]
+    n_seq: usize,
 }
 
 #[derive(Args)]
@@ -154,6 +158,7 @@ fn run() -> Result<()> {
             &a.model,
             &a.text,
             a.n_ctx,
+            a.n_seq,
             &a.out,
             a.dump_logits.as_deref(),
         ),
@@ -196,6 +201,7 @@ fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
             &m,
             &ppl_text,
             512,
+            1,
             &a.golden.join(format!("perplexity-{name}.json")),
             None,
         )?;
@@ -442,11 +448,10 @@ fn greedy_cmd(
         let mut steps = Vec::new();
         let mut output = Vec::new();
         let mut cur = logits;
-        let mut pos = prompt.len() as i32;
         // Generation runs the full n_predict steps even past an end-of-generation token, so every prompt
         // yields the same amount of comparison data; first_eog marks where a chat front end would stop.
         let mut first_eog = None;
-        for _ in 0..n_predict {
+        for step in 0..n_predict {
             let top2 = top_k(&cur, 2);
             let (id, logit) = top2[0];
             let gap = logit - top2[1].1;
@@ -458,9 +463,11 @@ fn greedy_cmd(
                 first_eog = Some(output.len());
             }
             output.push(tok);
+            if step + 1 == n_predict {
+                break;
+            }
             batch.clear();
-            batch.add(tok, pos, &[0], true)?;
-            pos += 1;
+            batch.add(tok, (prompt.len() + step) as i32, &[0], true)?;
             ctx.decode(&mut batch)
                 .map_err(|e| anyhow!("decode failed while generating for {label}: {e}"))?;
             cur = ctx.get_logits_ith(0).to_vec();
@@ -513,9 +520,13 @@ fn ppl_cmd(
     m: &ModelArgs,
     text_path: &Path,
     n_ctx: u32,
+    n_seq: usize,
     out: &Path,
     dump_logits: Option<&Path>,
 ) -> Result<()> {
+    if n_seq == 0 {
+        bail!("--n-seq must be at least 1");
+    }
     let mut text = std::fs::read_to_string(text_path)
         .with_context(|| format!("reading {}", text_path.display()))?;
     // llama-perplexity's `-f` drops one trailing newline from the file before tokenizing.
@@ -541,9 +552,20 @@ fn ppl_cmd(
     }
     let n_chunk = tokens.len() / n;
     let first = n / 2;
-    // One chunk per decode, n_batch = n_ctx (llama-perplexity with -b equal to -c).
-    let mut ctx = new_context(backend, &model, n_ctx, n_ctx, n_ctx.min(512), m.threads)?;
-    let mut batch = LlamaBatch::new(n, 1);
+    // n_seq chunks per decode, each its own sequence of n_ctx cells; with n_seq = 1 this is
+    // llama-perplexity with -b equal to -c.
+    let n_kv = (n * n_seq) as u32;
+    let params = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(n_kv))
+        .with_n_batch(n_kv)
+        .with_n_ubatch(n_ctx.min(512))
+        .with_n_seq_max(n_seq as u32)
+        .with_n_threads(m.threads)
+        .with_n_threads_batch(m.threads);
+    let mut ctx = model
+        .new_context(backend, params)
+        .map_err(|e| anyhow!("llama.cpp could not create a context: {e}"))?;
+    let mut batch = LlamaBatch::new(n * n_seq, n_seq as i32);
     let n_vocab = vocab.n_tokens() as usize;
 
     let mut nll_sum = 0.0f64;
@@ -555,40 +577,47 @@ fn ppl_cmd(
     let mut matches = 0usize;
     let mut dump = Vec::new();
     let t0 = Instant::now();
-    for c in 0..n_chunk {
-        let start = c * n;
+    for group in (0..n_chunk).step_by(n_seq) {
+        let n_seq_batch = n_seq.min(n_chunk - group);
         ctx.clear_kv_cache();
         batch.clear();
-        for k in 0..n {
-            let mut tok = tokens[start + k];
-            if k == 0 && add_bos {
-                tok = vocab.bos();
+        for s in 0..n_seq_batch {
+            let start = (group + s) * n;
+            for k in 0..n {
+                let mut tok = tokens[start + k];
+                if k == 0 && add_bos {
+                    tok = vocab.bos();
+                }
+                // Only positions >= first produce logits, as in llama-perplexity.
+                batch.add(tok, k as i32, &[s as i32], k >= first)?;
             }
-            // Only positions >= first produce logits, as in llama-perplexity.
-            batch.add(tok, k as i32, &[0], k >= first)?;
         }
         ctx.decode(&mut batch)
-            .map_err(|e| anyhow!("decode failed on chunk {c}: {e}"))?;
-        // Positions first .. n-2 predict tokens first+1 .. n-1 (n - first - 1 scores per chunk).
-        for j in first..n - 1 {
-            let logits = ctx.get_logits_ith(j as i32);
-            if logits.len() != n_vocab {
-                bail!("unexpected logits length {}", logits.len());
+            .map_err(|e| anyhow!("decode failed on chunk {group}: {e}"))?;
+        for s in 0..n_seq_batch {
+            let c = group + s;
+            let start = c * n;
+            // Positions first .. n-2 predict tokens first+1 .. n-1 (n - first - 1 scores per chunk).
+            for j in first..n - 1 {
+                let logits = ctx.get_logits_ith((s * n + j) as i32);
+                if logits.len() != n_vocab {
+                    bail!("unexpected logits length {}", logits.len());
+                }
+                if c == 0 && dump_logits.is_some() {
+                    dump.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+                }
+                let target = tokens[start + j + 1].0 as usize;
+                let v = nll(logits, target);
+                nll_sum += v;
+                nll2_sum += v * v;
+                count += 1;
+                let am = argmax(logits);
+                matches += usize::from(am == target);
+                argmaxes.push(am);
+                nlls.push((v * 1e6).round() / 1e6);
             }
-            if c == 0 && dump_logits.is_some() {
-                dump.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
-            }
-            let target = tokens[start + j + 1].0 as usize;
-            let v = nll(logits, target);
-            nll_sum += v;
-            nll2_sum += v * v;
-            count += 1;
-            let am = argmax(logits);
-            matches += usize::from(am == target);
-            argmaxes.push(am);
-            nlls.push((v * 1e6).round() / 1e6);
+            running.push((nll_sum / count as f64).exp());
         }
-        running.push((nll_sum / count as f64).exp());
     }
     if let Some(p) = dump_logits {
         std::fs::write(p, &dump).with_context(|| format!("writing {}", p.display()))?;
@@ -605,7 +634,7 @@ fn ppl_cmd(
     let mut doc = model_info(&model, &m.name, &m.model);
     doc["settings"] = json!({
         "text_file": text_path.file_name().map(|f| f.to_string_lossy().into_owned()),
-        "n_ctx": n_ctx, "n_batch": n_ctx, "threads": m.threads, "first": first,
+        "n_ctx": n_ctx, "n_batch": n_kv, "n_seq": n_seq, "threads": m.threads, "first": first,
         "add_special": true, "parse_special": false, "bos_replaces_first_token": add_bos,
     });
     doc["n_tokens"] = json!(tokens.len());
