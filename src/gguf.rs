@@ -109,7 +109,7 @@ impl GgmlType {
 
     /// Bytes of a row of `n` weights; `None` if `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return None;
         }
         Some(n / self.block_size() * self.type_size())

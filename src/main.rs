@@ -556,7 +556,11 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
         bar.set_position(i as u64);
     })?;
     bar.finish_and_clear();
-    eprintln!("wrote {} ({n} tensors converted to {target}, {:.1} MiB)", output.display(), bytes as f64 / 1048576.0);
+    eprintln!(
+        "wrote {} ({n} tensors converted to {target}, {:.1} MiB)",
+        output.display(),
+        bytes as f64 / 1048576.0
+    );
     Ok(())
 }
 

@@ -44,7 +44,7 @@ fn greedy_run_prints_only_the_completion_on_stdout() {
         "The capital of France is",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8(o.stdout).unwrap();
+    let out = String::from_utf8(o.stdout.clone()).unwrap();
     assert!(
         !out.contains("The capital of France is"),
         "stdout echoes the prompt without --echo: {out:?}"
@@ -193,7 +193,7 @@ fn tokenize_prints_ids_on_one_line() {
     let m = common::model("smollm2");
     let o = baton(&["tokenize", m.to_str().unwrap(), f.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8(o.stdout).unwrap();
+    let out = String::from_utf8(o.stdout.clone()).unwrap();
     assert_eq!(out.lines().count(), 1);
     let ids: Vec<u32> = out.split_whitespace().map(|s| s.parse().unwrap()).collect();
     assert!(!ids.is_empty() && ids[0] != 1, "no BOS in tokenize output: {ids:?}");
@@ -203,7 +203,7 @@ fn tokenize_prints_ids_on_one_line() {
 fn info_describes_the_model() {
     let o = baton(&["info", common::model("gemma3").to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8(o.stdout).unwrap();
+    let out = String::from_utf8(o.stdout.clone()).unwrap();
     for needle in [
         "gemma3",
         "sliding window",

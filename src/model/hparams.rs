@@ -103,7 +103,7 @@ impl Hparams {
                 token_embd.ne0()
             );
         }
-        if n_rot > head_dim_k || n_rot % 2 != 0 {
+        if n_rot > head_dim_k || !n_rot.is_multiple_of(2) {
             bail!("rope dimension count {n_rot} does not fit head size {head_dim_k}");
         }
 

@@ -28,7 +28,11 @@ fn encode_row(x: &[f32], ty: GgmlType, out: &mut Vec<u8>) {
     let dst = &mut out[start..];
     match ty {
         GgmlType::F32 => dst.copy_from_slice(&x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()),
-        GgmlType::F16 => dst.copy_from_slice(&x.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect::<Vec<_>>()),
+        GgmlType::F16 => dst.copy_from_slice(
+            &x.iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect::<Vec<_>>(),
+        ),
         GgmlType::Q8_0 => legacy::quantize_row_q8_0(x, dst),
         GgmlType::Q5_0 => legacy::quantize_row_q5_0(x, dst),
         GgmlType::Q5_1 => legacy::quantize_row_q5_1(x, dst),
@@ -39,7 +43,12 @@ fn encode_row(x: &[f32], ty: GgmlType, out: &mut Vec<u8>) {
 }
 
 /// Writes `input` to `output` with every 2-D weight matrix stored as `target`. Returns (tensors converted, bytes).
-pub fn quantize_file(input: &Path, output: &Path, target: GgmlType, mut progress: impl FnMut(usize, usize)) -> Result<(usize, usize)> {
+pub fn quantize_file(
+    input: &Path,
+    output: &Path,
+    target: GgmlType,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(usize, usize)> {
     let file = Arc::new(GgufFile::open(input)?);
     let mut w = GgufWriter::new();
     for (k, v) in &file.metadata {

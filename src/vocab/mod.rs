@@ -387,8 +387,8 @@ impl Vocab {
                     PreSplit::Llama3
                 }
                 "dbrx" | "smaug-bpe" => PreSplit::Llama3,
-                "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
-                | "hunyuan" | "solar-open" => PreSplit::Qwen2,
+                "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2" | "hunyuan"
+                | "solar-open" => PreSplit::Qwen2,
                 "glm4" | "chatglm-bpe" => {
                     bos = None;
                     PreSplit::Llama3

@@ -211,13 +211,7 @@ fn lower(c: Option<char>) -> Option<char> {
 
 /// llama.cpp's `unicode_regex_split_custom_llama3` (`max_digits` 3) and `..._qwen2` (`max_digits` 1) for
 /// one segment `[ini, end)`.
-fn llama3_segment(
-    cp: &Cpts,
-    ini: usize,
-    end: usize,
-    max_digits: usize,
-    out: &mut Vec<(usize, usize)>,
-) {
+fn llama3_segment(cp: &Cpts, ini: usize, end: usize, max_digits: usize, out: &mut Vec<(usize, usize)>) {
     let get_cpt = |pos: usize| {
         if pos >= ini && pos < end {
             Some(cp.chars[pos])
@@ -363,10 +357,7 @@ mod tests {
         assert_eq!(words("1234567", PreSplit::Llama3), ["123", "456", "7"]);
         assert_eq!(words("Hello\n\n world", PreSplit::Llama3), ["Hello", "\n\n", " world"]);
         assert_eq!(words("I'M", PreSplit::Llama3), ["I", "'M"]);
-        assert_eq!(
-            words("x 1234", PreSplit::Qwen2),
-            ["x", " ", "1", "2", "3", "4"]
-        );
+        assert_eq!(words("x 1234", PreSplit::Qwen2), ["x", " ", "1", "2", "3", "4"]);
         // one non-letter may lead a letter run; punctuation takes trailing newlines
         assert_eq!(words("\"hi\"\n\n", PreSplit::Qwen2), ["\"hi", "\"\n\n"]);
     }

@@ -1,0 +1,193 @@
+//! Baton against llama.cpp: greedy continuations, logits and perplexity compared with the golden files written
+//! by tools/llama-ref (see tests/golden/README.md). CI never builds llama.cpp; it reads these files.
+
+mod common;
+
+use baton::engine::{Input, Session, Want};
+use baton::kernels::ThreadPool;
+use baton::kernels::ops::{argmax, log_sum_exp};
+use baton::model::Model;
+use baton::vocab::Vocab;
+use serde_json::Value;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A divergence at a step whose llama.cpp top-2 gap is below this is a near-tie flip, not a bug.
+const NEAR_TIE: f64 = 0.1;
+
+fn golden(name: &str) -> Option<Value> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
+        panic!(
+            "golden file {} unreadable ({e}); tools/llama-ref writes it",
+            p.display()
+        )
+    });
+    Some(serde_json::from_str(&text).unwrap())
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn check_greedy(model_name: &str) {
+    let Some(g) = golden(&format!("greedy-{model_name}.json")) else {
+        return;
+    };
+    let path = common::model(model_name);
+    let model = Arc::new(Model::load(&path).unwrap());
+    let vocab = Vocab::from_gguf(&model.file).unwrap();
+    let pool = Arc::new(ThreadPool::new(2));
+    let mut report = Vec::new();
+    for p in g["prompts"].as_array().unwrap() {
+        let label = p["label"].as_str().unwrap();
+        let prompt_ids = ids(&p["prompt_ids"]);
+        assert_eq!(
+            vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
+            prompt_ids,
+            "{model_name}/{label}: prompt tokens differ from llama.cpp"
+        );
+        let want = ids(&p["output_ids"]);
+        let steps = p["steps"].as_array().unwrap();
+
+        let mut s = Session::new(model.clone(), pool.clone(), 2048, 512).unwrap();
+        let logits = s.eval(&prompt_ids).unwrap().to_vec();
+        // The last prompt position's logits against llama.cpp's top 20.
+        let mut max_logit_err = 0.0f64;
+        for pair in p["last_prompt_logits"]["top20"].as_array().unwrap() {
+            let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+            max_logit_err = max_logit_err.max((logits[id] as f64 - l).abs());
+        }
+        let mut got = vec![argmax(&logits) as u32];
+        while got.len() < want.len() {
+            let l = s
+                .forward(Input::Tokens(&[*got.last().unwrap()]), Want::LastLogits)
+                .unwrap();
+            got.push(argmax(l) as u32);
+        }
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        let line = if same == want.len() {
+            format!(
+                "{model_name}/{label}: {same}/{} identical, top-20 logit error {max_logit_err:.4}",
+                want.len()
+            )
+        } else {
+            let gap = steps[same]["gap"].as_f64().unwrap();
+            assert!(
+                gap < NEAR_TIE,
+                "{model_name}/{label}: diverges from llama.cpp at step {same} (llama.cpp chose {} over {} by {gap:.4}; \
+                 Baton chose {}) — not a near-tie",
+                want[same],
+                steps[same]["second"],
+                got[same]
+            );
+            format!(
+                "{model_name}/{label}: identical for {same}/{} steps, then a near-tie flip (llama.cpp gap {gap:.4}), \
+                 top-20 logit error {max_logit_err:.4}",
+                want.len()
+            )
+        };
+        eprintln!("{line}");
+        report.push(line);
+        assert!(
+            max_logit_err < 0.25,
+            "{model_name}/{label}: logits differ from llama.cpp by {max_logit_err}"
+        );
+    }
+}
+
+#[test]
+fn greedy_matches_llama_cpp_smollm2() {
+    check_greedy("smollm2");
+}
+
+#[test]
+fn greedy_matches_llama_cpp_gemma3() {
+    check_greedy("gemma3");
+}
+
+fn check_perplexity(model_name: &str) {
+    let Some(g) = golden(&format!("perplexity-{model_name}.json")) else {
+        return;
+    };
+    let path = common::model(model_name);
+    let model = Arc::new(Model::load(&path).unwrap());
+    let vocab = Vocab::from_gguf(&model.file).unwrap();
+    let text_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/ppl-text.txt");
+    let mut text = std::fs::read_to_string(text_path).unwrap();
+    if text.ends_with('\n') {
+        text.pop();
+    }
+    let tokens = vocab.tokenize(&text, true, false);
+    assert_eq!(
+        tokens,
+        ids(&g["tokens"]),
+        "{model_name}: perplexity text tokenizes differently"
+    );
+    let ref_argmax = ids(&g["argmax"]);
+    let n_ctx = 512;
+    let first = n_ctx / 2;
+    let n_vocab = model.hp.n_vocab;
+    let mut s = Session::new(model.clone(), Arc::new(ThreadPool::new(2)), n_ctx, 128).unwrap();
+    let (mut nll, mut count, mut agree, mut top1) = (0.0f64, 0usize, 0usize, 0usize);
+    for c in 0..tokens.len() / n_ctx {
+        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
+        if vocab.add_bos() {
+            chunk[0] = vocab.bos().unwrap();
+        }
+        s.rewind(0);
+        for (b, toks) in chunk.chunks(128).enumerate() {
+            let start = b * 128;
+            let end = start + toks.len();
+            let want = if end > first { Want::AllLogits } else { Want::Hidden };
+            let out = s.forward(Input::Tokens(toks), want).unwrap();
+            if want == Want::Hidden {
+                continue;
+            }
+            for j in start.max(first)..end.min(n_ctx - 1) {
+                let row = &out[(j - start) * n_vocab..(j - start + 1) * n_vocab];
+                let target = chunk[j + 1] as usize;
+                nll += log_sum_exp(row) - row[target] as f64;
+                let am = argmax(row);
+                agree += (am as u32 == ref_argmax[count]) as usize;
+                top1 += (am == target) as usize;
+                count += 1;
+            }
+        }
+    }
+    assert_eq!(count, g["n_scored"].as_u64().unwrap() as usize);
+    let ppl = (nll / count as f64).exp();
+    let ref_ppl = g["ppl"].as_f64().unwrap();
+    let rel = (ppl - ref_ppl).abs() / ref_ppl;
+    let agreement = agree as f64 / count as f64;
+    eprintln!(
+        "{model_name}: perplexity {ppl:.4} vs llama.cpp {ref_ppl:.4} ({:+.3}%), argmax agreement {:.2}% over {count} \
+         positions, top1 {:.4}",
+        (ppl / ref_ppl - 1.0) * 100.0,
+        agreement * 100.0,
+        top1 as f64 / count as f64
+    );
+    assert!(
+        rel < 0.01,
+        "{model_name}: perplexity {ppl} is not within 1% of llama.cpp's {ref_ppl}"
+    );
+    assert!(
+        agreement >= 0.98,
+        "{model_name}: argmax agrees with llama.cpp at only {:.2}%",
+        agreement * 100.0
+    );
+}
+
+#[test]
+fn perplexity_matches_llama_cpp_smollm2() {
+    check_perplexity("smollm2");
+}
+
+#[test]
+fn perplexity_matches_llama_cpp_gemma3() {
+    check_perplexity("gemma3");
+}
