@@ -125,7 +125,7 @@ fn write_model_with(path: &Path, arch: &str, ty: GgmlType) {
         "feed_forward_length",
         "attention.head_count",
     ] {
-        w.meta(&format!("{arch}.{k}"), Value::U32(32));
+        w.meta(&format!("{arch}.{k}"), Value::U32(256));
     }
     w.meta(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
     for (k, v) in &base.metadata {
@@ -135,9 +135,9 @@ fn write_model_with(path: &Path, arch: &str, ty: GgmlType) {
     }
     w.tensor(
         "token_embd.weight",
-        vec![32, 49152],
+        vec![256, 49152],
         ty,
-        vec![0; ty.row_bytes(32).unwrap() * 49152],
+        vec![0; ty.row_bytes(256).unwrap() * 49152],
     );
     w.write(path).unwrap();
 }
