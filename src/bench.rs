@@ -88,7 +88,7 @@ pub fn run_tg(s: &mut Session, depth: usize, n: usize) -> Result<f64> {
 /// Memory read bandwidth in bytes/s with the pool's threads: the best of a few passes summing a buffer much larger
 /// than the caches.
 pub fn measure_bandwidth(pool: &ThreadPool) -> f64 {
-    let n = 256 << 20; // 1 GiB of f32
+    let n = 64 << 20; // 256 MiB of f32, far beyond the caches
     let buf: Vec<f32> = vec![1.0; n / 4 * 4];
     let sums = std::sync::Mutex::new(vec![0.0f32; pool.n_threads()]);
     let mut best = 0.0f64;
