@@ -228,7 +228,10 @@ impl Value {
             }
             Value::Array(a) if a.len() > 8 => format!("[{} items]", a.len()),
             Value::Array(a) => {
-                format!("[{}]", a.iter().map(|v| v.summary()).collect::<Vec<_>>().join(", "))
+                format!(
+                    "[{}]",
+                    a.iter().map(|v| v.summary()).collect::<Vec<_>>().join(", ")
+                )
             }
             Value::U8(v) => v.to_string(),
             Value::I8(v) => v.to_string(),
@@ -324,7 +327,10 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64()?;
         if len > self.remaining() as u64 {
-            bail!("truncated or corrupt GGUF: {what} claims {len} bytes, {} remain", self.remaining());
+            bail!(
+                "truncated or corrupt GGUF: {what} claims {len} bytes, {} remain",
+                self.remaining()
+            );
         }
         let bytes = self.take(len as usize, what)?;
         // Token texts may hold invalid UTF-8 in some converters; keep them lossily rather than fail the load.
@@ -350,7 +356,10 @@ impl<'a> Cursor<'a> {
                 let n = self.u64()?;
                 // Every element takes at least one byte: a count beyond the remaining bytes is a lie.
                 if n > self.remaining() as u64 {
-                    bail!("truncated or corrupt GGUF: array claims {n} elements, {} bytes remain", self.remaining());
+                    bail!(
+                        "truncated or corrupt GGUF: array claims {n} elements, {} bytes remain",
+                        self.remaining()
+                    );
                 }
                 let mut items = Vec::with_capacity(n as usize);
                 for _ in 0..n {
@@ -368,11 +377,14 @@ impl<'a> Cursor<'a> {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).with_context(|| format!("cannot open model {}", path.display()))?;
+        let file =
+            File::open(path).with_context(|| format!("cannot open model {}", path.display()))?;
         // SAFETY: the map is read-only; a model file changed underneath a running process is outside our contract
         // (as with every mmap-based loader).
-        let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-        Self::parse(path, mmap).with_context(|| format!("{} is not a usable GGUF model", path.display()))
+        let mmap = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot map {}", path.display()))?;
+        Self::parse(path, mmap)
+            .with_context(|| format!("{} is not a usable GGUF model", path.display()))
     }
 
     fn parse(path: &Path, mmap: Mmap) -> Result<Self> {
@@ -388,18 +400,26 @@ impl GgufFile {
         let n_tensors = c.u64()?;
         let n_kv = c.u64()?;
         if n_tensors > c.remaining() as u64 || n_kv > c.remaining() as u64 {
-            bail!("corrupt GGUF header: {n_tensors} tensors, {n_kv} metadata entries in a {}-byte file", buf.len());
+            bail!(
+                "corrupt GGUF header: {n_tensors} tensors, {n_kv} metadata entries in a {}-byte file",
+                buf.len()
+            );
         }
 
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             let key = c.string("metadata key")?;
             let ty = c.u32()?;
-            let v = c.value(ty, 0).with_context(|| format!("metadata entry {key:?}"))?;
+            let v = c
+                .value(ty, 0)
+                .with_context(|| format!("metadata entry {key:?}"))?;
             metadata.insert(key, v);
         }
         let alignment = match metadata.get("general.alignment") {
-            Some(v) => v.as_u64().filter(|a| a.is_power_of_two()).context("general.alignment is not a power of two")?,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two())
+                .context("general.alignment is not a power of two")?,
             None => DEFAULT_ALIGNMENT,
         };
 
@@ -425,10 +445,16 @@ impl GgufFile {
         let mut tensors = BTreeMap::new();
         let mut tensor_order = Vec::with_capacity(infos.len());
         for (name, dims, ty, rel_offset) in infos {
-            let n: u64 = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).context("tensor size overflows")?;
+            let n: u64 = dims
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .context("tensor size overflows")?;
             let ne0 = dims[0] as usize;
             let Some(row) = ty.row_bytes(ne0) else {
-                bail!("tensor {name:?}: row length {ne0} is not a multiple of the {ty} block size {}", ty.block_size());
+                bail!(
+                    "tensor {name:?}: row length {ne0} is not a multiple of the {ty} block size {}",
+                    ty.block_size()
+                );
             };
             let size = (row as u64)
                 .checked_mul(n / dims[0].max(1))
@@ -445,13 +471,28 @@ impl GgufFile {
                 );
             }
             tensor_order.push(name.clone());
-            let info = TensorInfo { name: name.clone(), dims, ty, offset: start as usize, size: size as usize };
+            let info = TensorInfo {
+                name: name.clone(),
+                dims,
+                ty,
+                offset: start as usize,
+                size: size as usize,
+            };
             if tensors.insert(name.clone(), info).is_some() {
                 bail!("tensor {name:?} appears twice");
             }
         }
 
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, tensor_order, alignment, data_offset: data_offset as usize, mmap })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            tensor_order,
+            alignment,
+            data_offset: data_offset as usize,
+            mmap,
+        })
     }
 
     /// The whole mapped file.
@@ -480,15 +521,19 @@ impl GgufFile {
     }
 
     pub fn require_u64(&self, key: &str) -> Result<u64> {
-        self.get_u64(key).with_context(|| format!("missing or non-integer metadata {key:?}"))
+        self.get_u64(key)
+            .with_context(|| format!("missing or non-integer metadata {key:?}"))
     }
 
     pub fn architecture(&self) -> Result<&str> {
-        self.get_str("general.architecture").context("missing metadata general.architecture")
+        self.get_str("general.architecture")
+            .context("missing metadata general.architecture")
     }
 
     pub fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
-        self.tensors.get(name).with_context(|| format!("tensor {name:?} not found in {}", self.path.display()))
+        self.tensors
+            .get(name)
+            .with_context(|| format!("tensor {name:?} not found in {}", self.path.display()))
     }
 
     /// The bytes of one tensor (bounds were checked at open).
@@ -506,7 +551,10 @@ pub struct GgufWriter {
 
 impl GgufWriter {
     pub fn new() -> Self {
-        GgufWriter { metadata: Vec::new(), tensors: Vec::new() }
+        GgufWriter {
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+        }
     }
 
     pub fn meta(&mut self, key: &str, v: Value) {
@@ -616,10 +664,18 @@ mod tests {
         w.meta("general.architecture", Value::Str("llama".into()));
         w.meta("test.u32", Value::U32(7));
         w.meta("test.f64", Value::F64(1.5));
-        w.meta("test.arr", Value::Array(vec![Value::Str("a".into()), Value::Str("bc".into())]));
+        w.meta(
+            "test.arr",
+            Value::Array(vec![Value::Str("a".into()), Value::Str("bc".into())]),
+        );
         w.meta("test.bool", Value::Bool(true));
         w.meta("test.i8", Value::I8(-3));
-        w.tensor("t0", vec![4, 2], GgmlType::F32, (0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect());
+        w.tensor(
+            "t0",
+            vec![4, 2],
+            GgmlType::F32,
+            (0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect(),
+        );
         w.tensor("t1", vec![32], GgmlType::Q8_0, vec![1u8; 34]);
         w.to_bytes()
     }

@@ -6,6 +6,7 @@
 //! 3. [`engine`]: a session on one node (KV cache, layer-range forward, sampler, snapshots);
 //! 4. [`cluster`]: the wire protocol, `baton node`, and the pipeline coordinator; the server layer (to come) on top.
 
+pub mod bench;
 pub mod chat;
 pub mod cluster;
 pub mod engine;

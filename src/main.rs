@@ -19,7 +19,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "baton", version, about = "Run LLMs across several machines of different kinds")]
+#[command(
+    name = "baton",
+    version,
+    about = "Run LLMs across several machines of different kinds"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -47,6 +51,8 @@ enum Cmd {
     },
     /// Perplexity in llama-perplexity's convention (second half of each chunk scored).
     Perplexity(PerplexityArgs),
+    /// Measure prompt-processing (pp) and generation (tg) speed, like llama-bench.
+    Bench(BenchArgs),
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
@@ -88,7 +94,12 @@ struct RunArgs {
     #[arg(short = 'f', long = "file")]
     file: Option<PathBuf>,
     /// Tokens to generate (-1: until end of generation or the context is full).
-    #[arg(short = 'n', long = "n-predict", default_value_t = 256, allow_negative_numbers = true)]
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        default_value_t = 256,
+        allow_negative_numbers = true
+    )]
     n_predict: i64,
     /// Apply the model's chat template to the prompt as a user message.
     #[arg(long)]
@@ -140,13 +151,58 @@ struct PerplexityArgs {
     chunks: Option<usize>,
 }
 
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Prompt lengths to test (comma-separated; 0 to skip).
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        default_value = "512",
+        value_delimiter = ','
+    )]
+    n_prompt: Vec<usize>,
+    /// Generation lengths to test (comma-separated; 0 to skip).
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        default_value = "128",
+        value_delimiter = ','
+    )]
+    n_gen: Vec<usize>,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    reps: usize,
+    /// Context depths to test at (comma-separated).
+    #[arg(
+        short = 'd',
+        long = "ctx-depth",
+        default_value = "0",
+        value_delimiter = ','
+    )]
+    depths: Vec<usize>,
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    batch_size: usize,
+    /// One JSON object per line and test.
+    #[arg(long)]
+    json: bool,
+}
+
 fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run(a) => cmd_run(a),
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
-        Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
+        Cmd::Tokenize {
+            model,
+            file,
+            pieces,
+        } => cmd_tokenize(&model, &file, pieces),
         Cmd::Perplexity(a) => cmd_perplexity(a),
+        Cmd::Bench(a) => cmd_bench(a),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -157,7 +213,9 @@ fn main() {
 }
 
 fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 /// Loads model, vocabulary and a thread pool.
@@ -182,7 +240,8 @@ fn load(model: &str, threads: Option<usize>) -> Result<(Arc<Model>, Vocab, Arc<T
 fn cmd_run(a: RunArgs) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("cannot read prompt file {}", f.display()))?,
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
         (Some(_), Some(_)) => bail!("give the prompt either as an argument or with -f, not both"),
         (None, None) => bail!("no prompt: pass it as an argument or with -f FILE"),
     };
@@ -192,12 +251,22 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         let tmpl = chat_template(&model.file, &vocab)?;
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
-            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
         }
-        msgs.push(ChatMessage { role: "user".into(), content: prompt.clone() });
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: prompt.clone(),
+        });
         let r = tmpl.render(&msgs, true)?;
         if a.verbose {
-            eprintln!("chat template ({}) rendered {} bytes", tmpl.source(), r.len());
+            eprintln!(
+                "chat template ({}) rendered {} bytes",
+                tmpl.source(),
+                r.len()
+            );
         }
         r
     } else {
@@ -211,7 +280,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     }
     let n_ctx = c.ctx_size.min(model.hp.n_ctx_train.max(1));
     if tokens.len() >= n_ctx {
-        bail!("the prompt is {} tokens, the context is {n_ctx}: shorten it or raise -c", tokens.len());
+        bail!(
+            "the prompt is {} tokens, the context is {n_ctx}: shorten it or raise -c",
+            tokens.len()
+        );
     }
     let mut session = Session::new(model.clone(), pool, n_ctx, c.batch_size)?;
     let mut sampler = Sampler::new(
@@ -239,7 +311,11 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     let mut next = sampler.sample(session.eval(&tokens)?);
     let t_prompt = t0.elapsed().as_secs_f64();
 
-    let max_new = if a.n_predict < 0 { usize::MAX } else { a.n_predict as usize };
+    let max_new = if a.n_predict < 0 {
+        usize::MAX
+    } else {
+        a.n_predict as usize
+    };
     let mut decoder = StreamDecoder::new();
     let t1 = Instant::now();
     let mut n_gen = 0usize;
@@ -284,7 +360,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
-    let piece = |id: Option<u32>| id.map(|i| vocab.token_text(i).to_string()).unwrap_or_default();
+    let piece = |id: Option<u32>| {
+        id.map(|i| vocab.token_text(i).to_string())
+            .unwrap_or_default()
+    };
     ChatTemplate::from_metadata(
         file.get_str("tokenizer.chat_template"),
         file.architecture()?,
@@ -297,7 +376,12 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     let path = fetch::resolve(model)?;
     let g = GgufFile::open(&path)?;
     let size = std::fs::metadata(&path)?.len();
-    println!("file:             {} ({:.1} MiB, GGUF v{})", path.display(), size as f64 / 1048576.0, g.version);
+    println!(
+        "file:             {} ({:.1} MiB, GGUF v{})",
+        path.display(),
+        size as f64 / 1048576.0,
+        g.version
+    );
     println!("fingerprint:      {}", fingerprint::fingerprint(&path)?);
     if let Some(n) = g.get_str("general.name") {
         println!("name:             {n}");
@@ -325,7 +409,12 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     if list_tensors {
         for name in &g.tensor_order {
             let t = &g.tensors[name];
-            println!("  {name:<40} {:<6} {:?} {} bytes", t.ty.name(), t.dims, t.size);
+            println!(
+                "  {name:<40} {:<6} {:?} {} bytes",
+                t.ty.name(),
+                t.dims,
+                t.size
+            );
         }
     }
     let vocab = Vocab::from_gguf(&g)?;
@@ -339,7 +428,10 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     let tmpl = chat_template(&g, &vocab)?;
     match g.get_str("tokenizer.chat_template") {
         Some(t) => println!("chat template (from the GGUF):\n{t}"),
-        None => println!("chat template:    none in the file; using the {}", tmpl.source()),
+        None => println!(
+            "chat template:    none in the file; using the {}",
+            tmpl.source()
+        ),
     }
     Ok(())
 }
@@ -349,10 +441,13 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
     let g = GgufFile::open(&path)?;
     let vocab = Vocab::from_gguf(&g)?;
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let text = String::from_utf8(bytes).with_context(|| format!("{} is not valid UTF-8", file.display()))?;
+    let text = String::from_utf8(bytes)
+        .with_context(|| format!("{} is not valid UTF-8", file.display()))?;
     let ids = vocab.tokenize(&text, false, false);
     let line: Vec<String> = if pieces {
-        ids.iter().map(|&i| format!("{i}:{:?}", String::from_utf8_lossy(vocab.token_bytes(i)))).collect()
+        ids.iter()
+            .map(|&i| format!("{i}:{:?}", String::from_utf8_lossy(vocab.token_bytes(i))))
+            .collect()
     } else {
         ids.iter().map(|i| i.to_string()).collect()
     };
@@ -362,7 +457,8 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let (model, vocab, pool) = load(&a.model, a.threads)?;
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("cannot read {}", a.file.display()))?;
     let n_ctx = a.ctx;
     if n_ctx < 8 {
         bail!("--ctx must be at least 8");
@@ -370,7 +466,10 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let tokens = vocab.tokenize(&text, true, false);
     let mut n_chunk = tokens.len() / n_ctx;
     if n_chunk == 0 {
-        bail!("{} tokens is less than one chunk of {n_ctx}: use a longer text or a smaller --ctx", tokens.len());
+        bail!(
+            "{} tokens is less than one chunk of {n_ctx}: use a longer text or a smaller --ctx",
+            tokens.len()
+        );
     }
     if let Some(c) = a.chunks {
         n_chunk = n_chunk.min(c);
@@ -379,20 +478,29 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let batch = a.batch_size.min(n_ctx);
     let mut session = Session::new(model.clone(), pool, n_ctx, batch)?;
     let first = n_ctx / 2;
-    eprintln!("perplexity: {} tokens, {n_chunk} chunks of {n_ctx}, scoring the second half of each", tokens.len());
+    eprintln!(
+        "perplexity: {} tokens, {n_chunk} chunks of {n_ctx}, scoring the second half of each",
+        tokens.len()
+    );
     let (mut nll, mut count, mut top1) = (0.0f64, 0usize, 0usize);
     let t0 = Instant::now();
     for c in 0..n_chunk {
         let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
         if vocab.add_bos() {
-            chunk[0] = vocab.bos().context("the model adds BOS but has no BOS token")?;
+            chunk[0] = vocab
+                .bos()
+                .context("the model adds BOS but has no BOS token")?;
         }
         session.rewind(0);
         for (b, toks) in chunk.chunks(batch).enumerate() {
             let start = b * batch;
             let end = start + toks.len();
             // Only batches holding scored positions (first .. n_ctx-2) need logits.
-            let want = if end > first { Want::AllLogits } else { Want::Hidden };
+            let want = if end > first {
+                Want::AllLogits
+            } else {
+                Want::Hidden
+            };
             let out = session.forward(Input::Tokens(toks), want)?;
             if want == Want::Hidden {
                 continue;
@@ -411,8 +519,70 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     }
     eprintln!();
     let ppl = (nll / count as f64).exp();
-    eprintln!("{count} positions scored in {:.1} s", t0.elapsed().as_secs_f64());
-    println!("perplexity: {ppl:.4} top1: {:.4}", top1 as f64 / count as f64);
+    eprintln!(
+        "{count} positions scored in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    println!(
+        "perplexity: {ppl:.4} top1: {:.4}",
+        top1 as f64 / count as f64
+    );
+    Ok(())
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let (model, _vocab, pool) = load(&a.model, a.threads)?;
+    if a.reps == 0 {
+        bail!("-r must be at least 1");
+    }
+    let name = std::path::Path::new(&model.file.path)
+        .file_name()
+        .map_or(a.model.clone(), |f| f.to_string_lossy().into());
+    let bw = baton::bench::measure_bandwidth(&pool);
+    let wbytes = model.weight_bytes_per_token();
+    eprintln!(
+        "memory read bandwidth: {:.1} GB/s ({} threads); weights read per token: {:.1} MB",
+        bw / 1e9,
+        pool.n_threads(),
+        wbytes as f64 / 1e6
+    );
+    let cfg = baton::bench::BenchConfig {
+        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
+        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
+        depths: a.depths.clone(),
+        reps: a.reps,
+        n_batch: a.batch_size,
+    };
+    if !a.json {
+        println!("| model | threads | test | depth | t/s median | min | max | bw bound |");
+        println!("|---|---:|---|---:|---:|---:|---:|---:|");
+    }
+    let json = a.json;
+    baton::bench::run(model, pool, &name, &cfg, |f| {
+        let bound = if f.test.starts_with("tg") {
+            format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
+        } else {
+            "-".into()
+        };
+        if json {
+            let mut v = serde_json::to_value(f).unwrap();
+            v["bw_fraction"] = serde_json::json!(if f.test.starts_with("tg") {
+                wbytes as f64 * f.tps_median / bw
+            } else {
+                0.0
+            });
+            println!("{v}");
+        } else {
+            println!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |",
+                f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
+            );
+        }
+    })?;
+    eprintln!(
+        "peak RSS: {:.1} MiB",
+        baton::bench::peak_rss() as f64 / 1048576.0
+    );
     Ok(())
 }
 
@@ -422,7 +592,10 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
             let paths = if names.is_empty() {
                 fetch::fetch_all()?
             } else {
-                names.iter().map(|n| fetch::fetch(n)).collect::<Result<Vec<_>>>()?
+                names
+                    .iter()
+                    .map(|n| fetch::fetch(n))
+                    .collect::<Result<Vec<_>>>()?
             };
             for p in paths {
                 println!("{}", p.display());

@@ -35,17 +35,27 @@ fn logits_split(path: &Path, toks: &[u32], split: Option<usize>) -> Vec<f32> {
         None => {
             let m = Arc::new(Model::load(path).unwrap());
             let mut s = Session::new(m, pool(), 256, 64).unwrap();
-            s.forward(Input::Tokens(toks), Want::AllLogits).unwrap().to_vec()
+            s.forward(Input::Tokens(toks), Want::AllLogits)
+                .unwrap()
+                .to_vec()
         }
         Some(k) => {
             let a = Arc::new(Model::load_range(path, Some(0..k)).unwrap());
             let n = a.hp.n_layer;
             let b = Arc::new(Model::load_range(path, Some(k..n)).unwrap());
-            assert!(a.output.is_none() && b.tok_embd.is_none(), "a range loads only what it needs");
+            assert!(
+                a.output.is_none() && b.tok_embd.is_none(),
+                "a range loads only what it needs"
+            );
             let mut sa = Session::new(a, pool(), 256, 64).unwrap();
             let mut sb = Session::new(b, pool(), 256, 64).unwrap();
-            let h = sa.forward(Input::Tokens(toks), Want::Hidden).unwrap().to_vec();
-            sb.forward(Input::Hidden(&h), Want::AllLogits).unwrap().to_vec()
+            let h = sa
+                .forward(Input::Tokens(toks), Want::Hidden)
+                .unwrap()
+                .to_vec();
+            sb.forward(Input::Hidden(&h), Want::AllLogits)
+                .unwrap()
+                .to_vec()
         }
     }
 }
@@ -56,7 +66,11 @@ fn check_split_bit_exact(path: &Path) {
     let n = Model::load(path).unwrap().hp.n_layer;
     for k in [1, n / 2, n - 1] {
         let split = logits_split(path, &toks, Some(k));
-        assert!(whole == split, "split at {k} changed the logits of {}", path.display());
+        assert!(
+            whole == split,
+            "split at {k} changed the logits of {}",
+            path.display()
+        );
     }
 }
 
@@ -95,13 +109,23 @@ fn batched_prefill_matches_token_by_token_and_window_holds_at_decode() {
         let m = Arc::new(Model::load(&path).unwrap());
         let toks = prompt(40);
         let mut a = Session::new(m.clone(), pool(), 128, 64).unwrap();
-        let batched = a.forward(Input::Tokens(&toks), Want::AllLogits).unwrap().to_vec();
+        let batched = a
+            .forward(Input::Tokens(&toks), Want::AllLogits)
+            .unwrap()
+            .to_vec();
         let mut b = Session::new(m.clone(), pool(), 128, 64).unwrap();
         let nv = m.hp.n_vocab;
         for (i, t) in toks.iter().enumerate() {
             let l = b.forward(Input::Tokens(&[*t]), Want::LastLogits).unwrap();
-            let max_err = l.iter().zip(&batched[i * nv..(i + 1) * nv]).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
-            assert!(max_err < 2e-3, "{arch:?} position {i}: one-by-one differs from batched by {max_err}");
+            let max_err = l
+                .iter()
+                .zip(&batched[i * nv..(i + 1) * nv])
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                max_err < 2e-3,
+                "{arch:?} position {i}: one-by-one differs from batched by {max_err}"
+            );
         }
     }
 }
@@ -135,7 +159,10 @@ fn snapshot_restore_continues_exactly() {
             out.push(next);
             rest.push(next);
         }
-        assert_eq!(out, straight, "{name}: restoring a snapshot changed the continuation");
+        assert_eq!(
+            out, straight,
+            "{name}: restoring a snapshot changed the continuation"
+        );
     }
 }
 
@@ -153,7 +180,10 @@ fn snapshot_refuses_other_model_range_and_corruption() {
     let other = Arc::new(Model::load(&rand_path).unwrap());
     let mut o = Session::new(other, pool(), 64, 32).unwrap();
     let e = format!("{:#}", snapshot::restore_bytes(&mut o, &bytes).unwrap_err());
-    assert!(e.contains("another model") && e.contains("fingerprint"), "{e}");
+    assert!(
+        e.contains("another model") && e.contains("fingerprint"),
+        "{e}"
+    );
 
     // Another layer range of the same model.
     let part = Arc::new(Model::load_range(&real, Some(0..10)).unwrap());
@@ -168,13 +198,20 @@ fn snapshot_refuses_other_model_range_and_corruption() {
     let mut f = Session::new(m.clone(), pool(), 64, 32).unwrap();
     let e = format!("{:#}", snapshot::restore_bytes(&mut f, &bad).unwrap_err());
     assert!(e.contains("checksum"), "{e}");
-    assert_eq!(f.n_past(), 0, "a refused snapshot leaves the session untouched");
+    assert_eq!(
+        f.n_past(),
+        0,
+        "a refused snapshot leaves the session untouched"
+    );
 
     // A newer format version.
     let text = String::from_utf8_lossy(&bytes).to_string();
     let newer = text.replacen("\"version\":\"1\"", "\"version\":\"9\"", 1);
     assert_ne!(newer, text, "the header holds the version");
-    let e = format!("{:#}", snapshot::restore_bytes(&mut f, newer.as_bytes()).unwrap_err());
+    let e = format!(
+        "{:#}",
+        snapshot::restore_bytes(&mut f, newer.as_bytes()).unwrap_err()
+    );
     assert!(e.contains("version 9"), "{e}");
 }
 
@@ -192,7 +229,11 @@ fn prefix_reuse_gives_the_same_logits() {
     let kept = s.reuse_prefix(&toks);
     assert_eq!(kept, 10);
     let got = s.eval(&toks[kept..]).unwrap().to_vec();
-    let max_err = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let max_err = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
     assert!(max_err < 2e-3, "prefix reuse changed logits by {max_err}");
 }
 

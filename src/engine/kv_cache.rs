@@ -23,8 +23,12 @@ impl KvCache {
     pub fn new(hp: &Hparams, layers: Range<usize>, n_ctx: usize) -> KvCache {
         let n = layers.len();
         KvCache {
-            k: (0..n).map(|_| vec![0.0; hp.n_head_kv * n_ctx * hp.head_dim_k]).collect(),
-            v: (0..n).map(|_| vec![0.0; hp.n_head_kv * n_ctx * hp.head_dim_v]).collect(),
+            k: (0..n)
+                .map(|_| vec![0.0; hp.n_head_kv * n_ctx * hp.head_dim_k])
+                .collect(),
+            v: (0..n)
+                .map(|_| vec![0.0; hp.n_head_kv * n_ctx * hp.head_dim_v])
+                .collect(),
             layers,
             n_ctx,
             n_head_kv: hp.n_head_kv,
@@ -51,7 +55,11 @@ impl KvCache {
 
     pub fn layer_mut(&mut self, il: usize) -> LayerKv<'_> {
         let i = il - self.layers.start;
-        LayerKv { k: &mut self.k[i], v: &mut self.v[i], n_ctx: self.n_ctx }
+        LayerKv {
+            k: &mut self.k[i],
+            v: &mut self.v[i],
+            n_ctx: self.n_ctx,
+        }
     }
 
     /// K rows of one head for positions `pos`: `[pos.len(), head_dim_k]`, contiguous.

@@ -50,7 +50,12 @@ pub struct Session {
 
 impl Session {
     /// A session of `n_ctx` positions that runs batches of at most `n_batch` tokens.
-    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<Session> {
+    pub fn new(
+        model: Arc<Model>,
+        pool: Arc<ThreadPool>,
+        n_ctx: usize,
+        n_batch: usize,
+    ) -> Result<Session> {
         let hp = &model.hp;
         if n_ctx == 0 || n_batch == 0 {
             bail!("context and batch sizes must be positive");
@@ -62,7 +67,10 @@ impl Session {
                 bases.push(b);
             }
         }
-        let ropes = bases.iter().map(|&b| RopeTable::new(b, hp.n_rot, n_ctx)).collect();
+        let ropes = bases
+            .iter()
+            .map(|&b| RopeTable::new(b, hp.n_rot, n_ctx))
+            .collect();
         let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
         Ok(Session {
             kv: KvCache::new(hp, model.range.clone(), n_ctx),
@@ -128,7 +136,10 @@ impl Session {
             Input::Tokens(t) => t.len(),
             Input::Hidden(h) => {
                 if h.len() % e != 0 {
-                    bail!("hidden state of {} values is not a whole number of {e}-wide rows", h.len());
+                    bail!(
+                        "hidden state of {} values is not a whole number of {e}-wide rows",
+                        h.len()
+                    );
                 }
                 h.len() / e
             }
@@ -137,7 +148,10 @@ impl Session {
             bail!("empty batch");
         }
         if n_tok > self.n_batch() {
-            bail!("batch of {n_tok} tokens exceeds the session's batch size {}", self.n_batch());
+            bail!(
+                "batch of {n_tok} tokens exceeds the session's batch size {}",
+                self.n_batch()
+            );
         }
         let pos0 = self.n_past();
         if pos0 + n_tok > self.n_ctx() {
@@ -147,14 +161,20 @@ impl Session {
             );
         }
         if want != Want::Hidden && !model.is_last() {
-            bail!("this session holds layers {:?}, not the output head", model.range);
+            bail!(
+                "this session holds layers {:?}, not the output head",
+                model.range
+            );
         }
 
         // Input: embed the tokens, or take the hidden state as is.
         match input {
             Input::Tokens(toks) => {
                 let Some(embd) = &model.tok_embd else {
-                    bail!("this session holds layers {:?}, it takes hidden states, not tokens", model.range);
+                    bail!(
+                        "this session holds layers {:?}, it takes hidden states, not tokens",
+                        model.range
+                    );
                 };
                 for (t, &id) in toks.iter().enumerate() {
                     if id as usize >= hp.n_vocab {
@@ -179,8 +199,19 @@ impl Session {
         // The layers, in order.
         for il in model.range.clone() {
             let base = hp.rope_base_of(il);
-            let rope = self.ropes.iter().find(|r| r.base == base).expect("table built for every base");
-            let step = Step { hp, pool: &self.pool, rope, il, pos0, n_tok };
+            let rope = self
+                .ropes
+                .iter()
+                .find(|r| r.base == base)
+                .expect("table built for every base");
+            let step = Step {
+                hp,
+                pool: &self.pool,
+                rope,
+                il,
+                pos0,
+                n_tok,
+            };
             let lw = model.layer(il);
             let mut kv = self.kv.layer_mut(il);
             match hp.arch {
@@ -208,7 +239,10 @@ impl Session {
     fn head(&mut self, rows: std::ops::Range<usize>) -> Result<()> {
         let model = &self.model;
         let hp = &model.hp;
-        let (norm, out) = (model.output_norm.as_ref().unwrap(), model.output.as_ref().unwrap());
+        let (norm, out) = (
+            model.output_norm.as_ref().unwrap(),
+            model.output.as_ref().unwrap(),
+        );
         let e = hp.n_embd;
         let n = rows.len();
         if self.head_in.len() < n * e {
@@ -218,7 +252,12 @@ impl Session {
             self.logits.resize(n * hp.n_vocab, 0.0);
         }
         for (i, t) in rows.enumerate() {
-            ops::rms_norm(&self.x[t * e..(t + 1) * e], norm, hp.rms_eps, &mut self.head_in[i * e..(i + 1) * e]);
+            ops::rms_norm(
+                &self.x[t * e..(t + 1) * e],
+                norm,
+                hp.rms_eps,
+                &mut self.head_in[i * e..(i + 1) * e],
+            );
         }
         kernels::matmul(
             &self.pool,
@@ -239,7 +278,11 @@ impl Session {
         let nb = self.n_batch();
         let n_chunks = tokens.len().div_ceil(nb);
         for (i, chunk) in tokens.chunks(nb).enumerate() {
-            let want = if i + 1 == n_chunks { Want::LastLogits } else { Want::Hidden };
+            let want = if i + 1 == n_chunks {
+                Want::LastLogits
+            } else {
+                Want::Hidden
+            };
             self.forward(Input::Tokens(chunk), want)?;
         }
         Ok(&self.logits[..self.model.hp.n_vocab])

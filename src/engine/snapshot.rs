@@ -53,8 +53,18 @@ impl KvDtype {
 pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) {
     match dt {
         KvDtype::F32 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), Vec::new()),
-        KvDtype::F16 => (x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(), Vec::new()),
-        KvDtype::BF16 => (x.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(), Vec::new()),
+        KvDtype::F16 => (
+            x.iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+            Vec::new(),
+        ),
+        KvDtype::BF16 => (
+            x.iter()
+                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            Vec::new(),
+        ),
         KvDtype::Q8 => {
             let mut out = Vec::with_capacity(x.len());
             let mut scales = Vec::with_capacity(x.len() / width);
@@ -62,7 +72,10 @@ pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) 
                 let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let scale = amax / 127.0;
                 let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                out.extend(row.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+                out.extend(
+                    row.iter()
+                        .map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+                );
                 scales.push(scale);
             }
             (out, scales)
@@ -71,7 +84,13 @@ pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) 
 }
 
 /// Decodes rows written by [`encode_rows`] into `out` (`out.len()` values).
-pub fn decode_rows(bytes: &[u8], scales: &[f32], width: usize, dt: KvDtype, out: &mut [f32]) -> Result<()> {
+pub fn decode_rows(
+    bytes: &[u8],
+    scales: &[f32],
+    width: usize,
+    dt: KvDtype,
+    out: &mut [f32],
+) -> Result<()> {
     let n = out.len();
     let need = match dt {
         KvDtype::F32 => n * 4,
@@ -99,7 +118,11 @@ pub fn decode_rows(bytes: &[u8], scales: &[f32], width: usize, dt: KvDtype, out:
         }
         KvDtype::Q8 => {
             if scales.len() * width != n {
-                bail!("KV scales cover {} rows, data has {}", scales.len(), n / width.max(1));
+                bail!(
+                    "KV scales cover {} rows, data has {}",
+                    scales.len(),
+                    n / width.max(1)
+                );
             }
             for ((row, q), &s) in out.chunks_mut(width).zip(bytes.chunks(width)).zip(scales) {
                 for (o, &b) in row.iter_mut().zip(q) {
@@ -128,18 +151,32 @@ fn model_fields(hp: &Hparams, fingerprint: &str) -> Vec<(&'static str, String)> 
         ("rope_type", format!("{:?}", hp.rope_type).to_lowercase()),
         ("rope_base", hp.rope_base.to_string()),
         ("rope_base_swa", hp.rope_base_swa.to_string()),
-        ("sliding_window", hp.sliding_window.map_or("none".into(), |w| w.to_string())),
+        (
+            "sliding_window",
+            hp.sliding_window.map_or("none".into(), |w| w.to_string()),
+        ),
     ]
 }
 
 /// Serialises layers `layers` and positions `pos` of the session's cache.
-pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<Vec<u8>> {
+pub fn save_bytes(
+    s: &Session,
+    layers: Range<usize>,
+    pos: Range<usize>,
+    dt: KvDtype,
+) -> Result<Vec<u8>> {
     let kv = &s.kv;
     if layers.start < kv.layers.start || layers.end > kv.layers.end || layers.is_empty() {
-        bail!("layers {layers:?} are not all held by this session (it holds {:?})", kv.layers);
+        bail!(
+            "layers {layers:?} are not all held by this session (it holds {:?})",
+            kv.layers
+        );
     }
     if pos.end > s.n_past() || pos.is_empty() {
-        bail!("positions {pos:?} are not all held (the session holds 0..{})", s.n_past());
+        bail!(
+            "positions {pos:?} are not all held (the session holds 0..{})",
+            s.n_past()
+        );
     }
     let hp = &s.model.hp;
     let fp = s.model.fingerprint()?;
@@ -166,7 +203,11 @@ pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDt
         for (name, hd) in [("k", kv.head_dim_k), ("v", kv.head_dim_v)] {
             let mut rows = Vec::with_capacity(kv.n_head_kv * n_pos * hd);
             for h in 0..kv.n_head_kv {
-                let src = if name == "k" { kv.k_rows(il, h, pos.clone()) } else { kv.v_rows(il, h, pos.clone()) };
+                let src = if name == "k" {
+                    kv.k_rows(il, h, pos.clone())
+                } else {
+                    kv.v_rows(il, h, pos.clone())
+                };
                 rows.extend_from_slice(src);
             }
             let (bytes, scales) = encode_rows(&rows, hd, dt);
@@ -176,10 +217,20 @@ pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDt
                 KvDtype::BF16 => Dtype::BF16,
                 KvDtype::Q8 => Dtype::I8,
             };
-            tensors.push((format!("{name}.{il}"), st_dtype, vec![kv.n_head_kv, n_pos, hd], bytes));
+            tensors.push((
+                format!("{name}.{il}"),
+                st_dtype,
+                vec![kv.n_head_kv, n_pos, hd],
+                bytes,
+            ));
             if dt == KvDtype::Q8 {
                 let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-                tensors.push((format!("{name}.{il}.scale"), Dtype::F32, vec![kv.n_head_kv, n_pos], sb));
+                tensors.push((
+                    format!("{name}.{il}.scale"),
+                    Dtype::F32,
+                    vec![kv.n_head_kv, n_pos],
+                    sb,
+                ));
             }
         }
     }
@@ -193,7 +244,13 @@ pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDt
     Ok(safetensors::serialize(views, &Some(meta))?)
 }
 
-pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<()> {
+pub fn save(
+    s: &Session,
+    path: &Path,
+    layers: Range<usize>,
+    pos: Range<usize>,
+    dt: KvDtype,
+) -> Result<()> {
     let bytes = save_bytes(s, layers, pos, dt)?;
     crate::util::write_atomic(path, &bytes)
 }
@@ -213,21 +270,33 @@ pub struct SnapshotInfo {
 pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
     let (_, header) = SafeTensors::read_metadata(bytes).context("not a safetensors KV snapshot")?;
     let meta = header.metadata().clone().unwrap_or_default();
-    let get = |k: &str| meta.get(k).map(String::as_str).with_context(|| format!("snapshot header lacks {k:?}"));
-    let num = |k: &str| -> Result<usize> { get(k)?.parse().with_context(|| format!("snapshot field {k} is not a number")) };
+    let get = |k: &str| {
+        meta.get(k)
+            .map(String::as_str)
+            .with_context(|| format!("snapshot header lacks {k:?}"))
+    };
+    let num = |k: &str| -> Result<usize> {
+        get(k)?
+            .parse()
+            .with_context(|| format!("snapshot field {k} is not a number"))
+    };
     if get("format")? != FORMAT {
         bail!("not a Baton KV snapshot (format {:?})", get("format")?);
     }
     let version: u32 = get("version")?.parse().context("bad snapshot version")?;
     if version > VERSION {
-        bail!("snapshot format version {version} is newer than this Baton reads ({VERSION}); upgrade Baton");
+        bail!(
+            "snapshot format version {version} is newer than this Baton reads ({VERSION}); upgrade Baton"
+        );
     }
     let hp = s.model.hp.clone();
     let fp = s.model.fingerprint()?.to_string();
     for (k, mine) in model_fields(&hp, &fp) {
         let theirs = get(k)?;
         if theirs != mine {
-            bail!("snapshot is from another model: {k} is {theirs} in the snapshot, {mine} in this session's model");
+            bail!(
+                "snapshot is from another model: {k} is {theirs} in the snapshot, {mine} in this session's model"
+            );
         }
     }
     let layers = num("layer_start")?..num("layer_end")?;
@@ -253,7 +322,10 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
     let dt = KvDtype::parse(get("dtype")?)?;
     let tokens = match meta.get("tokens") {
         Some(t) if !t.is_empty() => Some(
-            t.split(',').map(|x| x.parse::<u32>()).collect::<Result<Vec<_>, _>>().context("bad token list in snapshot")?,
+            t.split(',')
+                .map(|x| x.parse::<u32>())
+                .collect::<Result<Vec<_>, _>>()
+                .context("bad token list in snapshot")?,
         ),
         _ => None,
     };
@@ -265,25 +337,37 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
     for il in layers.clone() {
         for (name, hd) in [("k", hp.head_dim_k), ("v", hp.head_dim_v)] {
             let tname = format!("{name}.{il}");
-            let t = st.tensor(&tname).with_context(|| format!("snapshot lacks tensor {tname}"))?;
+            let t = st
+                .tensor(&tname)
+                .with_context(|| format!("snapshot lacks tensor {tname}"))?;
             if t.shape() != [hp.n_head_kv, n_pos, hd] {
-                bail!("snapshot tensor {tname} has shape {:?}, expected {:?}", t.shape(), [hp.n_head_kv, n_pos, hd]);
+                bail!(
+                    "snapshot tensor {tname} has shape {:?}, expected {:?}",
+                    t.shape(),
+                    [hp.n_head_kv, n_pos, hd]
+                );
             }
             if checksum(t.data()) != get(&format!("checksum.{tname}"))? {
                 bail!("snapshot tensor {tname} fails its checksum: the file is corrupt");
             }
             let scales: Vec<f32> = if dt == KvDtype::Q8 {
                 let sname = format!("{tname}.scale");
-                let st_ = st.tensor(&sname).with_context(|| format!("snapshot lacks tensor {sname}"))?;
+                let st_ = st
+                    .tensor(&sname)
+                    .with_context(|| format!("snapshot lacks tensor {sname}"))?;
                 if checksum(st_.data()) != get(&format!("checksum.{sname}"))? {
                     bail!("snapshot tensor {sname} fails its checksum: the file is corrupt");
                 }
-                st_.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+                st_.data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
             } else {
                 Vec::new()
             };
             let mut rows = vec![0.0f32; hp.n_head_kv * n_pos * hd];
-            decode_rows(t.data(), &scales, hd, dt, &mut rows).with_context(|| format!("snapshot tensor {tname}"))?;
+            decode_rows(t.data(), &scales, hd, dt, &mut rows)
+                .with_context(|| format!("snapshot tensor {tname}"))?;
             decoded.push((il, name == "k", rows));
         }
     }
@@ -293,7 +377,11 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
         let hd = if is_k { hp.head_dim_k } else { hp.head_dim_v };
         for h in 0..hp.n_head_kv {
             let src = &rows[h * n_pos * hd..(h + 1) * n_pos * hd];
-            let dst = if is_k { s.kv.k_rows_mut(il, h, pos.clone()) } else { s.kv.v_rows_mut(il, h, pos.clone()) };
+            let dst = if is_k {
+                s.kv.k_rows_mut(il, h, pos.clone())
+            } else {
+                s.kv.v_rows_mut(il, h, pos.clone())
+            };
             dst.copy_from_slice(src);
         }
     }
@@ -306,11 +394,17 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
         }
         _ => s.set_tokens(&[]),
     }
-    Ok(SnapshotInfo { layers, pos, dtype: dt, tokens })
+    Ok(SnapshotInfo {
+        layers,
+        pos,
+        dtype: dt,
+        tokens,
+    })
 }
 
 pub fn restore(s: &mut Session, path: &Path) -> Result<SnapshotInfo> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
     restore_bytes(s, &bytes).with_context(|| format!("cannot restore {}", path.display()))
 }
 
@@ -321,11 +415,20 @@ mod tests {
     #[test]
     fn codecs_round_trip_within_their_precision() {
         let x: Vec<f32> = (0..256).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
-        for (dt, tol) in [(KvDtype::F32, 0.0), (KvDtype::F16, 2e-3), (KvDtype::BF16, 2e-2), (KvDtype::Q8, 3.0 / 127.0)] {
+        for (dt, tol) in [
+            (KvDtype::F32, 0.0),
+            (KvDtype::F16, 2e-3),
+            (KvDtype::BF16, 2e-2),
+            (KvDtype::Q8, 3.0 / 127.0),
+        ] {
             let (b, s) = encode_rows(&x, 64, dt);
             let mut y = vec![0.0; x.len()];
             decode_rows(&b, &s, 64, dt, &mut y).unwrap();
-            let err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            let err = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
             assert!(err <= tol, "{dt:?}: max error {err}");
         }
     }

@@ -8,7 +8,11 @@ use std::sync::Arc;
 /// Where a matrix's bytes live.
 pub enum Bytes {
     /// A slice of the mapped model file: nothing is read until a kernel touches it.
-    Mapped { file: Arc<GgufFile>, offset: usize, len: usize },
+    Mapped {
+        file: Arc<GgufFile>,
+        offset: usize,
+        len: usize,
+    },
     Owned(Vec<u8>),
 }
 
@@ -33,13 +37,21 @@ impl Matrix {
     /// A tensor of the file as a matrix: ggml's first dimension is the row length.
     pub fn mapped(file: &Arc<GgufFile>, info: &TensorInfo) -> Result<Matrix> {
         if info.dims.len() > 2 {
-            bail!("tensor {:?} has {} dimensions, a matrix needs at most 2", info.name, info.dims.len());
+            bail!(
+                "tensor {:?} has {} dimensions, a matrix needs at most 2",
+                info.name,
+                info.dims.len()
+            );
         }
         Ok(Matrix {
             ty: info.ty,
             rows: info.n_rows(),
             cols: info.ne0(),
-            data: Bytes::Mapped { file: file.clone(), offset: info.offset, len: info.size },
+            data: Bytes::Mapped {
+                file: file.clone(),
+                offset: info.offset,
+                len: info.size,
+            },
         })
     }
 
@@ -48,7 +60,9 @@ impl Matrix {
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.ty.row_bytes(self.cols).expect("row length checked at load")
+        self.ty
+            .row_bytes(self.cols)
+            .expect("row length checked at load")
     }
 
     /// The raw bytes of row `r`.

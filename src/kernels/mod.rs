@@ -22,7 +22,14 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
 pub struct Scratch {}
 
 /// `y[t * w.rows + r] = Σ_k W[r, k] · x[t * w.cols + k]` for each of the `n_tok` input rows.
-pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32], scratch: &mut Scratch) {
+pub fn matmul(
+    pool: &ThreadPool,
+    w: &Matrix,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+    scratch: &mut Scratch,
+) {
     let _ = (pool, w, x, n_tok, y, scratch);
     todo!("kernels owner")
 }

@@ -118,7 +118,12 @@ impl RopeTable {
                 theta *= theta_scale;
             }
         }
-        RopeTable { base, half, cos, sin }
+        RopeTable {
+            base,
+            half,
+            cos,
+            sin,
+        }
     }
 
     pub fn n_ctx(&self) -> usize {

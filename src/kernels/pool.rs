@@ -6,7 +6,9 @@ pub struct ThreadPool {
 
 impl ThreadPool {
     pub fn new(n_threads: usize) -> Self {
-        ThreadPool { n_threads: n_threads.max(1) }
+        ThreadPool {
+            n_threads: n_threads.max(1),
+        }
     }
 
     pub fn n_threads(&self) -> usize {

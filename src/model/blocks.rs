@@ -86,14 +86,26 @@ impl SyncPtr {
 
 /// `y = x · Wᵀ` for the batch.
 pub fn project(s: &Step, w: &Matrix, x: &[f32], y: &mut [f32], mm: &mut kernels::Scratch) {
-    kernels::matmul(s.pool, w, &x[..s.n_tok * w.cols], s.n_tok, &mut y[..s.n_tok * w.rows], mm);
+    kernels::matmul(
+        s.pool,
+        w,
+        &x[..s.n_tok * w.cols],
+        s.n_tok,
+        &mut y[..s.n_tok * w.rows],
+        mm,
+    );
 }
 
 /// RMS-normalises each row of `x` (`[n_tok, width]`) into `out`.
 pub fn norm_rows(s: &Step, x: &[f32], w: &[f32], out: &mut [f32]) {
     let width = w.len();
     for t in 0..s.n_tok {
-        ops::rms_norm(&x[t * width..(t + 1) * width], w, s.hp.rms_eps, &mut out[t * width..(t + 1) * width]);
+        ops::rms_norm(
+            &x[t * width..(t + 1) * width],
+            w,
+            s.hp.rms_eps,
+            &mut out[t * width..(t + 1) * width],
+        );
     }
 }
 
@@ -179,7 +191,9 @@ pub fn attend(s: &Step, b: &mut Buffers, kv: &LayerKv) {
                 *v = (*v - max).exp();
                 sum += *v;
             }
-            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv) };
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv)
+            };
             out.fill(0.0);
             let vbase = &vc[kvh * n_ctx * hdv..];
             let inv = 1.0 / sum;

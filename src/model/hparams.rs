@@ -71,22 +71,37 @@ impl Hparams {
         let n_embd = u("embedding_length")?;
         let n_ff = u("feed_forward_length")?;
         let n_head = u("attention.head_count")?;
-        let n_head_kv = g.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_head);
+        let n_head_kv = g
+            .get_u64(&key("attention.head_count_kv"))
+            .map(|v| v as usize)
+            .unwrap_or(n_head);
         if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
             bail!("invalid head counts: {n_head} query heads, {n_head_kv} KV heads");
         }
-        let head_dim_k = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(n_embd / n_head);
-        let head_dim_v = g.get_u64(&key("attention.value_length")).map(|v| v as usize).unwrap_or(n_embd / n_head);
+        let head_dim_k = g
+            .get_u64(&key("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(n_embd / n_head);
+        let head_dim_v = g
+            .get_u64(&key("attention.value_length"))
+            .map(|v| v as usize)
+            .unwrap_or(n_embd / n_head);
         let n_ctx_train = u("context_length")?;
         let rms_eps = g
             .get_f32(&key("attention.layer_norm_rms_epsilon"))
             .context("missing attention.layer_norm_rms_epsilon")?;
         let rope_base = g.get_f32(&key("rope.freq_base")).unwrap_or(10000.0);
-        let n_rot = g.get_u64(&key("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim_k);
+        let n_rot = g
+            .get_u64(&key("rope.dimension_count"))
+            .map(|v| v as usize)
+            .unwrap_or(head_dim_k);
         let token_embd = g.tensor_info("token_embd.weight")?;
         let n_vocab = token_embd.n_rows();
         if token_embd.ne0() != n_embd {
-            bail!("token_embd.weight has rows of {} but embedding_length is {n_embd}", token_embd.ne0());
+            bail!(
+                "token_embd.weight has rows of {} but embedding_length is {n_embd}",
+                token_embd.ne0()
+            );
         }
         if n_rot > head_dim_k || n_rot % 2 != 0 {
             bail!("rope dimension count {n_rot} does not fit head size {head_dim_k}");
@@ -162,11 +177,19 @@ impl Hparams {
 
     /// The sliding window of layer `il`, if it has one.
     pub fn window(&self, il: usize) -> Option<usize> {
-        if self.swa_layers[il] { self.sliding_window } else { None }
+        if self.swa_layers[il] {
+            self.sliding_window
+        } else {
+            None
+        }
     }
 
     pub fn rope_base_of(&self, il: usize) -> f32 {
-        if self.swa_layers[il] { self.rope_base_swa } else { self.rope_base }
+        if self.swa_layers[il] {
+            self.rope_base_swa
+        } else {
+            self.rope_base
+        }
     }
 
     /// KV bytes per token at f32, over `n_layers` layers.
@@ -182,7 +205,11 @@ impl fmt::Display for Hparams {
         writeln!(f, "embedding:        {}", self.n_embd)?;
         writeln!(f, "feed-forward:     {}", self.n_ff)?;
         writeln!(f, "heads (q/kv):     {}/{}", self.n_head, self.n_head_kv)?;
-        writeln!(f, "head size (k/v):  {}/{}", self.head_dim_k, self.head_dim_v)?;
+        writeln!(
+            f,
+            "head size (k/v):  {}/{}",
+            self.head_dim_k, self.head_dim_v
+        )?;
         writeln!(f, "vocabulary:       {}", self.n_vocab)?;
         writeln!(f, "training context: {}", self.n_ctx_train)?;
         writeln!(f, "rms epsilon:      {:e}", self.rms_eps)?;
@@ -192,11 +219,19 @@ impl fmt::Display for Hparams {
             self.rope_type,
             self.n_rot,
             self.rope_base,
-            if self.sliding_window.is_some() { format!(" (local layers {})", self.rope_base_swa) } else { String::new() }
+            if self.sliding_window.is_some() {
+                format!(" (local layers {})", self.rope_base_swa)
+            } else {
+                String::new()
+            }
         )?;
         if let Some(w) = self.sliding_window {
             let n_local = self.swa_layers.iter().filter(|&&s| s).count();
-            writeln!(f, "sliding window:   {w} ({n_local} local layers, {} global)", self.n_layer - n_local)?;
+            writeln!(
+                f,
+                "sliding window:   {w} ({n_local} local layers, {} global)",
+                self.n_layer - n_local
+            )?;
         }
         write!(f, "attention scale:  {}", self.attn_scale)
     }

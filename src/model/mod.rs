@@ -54,11 +54,18 @@ pub struct Model {
 
 /// Parses `"A:B"` (B exclusive, `end` allowed) into a layer range checked against `n_layer`.
 pub fn parse_layer_range(s: &str, n_layer: usize) -> Result<Range<usize>> {
-    let (a, b) = s.split_once(':').with_context(|| format!("layer range {s:?} must look like A:B"))?;
-    let a: usize = a.trim().parse().with_context(|| format!("bad layer index {a:?}"))?;
+    let (a, b) = s
+        .split_once(':')
+        .with_context(|| format!("layer range {s:?} must look like A:B"))?;
+    let a: usize = a
+        .trim()
+        .parse()
+        .with_context(|| format!("bad layer index {a:?}"))?;
     let b: usize = match b.trim() {
         "end" | "" => n_layer,
-        v => v.parse().with_context(|| format!("bad layer index {v:?}"))?,
+        v => v
+            .parse()
+            .with_context(|| format!("bad layer index {v:?}"))?,
     };
     if a >= b || b > n_layer {
         bail!("layer range {a}:{b} is empty or beyond the model's {n_layer} layers");
@@ -82,17 +89,29 @@ impl Model {
         let hp = Hparams::from_gguf(&file)?;
         let range = range.unwrap_or(0..hp.n_layer);
         if range.start >= range.end || range.end > hp.n_layer {
-            bail!("layer range {}..{} is outside the model's {} layers", range.start, range.end, hp.n_layer);
+            bail!(
+                "layer range {}..{} is outside the model's {} layers",
+                range.start,
+                range.end,
+                hp.n_layer
+            );
         }
         let f = &file;
         let matrix = |name: &str, cols: usize, rows: usize| -> Result<Matrix> {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
             if m.cols != cols || m.rows != rows {
-                bail!("tensor {name:?} is {}x{}, expected {cols}x{rows}", m.cols, m.rows);
+                bail!(
+                    "tensor {name:?} is {}x{}, expected {cols}x{rows}",
+                    m.cols,
+                    m.rows
+                );
             }
             if !crate::kernels::matrix::supports(m.ty) {
-                bail!("tensor {name:?} has type {} which Baton cannot compute with", m.ty);
+                bail!(
+                    "tensor {name:?} has type {} which Baton cannot compute with",
+                    m.ty
+                );
             }
             Ok(m)
         };
@@ -100,12 +119,19 @@ impl Model {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
             if m.rows * m.cols != n {
-                bail!("tensor {name:?} has {} elements, expected {n}", m.rows * m.cols);
+                bail!(
+                    "tensor {name:?} has {} elements, expected {n}",
+                    m.rows * m.cols
+                );
             }
             Ok(m.to_f32())
         };
         let opt_vector = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if f.tensors.contains_key(name) { vector(name, n).map(Some) } else { Ok(None) }
+            if f.tensors.contains_key(name) {
+                vector(name, n).map(Some)
+            } else {
+                Ok(None)
+            }
         };
 
         let e = hp.n_embd;
@@ -128,7 +154,10 @@ impl Model {
                 post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
             };
             if hp.arch == Arch::Gemma3
-                && (lw.q_norm.is_none() || lw.k_norm.is_none() || lw.post_attn_norm.is_none() || lw.post_ffn_norm.is_none())
+                && (lw.q_norm.is_none()
+                    || lw.k_norm.is_none()
+                    || lw.post_attn_norm.is_none()
+                    || lw.post_ffn_norm.is_none())
             {
                 bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
             }
@@ -137,14 +166,34 @@ impl Model {
 
         let first = range.start == 0;
         let last = range.end == hp.n_layer;
-        let tok_embd = if first { Some(matrix("token_embd.weight", e, hp.n_vocab)?) } else { None };
+        let tok_embd = if first {
+            Some(matrix("token_embd.weight", e, hp.n_vocab)?)
+        } else {
+            None
+        };
         let (output_norm, output) = if last {
-            let head = if f.tensors.contains_key("output.weight") { "output.weight" } else { "token_embd.weight" };
-            (Some(vector("output_norm.weight", e)?), Some(matrix(head, e, hp.n_vocab)?))
+            let head = if f.tensors.contains_key("output.weight") {
+                "output.weight"
+            } else {
+                "token_embd.weight"
+            };
+            (
+                Some(vector("output_norm.weight", e)?),
+                Some(matrix(head, e, hp.n_vocab)?),
+            )
         } else {
             (None, None)
         };
-        Ok(Model { file, hp, range, layers, tok_embd, output_norm, output, fingerprint: Default::default() })
+        Ok(Model {
+            file,
+            hp,
+            range,
+            layers,
+            tok_embd,
+            output_norm,
+            output,
+            fingerprint: Default::default(),
+        })
     }
 
     /// The model file's fingerprint (see [`crate::fingerprint`]), the same for every layer range of one file.

@@ -24,14 +24,27 @@ pub struct RandomSpec {
 
 impl RandomSpec {
     pub fn tiny(arch: Arch) -> RandomSpec {
-        RandomSpec { arch, n_layer: 4, n_embd: 64, n_ff: 128, n_head: 4, n_head_kv: 2, head_dim: 16, ty: GgmlType::F32, seed: 1 }
+        RandomSpec {
+            arch,
+            n_layer: 4,
+            n_embd: 64,
+            n_ff: 128,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 16,
+            ty: GgmlType::F32,
+            seed: 1,
+        }
     }
 }
 
 fn encode(values: &[f32], ty: GgmlType) -> Result<Vec<u8>> {
     Ok(match ty {
         GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        GgmlType::F16 => values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+        GgmlType::F16 => values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
         other => bail!("random models are written as F32 or F16, not {other}"),
     })
 }
@@ -43,16 +56,25 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
     let arch = spec.arch.name();
     let n_vocab = vocab_from.tensor_info("token_embd.weight")?.n_rows();
     w.meta("general.architecture", Value::Str(arch.into()));
-    w.meta("general.name", Value::Str(format!("random {arch} {}x{}", spec.n_layer, spec.n_embd)));
+    w.meta(
+        "general.name",
+        Value::Str(format!("random {arch} {}x{}", spec.n_layer, spec.n_embd)),
+    );
     let k = |s: &str| format!("{arch}.{s}");
     w.meta(&k("block_count"), Value::U32(spec.n_layer as u32));
     w.meta(&k("context_length"), Value::U32(8192));
     w.meta(&k("embedding_length"), Value::U32(spec.n_embd as u32));
     w.meta(&k("feed_forward_length"), Value::U32(spec.n_ff as u32));
     w.meta(&k("attention.head_count"), Value::U32(spec.n_head as u32));
-    w.meta(&k("attention.head_count_kv"), Value::U32(spec.n_head_kv as u32));
+    w.meta(
+        &k("attention.head_count_kv"),
+        Value::U32(spec.n_head_kv as u32),
+    );
     w.meta(&k("attention.key_length"), Value::U32(spec.head_dim as u32));
-    w.meta(&k("attention.value_length"), Value::U32(spec.head_dim as u32));
+    w.meta(
+        &k("attention.value_length"),
+        Value::U32(spec.head_dim as u32),
+    );
     w.meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
     w.meta(&k("rope.freq_base"), Value::F32(10000.0));
     if spec.arch == Arch::Gemma3 {
@@ -64,12 +86,21 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
         }
     }
 
-    let mut mat = |rows: usize, cols: usize, ty: GgmlType| -> Result<(Vec<u64>, GgmlType, Vec<u8>)> {
-        let scale = 1.0 / (cols as f32).sqrt();
-        let v: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0f32..1.0) * scale * 1.7).collect();
-        Ok((vec![cols as u64, rows as u64], ty, encode(&v, ty)?))
+    let mut mat =
+        |rows: usize, cols: usize, ty: GgmlType| -> Result<(Vec<u64>, GgmlType, Vec<u8>)> {
+            let scale = 1.0 / (cols as f32).sqrt();
+            let v: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.gen_range(-1.0f32..1.0) * scale * 1.7)
+                .collect();
+            Ok((vec![cols as u64, rows as u64], ty, encode(&v, ty)?))
+        };
+    let norm = |n: usize| {
+        (
+            vec![n as u64],
+            GgmlType::F32,
+            encode(&vec![1.0; n], GgmlType::F32).unwrap(),
+        )
     };
-    let norm = |n: usize| (vec![n as u64], GgmlType::F32, encode(&vec![1.0; n], GgmlType::F32).unwrap());
 
     let e = spec.n_embd;
     let (q, kv) = (spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim);
