@@ -116,15 +116,15 @@ pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> R
         Msg::Ready(r) => r,
         m => bail!("stage {addr} answered OPEN with {}", m.name()),
     };
-    let mut diffs = open.model.differences(&ready.model, addr);
+    let mut diffs = open.model.differences(&ready.model, "we", &format!("node {addr}"));
     if ready.layers != open.layers {
         diffs.push(format!(
-            "peer {addr} serves layers {}:{}, we asked for {}:{}",
+            "node {addr} serves layers {}:{}, we asked for {}:{}",
             ready.layers.0, ready.layers.1, open.layers.0, open.layers.1
         ));
     }
     if ready.n_ctx < open.n_ctx {
-        diffs.push(format!("peer {addr} has a context of {}, we need {}", ready.n_ctx, open.n_ctx));
+        diffs.push(format!("node {addr} has a context of {}, we need {}", ready.n_ctx, open.n_ctx));
     }
     if !diffs.is_empty() {
         bail!("refusing stage {addr}: {}", diffs.join("; "));

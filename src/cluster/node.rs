@@ -211,23 +211,24 @@ impl State {
 
     /// Everything that makes an OPEN unacceptable, named.
     fn check_open(&self, o: &Open, peer: &str) -> Vec<String> {
-        let mut d = self.info.differences(&o.model, peer);
+        let peer = &format!("coordinator {peer}");
+        let mut d = self.info.differences(&o.model, "this node", peer);
         let (a, b) = (o.layers.0 as usize, o.layers.1 as usize);
         if a >= b || b > self.hp.n_layer {
-            d.push(format!("peer {peer} asks for layers {a}:{b}, the model has {} layers", self.hp.n_layer));
+            d.push(format!("{peer} asks for layers {a}:{b}, the model has {} layers", self.hp.n_layer));
         } else if let Some(p) = &self.pinned
             && *p != (a..b)
         {
-            d.push(format!("peer {peer} asks for layers {a}:{b}, this node serves only {}:{}", p.start, p.end));
+            d.push(format!("{peer} asks for layers {a}:{b}, this node serves only {}:{}", p.start, p.end));
         }
         if o.n_ctx == 0 || o.n_ctx as usize > self.cfg.max_ctx {
-            d.push(format!("peer {peer} asks for a context of {}, this node allows 1..={}", o.n_ctx, self.cfg.max_ctx));
+            d.push(format!("{peer} asks for a context of {}, this node allows 1..={}", o.n_ctx, self.cfg.max_ctx));
         }
         if o.n_batch == 0 || o.n_batch as usize > self.cfg.max_batch {
-            d.push(format!("peer {peer} asks for batches of {}, this node allows 1..={}", o.n_batch, self.cfg.max_batch));
+            d.push(format!("{peer} asks for batches of {}, this node allows 1..={}", o.n_batch, self.cfg.max_batch));
         }
         if o.top_k > 1000 {
-            d.push(format!("peer {peer} asks for {} top log-probabilities, at most 1000", o.top_k));
+            d.push(format!("{peer} asks for {} top log-probabilities, at most 1000", o.top_k));
         }
         d
     }
@@ -299,7 +300,7 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     };
     let diffs = st.check_open(&open, peer);
     if !diffs.is_empty() {
-        return Err(refuse(&mut s, format!("refused: {}", diffs.join("; "))));
+        return Err(refuse(&mut s, diffs.join("; ")));
     }
     let range = open.layers.0 as usize..open.layers.1 as usize;
     let key = (range.clone(), open.n_ctx as usize, open.n_batch as usize);

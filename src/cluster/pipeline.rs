@@ -386,6 +386,20 @@ impl PipelineSession {
         }
     }
 
+    /// Changes the longest wait for any read or write (and so for a stage's compute) from now on.
+    pub fn set_io_timeout(&mut self, t: Duration) {
+        self.opts.timeouts.io = t;
+        for st in &mut self.stages {
+            if let Kind::Remote(r) = &mut st.kind
+                && let Some(c) = &mut r.conn
+            {
+                c.timeouts.io = t;
+                let _ = c.stream.set_read_timeout(Some(t));
+                let _ = c.stream.set_write_timeout(Some(t));
+            }
+        }
+    }
+
     /// Forgets every position from `n` on. Nothing crosses the wire: the next request's position and prefix hash
     /// tell each stage to rewind.
     pub fn rewind(&mut self, n: usize) {

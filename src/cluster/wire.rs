@@ -189,12 +189,12 @@ impl ModelInfo {
         }
     }
 
-    /// Every field that differs, phrased as `"<theirs_label> has X, <ours_label> has Y"`; empty when they agree.
-    pub fn differences(&self, theirs: &ModelInfo, peer: &str) -> Vec<String> {
+    /// Every field that differs, phrased as `"<theirs> has X, <ours> has Y"`; empty when they agree.
+    pub fn differences(&self, theirs: &ModelInfo, ours_label: &str, theirs_label: &str) -> Vec<String> {
         let mut out = Vec::new();
         if self.fingerprint != theirs.fingerprint {
             out.push(format!(
-                "peer {peer} has model fingerprint {}… ({}), we have {}… ({})",
+                "{theirs_label} has model fingerprint {}… ({}), {ours_label} has {}… ({})",
                 &theirs.fingerprint[..theirs.fingerprint.len().min(12)],
                 theirs.arch,
                 &self.fingerprint[..self.fingerprint.len().min(12)],
@@ -203,7 +203,7 @@ impl ModelInfo {
         }
         let mut field = |name: &str, a: String, b: String| {
             if a != b {
-                out.push(format!("peer {peer} has {name} {b}, we have {a}"));
+                out.push(format!("{theirs_label} has {name} {b}, {ours_label} has {a}"));
             }
         };
         field("architecture", self.arch.clone(), theirs.arch.clone());
