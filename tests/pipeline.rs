@@ -16,14 +16,22 @@ fn opts() -> PipelineOpts {
         n_ctx: 512,
         chunk: 16,
         threads: 1,
-        timeouts: Timeouts { connect: Duration::from_secs(5), io: Duration::from_secs(20) },
+        timeouts: Timeouts {
+            connect: Duration::from_secs(5),
+            io: Duration::from_secs(120),
+        },
         top_k: 3,
         ..Default::default()
     }
 }
 
 /// Prompt logits and greedy tokens through a pipeline.
-fn pipeline_run(spec: &str, o: PipelineOpts, prompt: &[u32], n_gen: usize) -> (Vec<f32>, Vec<u32>, PipelineSession) {
+fn pipeline_run(
+    spec: &str,
+    o: PipelineOpts,
+    prompt: &[u32],
+    n_gen: usize,
+) -> (Vec<f32>, Vec<u32>, PipelineSession) {
     let mut p = PipelineSession::connect(spec, &smollm2(), o).unwrap();
     let logits = p.eval_logits(prompt).unwrap();
     let mut toks = vec![argmax(&logits)];
@@ -50,13 +58,19 @@ fn two_and_three_stages_match_the_local_run() {
     assert_eq!(toks, ref_toks, "2 stages: greedy tokens");
     let st = p.stats();
     assert_eq!(st.len(), 2);
-    assert!(st.iter().all(|s| s.requests == 3 + 7 && s.tokens == 47 && s.bytes_sent > 0));
+    assert!(
+        st.iter()
+            .all(|s| s.requests == 3 + 7 && s.tokens == 47 && s.bytes_sent > 0)
+    );
     // A decode step moves one hidden row per boundary; the last stage returns a token, not logits.
     let mut p = p;
     p.reset_stats();
     p.decode_step(*toks.last().unwrap()).unwrap();
     let st = p.stats();
-    assert!(st[0].bytes_recv > 2304 && st[0].bytes_recv < 2304 + 100, "{st:?}");
+    assert!(
+        st[0].bytes_recv > 2304 && st[0].bytes_recv < 2304 + 100,
+        "{st:?}"
+    );
     assert!(st[1].bytes_recv < 100, "{st:?}");
     drop(p);
 
@@ -87,7 +101,11 @@ fn narrower_wire_stays_close() {
     let prompt = prompt(24);
     let (ref_logits, ref_toks) = local_reference(&model, &prompt, 4);
     let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    for (wire, tol) in [(WireDtype::F16, 2.0), (WireDtype::BF16, 4.0), (WireDtype::Q8, 4.0)] {
+    for (wire, tol) in [
+        (WireDtype::F16, 2.0),
+        (WireDtype::BF16, 4.0),
+        (WireDtype::Q8, 4.0),
+    ] {
         let spec = format!("{}=0:15,local=15:end", a.addr);
         let (logits, toks, p) = pipeline_run(&spec, PipelineOpts { wire, ..opts() }, &prompt, 4);
         let d = max_abs_diff(&logits, &ref_logits);
@@ -96,41 +114,74 @@ fn narrower_wire_stays_close() {
         assert!(d <= tol, "{wire:?}: logits differ by {d}");
         // The first greedy token may flip only between near-tied candidates.
         let top = ref_toks[0] as usize;
-        assert!(ref_logits[top] - ref_logits[toks[0] as usize] <= 2.0 * tol, "{wire:?}: greedy token {}", toks[0]);
+        assert!(
+            ref_logits[top] - ref_logits[toks[0] as usize] <= 2.0 * tol,
+            "{wire:?}: greedy token {}",
+            toks[0]
+        );
         // Hidden bytes from the first stage: 24 + 3 tokens' rows at the wire's row size.
         let hidden_bytes = 27 * wire.row_bytes(576) as u64;
         let recv = p.stats()[0].bytes_recv;
-        assert!(recv > hidden_bytes && recv < hidden_bytes + 2048, "{wire:?}: {recv} bytes received");
+        assert!(
+            recv > hidden_bytes && recv < hidden_bytes + 2048,
+            "{wire:?}: {recv} bytes received"
+        );
     }
 }
 
 #[test]
 fn handshake_mismatch_is_refused_with_the_difference_named() {
     let gemma = NodeProc::spawn(&gemma3(), "127.0.0.1:0", &[]);
-    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", gemma.addr), &smollm2(), opts())
-        .err()
-        .expect("a node with another model must be refused")
-        .to_string();
-    assert!(e.contains("fingerprint") && e.contains("(gemma3)") && e.contains("(llama)"), "{e}");
+    let e = PipelineSession::connect(
+        &format!("{}=0:15,local=15:end", gemma.addr),
+        &smollm2(),
+        opts(),
+    )
+    .err()
+    .expect("a node with another model must be refused")
+    .to_string();
+    assert!(
+        e.contains("fingerprint") && e.contains("(gemma3)") && e.contains("(llama)"),
+        "{e}"
+    );
     assert!(e.contains("has n_layer 30, this node has 18"), "{e}");
     std::thread::sleep(Duration::from_millis(200));
-    assert!(gemma.log().contains("dropped connection"), "the node logs the refusal:\n{}", gemma.log());
+    assert!(
+        gemma.log().contains("dropped connection"),
+        "the node logs the refusal:\n{}",
+        gemma.log()
+    );
 
     let pinned = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--layers", "0:10"]);
-    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", pinned.addr), &smollm2(), opts())
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("asks for layers 0:15, this node serves only 0:10"), "{e}");
-    let e = PipelineSession::connect(&format!("{}=0:14,local=15:end", pinned.addr), &smollm2(), opts())
-        .err()
-        .unwrap()
-        .to_string();
+    let e = PipelineSession::connect(
+        &format!("{}=0:15,local=15:end", pinned.addr),
+        &smollm2(),
+        opts(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("asks for layers 0:15, this node serves only 0:10"),
+        "{e}"
+    );
+    let e = PipelineSession::connect(
+        &format!("{}=0:14,local=15:end", pinned.addr),
+        &smollm2(),
+        opts(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("layers 14 are not covered"), "{e}");
-    let e = PipelineSession::connect(&format!("{}=0:10,local=10:end", pinned.addr), &smollm2(), PipelineOpts {
-        n_ctx: 100_000,
-        ..opts()
-    })
+    let e = PipelineSession::connect(
+        &format!("{}=0:10,local=10:end", pinned.addr),
+        &smollm2(),
+        PipelineOpts {
+            n_ctx: 100_000,
+            ..opts()
+        },
+    )
     .err()
     .unwrap()
     .to_string();
@@ -144,21 +195,39 @@ fn authentication_is_required_off_loopback_and_checked() {
     std::fs::write(&secret, "correct horse battery staple\n").unwrap();
     let model = smollm2();
 
-    let log = NodeProc::try_spawn(&model, "0.0.0.0:0", &[]).err().expect("no secret off loopback");
+    let log = NodeProc::try_spawn(&model, "0.0.0.0:0", &[])
+        .err()
+        .expect("no secret off loopback");
     assert!(log.contains("refusing to listen on 0.0.0.0"), "{log}");
 
     let port = free_port();
-    let node = NodeProc::spawn(&model, &format!("0.0.0.0:{port}"), &["--secret-file", secret.to_str().unwrap()]);
+    let node = NodeProc::spawn(
+        &model,
+        &format!("0.0.0.0:{port}"),
+        &["--secret-file", secret.to_str().unwrap()],
+    );
     let spec = format!("127.0.0.1:{port}=0:15,local=15:end");
-    let e = PipelineSession::connect(&spec, &model, opts()).err().unwrap().to_string();
+    let e = PipelineSession::connect(&spec, &model, opts())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("requires a shared secret"), "{e}");
-    let wrong = PipelineOpts { secret: Some(b"wrong horse battery staple".to_vec()), ..opts() };
-    let e = PipelineSession::connect(&spec, &model, wrong).err().unwrap().to_string();
+    let wrong = PipelineOpts {
+        secret: Some(b"wrong horse battery staple".to_vec()),
+        ..opts()
+    };
+    let e = PipelineSession::connect(&spec, &model, wrong)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("authentication failed"), "{e}");
     std::thread::sleep(Duration::from_millis(200));
     assert!(node.log().contains("wrong shared secret"), "{}", node.log());
 
-    let right = PipelineOpts { secret: Some(b"correct horse battery staple".to_vec()), ..opts() };
+    let right = PipelineOpts {
+        secret: Some(b"correct horse battery staple".to_vec()),
+        ..opts()
+    };
     let mut p = PipelineSession::connect(&spec, &model, right).unwrap();
     let s = p.eval(&prompt(8)).unwrap();
     let (_, ref_toks) = local_reference(&model, &prompt(8), 1);
@@ -166,8 +235,14 @@ fn authentication_is_required_off_loopback_and_checked() {
 
     // A coordinator with a secret does not trust a node that cannot prove it knows it.
     let open = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    let with = PipelineOpts { secret: Some(b"correct horse battery staple".to_vec()), ..opts() };
-    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", open.addr), &model, with).err().unwrap().to_string();
+    let with = PipelineOpts {
+        secret: Some(b"correct horse battery staple".to_vec()),
+        ..opts()
+    };
+    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", open.addr), &model, with)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("cannot prove"), "{e}");
 }
 
@@ -203,7 +278,9 @@ fn garbage_frames_drop_only_their_connection() {
         h[4] = 9;
         h.to_vec()
     };
-    let junk: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let junk: Vec<u8> = (0..5000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     for (name, bytes) in [
         ("http", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
         ("huge length", huge),
@@ -218,18 +295,28 @@ fn garbage_frames_drop_only_their_connection() {
         let mut reply = Vec::new();
         let t0 = Instant::now();
         let _ = s.read_to_end(&mut reply);
-        assert!(t0.elapsed() < Duration::from_secs(9), "{name}: the node must drop the connection");
+        assert!(
+            t0.elapsed() < Duration::from_secs(9),
+            "{name}: the node must drop the connection"
+        );
         if name == "bad version" {
             let (m, _) = wire::read_msg(&mut &reply[..]).unwrap();
-            assert!(matches!(m, Msg::Error { ref message } if message.contains("version 9")), "{m:?}");
+            assert!(
+                matches!(m, Msg::Error { ref message } if message.contains("version 9")),
+                "{m:?}"
+            );
         }
     }
     // A garbage frame in the middle of a session (after a valid handshake) drops that connection only.
     let mut raw = TcpStream::connect(&node.addr).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     wire::write_msg(&mut raw, &Msg::Hello { nonce: [1; 32] }).unwrap();
-    assert!(matches!(wire::read_msg(&mut raw).unwrap().0, Msg::Challenge { .. }));
-    raw.write_all(b"BTON\x01\x03\x00\x00\xff\xff\xff\x7f").unwrap();
+    assert!(matches!(
+        wire::read_msg(&mut raw).unwrap().0,
+        Msg::Challenge { .. }
+    ));
+    raw.write_all(b"BTON\x01\x03\x00\x00\xff\xff\xff\x7f")
+        .unwrap();
     let mut rest = Vec::new();
     let _ = raw.read_to_end(&mut rest);
 
@@ -241,7 +328,10 @@ fn garbage_frames_drop_only_their_connection() {
     assert_eq!(q.eval(&prompt(12)).unwrap().token, ref_toks[0]);
     assert_eq!(p.stats()[0].reconnects, 0);
     let log = node.log();
-    assert!(log.contains("magic") && log.contains("exceeds the limit"), "{log}");
+    assert!(
+        log.contains("magic") && log.contains("exceeds the limit"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -254,7 +344,15 @@ fn killed_stage_mid_decode_errors_then_recovers_after_restart() {
     let mut b = NodeProc::spawn(&model, &listen, &[]);
     let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
     let spec = format!("{}=0:10,{listen}=10:end", a.addr);
-    let mut p = PipelineSession::connect(&spec, &model, PipelineOpts { verbose: true, ..opts() }).unwrap();
+    let mut p = PipelineSession::connect(
+        &spec,
+        &model,
+        PipelineOpts {
+            verbose: true,
+            ..opts()
+        },
+    )
+    .unwrap();
     let mut toks = vec![p.eval(&prompt).unwrap().token];
     for _ in 0..4 {
         toks.push(p.decode_step(*toks.last().unwrap()).unwrap().token);
@@ -262,12 +360,28 @@ fn killed_stage_mid_decode_errors_then_recovers_after_restart() {
 
     b.kill();
     let t0 = Instant::now();
-    let e = p.decode_step(*toks.last().unwrap()).err().expect("a dead stage must fail the step").to_string();
-    assert!(t0.elapsed() < Duration::from_secs(10), "error took {:?}", t0.elapsed());
+    let e = p
+        .decode_step(*toks.last().unwrap())
+        .err()
+        .expect("a dead stage must fail the step")
+        .to_string();
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "error took {:?}",
+        t0.elapsed()
+    );
     assert!(e.contains(&listen), "the error names the stage: {e}");
-    assert_eq!(p.n_past(), prompt.len() + 4, "a failed step changes nothing");
+    assert_eq!(
+        p.n_past(),
+        prompt.len() + 4,
+        "a failed step changes nothing"
+    );
     // While it is down, the next request fails fast too.
-    let e = p.decode_step(*toks.last().unwrap()).err().unwrap().to_string();
+    let e = p
+        .decode_step(*toks.last().unwrap())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("cannot connect") && e.contains(&listen), "{e}");
 
     let _b = NodeProc::spawn(&model, &listen, &[]);
@@ -294,10 +408,20 @@ fn stalled_stage_times_out_then_continues() {
     p.set_io_timeout(Duration::from_secs(2));
     node.signal(libc::SIGSTOP);
     let t0 = Instant::now();
-    let e = p.decode_step(toks[1]).err().expect("a stalled stage must fail the step").to_string();
+    let e = p
+        .decode_step(toks[1])
+        .err()
+        .expect("a stalled stage must fail the step")
+        .to_string();
     let took = t0.elapsed();
-    assert!(took >= Duration::from_millis(1900) && took < Duration::from_secs(5), "took {took:?}");
-    assert!(e.contains("did not answer") && e.contains(&node.addr), "{e}");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(5),
+        "took {took:?}"
+    );
+    assert!(
+        e.contains("did not answer") && e.contains(&node.addr),
+        "{e}"
+    );
     node.signal(libc::SIGCONT);
 
     p.set_io_timeout(Duration::from_secs(20));
@@ -305,4 +429,188 @@ fn stalled_stage_times_out_then_continues() {
         toks.push(p.decode_step(*toks.last().unwrap()).unwrap().token);
     }
     assert_eq!(toks, ref_toks);
+}
+
+/// `cargo test --release --test pipeline bench_loopback -- --ignored --nocapture`: pp/tg through 1, 2, 3 stages on
+/// loopback against the local run, and decode bytes per token at each wire width. BENCH_PP, BENCH_TG, BENCH_THREADS.
+#[test]
+#[ignore]
+fn bench_loopback() {
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (pp, tg, t) = (
+        env("BENCH_PP", 512),
+        env("BENCH_TG", 128),
+        env("BENCH_THREADS", 1),
+    );
+    let model = smollm2();
+    let prompt = prompt(pp);
+    let ts = t.to_string();
+    let nodes: Vec<NodeProc> = (0..3)
+        .map(|_| NodeProc::spawn(&model, "127.0.0.1:0", &["-t", &ts, "-c", "2048"]))
+        .collect();
+    let (lpp, ltg) = bench_local(&model, t, &prompt, tg);
+    println!("threads per stage {t}, pp{pp} tg{tg}");
+    println!("| setup | chunk | pp t/s | tg t/s | pp vs local | tg vs local |");
+    println!("|---|---|---|---|---|---|");
+    println!("| local | 512 | {lpp:.1} | {ltg:.1} | 1.00 | 1.00 |");
+    let specs = [
+        ("1 stage (remote)", format!("{}=0:end", nodes[0].addr)),
+        (
+            "2 stages (remote+remote)",
+            format!("{}=0:15,{}=15:end", nodes[0].addr, nodes[1].addr),
+        ),
+        (
+            "2 stages (remote+local)",
+            format!("{}=0:15,local=15:end", nodes[0].addr),
+        ),
+        (
+            "3 stages (remote x3)",
+            format!(
+                "{}=0:10,{}=10:20,{}=20:end",
+                nodes[0].addr, nodes[1].addr, nodes[2].addr
+            ),
+        ),
+    ];
+    for (name, spec) in &specs {
+        for chunk in [128, 512] {
+            let o = PipelineOpts {
+                n_ctx: 2048,
+                chunk,
+                threads: t,
+                top_k: 0,
+                ..opts()
+            };
+            let (ppp, ptg, _) = bench_pipeline(spec, &model, o, &prompt, tg);
+            println!(
+                "| {name} | {chunk} | {ppp:.1} | {ptg:.1} | {:.2} | {:.2} |",
+                ppp / lpp,
+                ptg / ltg
+            );
+        }
+    }
+    println!();
+    println!(
+        "| wire | decode bytes/token (2 remote stages, all frames) | hidden payload/boundary |"
+    );
+    println!("|---|---|---|");
+    for wire in [
+        WireDtype::F32,
+        WireDtype::F16,
+        WireDtype::BF16,
+        WireDtype::Q8,
+    ] {
+        let o = PipelineOpts {
+            n_ctx: 2048,
+            chunk: 128,
+            threads: t,
+            top_k: 0,
+            wire,
+            ..opts()
+        };
+        let (_, _, st) = bench_pipeline(&specs[1].1, &model, o, &prompt[..64], 32);
+        println!(
+            "| {} | {:.0} | {} |",
+            wire.name(),
+            bytes_per_token(&st, 32),
+            wire.row_bytes(576)
+        );
+    }
+}
+
+/// Perplexity through 2 stages at each wire width against the local run, on the token ids in BENCH_TOKENS (a file of
+/// whitespace-separated ids), scored in chunks of BENCH_CTX (256) tokens, every token after the first.
+#[test]
+#[ignore]
+fn bench_perplexity() {
+    let Some(path) = std::env::var_os("BENCH_TOKENS") else {
+        eprintln!("skipped: set BENCH_TOKENS to a file of token ids");
+        return;
+    };
+    let ctx: usize = std::env::var("BENCH_CTX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let ids: Vec<u32> = std::fs::read_to_string(path)
+        .unwrap()
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let chunks: Vec<&[u32]> = ids.chunks_exact(ctx).take(8).collect();
+    let model = smollm2();
+    let node = NodeProc::spawn(&model, "127.0.0.1:0", &["-c", "2048"]);
+    let nll = |logits: &[f32], toks: &[u32]| -> f64 {
+        let v = logits.len() / toks.len();
+        let mut s = 0.0;
+        for i in 0..toks.len() - 1 {
+            let row = &logits[i * v..(i + 1) * v];
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let lse = m as f64
+                + row
+                    .iter()
+                    .map(|&x| ((x - m) as f64).exp())
+                    .sum::<f64>()
+                    .ln();
+            s += lse - row[toks[i + 1] as usize] as f64;
+        }
+        s
+    };
+    let n_scored = (chunks.len() * (ctx - 1)) as f64;
+    let local = {
+        let m = std::sync::Arc::new(baton::model::Model::load(&model).unwrap());
+        let mut s = baton::engine::Session::new(
+            m,
+            std::sync::Arc::new(baton::kernels::ThreadPool::new(1)),
+            ctx,
+            ctx,
+        )
+        .unwrap();
+        let mut tot = 0.0;
+        for c in &chunks {
+            s.rewind(0);
+            tot += nll(
+                s.forward(
+                    baton::engine::Input::Tokens(c),
+                    baton::engine::Want::AllLogits,
+                )
+                .unwrap(),
+                c,
+            );
+        }
+        (tot / n_scored).exp()
+    };
+    println!(
+        "{} chunks of {ctx} tokens; local perplexity {local:.4}",
+        chunks.len()
+    );
+    println!("| wire | perplexity | delta vs local |");
+    println!("|---|---|---|");
+    let wires = std::env::var("BENCH_WIRES").unwrap_or("32,16,bf16,8".into());
+    for wire in wires.split(',').map(|w| WireDtype::parse(w).unwrap()) {
+        let o = PipelineOpts {
+            n_ctx: ctx,
+            chunk: 128,
+            wire,
+            ..opts()
+        };
+        let mut p =
+            PipelineSession::connect(&format!("{}=0:15,local=15:end", node.addr), &model, o)
+                .unwrap();
+        let mut tot = 0.0;
+        for c in &chunks {
+            p.rewind(0);
+            tot += nll(&p.eval_all_logits(c).unwrap(), c);
+        }
+        let ppl = (tot / n_scored).exp();
+        println!(
+            "| {} | {ppl:.4} | {:+.4} ({:+.3}%) |",
+            wire.name(),
+            ppl - local,
+            100.0 * (ppl / local - 1.0)
+        );
+    }
 }

@@ -21,16 +21,26 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Timeouts { connect: Duration::from_secs(5), io: Duration::from_secs(30) }
+        Timeouts {
+            connect: Duration::from_secs(5),
+            io: Duration::from_secs(30),
+        }
     }
 }
 
 /// Turns a wire error into a one-line message naming the peer and what we were doing.
 pub fn describe(e: WireError, peer: &str, what: &str, timeout: Duration) -> anyhow::Error {
     match e {
-        WireError::Timeout => anyhow!("stage {peer} did not answer {what} within {:.1} s", timeout.as_secs_f64()),
-        WireError::Closed => anyhow!("stage {peer} closed the connection during {what} (did it stop or restart?)"),
-        WireError::Malformed(m) => anyhow!("stage {peer} sent a malformed frame during {what}: {m}"),
+        WireError::Timeout => anyhow!(
+            "stage {peer} did not answer {what} within {:.1} s",
+            timeout.as_secs_f64()
+        ),
+        WireError::Closed => {
+            anyhow!("stage {peer} closed the connection during {what} (did it stop or restart?)")
+        }
+        WireError::Malformed(m) => {
+            anyhow!("stage {peer} sent a malformed frame during {what}: {m}")
+        }
         WireError::Io(io) => anyhow!("network error with stage {peer} during {what}: {io}"),
     }
 }
@@ -46,13 +56,15 @@ pub struct Conn {
 
 impl Conn {
     pub fn send(&mut self, msg: &Msg, what: &str) -> Result<()> {
-        let n = wire::write_msg(&mut self.stream, msg).map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
+        let n = wire::write_msg(&mut self.stream, msg)
+            .map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
         self.bytes_sent += n as u64;
         Ok(())
     }
 
     pub fn recv(&mut self, what: &str) -> Result<Msg> {
-        let (m, n) = wire::read_msg(&mut self.stream).map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
+        let (m, n) = wire::read_msg(&mut self.stream)
+            .map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
         self.bytes_recv += n as u64;
         if let Msg::Error { message } = &m {
             bail!("stage {} refused {what}: {message}", self.peer);
@@ -62,8 +74,16 @@ impl Conn {
 }
 
 /// Connects to `addr`, authenticates and opens the stage described by `open`.
-pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> Result<(Conn, Ready)> {
-    let addrs: Vec<_> = addr.to_socket_addrs().map_err(|e| anyhow!("cannot resolve stage address {addr}: {e}"))?.collect();
+pub fn connect(
+    addr: &str,
+    secret: Option<&[u8]>,
+    open: &Open,
+    t: Timeouts,
+) -> Result<(Conn, Ready)> {
+    let addrs: Vec<_> = addr
+        .to_socket_addrs()
+        .map_err(|e| anyhow!("cannot resolve stage address {addr}: {e}"))?
+        .collect();
     let mut last = None;
     let mut stream = None;
     for a in &addrs {
@@ -77,21 +97,35 @@ pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> R
     }
     let Some(stream) = stream else {
         let why = last.map_or("no address".to_string(), |e| e.to_string());
-        bail!("cannot connect to stage {addr} within {:.1} s: {why}", t.connect.as_secs_f64());
+        bail!(
+            "cannot connect to stage {addr} within {:.1} s: {why}",
+            t.connect.as_secs_f64()
+        );
     };
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(t.io))?;
     stream.set_write_timeout(Some(t.io))?;
-    let mut c = Conn { stream, peer: addr.to_string(), timeouts: t, bytes_sent: 0, bytes_recv: 0 };
+    let mut c = Conn {
+        stream,
+        peer: addr.to_string(),
+        timeouts: t,
+        bytes_sent: 0,
+        bytes_recv: 0,
+    };
 
     let nonce_c = auth::nonce();
     c.send(&Msg::Hello { nonce: nonce_c }, "the handshake")?;
     let (nonce_n, required) = match c.recv("the handshake")? {
-        Msg::Challenge { nonce, auth_required } => (nonce, auth_required),
+        Msg::Challenge {
+            nonce,
+            auth_required,
+        } => (nonce, auth_required),
         m => bail!("stage {addr} answered HELLO with {}", m.name()),
     };
     let mac = match (secret, required) {
-        (None, true) => bail!("stage {addr} requires a shared secret (give the coordinator the node's --secret-file)"),
+        (None, true) => bail!(
+            "stage {addr} requires a shared secret (give the coordinator the node's --secret-file)"
+        ),
         (Some(_), false) => bail!(
             "stage {addr} does not ask for authentication but we have a secret; it cannot prove it knows it, refusing \
              (start the node with the same --secret-file)"
@@ -116,7 +150,9 @@ pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> R
         Msg::Ready(r) => r,
         m => bail!("stage {addr} answered OPEN with {}", m.name()),
     };
-    let mut diffs = open.model.differences(&ready.model, "we", &format!("node {addr}"));
+    let mut diffs = open
+        .model
+        .differences(&ready.model, "we", &format!("node {addr}"));
     if ready.layers != open.layers {
         diffs.push(format!(
             "node {addr} serves layers {}:{}, we asked for {}:{}",
@@ -124,7 +160,10 @@ pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> R
         ));
     }
     if ready.n_ctx < open.n_ctx {
-        diffs.push(format!("node {addr} has a context of {}, we need {}", ready.n_ctx, open.n_ctx));
+        diffs.push(format!(
+            "node {addr} has a context of {}, we need {}",
+            ready.n_ctx, open.n_ctx
+        ));
     }
     if !diffs.is_empty() {
         bail!("refusing stage {addr}: {}", diffs.join("; "));

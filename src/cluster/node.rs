@@ -7,7 +7,7 @@
 
 use super::auth;
 use super::stage::{SamplingParams, StageCore, StageOut};
-use super::wire::{self, Body, Hidden, Msg, ModelInfo, Open, Ready, ResultMsg, WireError};
+use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WireError};
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -74,7 +74,8 @@ struct State {
     pinned: Option<Range<usize>>,
     pool: Arc<ThreadPool>,
     models: Mutex<HashMap<(usize, usize), Arc<Model>>>,
-    sessions: Mutex<HashMap<u64, Arc<Mutex<Slot>>>>,
+    /// Keyed by (session id, first layer, end layer): one coordinator session may use several ranges of a node.
+    sessions: Mutex<HashMap<(u64, usize, usize), Arc<Mutex<Slot>>>>,
     /// One forward pass at a time: they all share the thread pool and the cores.
     compute: Mutex<()>,
 }
@@ -100,7 +101,8 @@ impl Node {
             Some(s) => Some(crate::model::parse_layer_range(s, hp.n_layer)?),
             None => None,
         };
-        let listener = TcpListener::bind(&cfg.listen).with_context(|| format!("cannot listen on {}", cfg.listen))?;
+        let listener = TcpListener::bind(&cfg.listen)
+            .with_context(|| format!("cannot listen on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         if cfg.secret.is_none() && !addr.ip().is_loopback() {
             bail!(
@@ -142,7 +144,9 @@ impl Node {
             };
             let state = self.state.clone();
             std::thread::spawn(move || {
-                let peer = stream.peer_addr().map_or("?".to_string(), |a| a.to_string());
+                let peer = stream
+                    .peer_addr()
+                    .map_or("?".to_string(), |a| a.to_string());
                 if let Err(e) = serve_conn(stream, &state, &peer) {
                     eprintln!("baton node: dropped connection from {peer}: {e:#}");
                 }
@@ -163,8 +167,17 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
         s.hp.arch.name(),
         s.hp.n_layer,
         &s.info.fingerprint[..12.min(s.info.fingerprint.len())],
-        s.pinned.as_ref().map_or("any layer range".to_string(), |r| format!("layers {}:{}", r.start, r.end)),
-        if s.cfg.secret.is_some() { "required" } else { "off (loopback only)" }
+        s.pinned
+            .as_ref()
+            .map_or("any layer range".to_string(), |r| format!(
+                "layers {}:{}",
+                r.start, r.end
+            )),
+        if s.cfg.secret.is_some() {
+            "required"
+        } else {
+            "off (loopback only)"
+        }
     );
     node.serve()
 }
@@ -182,14 +195,23 @@ impl State {
 
     /// The session `id` for `key`, reused when it exists with the same shape, otherwise created (evicting the least
     /// recently used one beyond the limit).
-    fn session(&self, id: u64, key: (Range<usize>, usize, usize), open: &Open) -> Result<Arc<Mutex<Slot>>> {
+    fn session(
+        &self,
+        id: u64,
+        key: (Range<usize>, usize, usize),
+        open: &Open,
+    ) -> Result<Arc<Mutex<Slot>>> {
         let mut sessions = lock(&self.sessions);
+        let id = (id, key.0.start, key.0.end);
         if let Some(s) = sessions.get(&id) {
             let mut g = lock(s);
             if g.key == key {
                 g.last_used = Instant::now();
-                g.core.sampling =
-                    SamplingParams { temperature: open.temperature, top_p: open.top_p, seed: open.seed };
+                g.core.sampling = SamplingParams {
+                    temperature: open.temperature,
+                    top_p: open.top_p,
+                    seed: open.seed,
+                };
                 g.core.top_k = open.top_k as usize;
                 drop(g);
                 return Ok(s.clone());
@@ -197,14 +219,33 @@ impl State {
         }
         sessions.remove(&id);
         while sessions.len() >= self.cfg.max_sessions.max(1) {
-            let oldest = sessions.iter().min_by_key(|(_, s)| lock(s).last_used).map(|(k, _)| *k).unwrap();
+            let oldest = sessions
+                .iter()
+                .min_by_key(|(_, s)| lock(s).last_used)
+                .map(|(k, _)| *k)
+                .unwrap();
             sessions.remove(&oldest);
-            eprintln!("baton node: evicted session {oldest:016x}");
+            eprintln!("baton node: evicted session {:016x} (layers {}:{})", oldest.0, oldest.1, oldest.2);
         }
         let model = self.model(key.0.clone())?;
-        let sampling = SamplingParams { temperature: open.temperature, top_p: open.top_p, seed: open.seed };
-        let core = StageCore::new(model, self.pool.clone(), key.1, key.2, sampling, open.top_k as usize)?;
-        let slot = Arc::new(Mutex::new(Slot { core, key, last_used: Instant::now() }));
+        let sampling = SamplingParams {
+            temperature: open.temperature,
+            top_p: open.top_p,
+            seed: open.seed,
+        };
+        let core = StageCore::new(
+            model,
+            self.pool.clone(),
+            key.1,
+            key.2,
+            sampling,
+            open.top_k as usize,
+        )?;
+        let slot = Arc::new(Mutex::new(Slot {
+            core,
+            key,
+            last_used: Instant::now(),
+        }));
         sessions.insert(id, slot.clone());
         Ok(slot)
     }
@@ -215,20 +256,35 @@ impl State {
         let mut d = self.info.differences(&o.model, "this node", peer);
         let (a, b) = (o.layers.0 as usize, o.layers.1 as usize);
         if a >= b || b > self.hp.n_layer {
-            d.push(format!("{peer} asks for layers {a}:{b}, the model has {} layers", self.hp.n_layer));
+            d.push(format!(
+                "{peer} asks for layers {a}:{b}, the model has {} layers",
+                self.hp.n_layer
+            ));
         } else if let Some(p) = &self.pinned
             && *p != (a..b)
         {
-            d.push(format!("{peer} asks for layers {a}:{b}, this node serves only {}:{}", p.start, p.end));
+            d.push(format!(
+                "{peer} asks for layers {a}:{b}, this node serves only {}:{}",
+                p.start, p.end
+            ));
         }
         if o.n_ctx == 0 || o.n_ctx as usize > self.cfg.max_ctx {
-            d.push(format!("{peer} asks for a context of {}, this node allows 1..={}", o.n_ctx, self.cfg.max_ctx));
+            d.push(format!(
+                "{peer} asks for a context of {}, this node allows 1..={}",
+                o.n_ctx, self.cfg.max_ctx
+            ));
         }
         if o.n_batch == 0 || o.n_batch as usize > self.cfg.max_batch {
-            d.push(format!("{peer} asks for batches of {}, this node allows 1..={}", o.n_batch, self.cfg.max_batch));
+            d.push(format!(
+                "{peer} asks for batches of {}, this node allows 1..={}",
+                o.n_batch, self.cfg.max_batch
+            ));
         }
         if o.top_k > 1000 {
-            d.push(format!("{peer} asks for {} top log-probabilities, at most 1000", o.top_k));
+            d.push(format!(
+                "{peer} asks for {} top log-probabilities, at most 1000",
+                o.top_k
+            ));
         }
         d
     }
@@ -253,7 +309,12 @@ fn wire_err(e: WireError, what: &str) -> anyhow::Error {
 
 /// Refuses the peer with a message (best effort) and ends the connection with that error.
 fn refuse(s: &mut TcpStream, msg: String) -> anyhow::Error {
-    let _ = wire::write_msg(s, &Msg::Error { message: msg.clone() });
+    let _ = wire::write_msg(
+        s,
+        &Msg::Error {
+            message: msg.clone(),
+        },
+    );
     anyhow!(msg)
 }
 
@@ -261,7 +322,8 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     let io = st.cfg.io_timeout;
     s.set_nodelay(true)?;
     s.set_write_timeout(Some(io))?;
-    let send = |s: &mut TcpStream, m: &Msg| wire::write_msg(s, m).map_err(|e| wire_err(e, "sending"));
+    let send =
+        |s: &mut TcpStream, m: &Msg| wire::write_msg(s, m).map_err(|e| wire_err(e, "sending"));
 
     // 1. Version and nonces.
     let nonce_c = match read_frame(&mut s, io, io) {
@@ -271,7 +333,13 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
         Err(e) => return Err(wire_err(e, "reading HELLO")),
     };
     let nonce_n = auth::nonce();
-    send(&mut s, &Msg::Challenge { nonce: nonce_n, auth_required: st.cfg.secret.is_some() })?;
+    send(
+        &mut s,
+        &Msg::Challenge {
+            nonce: nonce_n,
+            auth_required: st.cfg.secret.is_some(),
+        },
+    )?;
 
     // 2. Authentication.
     let mac = match read_frame(&mut s, io, io) {
@@ -283,7 +351,10 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     let our_mac = match &st.cfg.secret {
         Some(secret) => {
             if !auth::verify(secret, auth::LABEL_COORDINATOR, &nonce_c, &nonce_n, &mac) {
-                return Err(refuse(&mut s, "authentication failed: wrong shared secret".into()));
+                return Err(refuse(
+                    &mut s,
+                    "authentication failed: wrong shared secret".into(),
+                ));
             }
             auth::proof(secret, auth::LABEL_NODE, &nonce_c, &nonce_n)
         }
@@ -306,7 +377,12 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     let key = (range.clone(), open.n_ctx as usize, open.n_batch as usize);
     let slot = match st.session(open.session, key, &open) {
         Ok(s) => s,
-        Err(e) => return Err(refuse(&mut s, format!("cannot open layers {}:{}: {e:#}", range.start, range.end))),
+        Err(e) => {
+            return Err(refuse(
+                &mut s,
+                format!("cannot open layers {}:{}: {e:#}", range.start, range.end),
+            ));
+        }
     };
     let n_past = lock(&slot).core.n_past();
     send(
@@ -328,19 +404,32 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     loop {
         let f = match read_frame(&mut s, st.cfg.idle_timeout, io) {
             Ok(Msg::Forward(f)) => f,
-            Ok(m) => return Err(refuse(&mut s, format!("expected FORWARD, got {}", m.name()))),
+            Ok(m) => {
+                return Err(refuse(
+                    &mut s,
+                    format!("expected FORWARD, got {}", m.name()),
+                ));
+            }
             Err(WireError::Closed) => return Ok(()),
-            Err(WireError::Timeout) => return Err(anyhow!("idle or stalled for longer than the timeout")),
+            Err(WireError::Timeout) => {
+                return Err(anyhow!("idle or stalled for longer than the timeout"));
+            }
             Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
             Err(e) => return Err(wire_err(e, "reading a request")),
         };
         let n = f.tokens.len();
         let bad = if n == 0 || n > open.n_batch as usize {
-            Some(format!("batch of {n} tokens, the session allows 1..={}", open.n_batch))
+            Some(format!(
+                "batch of {n} tokens, the session allows 1..={}",
+                open.n_batch
+            ))
         } else if let Some(h) = &f.hidden
             && (h.width as usize != e || h.n_rows as usize != n)
         {
-            Some(format!("hidden state of {}x{}, expected {n}x{e}", h.n_rows, h.width))
+            Some(format!(
+                "hidden state of {}x{}, expected {n}x{e}",
+                h.n_rows, h.width
+            ))
         } else {
             None
         };
@@ -353,21 +442,40 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
             let _c = lock(&st.compute);
             let mut g = lock(&slot);
             g.last_used = Instant::now();
-            g.core.run(f.pos as usize, &f.prefix, &f.tokens, hidden.as_deref(), f.want)
+            g.core.run(
+                f.pos as usize,
+                &f.prefix,
+                &f.tokens,
+                hidden.as_deref(),
+                f.want,
+            )
         };
         let reply = match res {
-            Ok((StageOut::Mismatch(n_past), _)) => Msg::Mismatch { req: f.req, n_past: n_past as u32 },
+            Ok((StageOut::Mismatch(n_past), _)) => Msg::Mismatch {
+                req: f.req,
+                n_past: n_past as u32,
+            },
             Ok((out, us)) => {
                 let body = match out {
                     StageOut::Ack => Body::Ack,
                     StageOut::Hidden(h) => Body::Hidden(Hidden::encode(&h, e, open.wire)),
-                    StageOut::Sample(sm) => Body::Sample { token: sm.token, logprob: sm.logprob, top: sm.top },
+                    StageOut::Sample(sm) => Body::Sample {
+                        token: sm.token,
+                        logprob: sm.logprob,
+                        top: sm.top,
+                    },
                     StageOut::Logits(l) => Body::Logits(l),
                     StageOut::Mismatch(_) => unreachable!(),
                 };
-                Msg::Result(ResultMsg { req: f.req, compute_us: us, body })
+                Msg::Result(ResultMsg {
+                    req: f.req,
+                    compute_us: us,
+                    body,
+                })
             }
-            Err(err) => Msg::Error { message: format!("{err:#}") },
+            Err(err) => Msg::Error {
+                message: format!("{err:#}"),
+            },
         };
         send(&mut s, &reply)?;
     }

@@ -158,7 +158,10 @@ impl Remote {
             if self.connected_once {
                 stats.reconnects += 1;
                 if c.verbose {
-                    eprintln!("pipeline: reconnected to {} ({} positions held there)", self.addr, ready.n_past);
+                    eprintln!(
+                        "pipeline: reconnected to {} ({} positions held there)",
+                        self.addr, ready.n_past
+                    );
                 }
             }
             stats.bytes_sent += conn.bytes_sent;
@@ -190,7 +193,9 @@ impl Remote {
         let conn = self.conn.as_mut().unwrap();
         let (s0, r0) = (conn.bytes_sent, conn.bytes_recv);
         let what = format!("positions {}..{}", f.pos, f.pos as usize + f.tokens.len());
-        let r = conn.send(&Msg::Forward(f.clone()), &what).and_then(|_| conn.recv(&what));
+        let r = conn
+            .send(&Msg::Forward(f.clone()), &what)
+            .and_then(|_| conn.recv(&what));
         stats.bytes_sent += conn.bytes_sent - s0;
         stats.bytes_recv += conn.bytes_recv - r0;
         if r.is_err() {
@@ -234,13 +239,25 @@ impl Stage {
                     Carry::F32(v) => Some(Hidden::encode(&v, c.n_embd, c.wire)),
                     Carry::Wire(h) => Some(h),
                 };
-                let f = Forward { req: job.req, pos: job.pos as u32, prefix: job.prefix, tokens: job.tokens.clone(), hidden, want };
+                let f = Forward {
+                    req: job.req,
+                    pos: job.pos as u32,
+                    prefix: job.prefix,
+                    tokens: job.tokens.clone(),
+                    hidden,
+                    want,
+                };
                 let reply = r.roundtrip(&f, c, &mut self.stats)?;
                 let res = match reply {
                     Msg::Result(res) if res.req == job.req => res,
                     Msg::Result(res) => {
                         r.conn = None;
-                        return Err(anyhow!("stage {label} answered request {} with request {}", job.req, res.req).into());
+                        return Err(anyhow!(
+                            "stage {label} answered request {} with request {}",
+                            job.req,
+                            res.req
+                        )
+                        .into());
                     }
                     Msg::Mismatch { n_past, .. } => {
                         if c.verbose {
@@ -254,11 +271,15 @@ impl Stage {
                     }
                     m => {
                         r.conn = None;
-                        return Err(anyhow!("stage {label} answered FORWARD with {}", m.name()).into());
+                        return Err(
+                            anyhow!("stage {label} answered FORWARD with {}", m.name()).into()
+                        );
                     }
                 };
                 let ok = match (res.body, want) {
-                    (Body::Hidden(h), WantOut::Hidden) if h.n_rows as usize == n && h.width as usize == c.n_embd => {
+                    (Body::Hidden(h), WantOut::Hidden)
+                        if h.n_rows as usize == n && h.width as usize == c.n_embd =>
+                    {
                         job.carry = Carry::Wire(h);
                         true
                     }
@@ -266,8 +287,19 @@ impl Stage {
                         job.out = Some(Out::Ack);
                         true
                     }
-                    (Body::Sample { token, logprob, top }, WantOut::Sample) if (token as usize) < c.n_vocab => {
-                        job.out = Some(Out::Sample(Sampled { token, logprob, top }));
+                    (
+                        Body::Sample {
+                            token,
+                            logprob,
+                            top,
+                        },
+                        WantOut::Sample,
+                    ) if (token as usize) < c.n_vocab => {
+                        job.out = Some(Out::Sample(Sampled {
+                            token,
+                            logprob,
+                            top,
+                        }));
                         true
                     }
                     (Body::Logits(l), WantOut::LastLogits) if l.len() == c.n_vocab => {
@@ -282,7 +314,10 @@ impl Stage {
                 };
                 if !ok {
                     r.conn = None;
-                    return Err(anyhow!("stage {label} returned a result of the wrong kind or shape").into());
+                    return Err(anyhow!(
+                        "stage {label} returned a result of the wrong kind or shape"
+                    )
+                    .into());
                 }
                 res.compute_us
             }
@@ -325,12 +360,23 @@ impl PipelineSession {
         let session_id = rand::rngs::OsRng.next_u64();
         let mut stages = Vec::with_capacity(specs.len());
         for s in specs {
-            let mut stats = StageStats { label: s.label(), layers: s.layers.clone(), ..Default::default() };
+            let mut stats = StageStats {
+                label: s.label(),
+                layers: s.layers.clone(),
+                ..Default::default()
+            };
             let kind = match &s.addr {
                 None => {
                     let model = Arc::new(Model::from_file(file.clone(), Some(s.layers.clone()))?);
                     let pool = Arc::new(ThreadPool::new(opts.threads));
-                    Kind::Local(Box::new(StageCore::new(model, pool, opts.n_ctx, opts.chunk, opts.sampling, opts.top_k)?))
+                    Kind::Local(Box::new(StageCore::new(
+                        model,
+                        pool,
+                        opts.n_ctx,
+                        opts.chunk,
+                        opts.sampling,
+                        opts.top_k,
+                    )?))
                 }
                 Some(addr) => {
                     let open = Open {
@@ -345,14 +391,33 @@ impl PipelineSession {
                         seed: opts.sampling.seed,
                         top_k: opts.top_k.min(1000) as u16,
                     };
-                    let mut r = Remote { addr: addr.clone(), open, conn: None, connected_once: false, last_used: Instant::now() };
+                    let mut r = Remote {
+                        addr: addr.clone(),
+                        open,
+                        conn: None,
+                        connected_once: false,
+                        last_used: Instant::now(),
+                    };
                     r.ensure(&PassCtx::new(&hp, &opts), &mut stats)?;
                     Kind::Remote(Box::new(r))
                 }
             };
-            stages.push(Stage { spec: s, kind, stats });
+            stages.push(Stage {
+                spec: s,
+                kind,
+                stats,
+            });
         }
-        Ok(PipelineSession { stages, hp, opts, tokens: Vec::new(), hashes: vec![prefix_root()], session_id, next_req: 1, replays: 0 })
+        Ok(PipelineSession {
+            stages,
+            hp,
+            opts,
+            tokens: Vec::new(),
+            hashes: vec![prefix_root()],
+            session_id,
+            next_req: 1,
+            replays: 0,
+        })
     }
 
     pub fn hparams(&self) -> &Hparams {
@@ -382,7 +447,11 @@ impl PipelineSession {
     }
     pub fn reset_stats(&mut self) {
         for s in &mut self.stages {
-            s.stats = StageStats { label: s.stats.label.clone(), layers: s.stats.layers.clone(), ..Default::default() };
+            s.stats = StageStats {
+                label: s.stats.label.clone(),
+                layers: s.stats.layers.clone(),
+                ..Default::default()
+            };
         }
     }
 
@@ -410,7 +479,12 @@ impl PipelineSession {
     /// Keeps the longest prefix of the session that `tokens` starts with (leaving at least one token to feed) and
     /// returns its length; the caller then feeds `tokens[kept..]`.
     pub fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
-        let mut n = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        let mut n = self
+            .tokens
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
         if n == tokens.len() && n > 0 {
             n -= 1;
         }
@@ -460,7 +534,10 @@ impl PipelineSession {
             );
         }
         if let Some(&t) = new.iter().find(|&&t| t as usize >= self.hp.n_vocab) {
-            bail!("token id {t} is outside the vocabulary of {}", self.hp.n_vocab);
+            bail!(
+                "token id {t} is outside the vocabulary of {}",
+                self.hp.n_vocab
+            );
         }
         for attempt in 0..2 {
             let start = if attempt == 0 { self.tokens.len() } else { 0 };
@@ -490,7 +567,9 @@ impl PipelineSession {
                         );
                     }
                 }
-                Err(Fail::Mismatch(_)) => bail!("a stage still does not hold the session's prefix after a full replay"),
+                Err(Fail::Mismatch(_)) => {
+                    bail!("a stage still does not hold the session's prefix after a full replay")
+                }
                 Err(Fail::Err(e)) => return Err(e),
             }
         }
@@ -504,7 +583,11 @@ impl PipelineSession {
         let mut jobs = Vec::new();
         let n_chunks = feed.len().div_ceil(self.opts.chunk);
         for (i, chunk) in feed.chunks(self.opts.chunk).enumerate() {
-            let w = if i + 1 == n_chunks || want == WantOut::AllLogits { want } else { WantOut::Ack };
+            let w = if i + 1 == n_chunks || want == WantOut::AllLogits {
+                want
+            } else {
+                WantOut::Ack
+            };
             jobs.push(Job {
                 req: self.next_req,
                 pos: start + i * self.opts.chunk,
@@ -533,7 +616,9 @@ impl PipelineSession {
         } else {
             pipelined(&mut self.stages, jobs, &ctx)?
         };
-        let mut outs = done.into_iter().map(|j| j.out.expect("the last stage always answers"));
+        let mut outs = done
+            .into_iter()
+            .map(|j| j.out.expect("the last stage always answers"));
         if want == WantOut::AllLogits {
             let mut all = Vec::with_capacity(feed.len() * self.hp.n_vocab);
             for o in outs {
@@ -574,7 +659,9 @@ fn pipelined(stages: &mut [Stage], jobs: Vec<Job>, c: &PassCtx) -> Result<Vec<Jo
             let input = std::mem::replace(&mut rx, next_rx);
             sc.spawn(move || {
                 for item in input {
-                    let item = item.and_then(|mut job| stage.call(&mut job, i + 1 == n_stages, c).map(|_| job));
+                    let item = item.and_then(|mut job| {
+                        stage.call(&mut job, i + 1 == n_stages, c).map(|_| job)
+                    });
                     let failed = item.is_err();
                     if tx.send(item).is_err() || failed {
                         break;
@@ -591,7 +678,10 @@ fn pipelined(stages: &mut [Stage], jobs: Vec<Job>, c: &PassCtx) -> Result<Vec<Jo
             done.push(item?);
         }
         if done.len() != n_jobs {
-            return Err(Fail::Err(anyhow!("pipeline stopped after {} of {n_jobs} chunks", done.len())));
+            return Err(Fail::Err(anyhow!(
+                "pipeline stopped after {} of {n_jobs} chunks",
+                done.len()
+            )));
         }
         Ok(done)
     })

@@ -27,7 +27,11 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -42,7 +46,12 @@ pub struct Sampled {
 /// Picks the next token from `logits`: argmax when greedy, otherwise temperature + top-p sampling.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng, top_k: usize) -> Sampled {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let lse = max + logits.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&v| ((v - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
     let mut order: Vec<u32> = Vec::new();
     let token = if p.temperature <= 0.0 {
         let mut best = 0;
@@ -56,7 +65,10 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng, top_k: usize
         order = (0..logits.len() as u32).collect();
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
         let t = p.temperature;
-        let weights: Vec<f64> = order.iter().map(|&i| (((logits[i as usize] - max) / t) as f64).exp()).collect();
+        let weights: Vec<f64> = order
+            .iter()
+            .map(|&i| (((logits[i as usize] - max) / t) as f64).exp())
+            .collect();
         let total: f64 = weights.iter().sum();
         let mut keep = weights.len();
         if p.top_p < 1.0 {
@@ -88,14 +100,24 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng, top_k: usize
             // Partial selection: the k largest, then sorted.
             let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
             let k = top_k.min(idx.len());
-            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            idx.select_nth_unstable_by(k - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
             idx.truncate(k);
             idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
             order = idx;
         }
-        order.iter().take(top_k).map(|&i| (i, logits[i as usize] - lse)).collect()
+        order
+            .iter()
+            .take(top_k)
+            .map(|&i| (i, logits[i as usize] - lse))
+            .collect()
     };
-    Sampled { token, logprob: logits[token as usize] - lse, top }
+    Sampled {
+        token,
+        logprob: logits[token as usize] - lse,
+        top,
+    }
 }
 
 /// What a stage produced for one request.
@@ -155,27 +177,52 @@ impl StageCore {
             bail!("empty batch");
         }
         if tokens.len() > self.session.n_batch() {
-            bail!("batch of {} tokens exceeds the session's batch size {}", tokens.len(), self.session.n_batch());
+            bail!(
+                "batch of {} tokens exceeds the session's batch size {}",
+                tokens.len(),
+                self.session.n_batch()
+            );
         }
         if pos + tokens.len() > self.session.n_ctx() {
-            bail!("positions {pos}..{} exceed the context size {}", pos + tokens.len(), self.session.n_ctx());
+            bail!(
+                "positions {pos}..{} exceed the context size {}",
+                pos + tokens.len(),
+                self.session.n_ctx()
+            );
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= model.hp.n_vocab) {
-            bail!("token id {t} is outside the vocabulary of {}", model.hp.n_vocab);
+            bail!(
+                "token id {t} is outside the vocabulary of {}",
+                model.hp.n_vocab
+            );
         }
         let input = match (model.is_first(), hidden) {
             (true, None) => Input::Tokens(tokens),
             (false, Some(h)) if h.len() == tokens.len() * e => Input::Hidden(h),
-            (false, Some(h)) => bail!("hidden state of {} values for {} tokens of width {e}", h.len(), tokens.len()),
-            (true, Some(_)) => bail!("layers {:?} start at 0 and take token ids, not a hidden state", model.range),
-            (false, None) => bail!("layers {:?} need the hidden state entering layer {}", model.range, model.range.start),
+            (false, Some(h)) => bail!(
+                "hidden state of {} values for {} tokens of width {e}",
+                h.len(),
+                tokens.len()
+            ),
+            (true, Some(_)) => bail!(
+                "layers {:?} start at 0 and take token ids, not a hidden state",
+                model.range
+            ),
+            (false, None) => bail!(
+                "layers {:?} need the hidden state entering layer {}",
+                model.range,
+                model.range.start
+            ),
         };
         let last = model.is_last();
         let engine_want = match want {
             WantOut::Hidden | WantOut::Ack => Want::Hidden,
             WantOut::Sample | WantOut::LastLogits if last => Want::LastLogits,
             WantOut::AllLogits if last => Want::AllLogits,
-            _ => bail!("layers {:?} do not end at the output head; they return hidden states only", model.range),
+            _ => bail!(
+                "layers {:?} do not end at the output head; they return hidden states only",
+                model.range
+            ),
         };
         // The prefix check: hold exactly the prefix the request builds on, or refuse.
         if pos >= self.hashes.len() || self.hashes[pos] != *prefix {
@@ -199,7 +246,9 @@ impl StageCore {
             WantOut::Ack => StageOut::Ack,
             WantOut::Hidden => StageOut::Hidden(out.to_vec()),
             WantOut::LastLogits | WantOut::AllLogits => StageOut::Logits(out.to_vec()),
-            WantOut::Sample => StageOut::Sample(sample(out, &self.sampling, &mut self.rng, self.top_k)),
+            WantOut::Sample => {
+                StageOut::Sample(sample(out, &self.sampling, &mut self.rng, self.top_k))
+            }
         };
         let mut h = *self.hashes.last().unwrap();
         for &t in tokens {
@@ -229,13 +278,23 @@ mod tests {
     #[test]
     fn top_p_keeps_only_the_nucleus() {
         let logits = [10.0f32, 0.0, 0.0, 9.0];
-        let p = SamplingParams { temperature: 1.0, top_p: 0.5, seed: 3 };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 3,
+        };
         let mut rng = StdRng::seed_from_u64(3);
         for _ in 0..50 {
             assert_eq!(sample(&logits, &p, &mut rng, 0).token, 0);
         }
-        let p = SamplingParams { temperature: 1.0, top_p: 1.0, seed: 3 };
-        let seen: std::collections::HashSet<u32> = (0..400).map(|_| sample(&logits, &p, &mut rng, 0).token).collect();
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 3,
+        };
+        let seen: std::collections::HashSet<u32> = (0..400)
+            .map(|_| sample(&logits, &p, &mut rng, 0).token)
+            .collect();
         assert!(seen.contains(&3));
     }
 }

@@ -24,9 +24,9 @@ impl StageSpec {
 pub fn parse_pipeline(spec: &str, n_layer: usize) -> Result<Vec<StageSpec>> {
     let mut stages = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (addr, range) = part
-            .rsplit_once('=')
-            .with_context(|| format!("pipeline stage {part:?} must look like HOST:PORT=A:B or local=A:B"))?;
+        let (addr, range) = part.rsplit_once('=').with_context(|| {
+            format!("pipeline stage {part:?} must look like HOST:PORT=A:B or local=A:B")
+        })?;
         let layers = crate::model::parse_layer_range(range, n_layer)
             .with_context(|| format!("pipeline stage {part:?}"))?;
         let addr = match addr.trim() {
@@ -51,10 +51,16 @@ pub fn parse_pipeline(spec: &str, n_layer: usize) -> Result<Vec<StageSpec>> {
     if !missing.is_empty() || !doubled.is_empty() {
         let mut msg = Vec::new();
         if !missing.is_empty() {
-            msg.push(format!("layers {} are not covered by any stage", missing.join(", ")));
+            msg.push(format!(
+                "layers {} are not covered by any stage",
+                missing.join(", ")
+            ));
         }
         if !doubled.is_empty() {
-            msg.push(format!("layers {} are covered more than once", doubled.join(", ")));
+            msg.push(format!(
+                "layers {} are covered more than once",
+                doubled.join(", ")
+            ));
         }
         bail!(
             "pipeline {spec:?} does not cover the model's {n_layer} layers exactly once: {} (ranges are A:B with B \
@@ -79,7 +85,11 @@ fn runs(count: &[usize], pred: impl Fn(usize) -> bool) -> Vec<String> {
             while i < count.len() && pred(count[i]) {
                 i += 1;
             }
-            out.push(if i - s == 1 { format!("{s}") } else { format!("{s}..={}", i - 1) });
+            out.push(if i - s == 1 {
+                format!("{s}")
+            } else {
+                format!("{s}..={}", i - 1)
+            });
         } else {
             i += 1;
         }
@@ -94,19 +104,40 @@ mod tests {
     #[test]
     fn parses_and_sorts() {
         let s = parse_pipeline("local=15:end, 10.0.0.2:7070=0:15", 30).unwrap();
-        assert_eq!(s[0], StageSpec { addr: Some("10.0.0.2:7070".into()), layers: 0..15 });
-        assert_eq!(s[1], StageSpec { addr: None, layers: 15..30 });
+        assert_eq!(
+            s[0],
+            StageSpec {
+                addr: Some("10.0.0.2:7070".into()),
+                layers: 0..15
+            }
+        );
+        assert_eq!(
+            s[1],
+            StageSpec {
+                addr: None,
+                layers: 15..30
+            }
+        );
         let s = parse_pipeline("[::1]:7070=0:10,[::1]:7071=10:20,local=20:30", 30).unwrap();
         assert_eq!(s.len(), 3);
     }
 
     #[test]
     fn names_missing_and_doubled_layers() {
-        let e = parse_pipeline("10.0.0.2:7070=0:14,local=15:end", 30).unwrap_err().to_string();
+        let e = parse_pipeline("10.0.0.2:7070=0:14,local=15:end", 30)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("layers 14 are not covered"), "{e}");
-        let e = parse_pipeline("a:1=0:20,b:2=10:end", 30).unwrap_err().to_string();
-        assert!(e.contains("layers 10..=19 are covered more than once"), "{e}");
-        let e = parse_pipeline("a:1=0:5,b:2=10:20", 30).unwrap_err().to_string();
+        let e = parse_pipeline("a:1=0:20,b:2=10:end", 30)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layers 10..=19 are covered more than once"),
+            "{e}"
+        );
+        let e = parse_pipeline("a:1=0:5,b:2=10:20", 30)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("5..=9, 20..=29"), "{e}");
         assert!(parse_pipeline("nohost=0:30", 30).is_err());
         assert!(parse_pipeline("a:1=0:31", 30).is_err());

@@ -124,22 +124,38 @@ impl Hidden {
         let n_rows = x.len() / width;
         let mut data = Vec::with_capacity(n_rows * dtype.row_bytes(width));
         match dtype {
-            WireDtype::F32 => x.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
-            WireDtype::F16 => x.iter().for_each(|&v| data.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
-            WireDtype::BF16 => x.iter().for_each(|&v| data.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
+            WireDtype::F32 => x
+                .iter()
+                .for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
+            WireDtype::F16 => x
+                .iter()
+                .for_each(|&v| data.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
+            WireDtype::BF16 => x
+                .iter()
+                .for_each(|&v| data.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
             WireDtype::Q8 => {
                 let mut scales = Vec::with_capacity(n_rows);
                 for row in x.chunks(width) {
                     let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                     let scale = amax / 127.0;
                     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    data.extend(row.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+                    data.extend(
+                        row.iter()
+                            .map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+                    );
                     scales.push(scale);
                 }
-                scales.iter().for_each(|s| data.extend_from_slice(&s.to_le_bytes()));
+                scales
+                    .iter()
+                    .for_each(|s| data.extend_from_slice(&s.to_le_bytes()));
             }
         }
-        Hidden { dtype, n_rows: n_rows as u32, width: width as u32, data }
+        Hidden {
+            dtype,
+            n_rows: n_rows as u32,
+            width: width as u32,
+            data,
+        }
     }
 
     /// Decodes into f32 values; the length was checked when the frame was parsed.
@@ -147,9 +163,18 @@ impl Hidden {
         let (n, w) = (self.n_rows as usize, self.width as usize);
         let d = &self.data;
         match self.dtype {
-            WireDtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            WireDtype::F16 => d.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            WireDtype::BF16 => d.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            WireDtype::F32 => d
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            WireDtype::F16 => d
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            WireDtype::BF16 => d
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
             WireDtype::Q8 => {
                 let (q, s) = d.split_at(n * w);
                 let mut out = Vec::with_capacity(n * w);
@@ -190,7 +215,12 @@ impl ModelInfo {
     }
 
     /// Every field that differs, phrased as `"<theirs> has X, <ours> has Y"`; empty when they agree.
-    pub fn differences(&self, theirs: &ModelInfo, ours_label: &str, theirs_label: &str) -> Vec<String> {
+    pub fn differences(
+        &self,
+        theirs: &ModelInfo,
+        ours_label: &str,
+        theirs_label: &str,
+    ) -> Vec<String> {
         let mut out = Vec::new();
         if self.fingerprint != theirs.fingerprint {
             out.push(format!(
@@ -203,15 +233,29 @@ impl ModelInfo {
         }
         let mut field = |name: &str, a: String, b: String| {
             if a != b {
-                out.push(format!("{theirs_label} has {name} {b}, {ours_label} has {a}"));
+                out.push(format!(
+                    "{theirs_label} has {name} {b}, {ours_label} has {a}"
+                ));
             }
         };
         field("architecture", self.arch.clone(), theirs.arch.clone());
-        field("n_layer", self.n_layer.to_string(), theirs.n_layer.to_string());
+        field(
+            "n_layer",
+            self.n_layer.to_string(),
+            theirs.n_layer.to_string(),
+        );
         field("n_embd", self.n_embd.to_string(), theirs.n_embd.to_string());
-        field("n_vocab", self.n_vocab.to_string(), theirs.n_vocab.to_string());
+        field(
+            "n_vocab",
+            self.n_vocab.to_string(),
+            theirs.n_vocab.to_string(),
+        );
         field("n_head", self.n_head.to_string(), theirs.n_head.to_string());
-        field("n_head_kv", self.n_head_kv.to_string(), theirs.n_head_kv.to_string());
+        field(
+            "n_head_kv",
+            self.n_head_kv.to_string(),
+            theirs.n_head_kv.to_string(),
+        );
         out
     }
 }
@@ -288,7 +332,11 @@ pub struct Forward {
 pub enum Body {
     Ack,
     Hidden(Hidden),
-    Sample { token: u32, logprob: f32, top: Vec<(u32, f32)> },
+    Sample {
+        token: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    },
     Logits(Vec<f32>),
 }
 
@@ -302,16 +350,30 @@ pub struct ResultMsg {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Msg {
-    Hello { nonce: [u8; 32] },
-    Challenge { nonce: [u8; 32], auth_required: bool },
-    Auth { mac: [u8; 32] },
-    AuthOk { mac: [u8; 32] },
+    Hello {
+        nonce: [u8; 32],
+    },
+    Challenge {
+        nonce: [u8; 32],
+        auth_required: bool,
+    },
+    Auth {
+        mac: [u8; 32],
+    },
+    AuthOk {
+        mac: [u8; 32],
+    },
     Open(Open),
     Ready(Ready),
     Forward(Forward),
     Result(ResultMsg),
-    Mismatch { req: u64, n_past: u32 },
-    Error { message: String },
+    Mismatch {
+        req: u64,
+        n_past: u32,
+    },
+    Error {
+        message: String,
+    },
 }
 
 impl Msg {
@@ -339,7 +401,10 @@ impl Msg {
         let mut e = Enc(Vec::new());
         match self {
             Msg::Hello { nonce } => e.raw(nonce),
-            Msg::Challenge { nonce, auth_required } => {
+            Msg::Challenge {
+                nonce,
+                auth_required,
+            } => {
                 e.raw(nonce);
                 e.u8(*auth_required as u8);
             }
@@ -388,7 +453,11 @@ impl Msg {
                         e.u8(1);
                         e.hidden(h);
                     }
-                    Body::Sample { token, logprob, top } => {
+                    Body::Sample {
+                        token,
+                        logprob,
+                        top,
+                    } => {
                         e.u8(2);
                         e.u32(*token);
                         e.f32(*logprob);
@@ -459,7 +528,14 @@ impl Msg {
                     1 => Some(d.hidden()?),
                     v => return malformed(format!("hidden-state flag {v} is neither 0 nor 1")),
                 };
-                Msg::Forward(Forward { req, pos, prefix, tokens, hidden, want })
+                Msg::Forward(Forward {
+                    req,
+                    pos,
+                    prefix,
+                    tokens,
+                    hidden,
+                    want,
+                })
             }
             ty::RESULT => {
                 let req = d.u64()?;
@@ -474,8 +550,15 @@ impl Msg {
                         if n * 8 > d.left() {
                             return malformed("top-k list longer than the frame");
                         }
-                        let top = (0..n).map(|_| Ok((d.u32()?, d.f32()?))).collect::<Result<Vec<_>, WireError>>()?;
-                        Body::Sample { token, logprob, top }
+                        let top =
+                            (0..n)
+                                .map(|_| Ok((d.u32()?, d.f32()?)))
+                                .collect::<Result<Vec<_>, WireError>>()?;
+                        Body::Sample {
+                            token,
+                            logprob,
+                            top,
+                        }
                     }
                     3 => {
                         let n = d.count(4)?;
@@ -483,14 +566,25 @@ impl Msg {
                     }
                     v => return malformed(format!("unknown result kind {v}")),
                 };
-                Msg::Result(ResultMsg { req, compute_us, body })
+                Msg::Result(ResultMsg {
+                    req,
+                    compute_us,
+                    body,
+                })
             }
-            ty::MISMATCH => Msg::Mismatch { req: d.u64()?, n_past: d.u32()? },
+            ty::MISMATCH => Msg::Mismatch {
+                req: d.u64()?,
+                n_past: d.u32()?,
+            },
             ty::ERROR => Msg::Error { message: d.str()? },
             other => return malformed(format!("unknown message type {other}")),
         };
         if d.left() != 0 {
-            return malformed(format!("{} trailing bytes after a {} message", d.left(), type_name(code)));
+            return malformed(format!(
+                "{} trailing bytes after a {} message",
+                d.left(),
+                type_name(code)
+            ));
         }
         Ok(m)
     }
@@ -524,7 +618,11 @@ pub fn max_payload(code: u8) -> usize {
 pub fn write_msg(w: &mut impl Write, msg: &Msg) -> Result<usize, WireError> {
     let payload = msg.encode();
     if payload.len() > max_payload(msg.type_code()) {
-        return malformed(format!("{} message of {} bytes exceeds the frame limit", msg.name(), payload.len()));
+        return malformed(format!(
+            "{} message of {} bytes exceeds the frame limit",
+            msg.name(),
+            payload.len()
+        ));
     }
     let mut head = [0u8; HEADER_LEN];
     head[..4].copy_from_slice(&MAGIC);
@@ -553,7 +651,10 @@ pub fn check_header(head: &[u8; HEADER_LEN]) -> Result<(u8, usize), WireError> {
         return malformed(format!("bad magic {:02x?} (not a Baton peer)", &head[..4]));
     }
     if head[4] != VERSION {
-        return malformed(format!("peer speaks protocol version {}, we speak {VERSION}", head[4]));
+        return malformed(format!(
+            "peer speaks protocol version {}, we speak {VERSION}",
+            head[4]
+        ));
     }
     let code = head[5];
     if type_name(code) == "unknown" {
@@ -564,7 +665,11 @@ pub fn check_header(head: &[u8; HEADER_LEN]) -> Result<(u8, usize), WireError> {
     }
     let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
     if len > max_payload(code) {
-        return malformed(format!("{} frame of {len} bytes exceeds the limit of {}", type_name(code), max_payload(code)));
+        return malformed(format!(
+            "{} frame of {len} bytes exceeds the limit of {}",
+            type_name(code),
+            max_payload(code)
+        ));
     }
     Ok((code, len))
 }
@@ -626,7 +731,10 @@ impl<'a> Dec<'a> {
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
         if n > self.left() {
-            return malformed(format!("field of {n} bytes at offset {} runs past the payload end", self.pos));
+            return malformed(format!(
+                "field of {n} bytes at offset {} runs past the payload end",
+                self.pos
+            ));
         }
         let s = &self.b[self.pos..self.pos + n];
         self.pos += n;
@@ -693,7 +801,12 @@ impl<'a> Dec<'a> {
             return malformed("hidden state of width 0");
         }
         let data = self.take(len)?.to_vec();
-        Ok(Hidden { dtype, n_rows, width, data })
+        Ok(Hidden {
+            dtype,
+            n_rows,
+            width,
+            data,
+        })
     }
 }
 
@@ -725,7 +838,10 @@ mod tests {
     #[test]
     fn every_message_roundtrips() {
         roundtrip(Msg::Hello { nonce: [7; 32] });
-        roundtrip(Msg::Challenge { nonce: [8; 32], auth_required: true });
+        roundtrip(Msg::Challenge {
+            nonce: [8; 32],
+            auth_required: true,
+        });
         roundtrip(Msg::Auth { mac: [9; 32] });
         roundtrip(Msg::AuthOk { mac: [1; 32] });
         roundtrip(Msg::Open(Open {
@@ -740,7 +856,12 @@ mod tests {
             seed: 42,
             top_k: 5,
         }));
-        roundtrip(Msg::Ready(Ready { model: info(), layers: (0, 30), n_ctx: 512, n_past: 12 }));
+        roundtrip(Msg::Ready(Ready {
+            model: info(),
+            layers: (0, 30),
+            n_ctx: 512,
+            n_past: 12,
+        }));
         let h = Hidden::encode(&[1.0, -2.0, 3.5, 0.25, 8.0, -1.0], 3, WireDtype::Q8);
         roundtrip(Msg::Forward(Forward {
             req: 5,
@@ -750,23 +871,55 @@ mod tests {
             hidden: Some(h.clone()),
             want: WantOut::Sample,
         }));
-        roundtrip(Msg::Forward(Forward { req: 5, pos: 0, prefix: [0; 16], tokens: vec![9], hidden: None, want: WantOut::Ack }));
-        roundtrip(Msg::Result(ResultMsg { req: 1, compute_us: 99, body: Body::Hidden(h) }));
+        roundtrip(Msg::Forward(Forward {
+            req: 5,
+            pos: 0,
+            prefix: [0; 16],
+            tokens: vec![9],
+            hidden: None,
+            want: WantOut::Ack,
+        }));
         roundtrip(Msg::Result(ResultMsg {
             req: 1,
             compute_us: 99,
-            body: Body::Sample { token: 4, logprob: -0.5, top: vec![(4, -0.5), (7, -1.5)] },
+            body: Body::Hidden(h),
         }));
-        roundtrip(Msg::Result(ResultMsg { req: 2, compute_us: 0, body: Body::Logits(vec![0.5; 10]) }));
-        roundtrip(Msg::Result(ResultMsg { req: 2, compute_us: 0, body: Body::Ack }));
+        roundtrip(Msg::Result(ResultMsg {
+            req: 1,
+            compute_us: 99,
+            body: Body::Sample {
+                token: 4,
+                logprob: -0.5,
+                top: vec![(4, -0.5), (7, -1.5)],
+            },
+        }));
+        roundtrip(Msg::Result(ResultMsg {
+            req: 2,
+            compute_us: 0,
+            body: Body::Logits(vec![0.5; 10]),
+        }));
+        roundtrip(Msg::Result(ResultMsg {
+            req: 2,
+            compute_us: 0,
+            body: Body::Ack,
+        }));
         roundtrip(Msg::Mismatch { req: 3, n_past: 77 });
-        roundtrip(Msg::Error { message: "nope ✓".into() });
+        roundtrip(Msg::Error {
+            message: "nope ✓".into(),
+        });
     }
 
     #[test]
     fn hidden_codecs_bound_their_error() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
-        for (dt, tol) in [(WireDtype::F32, 0.0), (WireDtype::F16, 2e-3), (WireDtype::BF16, 2e-2), (WireDtype::Q8, 0.03)] {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
+        for (dt, tol) in [
+            (WireDtype::F32, 0.0),
+            (WireDtype::F16, 2e-3),
+            (WireDtype::BF16, 2e-2),
+            (WireDtype::Q8, 0.03),
+        ] {
             let h = Hidden::encode(&x, 16, dt);
             assert_eq!(h.data.len(), 4 * dt.row_bytes(16));
             let y = h.decode();
@@ -784,14 +937,23 @@ mod tests {
         head[4] = VERSION;
         head[5] = ty::FORWARD;
         head[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("exceeds")));
+        assert!(
+            matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("exceeds"))
+        );
         head[5] = ty::HELLO;
         head[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
-        assert!(check_header(&head).is_err(), "handshake frames have a small limit");
+        assert!(
+            check_header(&head).is_err(),
+            "handshake frames have a small limit"
+        );
         head[4] = 2;
-        assert!(matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("version 2")));
+        assert!(
+            matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("version 2"))
+        );
         let junk = b"GET / HTTP/1.1\r\n\r\n";
-        assert!(matches!(read_msg(&mut &junk[..]), Err(WireError::Malformed(m)) if m.contains("magic")));
+        assert!(
+            matches!(read_msg(&mut &junk[..]), Err(WireError::Malformed(m)) if m.contains("magic"))
+        );
         assert!(matches!(read_msg(&mut &MAGIC[..]), Err(WireError::Closed)));
     }
 
@@ -808,7 +970,14 @@ mod tests {
         // A hidden state whose byte count disagrees with its shape.
         let mut h = Hidden::encode(&[1.0; 8], 4, WireDtype::F16);
         h.data.pop();
-        let f = Msg::Forward(Forward { req: 1, pos: 0, prefix: [0; 16], tokens: vec![1, 2], hidden: Some(h), want: WantOut::Hidden });
+        let f = Msg::Forward(Forward {
+            req: 1,
+            pos: 0,
+            prefix: [0; 16],
+            tokens: vec![1, 2],
+            hidden: Some(h),
+            want: WantOut::Hidden,
+        });
         assert!(Msg::decode(ty::FORWARD, &f.encode()).is_err());
         // Trailing bytes.
         let mut ok = Msg::Mismatch { req: 1, n_past: 2 }.encode();
