@@ -362,8 +362,7 @@ fn killed_stage_mid_decode_errors_then_recovers_after_restart() {
     let t0 = Instant::now();
     let e = p
         .decode_step(*toks.last().unwrap())
-        .err()
-        .expect("a dead stage must fail the step")
+        .expect_err("a dead stage must fail the step")
         .to_string();
     assert!(
         t0.elapsed() < Duration::from_secs(10),
@@ -410,8 +409,7 @@ fn stalled_stage_times_out_then_continues() {
     let t0 = Instant::now();
     let e = p
         .decode_step(toks[1])
-        .err()
-        .expect("a stalled stage must fail the step")
+        .expect_err("a stalled stage must fail the step")
         .to_string();
     let took = t0.elapsed();
     assert!(

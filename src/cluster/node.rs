@@ -66,6 +66,8 @@ struct Slot {
     last_used: Instant,
 }
 
+type SharedSlot = Arc<Mutex<Slot>>;
+
 struct State {
     cfg: NodeConfig,
     file: Arc<GgufFile>,
@@ -75,7 +77,7 @@ struct State {
     pool: Arc<ThreadPool>,
     models: Mutex<HashMap<(usize, usize), Arc<Model>>>,
     /// Keyed by (session id, first layer, end layer): one coordinator session may use several ranges of a node.
-    sessions: Mutex<HashMap<(u64, usize, usize), Arc<Mutex<Slot>>>>,
+    sessions: Mutex<HashMap<(u64, usize, usize), SharedSlot>>,
     /// One forward pass at a time: they all share the thread pool and the cores.
     compute: Mutex<()>,
 }
