@@ -227,7 +227,10 @@ impl State {
                 .map(|(k, _)| *k)
                 .unwrap();
             sessions.remove(&oldest);
-            eprintln!("baton node: evicted session {:016x} (layers {}:{})", oldest.0, oldest.1, oldest.2);
+            eprintln!(
+                "baton node: evicted session {:016x} (layers {}:{})",
+                oldest.0, oldest.1, oldest.2
+            );
         }
         let model = self.model(key.0.clone())?;
         let sampling = SamplingParams {
