@@ -21,13 +21,7 @@ pub struct Figure {
     pub samples: Vec<f64>,
 }
 
-pub fn summarize(
-    model: &str,
-    test: String,
-    threads: usize,
-    depth: usize,
-    mut samples: Vec<f64>,
-) -> Figure {
+pub fn summarize(model: &str, test: String, threads: usize, depth: usize, mut samples: Vec<f64>) -> Figure {
     samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = samples.len();
     let median = if n % 2 == 1 {
@@ -49,9 +43,7 @@ pub fn summarize(
 
 /// Deterministic filler tokens (the speed of a forward pass does not depend on which tokens).
 pub fn filler_tokens(n: usize, n_vocab: usize) -> Vec<u32> {
-    (0..n)
-        .map(|i| ((i * 7919 + 13) % n_vocab.min(20000)) as u32)
-        .collect()
+    (0..n).map(|i| ((i * 7919 + 13) % n_vocab.min(20000)) as u32).collect()
 }
 
 /// Feeds `depth` filler tokens (untimed) so the test runs at that context depth.

@@ -1,1 +1,403 @@
-//! Chat templates (stub, filled in by its owner).
+//! Chat templates: turn a conversation into the exact prompt text the model was trained on.
+//!
+//! A GGUF usually carries its Hugging Face Jinja template in `tokenizer.chat_template`; we render it with minijinja
+//! configured like Hugging Face's `apply_chat_template` (trim_blocks, lstrip_blocks, `raise_exception`, Python
+//! string methods such as `.strip()` via minijinja-contrib's pycompat). Some GGUFs (our Gemma 3) have no template:
+//! then a built-in one is chosen by architecture, and [`ChatTemplate::source`] says which, so a user who gets odd
+//! answers can see that the prompt format was guessed.
+
+use anyhow::{Result, anyhow};
+use minijinja::{Environment, Error, ErrorKind, Value, context};
+use serde::{Deserialize, Serialize};
+
+/// One message of a conversation (`role` is usually "system", "user" or "assistant").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// Gemma's turn format, written after the official Gemma 3 template: no system role, so a system message is folded
+/// into the first user turn; "assistant" is called "model"; roles must alternate. No BOS here: Gemma's GGUF sets
+/// `tokenizer.ggml.add_bos_token`, so the tokenizer adds it.
+const GEMMA: &str = r#"
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set first_user_prefix = messages[0].content + '\n\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set first_user_prefix = '' -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+  {%- if (message.role == 'user') != (loop.index0 % 2 == 0) -%}
+    {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+  {%- endif -%}
+  {%- set role = 'model' if message.role == 'assistant' else message.role -%}
+  {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + (message.content | trim) + '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"#;
+
+/// ChatML, the most common format among models without a template of their own.
+const CHATML: &str = r#"
+{%- for message in messages -%}
+  {{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{ '<|im_start|>assistant\n' }}
+{%- endif -%}
+"#;
+
+const NAME: &str = "chat";
+
+/// A compiled chat template plus the special tokens it may refer to.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: &'static str,
+    bos: String,
+    eos: String,
+    /// The template refers to `bos_token`: only then can a leading BOS text be its doing (SmolLM2's BOS is
+    /// `<|im_start|>`, which its template emits literally as the start of every turn).
+    uses_bos: bool,
+}
+
+impl ChatTemplate {
+    /// Compiles the GGUF's template if there is one (a syntax error is reported, not papered over with a
+    /// fallback), else the built-in template for `arch`: Gemma's for the gemma family, ChatML otherwise.
+    pub fn from_metadata(template: Option<&str>, arch: &str, bos: &str, eos: &str) -> Result<Self> {
+        let (text, source) = match template.filter(|t| !t.trim().is_empty()) {
+            Some(t) => (t.to_owned(), "gguf"),
+            None if arch.starts_with("gemma") => (GEMMA.to_owned(), "built-in gemma"),
+            None => (CHATML.to_owned(), "built-in chatml"),
+        };
+        let mut env = Environment::new();
+        // Hugging Face renders chat templates with these two on; templates are written for them.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        let uses_bos = text.contains("bos_token");
+        env.add_template_owned(NAME, text)
+            .map_err(|e| anyhow!("chat template ({source}) does not compile: {}", one_line(&e)))?;
+        Ok(ChatTemplate {
+            env,
+            source,
+            bos: bos.to_owned(),
+            eos: eos.to_owned(),
+            uses_bos,
+        })
+    }
+
+    /// Where the template came from: "gguf", "built-in gemma" or "built-in chatml".
+    pub fn source(&self) -> &str {
+        self.source
+    }
+
+    /// Renders the conversation exactly as the template says; with `add_generation_prompt` the text ends where the
+    /// assistant's reply should begin.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| anyhow!("chat template missing: {e}"))?;
+        tmpl.render(context! {
+            messages => Value::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.as_str(),
+            eos_token => self.eos.as_str(),
+        })
+        .map_err(|e| anyhow!("chat template ({}) failed: {}", self.source, one_line(&e)))
+    }
+
+    /// Like [`render`](Self::render), but drops a leading BOS text when the tokenizer will add a BOS token itself,
+    /// so the prompt does not start with two (many Hugging Face templates begin with `{{ bos_token }}`).
+    pub fn render_for_tokenizer(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tokenizer_adds_bos: bool,
+    ) -> Result<String> {
+        let text = self.render(messages, add_generation_prompt)?;
+        Ok(match text.strip_prefix(self.bos.as_str()) {
+            Some(rest) if tokenizer_adds_bos && self.uses_bos && !self.bos.is_empty() => rest.to_owned(),
+            _ => text,
+        })
+    }
+}
+
+/// minijinja's error plus its detail, on one line.
+fn one_line(e: &Error) -> String {
+    let mut s = e.to_string();
+    if let Some(d) = e.detail()
+        && !s.contains(d)
+    {
+        s.push_str(": ");
+        s.push_str(d);
+    }
+    s.replace('\n', " ")
+}
+
+/// `raise_exception(msg)`, which Hugging Face templates call to reject a conversation.
+fn raise_exception(msg: String) -> Result<String, Error> {
+    Err(Error::new(
+        ErrorKind::InvalidOperation,
+        format!("template raised: {msg}"),
+    ))
+}
+
+/// `strftime_now(fmt)` (Llama 3 templates put today's date in the system prompt). Supports the common directives
+/// %Y %m %d %e %b %B %H %M %S %%, in UTC.
+fn strftime_now(fmt: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    strftime(&fmt, secs)
+}
+
+fn strftime(fmt: &str, unix_secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let tod = unix_secs.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let name = MONTHS[(month - 1) as usize];
+
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:2}")),
+            Some('b') => out.push_str(&name[..3]),
+            Some('B') => out.push_str(name),
+            Some('H') => out.push_str(&format!("{:02}", tod / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", tod / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", tod % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `tokenizer.chat_template` of SmolLM2-135M-Instruct.Q4_1.gguf, read with the python `gguf` package.
+    const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn smollm2() -> ChatTemplate {
+        ChatTemplate::from_metadata(Some(SMOLLM2), "llama", "<|im_start|>", "<|im_end|>").unwrap()
+    }
+
+    fn gemma() -> ChatTemplate {
+        ChatTemplate::from_metadata(None, "gemma3", "<bos>", "<eos>").unwrap()
+    }
+
+    #[test]
+    fn smollm2_template_from_gguf() {
+        let t = smollm2();
+        assert_eq!(t.source(), "gguf");
+        let out = t.render(&[ChatMessage::user("What is 2+2?")], true).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+             <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let convo = [
+            ChatMessage::system("Be brief."),
+            ChatMessage::user("Hi"),
+            ChatMessage::assistant("Hello!"),
+            ChatMessage::user("Bye"),
+        ];
+        assert_eq!(
+            t.render(&convo, false).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+        );
+        // SmolLM2's BOS text is `<|im_start|>`, but the template never emits `bos_token`: nothing is stripped.
+        let out = t.render_for_tokenizer(&[ChatMessage::user("x")], true, true).unwrap();
+        assert!(out.starts_with("<|im_start|>system\n"));
+    }
+
+    /// The embedded text is the real file's: `cargo test --lib -- --ignored chat_templates_of_cached_models`.
+    #[test]
+    #[ignore]
+    fn chat_templates_of_cached_models() {
+        let dir = crate::fetch::models_dir().unwrap();
+        let smol = crate::gguf::GgufFile::open(&dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+        assert_eq!(smol.get_str("tokenizer.chat_template"), Some(SMOLLM2));
+        let gemma = crate::gguf::GgufFile::open(&dir.join("gemma-3-270m-q4_k_m.gguf")).unwrap();
+        let t = ChatTemplate::from_metadata(
+            gemma.get_str("tokenizer.chat_template"),
+            gemma.architecture().unwrap(),
+            "<bos>",
+            "<eos>",
+        )
+        .unwrap();
+        assert_eq!(t.source(), "built-in gemma");
+    }
+
+    #[test]
+    fn gemma_fallback() {
+        let t = gemma();
+        assert_eq!(t.source(), "built-in gemma");
+        assert_eq!(
+            t.render(&[ChatMessage::user("Hello")], true).unwrap(),
+            "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let convo = [
+            ChatMessage::system("You are terse."),
+            ChatMessage::user("  Hi  "),
+            ChatMessage::assistant("Hello."),
+            ChatMessage::user("Bye"),
+        ];
+        assert_eq!(
+            t.render(&convo, true).unwrap(),
+            "<start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            t.render(&[ChatMessage::user("Hello")], false).unwrap(),
+            "<start_of_turn>user\nHello<end_of_turn>\n"
+        );
+        let err = t
+            .render(&[ChatMessage::user("a"), ChatMessage::user("b")], true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("roles must alternate"), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+        for arch in ["gemma", "gemma2", "gemma3"] {
+            let t = ChatTemplate::from_metadata(Some("  "), arch, "<bos>", "<eos>").unwrap();
+            assert_eq!(t.source(), "built-in gemma");
+        }
+    }
+
+    #[test]
+    fn chatml_fallback_for_other_architectures() {
+        let t = ChatTemplate::from_metadata(None, "llama", "<s>", "</s>").unwrap();
+        assert_eq!(t.source(), "built-in chatml");
+        assert_eq!(
+            t.render(&[ChatMessage::system("S"), ChatMessage::user("U")], true)
+                .unwrap(),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn hugging_face_conventions() {
+        // The official Gemma 3 template's opening: bos_token, is-string test, slicing, pycompat methods.
+        let hf = "{{ bos_token }}{%- for m in messages -%}\n\
+                  {%- if m['content'] is string -%}{{ m['content'].strip().upper() }}{%- endif -%}\n\
+                  {%- if m.content.startswith(' ') %}!{% endif -%}\n\
+                  {%- endfor %}{{ eos_token }}";
+        let t = ChatTemplate::from_metadata(Some(hf), "gemma3", "<bos>", "<eos>").unwrap();
+        assert_eq!(t.source(), "gguf");
+        let msgs = [ChatMessage::user("  xy "), ChatMessage::user("ab")];
+        assert_eq!(t.render(&msgs, false).unwrap(), "<bos>XY!AB<eos>");
+        assert_eq!(t.render_for_tokenizer(&msgs, false, true).unwrap(), "XY!AB<eos>");
+        assert_eq!(t.render_for_tokenizer(&msgs, false, false).unwrap(), "<bos>XY!AB<eos>");
+
+        // trim_blocks + lstrip_blocks: block tags leave no stray newlines or indentation.
+        let blocks = "{% for m in messages %}\n    {% if true %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
+        let t = ChatTemplate::from_metadata(Some(blocks), "llama", "", "").unwrap();
+        assert_eq!(t.render(&msgs, false).unwrap(), "[  xy ]\n[ab]\n");
+
+        let t = ChatTemplate::from_metadata(Some("{{ raise_exception('no tools') }}"), "llama", "", "").unwrap();
+        let err = t.render(&msgs, true).unwrap_err().to_string();
+        assert!(
+            err.contains("template raised: no tools") && err.contains("(gguf)"),
+            "{err}"
+        );
+
+        let t = ChatTemplate::from_metadata(Some("{{ strftime_now('%d %b %Y') }}"), "llama", "", "").unwrap();
+        assert_eq!(t.render(&msgs, true).unwrap().len(), 11);
+    }
+
+    #[test]
+    fn broken_template_is_a_clear_error() {
+        let err = ChatTemplate::from_metadata(Some("{% for m in messages %}{{ m.content }}"), "llama", "", "")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("chat template (gguf) does not compile"), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+        let err = ChatTemplate::from_metadata(Some("{{ messages[0].content + 1 }}"), "llama", "", "")
+            .unwrap()
+            .render(&[ChatMessage::user("a")], true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("chat template (gguf) failed"), "{err}");
+    }
+
+    #[test]
+    fn strftime_known_dates() {
+        assert_eq!(strftime("%Y-%m-%d %H:%M:%S", 0), "1970-01-01 00:00:00");
+        assert_eq!(strftime("%d %b %Y", 1_709_210_096), "29 Feb 2024");
+        assert_eq!(strftime("%B %e, %Y %%", 951_782_400), "February 29, 2000 %");
+        assert_eq!(strftime("%q", 0), "%q");
+    }
+
+    #[test]
+    fn messages_round_trip_as_json() {
+        let m = ChatMessage::user("hi");
+        let json = serde_json::to_string(&m).unwrap();
+        assert_eq!(json, r#"{"role":"user","content":"hi"}"#);
+        assert_eq!(serde_json::from_str::<ChatMessage>(&json).unwrap(), m);
+    }
+}

@@ -228,10 +228,7 @@ impl Value {
             }
             Value::Array(a) if a.len() > 8 => format!("[{} items]", a.len()),
             Value::Array(a) => {
-                format!(
-                    "[{}]",
-                    a.iter().map(|v| v.summary()).collect::<Vec<_>>().join(", ")
-                )
+                format!("[{}]", a.iter().map(|v| v.summary()).collect::<Vec<_>>().join(", "))
             }
             Value::U8(v) => v.to_string(),
             Value::I8(v) => v.to_string(),
@@ -377,14 +374,11 @@ impl<'a> Cursor<'a> {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let file =
-            File::open(path).with_context(|| format!("cannot open model {}", path.display()))?;
+        let file = File::open(path).with_context(|| format!("cannot open model {}", path.display()))?;
         // SAFETY: the map is read-only; a model file changed underneath a running process is outside our contract
         // (as with every mmap-based loader).
-        let mmap = unsafe { Mmap::map(&file) }
-            .with_context(|| format!("cannot map {}", path.display()))?;
-        Self::parse(path, mmap)
-            .with_context(|| format!("{} is not a usable GGUF model", path.display()))
+        let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+        Self::parse(path, mmap).with_context(|| format!("{} is not a usable GGUF model", path.display()))
     }
 
     fn parse(path: &Path, mmap: Mmap) -> Result<Self> {
@@ -410,9 +404,7 @@ impl GgufFile {
         for _ in 0..n_kv {
             let key = c.string("metadata key")?;
             let ty = c.u32()?;
-            let v = c
-                .value(ty, 0)
-                .with_context(|| format!("metadata entry {key:?}"))?;
+            let v = c.value(ty, 0).with_context(|| format!("metadata entry {key:?}"))?;
             metadata.insert(key, v);
         }
         let alignment = match metadata.get("general.alignment") {

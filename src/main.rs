@@ -53,6 +53,16 @@ enum Cmd {
     Perplexity(PerplexityArgs),
     /// Measure prompt-processing (pp) and generation (tg) speed, like llama-bench.
     Bench(BenchArgs),
+    /// Rewrite a model with its weight matrices in another type (f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1).
+    Quantize {
+        /// Input model (name or path).
+        input: String,
+        /// Output GGUF path.
+        output: PathBuf,
+        /// Target type.
+        #[arg(long = "type", default_value = "q8_0")]
+        ty: String,
+    },
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
@@ -156,20 +166,10 @@ struct BenchArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
     /// Prompt lengths to test (comma-separated; 0 to skip).
-    #[arg(
-        short = 'p',
-        long = "n-prompt",
-        default_value = "512",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'p', long = "n-prompt", default_value = "512", value_delimiter = ',')]
     n_prompt: Vec<usize>,
     /// Generation lengths to test (comma-separated; 0 to skip).
-    #[arg(
-        short = 'n',
-        long = "n-gen",
-        default_value = "128",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
     n_gen: Vec<usize>,
     #[arg(short = 't', long)]
     threads: Option<usize>,
@@ -177,12 +177,7 @@ struct BenchArgs {
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     reps: usize,
     /// Context depths to test at (comma-separated).
-    #[arg(
-        short = 'd',
-        long = "ctx-depth",
-        default_value = "0",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'd', long = "ctx-depth", default_value = "0", value_delimiter = ',')]
     depths: Vec<usize>,
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     batch_size: usize,
@@ -196,13 +191,10 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Run(a) => cmd_run(a),
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
-        Cmd::Tokenize {
-            model,
-            file,
-            pieces,
-        } => cmd_tokenize(&model, &file, pieces),
+        Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
         Cmd::Perplexity(a) => cmd_perplexity(a),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Quantize { input, output, ty } => cmd_quantize(&input, &output, &ty),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -213,9 +205,7 @@ fn main() {
 }
 
 fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// Loads model, vocabulary and a thread pool.
@@ -240,8 +230,9 @@ fn load(model: &str, threads: Option<usize>) -> Result<(Arc<Model>, Vocab, Arc<T
 fn cmd_run(a: RunArgs) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("cannot read prompt file {}", f.display()))?
+        }
         (Some(_), Some(_)) => bail!("give the prompt either as an argument or with -f, not both"),
         (None, None) => bail!("no prompt: pass it as an argument or with -f FILE"),
     };
@@ -260,13 +251,9 @@ fn cmd_run(a: RunArgs) -> Result<()> {
             role: "user".into(),
             content: prompt.clone(),
         });
-        let r = tmpl.render(&msgs, true)?;
+        let r = tmpl.render_for_tokenizer(&msgs, true, vocab.add_bos())?;
         if a.verbose {
-            eprintln!(
-                "chat template ({}) rendered {} bytes",
-                tmpl.source(),
-                r.len()
-            );
+            eprintln!("chat template ({}) rendered {} bytes", tmpl.source(), r.len());
         }
         r
     } else {
@@ -342,7 +329,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         let logits = session.forward(Input::Tokens(&[next]), Want::LastLogits)?;
         next = sampler.sample(logits);
     }
-    let tail = decoder.finish();
+    let tail = decoder.flush();
     out.write_all(tail.as_bytes())?;
     writeln!(out)?;
     out.flush()?;
@@ -360,10 +347,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
-    let piece = |id: Option<u32>| {
-        id.map(|i| vocab.token_text(i).to_string())
-            .unwrap_or_default()
-    };
+    let piece = |id: Option<u32>| id.map(|i| vocab.token_text(i).to_string()).unwrap_or_default();
     ChatTemplate::from_metadata(
         file.get_str("tokenizer.chat_template"),
         file.architecture()?,
@@ -409,12 +393,7 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     if list_tensors {
         for name in &g.tensor_order {
             let t = &g.tensors[name];
-            println!(
-                "  {name:<40} {:<6} {:?} {} bytes",
-                t.ty.name(),
-                t.dims,
-                t.size
-            );
+            println!("  {name:<40} {:<6} {:?} {} bytes", t.ty.name(), t.dims, t.size);
         }
     }
     let vocab = Vocab::from_gguf(&g)?;
@@ -428,10 +407,7 @@ fn cmd_info(model: &str, list_tensors: bool) -> Result<()> {
     let tmpl = chat_template(&g, &vocab)?;
     match g.get_str("tokenizer.chat_template") {
         Some(t) => println!("chat template (from the GGUF):\n{t}"),
-        None => println!(
-            "chat template:    none in the file; using the {}",
-            tmpl.source()
-        ),
+        None => println!("chat template:    none in the file; using the {}", tmpl.source()),
     }
     Ok(())
 }
@@ -441,8 +417,7 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
     let g = GgufFile::open(&path)?;
     let vocab = Vocab::from_gguf(&g)?;
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let text = String::from_utf8(bytes)
-        .with_context(|| format!("{} is not valid UTF-8", file.display()))?;
+    let text = String::from_utf8(bytes).with_context(|| format!("{} is not valid UTF-8", file.display()))?;
     let ids = vocab.tokenize(&text, false, false);
     let line: Vec<String> = if pieces {
         ids.iter()
@@ -457,8 +432,7 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let (model, vocab, pool) = load(&a.model, a.threads)?;
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("cannot read {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let n_ctx = a.ctx;
     if n_ctx < 8 {
         bail!("--ctx must be at least 8");
@@ -487,20 +461,14 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     for c in 0..n_chunk {
         let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
         if vocab.add_bos() {
-            chunk[0] = vocab
-                .bos()
-                .context("the model adds BOS but has no BOS token")?;
+            chunk[0] = vocab.bos().context("the model adds BOS but has no BOS token")?;
         }
         session.rewind(0);
         for (b, toks) in chunk.chunks(batch).enumerate() {
             let start = b * batch;
             let end = start + toks.len();
             // Only batches holding scored positions (first .. n_ctx-2) need logits.
-            let want = if end > first {
-                Want::AllLogits
-            } else {
-                Want::Hidden
-            };
+            let want = if end > first { Want::AllLogits } else { Want::Hidden };
             let out = session.forward(Input::Tokens(toks), want)?;
             if want == Want::Hidden {
                 continue;
@@ -519,14 +487,8 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     }
     eprintln!();
     let ppl = (nll / count as f64).exp();
-    eprintln!(
-        "{count} positions scored in {:.1} s",
-        t0.elapsed().as_secs_f64()
-    );
-    println!(
-        "perplexity: {ppl:.4} top1: {:.4}",
-        top1 as f64 / count as f64
-    );
+    eprintln!("{count} positions scored in {:.1} s", t0.elapsed().as_secs_f64());
+    println!("perplexity: {ppl:.4} top1: {:.4}", top1 as f64 / count as f64);
     Ok(())
 }
 
@@ -579,10 +541,22 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             );
         }
     })?;
-    eprintln!(
-        "peak RSS: {:.1} MiB",
-        baton::bench::peak_rss() as f64 / 1048576.0
-    );
+    eprintln!("peak RSS: {:.1} MiB", baton::bench::peak_rss() as f64 / 1048576.0);
+    Ok(())
+}
+
+fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
+    let target = baton::model::quantize::parse_target(ty)?;
+    let path = fetch::resolve(input)?;
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors").unwrap());
+    bar.set_message(format!("quantizing to {target}"));
+    let (n, bytes) = baton::model::quantize::quantize_file(&path, output, target, |i, n| {
+        bar.set_length(n as u64);
+        bar.set_position(i as u64);
+    })?;
+    bar.finish_and_clear();
+    eprintln!("wrote {} ({n} tensors converted to {target}, {:.1} MiB)", output.display(), bytes as f64 / 1048576.0);
     Ok(())
 }
 
@@ -592,10 +566,7 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
             let paths = if names.is_empty() {
                 fetch::fetch_all()?
             } else {
-                names
-                    .iter()
-                    .map(|n| fetch::fetch(n))
-                    .collect::<Result<Vec<_>>>()?
+                names.iter().map(|n| fetch::fetch(n)).collect::<Result<Vec<_>>>()?
             };
             for p in paths {
                 println!("{}", p.display());

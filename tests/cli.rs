@@ -20,14 +20,8 @@ fn stderr(o: &Output) -> String {
 /// A failure must be one clear line on standard error, a non-zero exit, and no panic.
 fn assert_clean_failure(o: &Output, must_contain: &str) {
     let err = stderr(o);
-    assert!(
-        !o.status.success(),
-        "expected failure, got success; stderr: {err}"
-    );
-    assert!(
-        !err.contains("panicked"),
-        "panic instead of an error: {err}"
-    );
+    assert!(!o.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic instead of an error: {err}");
     let last = err.lines().last().unwrap_or("");
     assert!(last.starts_with("error: "), "no error line: {err}");
     assert!(
@@ -75,17 +69,7 @@ fn greedy_run_prints_only_the_completion_on_stdout() {
 fn echo_and_chat_and_seeded_sampling() {
     let m = common::model("smollm2");
     let m = m.to_str().unwrap();
-    let o = baton(&[
-        "run",
-        "-m",
-        m,
-        "--echo",
-        "--temp",
-        "0",
-        "-n",
-        "4",
-        "Once upon a time",
-    ]);
+    let o = baton(&["run", "-m", m, "--echo", "--temp", "0", "-n", "4", "Once upon a time"]);
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("Once upon a time"));
     let o = baton(&[
         "run",
@@ -124,16 +108,10 @@ fn missing_and_non_gguf_and_truncated_files_fail_cleanly() {
     let real = std::fs::read(common::model("smollm2")).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &real[..real.len() / 2]).unwrap();
-    assert_clean_failure(
-        &baton(&["run", "-m", cut.to_str().unwrap(), "hi"]),
-        "truncated",
-    );
+    assert_clean_failure(&baton(&["run", "-m", cut.to_str().unwrap(), "hi"]), "truncated");
     // Cut inside the metadata.
     std::fs::write(&cut, &real[..5000]).unwrap();
-    assert_clean_failure(
-        &baton(&["run", "-m", cut.to_str().unwrap(), "hi"]),
-        "truncated",
-    );
+    assert_clean_failure(&baton(&["run", "-m", cut.to_str().unwrap(), "hi"]), "truncated");
 }
 
 fn write_model_with(path: &Path, arch: &str, ty: GgmlType) {
@@ -149,10 +127,7 @@ fn write_model_with(path: &Path, arch: &str, ty: GgmlType) {
     ] {
         w.meta(&format!("{arch}.{k}"), Value::U32(32));
     }
-    w.meta(
-        &format!("{arch}.attention.layer_norm_rms_epsilon"),
-        Value::F32(1e-5),
-    );
+    w.meta(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
     for (k, v) in &base.metadata {
         if k.starts_with("tokenizer.") {
             w.meta(k, v.clone());
@@ -191,16 +166,7 @@ fn unsupported_architecture_and_tensor_type_are_named() {
 fn prompt_over_the_context_is_refused() {
     let m = common::model("smollm2");
     let long = "word ".repeat(400);
-    let o = baton(&[
-        "run",
-        "-m",
-        m.to_str().unwrap(),
-        "-c",
-        "128",
-        "-n",
-        "4",
-        &long,
-    ]);
+    let o = baton(&["run", "-m", m.to_str().unwrap(), "-c", "128", "-n", "4", &long]);
     assert_clean_failure(&o, "context");
 }
 
@@ -230,10 +196,7 @@ fn tokenize_prints_ids_on_one_line() {
     let out = String::from_utf8(o.stdout).unwrap();
     assert_eq!(out.lines().count(), 1);
     let ids: Vec<u32> = out.split_whitespace().map(|s| s.parse().unwrap()).collect();
-    assert!(
-        !ids.is_empty() && ids[0] != 1,
-        "no BOS in tokenize output: {ids:?}"
-    );
+    assert!(!ids.is_empty() && ids[0] != 1, "no BOS in tokenize output: {ids:?}");
 }
 
 #[test]

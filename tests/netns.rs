@@ -82,33 +82,15 @@ impl Link {
             "ip", "-n", &a.0, "link", "add", va, "type", "veth", "peer", "name", vb, "netns", &b.0,
         ])?;
         let (ip_a, ip_b) = (format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2"));
-        run(&[
-            "ip",
-            "-n",
-            &a.0,
-            "addr",
-            "add",
-            &format!("{ip_a}/24"),
-            "dev",
-            va,
-        ])?;
-        run(&[
-            "ip",
-            "-n",
-            &b.0,
-            "addr",
-            "add",
-            &format!("{ip_b}/24"),
-            "dev",
-            vb,
-        ])?;
+        run(&["ip", "-n", &a.0, "addr", "add", &format!("{ip_a}/24"), "dev", va])?;
+        run(&["ip", "-n", &b.0, "addr", "add", &format!("{ip_b}/24"), "dev", vb])?;
         run(&["ip", "-n", &a.0, "link", "set", va, "up"])?;
         run(&["ip", "-n", &b.0, "link", "set", vb, "up"])?;
         // tbf needs a bucket of at least rate / HZ bytes; 4 MB covers 10 Gbit/s at HZ 250.
         for (ns, dev) in [(&a.0, va), (&b.0, vb)] {
             run(&[
-                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                rate, "burst", "4mb", "latency", "20ms",
+                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+                "4mb", "latency", "20ms",
             ])?;
         }
         Ok(Link { a, b, b_ip: ip_b })
@@ -192,13 +174,7 @@ fn pipeline_over_a_shaped_link_matches_local() {
         });
         assert_eq!(toks, ref_toks);
         // From the root namespace the nodes are unreachable: the traffic really went through the link.
-        assert!(
-            std::net::TcpStream::connect_timeout(
-                &n1.addr.parse().unwrap(),
-                Duration::from_millis(300)
-            )
-            .is_err()
-        );
+        assert!(std::net::TcpStream::connect_timeout(&n1.addr.parse().unwrap(), Duration::from_millis(300)).is_err());
     }
     let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let list = String::from_utf8_lossy(&out.stdout);
@@ -213,24 +189,13 @@ fn pipeline_over_a_shaped_link_matches_local() {
 #[test]
 #[ignore]
 fn bench_shaped_link() {
-    let env = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (pp, tg, t) = (
-        env("BENCH_PP", 512),
-        env("BENCH_TG", 128),
-        env("BENCH_THREADS", 1),
-    );
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (pp, tg, t) = (env("BENCH_PP", 512), env("BENCH_TG", 128), env("BENCH_THREADS", 1));
     let model = smollm2();
     let prompt = prompt(pp);
     let (lpp, ltg) = bench_local(&model, t, &prompt, tg);
     println!("threads per stage {t}, pp{pp} tg{tg}; local: pp {lpp:.1} t/s, tg {ltg:.1} t/s");
-    println!(
-        "| link | stages | chunk | pp t/s | tg t/s | pp vs local | tg vs local | decode bytes/token |"
-    );
+    println!("| link | stages | chunk | pp t/s | tg t/s | pp vs local | tg vs local | decode bytes/token |");
     println!("|---|---|---|---|---|---|---|---|");
     for rate in ["2500mbit", "10gbit"] {
         let Some(link) = Link::new(rate) else { return };
@@ -239,10 +204,7 @@ fn bench_shaped_link() {
         let ts = t.to_string();
         let nodes: Vec<NodeProc> = (0..3).map(|_| link.node(&secret, &["-t", &ts])).collect();
         for (name, spec) in [
-            (
-                "2",
-                format!("{}=0:15,{}=15:end", nodes[0].addr, nodes[1].addr),
-            ),
+            ("2", format!("{}=0:15,{}=15:end", nodes[0].addr, nodes[1].addr)),
             (
                 "3",
                 format!(

@@ -26,12 +26,7 @@ fn opts() -> PipelineOpts {
 }
 
 /// Prompt logits and greedy tokens through a pipeline.
-fn pipeline_run(
-    spec: &str,
-    o: PipelineOpts,
-    prompt: &[u32],
-    n_gen: usize,
-) -> (Vec<f32>, Vec<u32>, PipelineSession) {
+fn pipeline_run(spec: &str, o: PipelineOpts, prompt: &[u32], n_gen: usize) -> (Vec<f32>, Vec<u32>, PipelineSession) {
     let mut p = PipelineSession::connect(spec, &smollm2(), o).unwrap();
     let logits = p.eval_logits(prompt).unwrap();
     let mut toks = vec![argmax(&logits)];
@@ -67,10 +62,7 @@ fn two_and_three_stages_match_the_local_run() {
     p.reset_stats();
     p.decode_step(*toks.last().unwrap()).unwrap();
     let st = p.stats();
-    assert!(
-        st[0].bytes_recv > 2304 && st[0].bytes_recv < 2304 + 100,
-        "{st:?}"
-    );
+    assert!(st[0].bytes_recv > 2304 && st[0].bytes_recv < 2304 + 100, "{st:?}");
     assert!(st[1].bytes_recv < 100, "{st:?}");
     drop(p);
 
@@ -101,11 +93,7 @@ fn narrower_wire_stays_close() {
     let prompt = prompt(24);
     let (ref_logits, ref_toks) = local_reference(&model, &prompt, 4);
     let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    for (wire, tol) in [
-        (WireDtype::F16, 2.0),
-        (WireDtype::BF16, 4.0),
-        (WireDtype::Q8, 4.0),
-    ] {
+    for (wire, tol) in [(WireDtype::F16, 2.0), (WireDtype::BF16, 4.0), (WireDtype::Q8, 4.0)] {
         let spec = format!("{}=0:15,local=15:end", a.addr);
         let (logits, toks, p) = pipeline_run(&spec, PipelineOpts { wire, ..opts() }, &prompt, 4);
         let d = max_abs_diff(&logits, &ref_logits);
@@ -132,14 +120,10 @@ fn narrower_wire_stays_close() {
 #[test]
 fn handshake_mismatch_is_refused_with_the_difference_named() {
     let gemma = NodeProc::spawn(&gemma3(), "127.0.0.1:0", &[]);
-    let e = PipelineSession::connect(
-        &format!("{}=0:15,local=15:end", gemma.addr),
-        &smollm2(),
-        opts(),
-    )
-    .err()
-    .expect("a node with another model must be refused")
-    .to_string();
+    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", gemma.addr), &smollm2(), opts())
+        .err()
+        .expect("a node with another model must be refused")
+        .to_string();
     assert!(
         e.contains("fingerprint") && e.contains("(gemma3)") && e.contains("(llama)"),
         "{e}"
@@ -153,26 +137,15 @@ fn handshake_mismatch_is_refused_with_the_difference_named() {
     );
 
     let pinned = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--layers", "0:10"]);
-    let e = PipelineSession::connect(
-        &format!("{}=0:15,local=15:end", pinned.addr),
-        &smollm2(),
-        opts(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
-    assert!(
-        e.contains("asks for layers 0:15, this node serves only 0:10"),
-        "{e}"
-    );
-    let e = PipelineSession::connect(
-        &format!("{}=0:14,local=15:end", pinned.addr),
-        &smollm2(),
-        opts(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", pinned.addr), &smollm2(), opts())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("asks for layers 0:15, this node serves only 0:10"), "{e}");
+    let e = PipelineSession::connect(&format!("{}=0:14,local=15:end", pinned.addr), &smollm2(), opts())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("layers 14 are not covered"), "{e}");
     let e = PipelineSession::connect(
         &format!("{}=0:10,local=10:end", pinned.addr),
@@ -278,9 +251,7 @@ fn garbage_frames_drop_only_their_connection() {
         h[4] = 9;
         h.to_vec()
     };
-    let junk: Vec<u8> = (0..5000u32)
-        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-        .collect();
+    let junk: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     for (name, bytes) in [
         ("http", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
         ("huge length", huge),
@@ -311,12 +282,8 @@ fn garbage_frames_drop_only_their_connection() {
     let mut raw = TcpStream::connect(&node.addr).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     wire::write_msg(&mut raw, &Msg::Hello { nonce: [1; 32] }).unwrap();
-    assert!(matches!(
-        wire::read_msg(&mut raw).unwrap().0,
-        Msg::Challenge { .. }
-    ));
-    raw.write_all(b"BTON\x01\x03\x00\x00\xff\xff\xff\x7f")
-        .unwrap();
+    assert!(matches!(wire::read_msg(&mut raw).unwrap().0, Msg::Challenge { .. }));
+    raw.write_all(b"BTON\x01\x03\x00\x00\xff\xff\xff\x7f").unwrap();
     let mut rest = Vec::new();
     let _ = raw.read_to_end(&mut rest);
 
@@ -328,10 +295,7 @@ fn garbage_frames_drop_only_their_connection() {
     assert_eq!(q.eval(&prompt(12)).unwrap().token, ref_toks[0]);
     assert_eq!(p.stats()[0].reconnects, 0);
     let log = node.log();
-    assert!(
-        log.contains("magic") && log.contains("exceeds the limit"),
-        "{log}"
-    );
+    assert!(log.contains("magic") && log.contains("exceeds the limit"), "{log}");
 }
 
 #[test]
@@ -364,23 +328,11 @@ fn killed_stage_mid_decode_errors_then_recovers_after_restart() {
         .decode_step(*toks.last().unwrap())
         .expect_err("a dead stage must fail the step")
         .to_string();
-    assert!(
-        t0.elapsed() < Duration::from_secs(10),
-        "error took {:?}",
-        t0.elapsed()
-    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "error took {:?}", t0.elapsed());
     assert!(e.contains(&listen), "the error names the stage: {e}");
-    assert_eq!(
-        p.n_past(),
-        prompt.len() + 4,
-        "a failed step changes nothing"
-    );
+    assert_eq!(p.n_past(), prompt.len() + 4, "a failed step changes nothing");
     // While it is down, the next request fails fast too.
-    let e = p
-        .decode_step(*toks.last().unwrap())
-        .err()
-        .unwrap()
-        .to_string();
+    let e = p.decode_step(*toks.last().unwrap()).err().unwrap().to_string();
     assert!(e.contains("cannot connect") && e.contains(&listen), "{e}");
 
     let _b = NodeProc::spawn(&model, &listen, &[]);
@@ -416,10 +368,7 @@ fn stalled_stage_times_out_then_continues() {
         took >= Duration::from_millis(1900) && took < Duration::from_secs(5),
         "took {took:?}"
     );
-    assert!(
-        e.contains("did not answer") && e.contains(&node.addr),
-        "{e}"
-    );
+    assert!(e.contains("did not answer") && e.contains(&node.addr), "{e}");
     node.signal(libc::SIGCONT);
 
     p.set_io_timeout(Duration::from_secs(20));
@@ -434,17 +383,8 @@ fn stalled_stage_times_out_then_continues() {
 #[test]
 #[ignore]
 fn bench_loopback() {
-    let env = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (pp, tg, t) = (
-        env("BENCH_PP", 512),
-        env("BENCH_TG", 128),
-        env("BENCH_THREADS", 1),
-    );
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (pp, tg, t) = (env("BENCH_PP", 512), env("BENCH_TG", 128), env("BENCH_THREADS", 1));
     let model = smollm2();
     let prompt = prompt(pp);
     let ts = t.to_string();
@@ -492,16 +432,9 @@ fn bench_loopback() {
         }
     }
     println!();
-    println!(
-        "| wire | decode bytes/token (2 remote stages, all frames) | hidden payload/boundary |"
-    );
+    println!("| wire | decode bytes/token (2 remote stages, all frames) | hidden payload/boundary |");
     println!("|---|---|---|");
-    for wire in [
-        WireDtype::F32,
-        WireDtype::F16,
-        WireDtype::BF16,
-        WireDtype::Q8,
-    ] {
+    for wire in [WireDtype::F32, WireDtype::F16, WireDtype::BF16, WireDtype::Q8] {
         let o = PipelineOpts {
             n_ctx: 2048,
             chunk: 128,
@@ -547,12 +480,7 @@ fn bench_perplexity() {
         for i in 0..toks.len() - 1 {
             let row = &logits[i * v..(i + 1) * v];
             let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let lse = m as f64
-                + row
-                    .iter()
-                    .map(|&x| ((x - m) as f64).exp())
-                    .sum::<f64>()
-                    .ln();
+            let lse = m as f64 + row.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>().ln();
             s += lse - row[toks[i + 1] as usize] as f64;
         }
         s
@@ -560,31 +488,20 @@ fn bench_perplexity() {
     let n_scored = (chunks.len() * (ctx - 1)) as f64;
     let local = {
         let m = std::sync::Arc::new(baton::model::Model::load(&model).unwrap());
-        let mut s = baton::engine::Session::new(
-            m,
-            std::sync::Arc::new(baton::kernels::ThreadPool::new(1)),
-            ctx,
-            ctx,
-        )
-        .unwrap();
+        let mut s =
+            baton::engine::Session::new(m, std::sync::Arc::new(baton::kernels::ThreadPool::new(1)), ctx, ctx).unwrap();
         let mut tot = 0.0;
         for c in &chunks {
             s.rewind(0);
             tot += nll(
-                s.forward(
-                    baton::engine::Input::Tokens(c),
-                    baton::engine::Want::AllLogits,
-                )
-                .unwrap(),
+                s.forward(baton::engine::Input::Tokens(c), baton::engine::Want::AllLogits)
+                    .unwrap(),
                 c,
             );
         }
         (tot / n_scored).exp()
     };
-    println!(
-        "{} chunks of {ctx} tokens; local perplexity {local:.4}",
-        chunks.len()
-    );
+    println!("{} chunks of {ctx} tokens; local perplexity {local:.4}", chunks.len());
     println!("| wire | perplexity | delta vs local |");
     println!("|---|---|---|");
     let wires = std::env::var("BENCH_WIRES").unwrap_or("32,16,bf16,8".into());
@@ -595,9 +512,7 @@ fn bench_perplexity() {
             wire,
             ..opts()
         };
-        let mut p =
-            PipelineSession::connect(&format!("{}=0:15,local=15:end", node.addr), &model, o)
-                .unwrap();
+        let mut p = PipelineSession::connect(&format!("{}=0:15,local=15:end", node.addr), &model, o).unwrap();
         let mut tot = 0.0;
         for c in &chunks {
             p.rewind(0);

@@ -31,12 +31,8 @@ fn real_main() -> Result<()> {
             "-c" | "--ctx-size" => cfg.max_ctx = val()?.parse().context("bad context size")?,
             "-b" | "--batch-size" => cfg.max_batch = val()?.parse().context("bad batch size")?,
             "--max-sessions" => cfg.max_sessions = val()?.parse().context("bad session count")?,
-            "--timeout" => {
-                cfg.io_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?)
-            }
-            "--idle-timeout" => {
-                cfg.idle_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?)
-            }
+            "--timeout" => cfg.io_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
+            "--idle-timeout" => cfg.idle_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
             "-h" | "--help" => {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \

@@ -24,12 +24,7 @@ pub fn nonce() -> [u8; 32] {
 }
 
 /// The proof one side sends.
-pub fn proof(
-    secret: &[u8],
-    label: &[u8],
-    nonce_coordinator: &[u8; 32],
-    nonce_node: &[u8; 32],
-) -> [u8; 32] {
+pub fn proof(secret: &[u8], label: &[u8], nonce_coordinator: &[u8; 32], nonce_node: &[u8; 32]) -> [u8; 32] {
     let mut m = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
     m.update(label);
     m.update(nonce_coordinator);
@@ -54,8 +49,7 @@ pub fn verify(
 
 /// Reads a secret file: its bytes with trailing whitespace (a final newline) removed; at least [`MIN_SECRET`] bytes.
 pub fn load_secret(path: &Path) -> Result<Vec<u8>> {
-    let mut s = std::fs::read(path)
-        .with_context(|| format!("cannot read secret file {}", path.display()))?;
+    let mut s = std::fs::read(path).with_context(|| format!("cannot read secret file {}", path.display()))?;
     while s.last().is_some_and(|b| b.is_ascii_whitespace()) {
         s.pop();
     }
@@ -91,11 +85,6 @@ mod tests {
         std::fs::write(&p, "a-long-enough-secret\n").unwrap();
         assert_eq!(load_secret(&p).unwrap(), b"a-long-enough-secret");
         std::fs::write(&p, "short\n").unwrap();
-        assert!(
-            load_secret(&p)
-                .unwrap_err()
-                .to_string()
-                .contains("at least")
-        );
+        assert!(load_secret(&p).unwrap_err().to_string().contains("at least"));
     }
 }

@@ -56,15 +56,13 @@ pub struct Conn {
 
 impl Conn {
     pub fn send(&mut self, msg: &Msg, what: &str) -> Result<()> {
-        let n = wire::write_msg(&mut self.stream, msg)
-            .map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
+        let n = wire::write_msg(&mut self.stream, msg).map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
         self.bytes_sent += n as u64;
         Ok(())
     }
 
     pub fn recv(&mut self, what: &str) -> Result<Msg> {
-        let (m, n) = wire::read_msg(&mut self.stream)
-            .map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
+        let (m, n) = wire::read_msg(&mut self.stream).map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
         self.bytes_recv += n as u64;
         if let Msg::Error { message } = &m {
             bail!("stage {} refused {what}: {message}", self.peer);
@@ -74,12 +72,7 @@ impl Conn {
 }
 
 /// Connects to `addr`, authenticates and opens the stage described by `open`.
-pub fn connect(
-    addr: &str,
-    secret: Option<&[u8]>,
-    open: &Open,
-    t: Timeouts,
-) -> Result<(Conn, Ready)> {
+pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> Result<(Conn, Ready)> {
     let addrs: Vec<_> = addr
         .to_socket_addrs()
         .map_err(|e| anyhow!("cannot resolve stage address {addr}: {e}"))?
@@ -116,16 +109,11 @@ pub fn connect(
     let nonce_c = auth::nonce();
     c.send(&Msg::Hello { nonce: nonce_c }, "the handshake")?;
     let (nonce_n, required) = match c.recv("the handshake")? {
-        Msg::Challenge {
-            nonce,
-            auth_required,
-        } => (nonce, auth_required),
+        Msg::Challenge { nonce, auth_required } => (nonce, auth_required),
         m => bail!("stage {addr} answered HELLO with {}", m.name()),
     };
     let mac = match (secret, required) {
-        (None, true) => bail!(
-            "stage {addr} requires a shared secret (give the coordinator the node's --secret-file)"
-        ),
+        (None, true) => bail!("stage {addr} requires a shared secret (give the coordinator the node's --secret-file)"),
         (Some(_), false) => bail!(
             "stage {addr} does not ask for authentication but we have a secret; it cannot prove it knows it, refusing \
              (start the node with the same --secret-file)"
@@ -150,9 +138,7 @@ pub fn connect(
         Msg::Ready(r) => r,
         m => bail!("stage {addr} answered OPEN with {}", m.name()),
     };
-    let mut diffs = open
-        .model
-        .differences(&ready.model, "we", &format!("node {addr}"));
+    let mut diffs = open.model.differences(&ready.model, "we", &format!("node {addr}"));
     if ready.layers != open.layers {
         diffs.push(format!(
             "node {addr} serves layers {}:{}, we asked for {}:{}",

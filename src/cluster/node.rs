@@ -103,8 +103,7 @@ impl Node {
             Some(s) => Some(crate::model::parse_layer_range(s, hp.n_layer)?),
             None => None,
         };
-        let listener = TcpListener::bind(&cfg.listen)
-            .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+        let listener = TcpListener::bind(&cfg.listen).with_context(|| format!("cannot listen on {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         if cfg.secret.is_none() && !addr.ip().is_loopback() {
             bail!(
@@ -146,9 +145,7 @@ impl Node {
             };
             let state = self.state.clone();
             std::thread::spawn(move || {
-                let peer = stream
-                    .peer_addr()
-                    .map_or("?".to_string(), |a| a.to_string());
+                let peer = stream.peer_addr().map_or("?".to_string(), |a| a.to_string());
                 if let Err(e) = serve_conn(stream, &state, &peer) {
                     eprintln!("baton node: dropped connection from {peer}: {e:#}");
                 }
@@ -169,12 +166,10 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
         s.hp.arch.name(),
         s.hp.n_layer,
         &s.info.fingerprint[..12.min(s.info.fingerprint.len())],
-        s.pinned
-            .as_ref()
-            .map_or("any layer range".to_string(), |r| format!(
-                "layers {}:{}",
-                r.start, r.end
-            )),
+        s.pinned.as_ref().map_or("any layer range".to_string(), |r| format!(
+            "layers {}:{}",
+            r.start, r.end
+        )),
         if s.cfg.secret.is_some() {
             "required"
         } else {
@@ -197,12 +192,7 @@ impl State {
 
     /// The session `id` for `key`, reused when it exists with the same shape, otherwise created (evicting the least
     /// recently used one beyond the limit).
-    fn session(
-        &self,
-        id: u64,
-        key: (Range<usize>, usize, usize),
-        open: &Open,
-    ) -> Result<Arc<Mutex<Slot>>> {
+    fn session(&self, id: u64, key: (Range<usize>, usize, usize), open: &Open) -> Result<Arc<Mutex<Slot>>> {
         let mut sessions = lock(&self.sessions);
         let id = (id, key.0.start, key.0.end);
         if let Some(s) = sessions.get(&id) {
@@ -238,14 +228,7 @@ impl State {
             top_p: open.top_p,
             seed: open.seed,
         };
-        let core = StageCore::new(
-            model,
-            self.pool.clone(),
-            key.1,
-            key.2,
-            sampling,
-            open.top_k as usize,
-        )?;
+        let core = StageCore::new(model, self.pool.clone(), key.1, key.2, sampling, open.top_k as usize)?;
         let slot = Arc::new(Mutex::new(Slot {
             core,
             key,
@@ -314,12 +297,7 @@ fn wire_err(e: WireError, what: &str) -> anyhow::Error {
 
 /// Refuses the peer with a message (best effort) and ends the connection with that error.
 fn refuse(s: &mut TcpStream, msg: String) -> anyhow::Error {
-    let _ = wire::write_msg(
-        s,
-        &Msg::Error {
-            message: msg.clone(),
-        },
-    );
+    let _ = wire::write_msg(s, &Msg::Error { message: msg.clone() });
     anyhow!(msg)
 }
 
@@ -327,8 +305,7 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     let io = st.cfg.io_timeout;
     s.set_nodelay(true)?;
     s.set_write_timeout(Some(io))?;
-    let send =
-        |s: &mut TcpStream, m: &Msg| wire::write_msg(s, m).map_err(|e| wire_err(e, "sending"));
+    let send = |s: &mut TcpStream, m: &Msg| wire::write_msg(s, m).map_err(|e| wire_err(e, "sending"));
 
     // 1. Version and nonces.
     let nonce_c = match read_frame(&mut s, io, io) {
@@ -356,10 +333,7 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     let our_mac = match &st.cfg.secret {
         Some(secret) => {
             if !auth::verify(secret, auth::LABEL_COORDINATOR, &nonce_c, &nonce_n, &mac) {
-                return Err(refuse(
-                    &mut s,
-                    "authentication failed: wrong shared secret".into(),
-                ));
+                return Err(refuse(&mut s, "authentication failed: wrong shared secret".into()));
             }
             auth::proof(secret, auth::LABEL_NODE, &nonce_c, &nonce_n)
         }
@@ -410,10 +384,7 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
         let f = match read_frame(&mut s, st.cfg.idle_timeout, io) {
             Ok(Msg::Forward(f)) => f,
             Ok(m) => {
-                return Err(refuse(
-                    &mut s,
-                    format!("expected FORWARD, got {}", m.name()),
-                ));
+                return Err(refuse(&mut s, format!("expected FORWARD, got {}", m.name())));
             }
             Err(WireError::Closed) => return Ok(()),
             Err(WireError::Timeout) => {
@@ -424,17 +395,11 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
         };
         let n = f.tokens.len();
         let bad = if n == 0 || n > open.n_batch as usize {
-            Some(format!(
-                "batch of {n} tokens, the session allows 1..={}",
-                open.n_batch
-            ))
+            Some(format!("batch of {n} tokens, the session allows 1..={}", open.n_batch))
         } else if let Some(h) = &f.hidden
             && (h.width as usize != e || h.n_rows as usize != n)
         {
-            Some(format!(
-                "hidden state of {}x{}, expected {n}x{e}",
-                h.n_rows, h.width
-            ))
+            Some(format!("hidden state of {}x{}, expected {n}x{e}", h.n_rows, h.width))
         } else {
             None
         };
@@ -447,13 +412,8 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
             let _c = lock(&st.compute);
             let mut g = lock(&slot);
             g.last_used = Instant::now();
-            g.core.run(
-                f.pos as usize,
-                &f.prefix,
-                &f.tokens,
-                hidden.as_deref(),
-                f.want,
-            )
+            g.core
+                .run(f.pos as usize, &f.prefix, &f.tokens, hidden.as_deref(), f.want)
         };
         let reply = match res {
             Ok((StageOut::Mismatch(n_past), _)) => Msg::Mismatch {

@@ -252,12 +252,9 @@ impl Stage {
                     Msg::Result(res) if res.req == job.req => res,
                     Msg::Result(res) => {
                         r.conn = None;
-                        return Err(anyhow!(
-                            "stage {label} answered request {} with request {}",
-                            job.req,
-                            res.req
-                        )
-                        .into());
+                        return Err(
+                            anyhow!("stage {label} answered request {} with request {}", job.req, res.req).into(),
+                        );
                     }
                     Msg::Mismatch { n_past, .. } => {
                         if c.verbose {
@@ -271,15 +268,11 @@ impl Stage {
                     }
                     m => {
                         r.conn = None;
-                        return Err(
-                            anyhow!("stage {label} answered FORWARD with {}", m.name()).into()
-                        );
+                        return Err(anyhow!("stage {label} answered FORWARD with {}", m.name()).into());
                     }
                 };
                 let ok = match (res.body, want) {
-                    (Body::Hidden(h), WantOut::Hidden)
-                        if h.n_rows as usize == n && h.width as usize == c.n_embd =>
-                    {
+                    (Body::Hidden(h), WantOut::Hidden) if h.n_rows as usize == n && h.width as usize == c.n_embd => {
                         job.carry = Carry::Wire(h);
                         true
                     }
@@ -287,19 +280,8 @@ impl Stage {
                         job.out = Some(Out::Ack);
                         true
                     }
-                    (
-                        Body::Sample {
-                            token,
-                            logprob,
-                            top,
-                        },
-                        WantOut::Sample,
-                    ) if (token as usize) < c.n_vocab => {
-                        job.out = Some(Out::Sample(Sampled {
-                            token,
-                            logprob,
-                            top,
-                        }));
+                    (Body::Sample { token, logprob, top }, WantOut::Sample) if (token as usize) < c.n_vocab => {
+                        job.out = Some(Out::Sample(Sampled { token, logprob, top }));
                         true
                     }
                     (Body::Logits(l), WantOut::LastLogits) if l.len() == c.n_vocab => {
@@ -314,10 +296,7 @@ impl Stage {
                 };
                 if !ok {
                     r.conn = None;
-                    return Err(anyhow!(
-                        "stage {label} returned a result of the wrong kind or shape"
-                    )
-                    .into());
+                    return Err(anyhow!("stage {label} returned a result of the wrong kind or shape").into());
                 }
                 res.compute_us
             }
@@ -402,11 +381,7 @@ impl PipelineSession {
                     Kind::Remote(Box::new(r))
                 }
             };
-            stages.push(Stage {
-                spec: s,
-                kind,
-                stats,
-            });
+            stages.push(Stage { spec: s, kind, stats });
         }
         Ok(PipelineSession {
             stages,
@@ -479,12 +454,7 @@ impl PipelineSession {
     /// Keeps the longest prefix of the session that `tokens` starts with (leaving at least one token to feed) and
     /// returns its length; the caller then feeds `tokens[kept..]`.
     pub fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
-        let mut n = self
-            .tokens
-            .iter()
-            .zip(tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let mut n = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
         if n == tokens.len() && n > 0 {
             n -= 1;
         }
@@ -534,10 +504,7 @@ impl PipelineSession {
             );
         }
         if let Some(&t) = new.iter().find(|&&t| t as usize >= self.hp.n_vocab) {
-            bail!(
-                "token id {t} is outside the vocabulary of {}",
-                self.hp.n_vocab
-            );
+            bail!("token id {t} is outside the vocabulary of {}", self.hp.n_vocab);
         }
         for attempt in 0..2 {
             let start = if attempt == 0 { self.tokens.len() } else { 0 };
@@ -616,9 +583,7 @@ impl PipelineSession {
         } else {
             pipelined(&mut self.stages, jobs, &ctx)?
         };
-        let mut outs = done
-            .into_iter()
-            .map(|j| j.out.expect("the last stage always answers"));
+        let mut outs = done.into_iter().map(|j| j.out.expect("the last stage always answers"));
         if want == WantOut::AllLogits {
             let mut all = Vec::with_capacity(feed.len() * self.hp.n_vocab);
             for o in outs {
@@ -659,9 +624,7 @@ fn pipelined(stages: &mut [Stage], jobs: Vec<Job>, c: &PassCtx) -> Result<Vec<Jo
             let input = std::mem::replace(&mut rx, next_rx);
             sc.spawn(move || {
                 for item in input {
-                    let item = item.and_then(|mut job| {
-                        stage.call(&mut job, i + 1 == n_stages, c).map(|_| job)
-                    });
+                    let item = item.and_then(|mut job| stage.call(&mut job, i + 1 == n_stages, c).map(|_| job));
                     let failed = item.is_err();
                     if tx.send(item).is_err() || failed {
                         break;

@@ -46,12 +46,7 @@ pub struct Sampled {
 /// Picks the next token from `logits`: argmax when greedy, otherwise temperature + top-p sampling.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng, top_k: usize) -> Sampled {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let lse = max
-        + logits
-            .iter()
-            .map(|&v| ((v - max) as f64).exp())
-            .sum::<f64>()
-            .ln() as f32;
+    let lse = max + logits.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
     let mut order: Vec<u32> = Vec::new();
     let token = if p.temperature <= 0.0 {
         let mut best = 0;
@@ -100,9 +95,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng, top_k: usize
             // Partial selection: the k largest, then sorted.
             let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
             let k = top_k.min(idx.len());
-            idx.select_nth_unstable_by(k - 1, |&a, &b| {
-                logits[b as usize].total_cmp(&logits[a as usize])
-            });
+            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
             idx.truncate(k);
             idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
             order = idx;
@@ -191,10 +184,7 @@ impl StageCore {
             );
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= model.hp.n_vocab) {
-            bail!(
-                "token id {t} is outside the vocabulary of {}",
-                model.hp.n_vocab
-            );
+            bail!("token id {t} is outside the vocabulary of {}", model.hp.n_vocab);
         }
         let input = match (model.is_first(), hidden) {
             (true, None) => Input::Tokens(tokens),
@@ -246,9 +236,7 @@ impl StageCore {
             WantOut::Ack => StageOut::Ack,
             WantOut::Hidden => StageOut::Hidden(out.to_vec()),
             WantOut::LastLogits | WantOut::AllLogits => StageOut::Logits(out.to_vec()),
-            WantOut::Sample => {
-                StageOut::Sample(sample(out, &self.sampling, &mut self.rng, self.top_k))
-            }
+            WantOut::Sample => StageOut::Sample(sample(out, &self.sampling, &mut self.rng, self.top_k)),
         };
         let mut h = *self.hashes.last().unwrap();
         for &t in tokens {
@@ -292,9 +280,7 @@ mod tests {
             top_p: 1.0,
             seed: 3,
         };
-        let seen: std::collections::HashSet<u32> = (0..400)
-            .map(|_| sample(&logits, &p, &mut rng, 0).token)
-            .collect();
+        let seen: std::collections::HashSet<u32> = (0..400).map(|_| sample(&logits, &p, &mut rng, 0).token).collect();
         assert!(seen.contains(&3));
     }
 }

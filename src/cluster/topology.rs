@@ -24,11 +24,11 @@ impl StageSpec {
 pub fn parse_pipeline(spec: &str, n_layer: usize) -> Result<Vec<StageSpec>> {
     let mut stages = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (addr, range) = part.rsplit_once('=').with_context(|| {
-            format!("pipeline stage {part:?} must look like HOST:PORT=A:B or local=A:B")
-        })?;
-        let layers = crate::model::parse_layer_range(range, n_layer)
-            .with_context(|| format!("pipeline stage {part:?}"))?;
+        let (addr, range) = part
+            .rsplit_once('=')
+            .with_context(|| format!("pipeline stage {part:?} must look like HOST:PORT=A:B or local=A:B"))?;
+        let layers =
+            crate::model::parse_layer_range(range, n_layer).with_context(|| format!("pipeline stage {part:?}"))?;
         let addr = match addr.trim() {
             "local" => None,
             a if a.contains(':') => Some(a.to_string()),
@@ -51,16 +51,10 @@ pub fn parse_pipeline(spec: &str, n_layer: usize) -> Result<Vec<StageSpec>> {
     if !missing.is_empty() || !doubled.is_empty() {
         let mut msg = Vec::new();
         if !missing.is_empty() {
-            msg.push(format!(
-                "layers {} are not covered by any stage",
-                missing.join(", ")
-            ));
+            msg.push(format!("layers {} are not covered by any stage", missing.join(", ")));
         }
         if !doubled.is_empty() {
-            msg.push(format!(
-                "layers {} are covered more than once",
-                doubled.join(", ")
-            ));
+            msg.push(format!("layers {} are covered more than once", doubled.join(", ")));
         }
         bail!(
             "pipeline {spec:?} does not cover the model's {n_layer} layers exactly once: {} (ranges are A:B with B \
@@ -128,16 +122,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("layers 14 are not covered"), "{e}");
-        let e = parse_pipeline("a:1=0:20,b:2=10:end", 30)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("layers 10..=19 are covered more than once"),
-            "{e}"
-        );
-        let e = parse_pipeline("a:1=0:5,b:2=10:20", 30)
-            .unwrap_err()
-            .to_string();
+        let e = parse_pipeline("a:1=0:20,b:2=10:end", 30).unwrap_err().to_string();
+        assert!(e.contains("layers 10..=19 are covered more than once"), "{e}");
+        let e = parse_pipeline("a:1=0:5,b:2=10:20", 30).unwrap_err().to_string();
         assert!(e.contains("5..=9, 20..=29"), "{e}");
         assert!(parse_pipeline("nohost=0:30", 30).is_err());
         assert!(parse_pipeline("a:1=0:31", 30).is_err());

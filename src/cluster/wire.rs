@@ -124,9 +124,7 @@ impl Hidden {
         let n_rows = x.len() / width;
         let mut data = Vec::with_capacity(n_rows * dtype.row_bytes(width));
         match dtype {
-            WireDtype::F32 => x
-                .iter()
-                .for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
+            WireDtype::F32 => x.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
             WireDtype::F16 => x
                 .iter()
                 .for_each(|&v| data.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
@@ -139,15 +137,10 @@ impl Hidden {
                     let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                     let scale = amax / 127.0;
                     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    data.extend(
-                        row.iter()
-                            .map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-                    );
+                    data.extend(row.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
                     scales.push(scale);
                 }
-                scales
-                    .iter()
-                    .for_each(|s| data.extend_from_slice(&s.to_le_bytes()));
+                scales.iter().for_each(|s| data.extend_from_slice(&s.to_le_bytes()));
             }
         }
         Hidden {
@@ -215,12 +208,7 @@ impl ModelInfo {
     }
 
     /// Every field that differs, phrased as `"<theirs> has X, <ours> has Y"`; empty when they agree.
-    pub fn differences(
-        &self,
-        theirs: &ModelInfo,
-        ours_label: &str,
-        theirs_label: &str,
-    ) -> Vec<String> {
+    pub fn differences(&self, theirs: &ModelInfo, ours_label: &str, theirs_label: &str) -> Vec<String> {
         let mut out = Vec::new();
         if self.fingerprint != theirs.fingerprint {
             out.push(format!(
@@ -233,29 +221,15 @@ impl ModelInfo {
         }
         let mut field = |name: &str, a: String, b: String| {
             if a != b {
-                out.push(format!(
-                    "{theirs_label} has {name} {b}, {ours_label} has {a}"
-                ));
+                out.push(format!("{theirs_label} has {name} {b}, {ours_label} has {a}"));
             }
         };
         field("architecture", self.arch.clone(), theirs.arch.clone());
-        field(
-            "n_layer",
-            self.n_layer.to_string(),
-            theirs.n_layer.to_string(),
-        );
+        field("n_layer", self.n_layer.to_string(), theirs.n_layer.to_string());
         field("n_embd", self.n_embd.to_string(), theirs.n_embd.to_string());
-        field(
-            "n_vocab",
-            self.n_vocab.to_string(),
-            theirs.n_vocab.to_string(),
-        );
+        field("n_vocab", self.n_vocab.to_string(), theirs.n_vocab.to_string());
         field("n_head", self.n_head.to_string(), theirs.n_head.to_string());
-        field(
-            "n_head_kv",
-            self.n_head_kv.to_string(),
-            theirs.n_head_kv.to_string(),
-        );
+        field("n_head_kv", self.n_head_kv.to_string(), theirs.n_head_kv.to_string());
         out
     }
 }
@@ -350,30 +324,16 @@ pub struct ResultMsg {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Msg {
-    Hello {
-        nonce: [u8; 32],
-    },
-    Challenge {
-        nonce: [u8; 32],
-        auth_required: bool,
-    },
-    Auth {
-        mac: [u8; 32],
-    },
-    AuthOk {
-        mac: [u8; 32],
-    },
+    Hello { nonce: [u8; 32] },
+    Challenge { nonce: [u8; 32], auth_required: bool },
+    Auth { mac: [u8; 32] },
+    AuthOk { mac: [u8; 32] },
     Open(Open),
     Ready(Ready),
     Forward(Forward),
     Result(ResultMsg),
-    Mismatch {
-        req: u64,
-        n_past: u32,
-    },
-    Error {
-        message: String,
-    },
+    Mismatch { req: u64, n_past: u32 },
+    Error { message: String },
 }
 
 impl Msg {
@@ -401,10 +361,7 @@ impl Msg {
         let mut e = Enc(Vec::new());
         match self {
             Msg::Hello { nonce } => e.raw(nonce),
-            Msg::Challenge {
-                nonce,
-                auth_required,
-            } => {
+            Msg::Challenge { nonce, auth_required } => {
                 e.raw(nonce);
                 e.u8(*auth_required as u8);
             }
@@ -453,11 +410,7 @@ impl Msg {
                         e.u8(1);
                         e.hidden(h);
                     }
-                    Body::Sample {
-                        token,
-                        logprob,
-                        top,
-                    } => {
+                    Body::Sample { token, logprob, top } => {
                         e.u8(2);
                         e.u32(*token);
                         e.f32(*logprob);
@@ -550,15 +503,10 @@ impl Msg {
                         if n * 8 > d.left() {
                             return malformed("top-k list longer than the frame");
                         }
-                        let top =
-                            (0..n)
-                                .map(|_| Ok((d.u32()?, d.f32()?)))
-                                .collect::<Result<Vec<_>, WireError>>()?;
-                        Body::Sample {
-                            token,
-                            logprob,
-                            top,
-                        }
+                        let top = (0..n)
+                            .map(|_| Ok((d.u32()?, d.f32()?)))
+                            .collect::<Result<Vec<_>, WireError>>()?;
+                        Body::Sample { token, logprob, top }
                     }
                     3 => {
                         let n = d.count(4)?;
@@ -566,11 +514,7 @@ impl Msg {
                     }
                     v => return malformed(format!("unknown result kind {v}")),
                 };
-                Msg::Result(ResultMsg {
-                    req,
-                    compute_us,
-                    body,
-                })
+                Msg::Result(ResultMsg { req, compute_us, body })
             }
             ty::MISMATCH => Msg::Mismatch {
                 req: d.u64()?,
@@ -651,10 +595,7 @@ pub fn check_header(head: &[u8; HEADER_LEN]) -> Result<(u8, usize), WireError> {
         return malformed(format!("bad magic {:02x?} (not a Baton peer)", &head[..4]));
     }
     if head[4] != VERSION {
-        return malformed(format!(
-            "peer speaks protocol version {}, we speak {VERSION}",
-            head[4]
-        ));
+        return malformed(format!("peer speaks protocol version {}, we speak {VERSION}", head[4]));
     }
     let code = head[5];
     if type_name(code) == "unknown" {
@@ -911,9 +852,7 @@ mod tests {
 
     #[test]
     fn hidden_codecs_bound_their_error() {
-        let x: Vec<f32> = (0..64)
-            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
-            .collect();
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
         for (dt, tol) in [
             (WireDtype::F32, 0.0),
             (WireDtype::F16, 2e-3),
@@ -937,23 +876,14 @@ mod tests {
         head[4] = VERSION;
         head[5] = ty::FORWARD;
         head[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(
-            matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("exceeds"))
-        );
+        assert!(matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("exceeds")));
         head[5] = ty::HELLO;
         head[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
-        assert!(
-            check_header(&head).is_err(),
-            "handshake frames have a small limit"
-        );
+        assert!(check_header(&head).is_err(), "handshake frames have a small limit");
         head[4] = 2;
-        assert!(
-            matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("version 2"))
-        );
+        assert!(matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("version 2")));
         let junk = b"GET / HTTP/1.1\r\n\r\n";
-        assert!(
-            matches!(read_msg(&mut &junk[..]), Err(WireError::Malformed(m)) if m.contains("magic"))
-        );
+        assert!(matches!(read_msg(&mut &junk[..]), Err(WireError::Malformed(m)) if m.contains("magic")));
         assert!(matches!(read_msg(&mut &MAGIC[..]), Err(WireError::Closed)));
     }
 

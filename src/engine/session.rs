@@ -50,12 +50,7 @@ pub struct Session {
 
 impl Session {
     /// A session of `n_ctx` positions that runs batches of at most `n_batch` tokens.
-    pub fn new(
-        model: Arc<Model>,
-        pool: Arc<ThreadPool>,
-        n_ctx: usize,
-        n_batch: usize,
-    ) -> Result<Session> {
+    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<Session> {
         let hp = &model.hp;
         if n_ctx == 0 || n_batch == 0 {
             bail!("context and batch sizes must be positive");
@@ -67,10 +62,7 @@ impl Session {
                 bases.push(b);
             }
         }
-        let ropes = bases
-            .iter()
-            .map(|&b| RopeTable::new(b, hp.n_rot, n_ctx))
-            .collect();
+        let ropes = bases.iter().map(|&b| RopeTable::new(b, hp.n_rot, n_ctx)).collect();
         let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
         Ok(Session {
             kv: KvCache::new(hp, model.range.clone(), n_ctx),
@@ -161,10 +153,7 @@ impl Session {
             );
         }
         if want != Want::Hidden && !model.is_last() {
-            bail!(
-                "this session holds layers {:?}, not the output head",
-                model.range
-            );
+            bail!("this session holds layers {:?}, not the output head", model.range);
         }
 
         // Input: embed the tokens, or take the hidden state as is.
@@ -239,10 +228,7 @@ impl Session {
     fn head(&mut self, rows: std::ops::Range<usize>) -> Result<()> {
         let model = &self.model;
         let hp = &model.hp;
-        let (norm, out) = (
-            model.output_norm.as_ref().unwrap(),
-            model.output.as_ref().unwrap(),
-        );
+        let (norm, out) = (model.output_norm.as_ref().unwrap(), model.output.as_ref().unwrap());
         let e = hp.n_embd;
         let n = rows.len();
         if self.head_in.len() < n * e {

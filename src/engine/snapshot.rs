@@ -54,15 +54,11 @@ pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) 
     match dt {
         KvDtype::F32 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), Vec::new()),
         KvDtype::F16 => (
-            x.iter()
-                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-                .collect(),
+            x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
             Vec::new(),
         ),
         KvDtype::BF16 => (
-            x.iter()
-                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                .collect(),
+            x.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
             Vec::new(),
         ),
         KvDtype::Q8 => {
@@ -72,10 +68,7 @@ pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) 
                 let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let scale = amax / 127.0;
                 let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                out.extend(
-                    row.iter()
-                        .map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-                );
+                out.extend(row.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
                 scales.push(scale);
             }
             (out, scales)
@@ -84,13 +77,7 @@ pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) 
 }
 
 /// Decodes rows written by [`encode_rows`] into `out` (`out.len()` values).
-pub fn decode_rows(
-    bytes: &[u8],
-    scales: &[f32],
-    width: usize,
-    dt: KvDtype,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn decode_rows(bytes: &[u8], scales: &[f32], width: usize, dt: KvDtype, out: &mut [f32]) -> Result<()> {
     let n = out.len();
     let need = match dt {
         KvDtype::F32 => n * 4,
@@ -118,11 +105,7 @@ pub fn decode_rows(
         }
         KvDtype::Q8 => {
             if scales.len() * width != n {
-                bail!(
-                    "KV scales cover {} rows, data has {}",
-                    scales.len(),
-                    n / width.max(1)
-                );
+                bail!("KV scales cover {} rows, data has {}", scales.len(), n / width.max(1));
             }
             for ((row, q), &s) in out.chunks_mut(width).zip(bytes.chunks(width)).zip(scales) {
                 for (o, &b) in row.iter_mut().zip(q) {
@@ -159,12 +142,7 @@ fn model_fields(hp: &Hparams, fingerprint: &str) -> Vec<(&'static str, String)> 
 }
 
 /// Serialises layers `layers` and positions `pos` of the session's cache.
-pub fn save_bytes(
-    s: &Session,
-    layers: Range<usize>,
-    pos: Range<usize>,
-    dt: KvDtype,
-) -> Result<Vec<u8>> {
+pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<Vec<u8>> {
     let kv = &s.kv;
     if layers.start < kv.layers.start || layers.end > kv.layers.end || layers.is_empty() {
         bail!(
@@ -217,20 +195,10 @@ pub fn save_bytes(
                 KvDtype::BF16 => Dtype::BF16,
                 KvDtype::Q8 => Dtype::I8,
             };
-            tensors.push((
-                format!("{name}.{il}"),
-                st_dtype,
-                vec![kv.n_head_kv, n_pos, hd],
-                bytes,
-            ));
+            tensors.push((format!("{name}.{il}"), st_dtype, vec![kv.n_head_kv, n_pos, hd], bytes));
             if dt == KvDtype::Q8 {
                 let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-                tensors.push((
-                    format!("{name}.{il}.scale"),
-                    Dtype::F32,
-                    vec![kv.n_head_kv, n_pos],
-                    sb,
-                ));
+                tensors.push((format!("{name}.{il}.scale"), Dtype::F32, vec![kv.n_head_kv, n_pos], sb));
             }
         }
     }
@@ -244,13 +212,7 @@ pub fn save_bytes(
     Ok(safetensors::serialize(views, &Some(meta))?)
 }
 
-pub fn save(
-    s: &Session,
-    path: &Path,
-    layers: Range<usize>,
-    pos: Range<usize>,
-    dt: KvDtype,
-) -> Result<()> {
+pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<()> {
     let bytes = save_bytes(s, layers, pos, dt)?;
     crate::util::write_atomic(path, &bytes)
 }
@@ -285,18 +247,14 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
     }
     let version: u32 = get("version")?.parse().context("bad snapshot version")?;
     if version > VERSION {
-        bail!(
-            "snapshot format version {version} is newer than this Baton reads ({VERSION}); upgrade Baton"
-        );
+        bail!("snapshot format version {version} is newer than this Baton reads ({VERSION}); upgrade Baton");
     }
     let hp = s.model.hp.clone();
     let fp = s.model.fingerprint()?.to_string();
     for (k, mine) in model_fields(&hp, &fp) {
         let theirs = get(k)?;
         if theirs != mine {
-            bail!(
-                "snapshot is from another model: {k} is {theirs} in the snapshot, {mine} in this session's model"
-            );
+            bail!("snapshot is from another model: {k} is {theirs} in the snapshot, {mine} in this session's model");
         }
     }
     let layers = num("layer_start")?..num("layer_end")?;
@@ -366,8 +324,7 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
                 Vec::new()
             };
             let mut rows = vec![0.0f32; hp.n_head_kv * n_pos * hd];
-            decode_rows(t.data(), &scales, hd, dt, &mut rows)
-                .with_context(|| format!("snapshot tensor {tname}"))?;
+            decode_rows(t.data(), &scales, hd, dt, &mut rows).with_context(|| format!("snapshot tensor {tname}"))?;
             decoded.push((il, name == "k", rows));
         }
     }
@@ -403,8 +360,7 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
 }
 
 pub fn restore(s: &mut Session, path: &Path) -> Result<SnapshotInfo> {
-    let bytes =
-        std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
     restore_bytes(s, &bytes).with_context(|| format!("cannot restore {}", path.display()))
 }
 
@@ -424,11 +380,7 @@ mod tests {
             let (b, s) = encode_rows(&x, 64, dt);
             let mut y = vec![0.0; x.len()];
             decode_rows(&b, &s, 64, dt, &mut y).unwrap();
-            let err = x
-                .iter()
-                .zip(&y)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
             assert!(err <= tol, "{dt:?}: max error {err}");
         }
     }

@@ -60,9 +60,7 @@ impl Matrix {
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.ty
-            .row_bytes(self.cols)
-            .expect("row length checked at load")
+        self.ty.row_bytes(self.cols).expect("row length checked at load")
     }
 
     /// The raw bytes of row `r`.

@@ -1,28 +1,226 @@
 //! The few coarse ops a forward pass needs. Quantized matmul (GEMV for decode, tiled GEMM for prefill) lives in
 //! the per-format files; element-wise and attention helpers in [`ops`]. SIMD paths are chosen at run time and each
 //! has a scalar reference it is tested against.
+//!
+//! A matmul goes as in ggml's CPU backend, so numbers match llama.cpp closely: the activation rows are quantized
+//! once per call into the weight type's "vec-dot type" (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the
+//! K-quants), then every output is an integer dot per block, scaled per block. Float weights are dotted in f32.
 
+pub mod float;
+pub mod kquants;
+pub mod legacy;
 pub mod matrix;
 pub mod ops;
 pub mod pool;
+#[cfg(test)]
+pub(crate) mod testutil;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
 
 pub use matrix::Matrix;
 pub use pool::ThreadPool;
 
 use crate::gguf::GgmlType;
+use pool::split_range;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Dequantizes one row: `src` holds `dst.len() / ty.block_size()` blocks of `ty`.
+pub use kquants::quantize_row_q8_k;
+pub use legacy::{
+    quantize_row_q4_0, quantize_row_q4_1, quantize_row_q5_0, quantize_row_q5_1, quantize_row_q8_0, quantize_row_q8_1,
+};
+
+/// Dequantizes one row: `src` holds `dst.len() / ty.block_size()` blocks of `ty`. Panics if the lengths disagree
+/// (a caller bug: row lengths are checked when a model is loaded).
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
-    let _ = (ty, src, dst);
-    todo!("kernels owner")
+    use GgmlType::*;
+    match ty {
+        F32 => float::dequantize_f32(src, dst),
+        F16 => float::dequantize_f16(src, dst),
+        BF16 => float::dequantize_bf16(src, dst),
+        Q4_0 => legacy::dequantize_q4_0(src, dst),
+        Q4_1 => legacy::dequantize_q4_1(src, dst),
+        Q5_0 => legacy::dequantize_q5_0(src, dst),
+        Q5_1 => legacy::dequantize_q5_1(src, dst),
+        Q8_0 => legacy::dequantize_q8_0(src, dst),
+        Q8_1 => legacy::dequantize_q8_1(src, dst),
+        Q2K => kquants::dequantize_q2_k(src, dst),
+        Q3K => kquants::dequantize_q3_k(src, dst),
+        Q4K => kquants::dequantize_q4_k(src, dst),
+        Q5K => kquants::dequantize_q5_k(src, dst),
+        Q6K => kquants::dequantize_q6_k(src, dst),
+        Q8K => kquants::dequantize_q8_k(src, dst),
+    }
+}
+
+/// Quantizes one row of activations into a vec-dot type (Q8_0, Q8_1 or Q8_K) with the dispatched kernel.
+/// Returns false for other types.
+pub fn quantize_activations(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
+    let k = kernels();
+    match ty {
+        GgmlType::Q8_0 => (k.quant_q8_0)(x, out),
+        GgmlType::Q8_1 => (k.quant_q8_1)(x, out),
+        GgmlType::Q8K => (k.quant_q8_k)(x, out),
+        _ => return false,
+    }
+    true
+}
+
+/// `n` blocks of a weight row dotted with `n` blocks of quantized activations.
+pub type DotFn = fn(n: usize, w: &[u8], x: &[u8]) -> f32;
+/// `out[t] = dot(w, x[t * x_stride..])` for `t < out.len()` (at most [`MULTI`]): one weight row against several
+/// activation rows, each weight block unpacked once.
+pub type MultiDotFn = fn(n: usize, w: &[u8], x: &[u8], x_stride: usize, out: &mut [f32]);
+pub type QuantFn = fn(x: &[f32], out: &mut [u8]);
+
+/// Most activation rows a [`MultiDotFn`] takes.
+pub const MULTI: usize = 4;
+
+/// The kernels for one weight type.
+#[derive(Clone, Copy)]
+pub struct QKernel {
+    /// The type activations are quantized to.
+    pub vec_dot_type: GgmlType,
+    pub dot: DotFn,
+    pub multi: Option<MultiDotFn>,
+}
+
+/// The dispatch table: one per instruction set, chosen once.
+pub struct Kernels {
+    pub isa: &'static str,
+    pub quant_q8_0: QuantFn,
+    pub quant_q8_1: QuantFn,
+    pub quant_q8_k: QuantFn,
+    pub q4_0: QKernel,
+    pub q4_1: QKernel,
+    pub q5_0: QKernel,
+    pub q5_1: QKernel,
+    pub q8_0: QKernel,
+    pub q2_k: QKernel,
+    pub q3_k: QKernel,
+    pub q4_k: QKernel,
+    pub q5_k: QKernel,
+    pub q6_k: QKernel,
+    pub dot_f32: fn(&[f32], &[f32]) -> f32,
+}
+
+impl Kernels {
+    pub fn for_type(&self, ty: GgmlType) -> Option<QKernel> {
+        use GgmlType::*;
+        Some(match ty {
+            Q4_0 => self.q4_0,
+            Q4_1 => self.q4_1,
+            Q5_0 => self.q5_0,
+            Q5_1 => self.q5_1,
+            Q8_0 => self.q8_0,
+            Q2K => self.q2_k,
+            Q3K => self.q3_k,
+            Q4K => self.q4_k,
+            Q5K => self.q5_k,
+            Q6K => self.q6_k,
+            F32 | F16 | BF16 | Q8_1 | Q8K => return None,
+        })
+    }
+
+    pub(crate) fn quant(&self, ty: GgmlType) -> QuantFn {
+        match ty {
+            GgmlType::Q8_0 => self.quant_q8_0,
+            GgmlType::Q8_1 => self.quant_q8_1,
+            _ => self.quant_q8_k,
+        }
+    }
+
+    /// The portable reference every SIMD table is tested against.
+    pub fn scalar() -> Kernels {
+        let k = |vec_dot_type, dot| QKernel {
+            vec_dot_type,
+            dot,
+            multi: None,
+        };
+        use GgmlType::*;
+        Kernels {
+            isa: "scalar",
+            quant_q8_0: legacy::quantize_row_q8_0,
+            quant_q8_1: legacy::quantize_row_q8_1,
+            quant_q8_k: kquants::quantize_row_q8_k,
+            q4_0: k(Q8_0, legacy::dot_q4_0_q8_0),
+            q4_1: k(Q8_1, legacy::dot_q4_1_q8_1),
+            q5_0: k(Q8_0, legacy::dot_q5_0_q8_0),
+            q5_1: k(Q8_1, legacy::dot_q5_1_q8_1),
+            q8_0: k(Q8_0, legacy::dot_q8_0_q8_0),
+            q2_k: k(Q8K, kquants::dot_q2_k_q8_k),
+            q3_k: k(Q8K, kquants::dot_q3_k_q8_k),
+            q4_k: k(Q8K, kquants::dot_q4_k_q8_k),
+            q5_k: k(Q8K, kquants::dot_q5_k_q8_k),
+            q6_k: k(Q8K, kquants::dot_q6_k_q8_k),
+            dot_f32: float::dot_f32,
+        }
+    }
+
+    /// The best table this CPU supports. `BATON_ISA=scalar|avx2|avx512` picks a lower one (benchmarks, debugging).
+    pub fn detect() -> Kernels {
+        let want = std::env::var("BATON_ISA").unwrap_or_default();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if want != "scalar" && want != "avx2" && x86::has_avx512() {
+                return x86::table_avx512();
+            }
+            if want != "scalar" && x86::has_avx2() {
+                return x86::table_avx2();
+            }
+        }
+        let _ = want;
+        Kernels::scalar()
+    }
+}
+
+/// The dispatch table for this CPU, detected on first use.
+pub fn kernels() -> &'static Kernels {
+    static K: OnceLock<Kernels> = OnceLock::new();
+    K.get_or_init(Kernels::detect)
 }
 
 /// Reusable buffers for [`matmul`] (quantized activations), so a decoded token allocates nothing.
 #[derive(Default)]
-pub struct Scratch {}
+pub struct Scratch {
+    /// Activation rows quantized to the weight type's vec-dot type.
+    xq: Vec<u8>,
+    /// One dequantized weight row per thread, for weights without an integer kernel (float types).
+    rows: Vec<f32>,
+}
+
+/// A pointer shared by the threads of one `run`, each writing disjoint elements.
+#[derive(Clone, Copy)]
+struct SyncPtr<T>(*mut T);
+// SAFETY: only used for disjoint writes within one pool job, which outlives no borrow.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    /// A method, not a field access, so closures capture the whole (Sync) wrapper.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Tokens whose quantized activations are kept hot while a thread walks its weight rows.
+const TOKEN_BLOCK: usize = 64;
+
+/// Rows per work item: small enough for the threads to balance (the box is shared), big enough that fetching the
+/// next item is noise.
+fn row_chunk(rows: usize, n_tok: usize, n_threads: usize) -> usize {
+    let target = if n_tok == 1 { 8 } else { 16 } * n_threads;
+    (rows.div_ceil(target)).clamp(4, 1024).next_multiple_of(4)
+}
 
 /// `y[t * w.rows + r] = Σ_k W[r, k] · x[t * w.cols + k]` for each of the `n_tok` input rows.
-pub fn matmul(
+pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32], scratch: &mut Scratch) {
+    matmul_with(kernels(), pool, w, x, n_tok, y, scratch)
+}
+
+/// [`matmul`] with an explicit kernel table (tests compare tables).
+pub fn matmul_with(
+    k: &Kernels,
     pool: &ThreadPool,
     w: &Matrix,
     x: &[f32],
@@ -30,6 +228,330 @@ pub fn matmul(
     y: &mut [f32],
     scratch: &mut Scratch,
 ) {
-    let _ = (pool, w, x, n_tok, y, scratch);
-    todo!("kernels owner")
+    let (rows, cols) = (w.rows, w.cols);
+    assert!(
+        x.len() >= n_tok * cols,
+        "matmul: {} activations for {n_tok} rows of {cols}",
+        x.len()
+    );
+    assert!(
+        y.len() >= n_tok * rows,
+        "matmul: output of {} for {n_tok} rows of {rows}",
+        y.len()
+    );
+    if n_tok == 0 || rows == 0 {
+        return;
+    }
+    let wrb = w.row_bytes();
+    let wb = &w.bytes()[..rows * wrb];
+    let yp = SyncPtr(y.as_mut_ptr());
+    let chunk = row_chunk(rows, n_tok, pool.n_threads());
+    let next = AtomicUsize::new(0);
+
+    let Some(qk) = k.for_type(w.ty) else {
+        // Float (and exotic) weights: dequantize each row once, dot it with every token in f32.
+        let nth = pool.n_threads();
+        if scratch.rows.len() < nth * cols {
+            scratch.rows.resize(nth * cols, 0.0);
+        }
+        let bufs = SyncPtr(scratch.rows.as_mut_ptr());
+        let (ty, dot) = (w.ty, k.dot_f32);
+        pool.run(|i, _| {
+            // SAFETY: thread `i` owns buffer `i`.
+            let buf = unsafe { std::slice::from_raw_parts_mut(bufs.get().add(i * cols), cols) };
+            loop {
+                let r0 = next.fetch_add(1, Ordering::Relaxed) * chunk;
+                if r0 >= rows {
+                    break;
+                }
+                for r in r0..(r0 + chunk).min(rows) {
+                    dequantize_row(ty, &wb[r * wrb..(r + 1) * wrb], buf);
+                    for t in 0..n_tok {
+                        let v = dot(buf, &x[t * cols..(t + 1) * cols]);
+                        // SAFETY: element (t, r) is written by the one thread that took row r.
+                        unsafe { *yp.get().add(t * rows + r) = v };
+                    }
+                }
+            }
+        });
+        return;
+    };
+
+    let xrb = qk.vec_dot_type.row_bytes(cols).expect("weight rows are whole blocks");
+    if scratch.xq.len() < n_tok * xrb {
+        scratch.xq.resize(n_tok * xrb, 0);
+    }
+    let quant = k.quant(qk.vec_dot_type);
+    if n_tok >= 4 && pool.n_threads() > 1 {
+        let xq = SyncPtr(scratch.xq.as_mut_ptr());
+        pool.run(|i, n| {
+            for t in split_range(n_tok, i, n) {
+                // SAFETY: each thread quantizes its own token rows.
+                let out = unsafe { std::slice::from_raw_parts_mut(xq.get().add(t * xrb), xrb) };
+                quant(&x[t * cols..(t + 1) * cols], out);
+            }
+        });
+    } else {
+        for t in 0..n_tok {
+            quant(&x[t * cols..(t + 1) * cols], &mut scratch.xq[t * xrb..(t + 1) * xrb]);
+        }
+    }
+    let xq = &scratch.xq[..n_tok * xrb];
+    let nb = cols / w.ty.block_size();
+    let (dot, multi) = (qk.dot, qk.multi);
+
+    pool.run(|_, _| {
+        loop {
+            let r0 = next.fetch_add(1, Ordering::Relaxed) * chunk;
+            if r0 >= rows {
+                break;
+            }
+            let r1 = (r0 + chunk).min(rows);
+            if n_tok == 1 {
+                for r in r0..r1 {
+                    let v = dot(nb, &wb[r * wrb..(r + 1) * wrb], xq);
+                    // SAFETY: row r belongs to this work item.
+                    unsafe { *yp.get().add(r) = v };
+                }
+                continue;
+            }
+            let mut out = [0.0f32; MULTI];
+            for t0 in (0..n_tok).step_by(TOKEN_BLOCK) {
+                let t1 = (t0 + TOKEN_BLOCK).min(n_tok);
+                for r in r0..r1 {
+                    let wr = &wb[r * wrb..(r + 1) * wrb];
+                    for t in (t0..t1).step_by(MULTI) {
+                        let m = (t1 - t).min(MULTI);
+                        match multi {
+                            Some(f) => f(nb, wr, &xq[t * xrb..], xrb, &mut out[..m]),
+                            None => {
+                                for (j, o) in out[..m].iter_mut().enumerate() {
+                                    *o = dot(nb, wr, &xq[(t + j) * xrb..(t + j + 1) * xrb]);
+                                }
+                            }
+                        }
+                        for (j, v) in out[..m].iter().enumerate() {
+                            // SAFETY: row r belongs to this work item.
+                            unsafe { *yp.get().add((t + j) * rows + r) = *v };
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matrix::Bytes;
+    use super::testutil::{Rng, random_blocks};
+    use super::*;
+
+    /// Offsets of the f16 scales of each quantized type (kept sane in random blocks).
+    pub(crate) fn f16_offsets(ty: GgmlType) -> &'static [usize] {
+        use GgmlType::*;
+        match ty {
+            Q4_0 | Q5_0 | Q8_0 => &[0],
+            Q4_1 | Q5_1 => &[0, 2],
+            Q2K => &[80, 82],
+            Q3K => &[108],
+            Q4K | Q5K => &[0, 2],
+            Q6K => &[208],
+            _ => &[],
+        }
+    }
+
+    pub(crate) fn random_matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
+        let data = match ty {
+            GgmlType::F32 => (0..rows * cols).flat_map(|_| rng.normal().to_le_bytes()).collect(),
+            GgmlType::F16 => (0..rows * cols)
+                .flat_map(|_| half::f16::from_f32(rng.normal()).to_le_bytes())
+                .collect(),
+            GgmlType::BF16 => (0..rows * cols)
+                .flat_map(|_| half::bf16::from_f32(rng.normal()).to_le_bytes())
+                .collect(),
+            _ => random_blocks(rng, rows * cols / ty.block_size(), ty.type_size(), f16_offsets(ty)),
+        };
+        Matrix {
+            ty,
+            rows,
+            cols,
+            data: Bytes::Owned(data),
+        }
+    }
+
+    /// The matmul of each type equals, per output, the scalar dot of the weight row with the quantized token row,
+    /// and is close to the f32 product of the dequantized weights with the unquantized activations.
+    #[test]
+    fn matmul_matches_reference_all_types() {
+        use GgmlType::*;
+        let mut rng = Rng(21);
+        let pool = ThreadPool::new(3);
+        let mut scratch = Scratch::default();
+        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
+            for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 1), (70, 256, 5), (9, 768, 9)] {
+                let w = random_matrix(&mut rng, ty, rows, cols);
+                let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();
+                let mut y = vec![f32::NAN; n_tok * rows];
+                matmul_with(&Kernels::scalar(), &pool, &w, &x, n_tok, &mut y, &mut scratch);
+                let wf = w.to_f32();
+                for t in 0..n_tok {
+                    for r in 0..rows {
+                        let xr = &x[t * cols..(t + 1) * cols];
+                        let wr = &wf[r * cols..(r + 1) * cols];
+                        let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let mag: f64 = wr.iter().zip(xr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                        let got = y[t * rows + r] as f64;
+                        // Activation quantization error is ~1/254 of each product's magnitude at most.
+                        assert!(
+                            (got - exact).abs() <= 0.01 * mag + 1e-6,
+                            "{ty} {rows}x{cols} t{t} r{r}: {got} vs {exact}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every table this CPU can run, scalar first.
+    fn all_tables() -> Vec<Kernels> {
+        #[allow(unused_mut)]
+        let mut v = vec![Kernels::scalar()];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::has_avx2() {
+                v.push(x86::table_avx2());
+            }
+            if x86::has_avx512() {
+                v.push(x86::table_avx512());
+            }
+        }
+        v
+    }
+
+    /// Whole matmuls through each SIMD table agree with the scalar table: ragged row counts (not multiples of the
+    /// work chunk), one token and several (not multiples of the 4-token tile), one and many threads.
+    #[test]
+    fn matmul_tables_agree() {
+        use GgmlType::*;
+        let mut rng = Rng(33);
+        let tables = all_tables();
+        for threads in [1, 2] {
+            let pool = ThreadPool::new(threads);
+            let mut scratch = Scratch::default();
+            for ty in [F32, Q4_1, Q5_0, Q8_0, Q4K, Q6K] {
+                for (rows, cols, n_tok) in [(1, 256, 1), (61, 512, 1), (130, 256, 7), (5, 1024, 70)] {
+                    let w = random_matrix(&mut rng, ty, rows, cols);
+                    let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();
+                    let mut want = vec![0.0; n_tok * rows];
+                    matmul_with(&tables[0], &pool, &w, &x, n_tok, &mut want, &mut scratch);
+                    for k in &tables[1..] {
+                        let mut got = vec![f32::NAN; n_tok * rows];
+                        matmul_with(k, &pool, &w, &x, n_tok, &mut got, &mut scratch);
+                        let mag = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert!(
+                                (a - b).abs() <= 3e-5 * mag,
+                                "{} {ty} {rows}x{cols}x{n_tok} [{i}]: {a} vs {b}",
+                                k.isa
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scratch_does_not_regrow() {
+        let mut rng = Rng(1);
+        let pool = ThreadPool::new(2);
+        let mut scratch = Scratch::default();
+        let w = random_matrix(&mut rng, GgmlType::Q4_1, 64, 576);
+        let x: Vec<f32> = (0..4 * 576).map(|_| rng.normal()).collect();
+        let mut y = vec![0.0; 4 * 64];
+        matmul(&pool, &w, &x, 4, &mut y, &mut scratch);
+        let p = scratch.xq.as_ptr();
+        for n in [1, 2, 4] {
+            matmul(&pool, &w, &x, n, &mut y, &mut scratch);
+        }
+        assert_eq!(p, scratch.xq.as_ptr());
+    }
+
+    /// Compares Baton's dequantization with gguf-py's on real model tensors and synthetic blocks of every type.
+    /// Run `python3 src/kernels/testdata/dequant_ref.py MODEL.gguf DIR` first, then
+    /// `BATON_DEQ_REF=DIR BATON_DEQ_MODEL=MODEL.gguf cargo test --release -- --ignored real_model_dequant`.
+    #[test]
+    #[ignore]
+    fn real_model_dequant_matches_gguf_py() {
+        use crate::gguf::GgufFile;
+        use std::path::Path;
+        let dir = std::env::var("BATON_DEQ_REF").expect("BATON_DEQ_REF");
+        let model = std::env::var("BATON_DEQ_MODEL").expect("BATON_DEQ_MODEL");
+        let read_f32 = |p: &Path| -> Vec<f32> {
+            std::fs::read(p)
+                .unwrap()
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let check = |what: &str, ty: GgmlType, got: &[f32], want: &[f32]| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            let bad = got.iter().zip(want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            let maxd = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            println!(
+                "{what} {ty}: {} values, {bad} not bit-identical, max |diff| {maxd:e}",
+                got.len()
+            );
+            assert!(maxd <= 1e-6 * want.iter().fold(0.0f32, |a, v| a.max(v.abs())), "{what}");
+        };
+        let g = GgufFile::open(Path::new(&model)).unwrap();
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            let Some(name) = p.file_name().unwrap().to_str().unwrap().strip_suffix(".f32") else {
+                continue;
+            };
+            let info = g.tensor_info(name).unwrap();
+            let want = read_f32(&p);
+            let (ty, cols) = (info.ty, info.ne0());
+            let rb = ty.row_bytes(cols).unwrap();
+            let data = g.tensor_data(info);
+            let mut got = vec![0.0; want.len()];
+            for (r, out) in got.chunks_mut(cols).enumerate() {
+                dequantize_row(ty, &data[r * rb..(r + 1) * rb], out);
+            }
+            check(name, ty, &got, &want);
+            n += 1;
+        }
+        let syn = Path::new(&dir).join("synthetic");
+        for e in std::fs::read_dir(&syn).unwrap() {
+            let p = e.unwrap().path();
+            let Some(name) = p.file_name().unwrap().to_str().unwrap().strip_suffix(".bin") else {
+                continue;
+            };
+            let ty = [
+                GgmlType::Q4_0,
+                GgmlType::Q4_1,
+                GgmlType::Q5_0,
+                GgmlType::Q5_1,
+                GgmlType::Q8_0,
+                GgmlType::Q2K,
+                GgmlType::Q3K,
+                GgmlType::Q4K,
+                GgmlType::Q5K,
+                GgmlType::Q6K,
+            ]
+            .into_iter()
+            .find(|t| t.name() == name)
+            .unwrap();
+            let bytes = std::fs::read(&p).unwrap();
+            let want = read_f32(&syn.join(format!("{name}.f32")));
+            let mut got = vec![0.0; want.len()];
+            dequantize_row(ty, &bytes, &mut got);
+            check(&format!("synthetic {name}"), ty, &got, &want);
+            n += 1;
+        }
+        assert!(n > 10);
+    }
 }

@@ -118,12 +118,7 @@ impl RopeTable {
                 theta *= theta_scale;
             }
         }
-        RopeTable {
-            base,
-            half,
-            cos,
-            sin,
-        }
+        RopeTable { base, half, cos, sin }
     }
 
     pub fn n_ctx(&self) -> usize {

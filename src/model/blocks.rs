@@ -191,9 +191,7 @@ pub fn attend(s: &Step, b: &mut Buffers, kv: &LayerKv) {
                 *v = (*v - max).exp();
                 sum += *v;
             }
-            let out = unsafe {
-                std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv)
-            };
+            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv) };
             out.fill(0.0);
             let vbase = &vc[kvh * n_ctx * hdv..];
             let inv = 1.0 / sum;

@@ -177,11 +177,7 @@ impl Hparams {
 
     /// The sliding window of layer `il`, if it has one.
     pub fn window(&self, il: usize) -> Option<usize> {
-        if self.swa_layers[il] {
-            self.sliding_window
-        } else {
-            None
-        }
+        if self.swa_layers[il] { self.sliding_window } else { None }
     }
 
     pub fn rope_base_of(&self, il: usize) -> f32 {
@@ -205,11 +201,7 @@ impl fmt::Display for Hparams {
         writeln!(f, "embedding:        {}", self.n_embd)?;
         writeln!(f, "feed-forward:     {}", self.n_ff)?;
         writeln!(f, "heads (q/kv):     {}/{}", self.n_head, self.n_head_kv)?;
-        writeln!(
-            f,
-            "head size (k/v):  {}/{}",
-            self.head_dim_k, self.head_dim_v
-        )?;
+        writeln!(f, "head size (k/v):  {}/{}", self.head_dim_k, self.head_dim_v)?;
         writeln!(f, "vocabulary:       {}", self.n_vocab)?;
         writeln!(f, "training context: {}", self.n_ctx_train)?;
         writeln!(f, "rms epsilon:      {:e}", self.rms_eps)?;

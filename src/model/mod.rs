@@ -8,6 +8,7 @@ pub mod blocks;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
+pub mod quantize;
 pub mod random;
 
 pub use hparams::{Arch, Hparams, RopeType};
@@ -57,15 +58,10 @@ pub fn parse_layer_range(s: &str, n_layer: usize) -> Result<Range<usize>> {
     let (a, b) = s
         .split_once(':')
         .with_context(|| format!("layer range {s:?} must look like A:B"))?;
-    let a: usize = a
-        .trim()
-        .parse()
-        .with_context(|| format!("bad layer index {a:?}"))?;
+    let a: usize = a.trim().parse().with_context(|| format!("bad layer index {a:?}"))?;
     let b: usize = match b.trim() {
         "end" | "" => n_layer,
-        v => v
-            .parse()
-            .with_context(|| format!("bad layer index {v:?}"))?,
+        v => v.parse().with_context(|| format!("bad layer index {v:?}"))?,
     };
     if a >= b || b > n_layer {
         bail!("layer range {a}:{b} is empty or beyond the model's {n_layer} layers");
@@ -101,17 +97,10 @@ impl Model {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
             if m.cols != cols || m.rows != rows {
-                bail!(
-                    "tensor {name:?} is {}x{}, expected {cols}x{rows}",
-                    m.cols,
-                    m.rows
-                );
+                bail!("tensor {name:?} is {}x{}, expected {cols}x{rows}", m.cols, m.rows);
             }
             if !crate::kernels::matrix::supports(m.ty) {
-                bail!(
-                    "tensor {name:?} has type {} which Baton cannot compute with",
-                    m.ty
-                );
+                bail!("tensor {name:?} has type {} which Baton cannot compute with", m.ty);
             }
             Ok(m)
         };
@@ -119,10 +108,7 @@ impl Model {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
             if m.rows * m.cols != n {
-                bail!(
-                    "tensor {name:?} has {} elements, expected {n}",
-                    m.rows * m.cols
-                );
+                bail!("tensor {name:?} has {} elements, expected {n}", m.rows * m.cols);
             }
             Ok(m.to_f32())
         };

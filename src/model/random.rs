@@ -66,15 +66,9 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
     w.meta(&k("embedding_length"), Value::U32(spec.n_embd as u32));
     w.meta(&k("feed_forward_length"), Value::U32(spec.n_ff as u32));
     w.meta(&k("attention.head_count"), Value::U32(spec.n_head as u32));
-    w.meta(
-        &k("attention.head_count_kv"),
-        Value::U32(spec.n_head_kv as u32),
-    );
+    w.meta(&k("attention.head_count_kv"), Value::U32(spec.n_head_kv as u32));
     w.meta(&k("attention.key_length"), Value::U32(spec.head_dim as u32));
-    w.meta(
-        &k("attention.value_length"),
-        Value::U32(spec.head_dim as u32),
-    );
+    w.meta(&k("attention.value_length"), Value::U32(spec.head_dim as u32));
     w.meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
     w.meta(&k("rope.freq_base"), Value::F32(10000.0));
     if spec.arch == Arch::Gemma3 {
@@ -86,14 +80,13 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
         }
     }
 
-    let mut mat =
-        |rows: usize, cols: usize, ty: GgmlType| -> Result<(Vec<u64>, GgmlType, Vec<u8>)> {
-            let scale = 1.0 / (cols as f32).sqrt();
-            let v: Vec<f32> = (0..rows * cols)
-                .map(|_| rng.gen_range(-1.0f32..1.0) * scale * 1.7)
-                .collect();
-            Ok((vec![cols as u64, rows as u64], ty, encode(&v, ty)?))
-        };
+    let mut mat = |rows: usize, cols: usize, ty: GgmlType| -> Result<(Vec<u64>, GgmlType, Vec<u8>)> {
+        let scale = 1.0 / (cols as f32).sqrt();
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.gen_range(-1.0f32..1.0) * scale * 1.7)
+            .collect();
+        Ok((vec![cols as u64, rows as u64], ty, encode(&v, ty)?))
+    };
     let norm = |n: usize| {
         (
             vec![n as u64],

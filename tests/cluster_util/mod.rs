@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 pub fn smollm2() -> PathBuf {
     std::env::var_os("BATON_TEST_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("/root/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+        .unwrap_or_else(|| PathBuf::from("/root/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
 
 pub fn gemma3() -> PathBuf {
@@ -52,12 +50,7 @@ impl NodeProc {
     }
 
     /// Like [`NodeProc::try_spawn`], run through `prefix` (e.g. `ip netns exec NAME`, which execs in place).
-    pub fn try_spawn_in(
-        prefix: &[&str],
-        model: &Path,
-        listen: &str,
-        extra: &[&str],
-    ) -> Result<NodeProc, String> {
+    pub fn try_spawn_in(prefix: &[&str], model: &Path, listen: &str, extra: &[&str]) -> Result<NodeProc, String> {
         let mut cmd = match prefix.split_first() {
             None => Command::new(node_bin()),
             Some((p, rest)) => {
@@ -125,8 +118,7 @@ impl NodeProc {
     }
 
     pub fn spawn(model: &Path, listen: &str, extra: &[&str]) -> NodeProc {
-        Self::try_spawn(model, listen, extra)
-            .unwrap_or_else(|log| panic!("baton-node failed to start:\n{log}"))
+        Self::try_spawn(model, listen, extra).unwrap_or_else(|log| panic!("baton-node failed to start:\n{log}"))
     }
 
     pub fn log(&self) -> String {
@@ -156,10 +148,7 @@ impl Drop for NodeProc {
 pub fn local_reference(model: &Path, prompt: &[u32], n_gen: usize) -> (Vec<f32>, Vec<u32>) {
     let m = Arc::new(Model::load(model).unwrap());
     let mut s = Session::new(m, Arc::new(ThreadPool::new(1)), 1024, 512).unwrap();
-    let logits = s
-        .forward(Input::Tokens(prompt), Want::LastLogits)
-        .unwrap()
-        .to_vec();
+    let logits = s.forward(Input::Tokens(prompt), Want::LastLogits).unwrap().to_vec();
     let mut toks = vec![argmax(&logits)];
     while toks.len() < n_gen {
         let l = s
@@ -193,22 +182,12 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Prefill and decode speed of the local run: (pp tokens/s, tg tokens/s).
 pub fn bench_local(model: &Path, threads: usize, prompt: &[u32], tg: usize) -> (f64, f64) {
     let m = Arc::new(Model::load(model).unwrap());
-    let mut s = Session::new(
-        m,
-        Arc::new(ThreadPool::new(threads)),
-        prompt.len() + tg + 8,
-        512,
-    )
-    .unwrap();
+    let mut s = Session::new(m, Arc::new(ThreadPool::new(threads)), prompt.len() + tg + 8, 512).unwrap();
     let t0 = Instant::now();
     let mut last = 0;
     let n = prompt.chunks(512).count();
     for (i, c) in prompt.chunks(512).enumerate() {
-        let want = if i + 1 == n {
-            Want::LastLogits
-        } else {
-            Want::Hidden
-        };
+        let want = if i + 1 == n { Want::LastLogits } else { Want::Hidden };
         let out = s.forward(Input::Tokens(c), want).unwrap();
         if i + 1 == n {
             last = argmax(out);
@@ -244,9 +223,5 @@ pub fn bench_pipeline(
 
 /// Per decoded token: bytes sent + received over all stages.
 pub fn bytes_per_token(stats: &[baton::cluster::StageStats], tg: usize) -> f64 {
-    stats
-        .iter()
-        .map(|s| (s.bytes_sent + s.bytes_recv) as f64)
-        .sum::<f64>()
-        / tg as f64
+    stats.iter().map(|s| (s.bytes_sent + s.bytes_recv) as f64).sum::<f64>() / tg as f64
 }

@@ -1,0 +1,170 @@
+//! Matmul throughput on the real models' shapes: GEMV (decode, GB/s of weights streamed) and GEMM (prefill of 512
+//! tokens, GFLOP/s), plus the matmuls of one whole SmolLM2 token / 512-token prefill as tokens per second.
+//!
+//! `cargo bench --bench kernels [-- filter]`; `BATON_ISA=scalar|avx2|avx512` picks the kernel table,
+//! `BATON_THREADS=n` the pool size (default 2).
+
+use baton::gguf::GgmlType;
+use baton::kernels::matrix::Bytes;
+use baton::kernels::{Matrix, Scratch, ThreadPool, kernels, matmul};
+use std::time::Instant;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+}
+
+fn f16_offsets(ty: GgmlType) -> &'static [usize] {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q5_0 | Q8_0 => &[0],
+        Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
+        Q2K => &[80, 82],
+        Q3K => &[108],
+        Q6K => &[208],
+        _ => &[],
+    }
+}
+
+fn matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
+    let bytes = ty.row_bytes(cols).unwrap() * rows;
+    let mut data: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+    if ty == GgmlType::F32 {
+        data = (0..rows * cols).flat_map(|_| rng.f().to_le_bytes()).collect();
+    } else {
+        for b in data.chunks_mut(ty.type_size()) {
+            for &o in f16_offsets(ty) {
+                b[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01 + rng.f() * 0.01).to_bits().to_le_bytes());
+            }
+        }
+    }
+    Matrix {
+        ty,
+        rows,
+        cols,
+        data: Bytes::Owned(data),
+    }
+}
+
+/// Median seconds of `reps` timed runs after a warm-up.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[reps / 2]
+}
+
+fn main() {
+    let filter = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_default();
+    let threads: usize = std::env::var("BATON_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let pool = ThreadPool::new(threads);
+    let mut scratch = Scratch::default();
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    println!("kernels: {}, threads: {threads}", kernels().isa);
+    use GgmlType::*;
+    // (label, type, rows, cols): rows = outputs, cols = the dot length (ggml's ne0).
+    let shapes = [
+        ("smollm2 ffn_up", Q4_1, 1536, 576),
+        ("smollm2 ffn_down", Q4_1, 576, 1536),
+        ("smollm2 attn_q", Q4_1, 576, 576),
+        ("smollm2 output", Q8_0, 49152, 576),
+        ("gemma ffn_up", Q5_0, 2048, 640),
+        ("gemma attn_v", Q8_0, 256, 640),
+        ("gemma ffn_down", Q4K, 640, 2048),
+        ("gemma ffn_down", Q6K, 640, 2048),
+        ("gemma attn_out", Q4K, 640, 1024),
+        ("gemma output", Q8_0, 262144, 640),
+    ];
+    for (label, ty, rows, cols) in shapes {
+        let name = format!("{label} {ty} {rows}x{cols}");
+        if !name.contains(&filter) {
+            continue;
+        }
+        let w = matrix(&mut rng, ty, rows, cols);
+        let big = rows >= 100_000;
+        for n_tok in [1usize, 512] {
+            if big && n_tok > 1 {
+                continue;
+            }
+            let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.f()).collect();
+            let mut y = vec![0.0; n_tok * rows];
+            let reps = if n_tok == 1 { if big { 11 } else { 201 } } else { 5 };
+            let s = time(reps, || matmul(&pool, &w, &x, n_tok, &mut y, &mut scratch));
+            if n_tok == 1 {
+                println!(
+                    "GEMV {name:<36} {:>9.1} us  {:>6.1} GB/s",
+                    s * 1e6,
+                    w.size_bytes() as f64 / s / 1e9
+                );
+            } else {
+                let flops = 2.0 * (rows * cols * n_tok) as f64;
+                println!(
+                    "GEMM {name:<36} {:>9.1} us  {:>6.1} GFLOP/s (512 tokens)",
+                    s * 1e6,
+                    flops / s / 1e9
+                );
+            }
+        }
+    }
+
+    // The matmuls of SmolLM2-135M (30 layers + the Q8_0 head) for one decoded token and for a 512-token prefill.
+    if "smollm2 model".contains(&filter) || filter.is_empty() {
+        let layer: Vec<(usize, usize)> = vec![
+            (576, 576),
+            (192, 576),
+            (192, 576),
+            (576, 576),
+            (1536, 576),
+            (1536, 576),
+            (576, 1536),
+        ];
+        let ws: Vec<Matrix> = (0..30)
+            .flat_map(|_| layer.clone())
+            .map(|(r, c)| matrix(&mut rng, Q4_1, r, c))
+            .collect();
+        let head = matrix(&mut rng, Q8_0, 49152, 576);
+        for n_tok in [1usize, 512] {
+            let x: Vec<f32> = (0..n_tok * 1536).map(|_| rng.f()).collect();
+            let mut y = vec![0.0; n_tok * 49152];
+            let s = time(if n_tok == 1 { 21 } else { 3 }, || {
+                for w in &ws {
+                    matmul(
+                        &pool,
+                        w,
+                        &x[..n_tok * w.cols],
+                        n_tok,
+                        &mut y[..n_tok * w.rows],
+                        &mut scratch,
+                    );
+                }
+                // llama.cpp computes the head for the last token only.
+                matmul(&pool, &head, &x[..576], 1, &mut y[..49152], &mut scratch);
+            });
+            println!(
+                "SmolLM2 matmuls, {n_tok} token(s): {:.2} ms -> {:.1} tok/s",
+                s * 1e3,
+                n_tok as f64 / s
+            );
+        }
+    }
+}

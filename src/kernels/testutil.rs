@@ -1,0 +1,45 @@
+//! Deterministic random data for the kernel tests.
+
+/// xorshift64*: small, seedable, good enough for test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0 | 1;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Roughly standard normal (sum of uniforms).
+    pub fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.uniform()).sum::<f32>() * 1.732 - 3.464
+    }
+}
+
+/// `n` blocks of random bytes with sane f16 scales (0.001..0.05, either sign) at the given offsets, so any bit
+/// pattern of quants and packed sub-scales is exercised.
+pub fn random_blocks(rng: &mut Rng, n: usize, bytes: usize, f16_offsets: &[usize]) -> Vec<u8> {
+    let mut v: Vec<u8> = (0..n * bytes).map(|_| rng.next() as u8).collect();
+    for b in v.chunks_mut(bytes) {
+        for &o in f16_offsets {
+            let mut s = 0.001 + rng.uniform() * 0.05;
+            if rng.next() & 1 == 1 {
+                s = -s;
+            }
+            b[o..o + 2].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
+        }
+    }
+    v
+}
+
+pub fn rel_close(a: f32, b: f32, tol: f32) -> bool {
+    (a - b).abs() <= tol * a.abs().max(b.abs()).max(1e-6)
+}
