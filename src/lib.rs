@@ -4,10 +4,11 @@
 //! 1. [`gguf`], [`vocab`], [`model`]: what a model is (file, tokenizer, weights, per-architecture math);
 //! 2. [`kernels`]: the few coarse ops a forward pass needs, SIMD with runtime dispatch and scalar references;
 //! 3. [`engine`]: a session on one node (KV cache, layer-range forward, sampler, snapshots);
-//! 4. cluster and server layers (to come) on top.
+//! 4. [`cluster`]: the wire protocol, `baton node`, and the pipeline coordinator; the server layer (to come) on top.
 
 pub mod bench;
 pub mod chat;
+pub mod cluster;
 pub mod engine;
 pub mod fetch;
 pub mod fingerprint;

@@ -1,0 +1,49 @@
+//! `baton-node`: serves pipeline stages of one model (the same server as `baton node`).
+//!
+//! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
+//!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N]
+
+use anyhow::{Context, Result, bail};
+use baton::cluster::{NodeConfig, auth, run_node};
+use std::path::PathBuf;
+use std::time::Duration;
+
+fn main() {
+    if let Err(e) = real_main() {
+        eprintln!("baton-node: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut model = None;
+    let mut listen = None;
+    let mut cfg = NodeConfig::new(PathBuf::new(), "");
+    while let Some(a) = args.next() {
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--model" | "-m" => model = Some(PathBuf::from(val()?)),
+            "--listen" => listen = Some(val()?),
+            "--layers" => cfg.layers = Some(val()?),
+            "--secret-file" => cfg.secret = Some(auth::load_secret(&PathBuf::from(val()?))?),
+            "-t" | "--threads" => cfg.threads = val()?.parse().context("bad thread count")?,
+            "-c" | "--ctx-size" => cfg.max_ctx = val()?.parse().context("bad context size")?,
+            "-b" | "--batch-size" => cfg.max_batch = val()?.parse().context("bad batch size")?,
+            "--max-sessions" => cfg.max_sessions = val()?.parse().context("bad session count")?,
+            "--timeout" => cfg.io_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
+            "--idle-timeout" => cfg.idle_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
+            "-h" | "--help" => {
+                println!(
+                    "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
+                     [--timeout SECS] [--idle-timeout SECS] [--max-sessions N]"
+                );
+                return Ok(());
+            }
+            other => bail!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    cfg.model = model.context("--model is required")?;
+    cfg.listen = listen.context("--listen is required")?;
+    run_node(cfg)
+}

@@ -1,0 +1,447 @@
+//! `baton node`: serves pipeline stages of one model file to coordinators.
+//!
+//! Blocking I/O, one thread per connection, a timeout on every read and write. A connection that sends anything
+//! malformed is dropped on its own; the others keep being served. Sessions (the KV of one conversation for one
+//! layer range) live in the node, not in the connection, so a coordinator that reconnects finds its KV again, and
+//! the prefix hash carried by every request tells whether that KV is the one it needs.
+
+use super::auth;
+use super::stage::{SamplingParams, StageCore, StageOut};
+use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WireError};
+use crate::gguf::GgufFile;
+use crate::kernels::ThreadPool;
+use crate::model::{Hparams, Model};
+use anyhow::{Context, Result, anyhow, bail};
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub model: PathBuf,
+    /// `host:port`; port 0 picks a free one (printed on start).
+    pub listen: String,
+    /// Serve only this range (`A:B`, B exclusive or `end`), loaded at start; otherwise any range asked for.
+    pub layers: Option<String>,
+    /// Required from every peer when set; required to listen on anything but loopback.
+    pub secret: Option<Vec<u8>>,
+    pub threads: usize,
+    /// Largest context a session may ask for.
+    pub max_ctx: usize,
+    /// Largest batch a session may ask for.
+    pub max_batch: usize,
+    /// Sessions kept at once; the least recently used is evicted (its coordinator then replays).
+    pub max_sessions: usize,
+    /// Longest wait for the rest of a frame once it has started, and for any write.
+    pub io_timeout: Duration,
+    /// A connection silent for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+impl NodeConfig {
+    pub fn new(model: PathBuf, listen: &str) -> NodeConfig {
+        NodeConfig {
+            model,
+            listen: listen.to_string(),
+            layers: None,
+            secret: None,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            max_ctx: 4096,
+            max_batch: 512,
+            max_sessions: 4,
+            io_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+struct Slot {
+    core: StageCore,
+    /// (layers, n_ctx, n_batch) the session was opened with.
+    key: (Range<usize>, usize, usize),
+    last_used: Instant,
+}
+
+type SharedSlot = Arc<Mutex<Slot>>;
+
+struct State {
+    cfg: NodeConfig,
+    file: Arc<GgufFile>,
+    hp: Hparams,
+    info: ModelInfo,
+    pinned: Option<Range<usize>>,
+    pool: Arc<ThreadPool>,
+    models: Mutex<HashMap<(usize, usize), Arc<Model>>>,
+    /// Keyed by (session id, first layer, end layer): one coordinator session may use several ranges of a node.
+    sessions: Mutex<HashMap<(u64, usize, usize), SharedSlot>>,
+    /// One forward pass at a time: they all share the thread pool and the cores.
+    compute: Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub struct Node {
+    listener: TcpListener,
+    state: Arc<State>,
+}
+
+impl Node {
+    /// Opens the model, checks the configuration and binds the listening socket.
+    pub fn bind(cfg: NodeConfig) -> Result<Node> {
+        let file = Arc::new(GgufFile::open(&cfg.model)?);
+        let hp = Hparams::from_gguf(&file)?;
+        let fp = crate::fingerprint::fingerprint(&cfg.model)
+            .with_context(|| format!("cannot fingerprint {}", cfg.model.display()))?;
+        let info = ModelInfo::of(&hp, &fp);
+        let pinned = match &cfg.layers {
+            Some(s) => Some(crate::model::parse_layer_range(s, hp.n_layer)?),
+            None => None,
+        };
+        let listener = TcpListener::bind(&cfg.listen).with_context(|| format!("cannot listen on {}", cfg.listen))?;
+        let addr = listener.local_addr()?;
+        if cfg.secret.is_none() && !addr.ip().is_loopback() {
+            bail!(
+                "refusing to listen on {addr} without a shared secret: give --secret-file (only loopback addresses \
+                 may go without)"
+            );
+        }
+        let state = Arc::new(State {
+            pool: Arc::new(ThreadPool::new(cfg.threads)),
+            models: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            compute: Mutex::new(()),
+            cfg,
+            file,
+            hp,
+            info,
+            pinned,
+        });
+        if let Some(r) = state.pinned.clone() {
+            state.model(r)?;
+        }
+        Ok(Node { listener, state })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Serves until the process ends: a thread per connection.
+    pub fn serve(self) -> Result<()> {
+        for conn in self.listener.incoming() {
+            let stream = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("baton node: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            let state = self.state.clone();
+            std::thread::spawn(move || {
+                let peer = stream.peer_addr().map_or("?".to_string(), |a| a.to_string());
+                if let Err(e) = serve_conn(stream, &state, &peer) {
+                    eprintln!("baton node: dropped connection from {peer}: {e:#}");
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Binds and serves forever (the CLI's `baton node`). Prints `baton node: listening on ADDR` to standard error.
+pub fn run(cfg: NodeConfig) -> Result<()> {
+    let node = Node::bind(cfg)?;
+    let s = &node.state;
+    eprintln!(
+        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {})",
+        node.local_addr()?,
+        s.cfg.model.display(),
+        s.hp.arch.name(),
+        s.hp.n_layer,
+        &s.info.fingerprint[..12.min(s.info.fingerprint.len())],
+        s.pinned.as_ref().map_or("any layer range".to_string(), |r| format!(
+            "layers {}:{}",
+            r.start, r.end
+        )),
+        if s.cfg.secret.is_some() {
+            "required"
+        } else {
+            "off (loopback only)"
+        }
+    );
+    node.serve()
+}
+
+impl State {
+    fn model(&self, r: Range<usize>) -> Result<Arc<Model>> {
+        let mut models = lock(&self.models);
+        if let Some(m) = models.get(&(r.start, r.end)) {
+            return Ok(m.clone());
+        }
+        let m = Arc::new(Model::from_file(self.file.clone(), Some(r.clone()))?);
+        models.insert((r.start, r.end), m.clone());
+        Ok(m)
+    }
+
+    /// The session `id` for `key`, reused when it exists with the same shape, otherwise created (evicting the least
+    /// recently used one beyond the limit).
+    fn session(&self, id: u64, key: (Range<usize>, usize, usize), open: &Open) -> Result<Arc<Mutex<Slot>>> {
+        let mut sessions = lock(&self.sessions);
+        let id = (id, key.0.start, key.0.end);
+        if let Some(s) = sessions.get(&id) {
+            let mut g = lock(s);
+            if g.key == key {
+                g.last_used = Instant::now();
+                g.core.sampling = SamplingParams {
+                    temperature: open.temperature,
+                    top_p: open.top_p,
+                    seed: open.seed,
+                };
+                g.core.top_k = open.top_k as usize;
+                drop(g);
+                return Ok(s.clone());
+            }
+        }
+        sessions.remove(&id);
+        while sessions.len() >= self.cfg.max_sessions.max(1) {
+            let oldest = sessions
+                .iter()
+                .min_by_key(|(_, s)| lock(s).last_used)
+                .map(|(k, _)| *k)
+                .unwrap();
+            sessions.remove(&oldest);
+            eprintln!(
+                "baton node: evicted session {:016x} (layers {}:{})",
+                oldest.0, oldest.1, oldest.2
+            );
+        }
+        let model = self.model(key.0.clone())?;
+        let sampling = SamplingParams {
+            temperature: open.temperature,
+            top_p: open.top_p,
+            seed: open.seed,
+        };
+        let core = StageCore::new(model, self.pool.clone(), key.1, key.2, sampling, open.top_k as usize)?;
+        let slot = Arc::new(Mutex::new(Slot {
+            core,
+            key,
+            last_used: Instant::now(),
+        }));
+        sessions.insert(id, slot.clone());
+        Ok(slot)
+    }
+
+    /// Everything that makes an OPEN unacceptable, named.
+    fn check_open(&self, o: &Open, peer: &str) -> Vec<String> {
+        let peer = &format!("coordinator {peer}");
+        let mut d = self.info.differences(&o.model, "this node", peer);
+        let (a, b) = (o.layers.0 as usize, o.layers.1 as usize);
+        if a >= b || b > self.hp.n_layer {
+            d.push(format!(
+                "{peer} asks for layers {a}:{b}, the model has {} layers",
+                self.hp.n_layer
+            ));
+        } else if let Some(p) = &self.pinned
+            && *p != (a..b)
+        {
+            d.push(format!(
+                "{peer} asks for layers {a}:{b}, this node serves only {}:{}",
+                p.start, p.end
+            ));
+        }
+        if o.n_ctx == 0 || o.n_ctx as usize > self.cfg.max_ctx {
+            d.push(format!(
+                "{peer} asks for a context of {}, this node allows 1..={}",
+                o.n_ctx, self.cfg.max_ctx
+            ));
+        }
+        if o.n_batch == 0 || o.n_batch as usize > self.cfg.max_batch {
+            d.push(format!(
+                "{peer} asks for batches of {}, this node allows 1..={}",
+                o.n_batch, self.cfg.max_batch
+            ));
+        }
+        if o.top_k > 1000 {
+            d.push(format!(
+                "{peer} asks for {} top log-probabilities, at most 1000",
+                o.top_k
+            ));
+        }
+        d
+    }
+}
+
+/// Reads one message: the header may take up to `first` (idle wait), the rest at most the I/O timeout.
+fn read_frame(s: &mut TcpStream, first: Duration, io: Duration) -> Result<Msg, WireError> {
+    s.set_read_timeout(Some(first))?;
+    let mut head = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut head[..1])?;
+    s.set_read_timeout(Some(io))?;
+    s.read_exact(&mut head[1..])?;
+    let (code, len) = wire::check_header(&head)?;
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload)?;
+    Msg::decode(code, &payload)
+}
+
+fn wire_err(e: WireError, what: &str) -> anyhow::Error {
+    anyhow!("{what}: {e}")
+}
+
+/// Refuses the peer with a message (best effort) and ends the connection with that error.
+fn refuse(s: &mut TcpStream, msg: String) -> anyhow::Error {
+    let _ = wire::write_msg(s, &Msg::Error { message: msg.clone() });
+    anyhow!(msg)
+}
+
+fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
+    let io = st.cfg.io_timeout;
+    s.set_nodelay(true)?;
+    s.set_write_timeout(Some(io))?;
+    let send = |s: &mut TcpStream, m: &Msg| wire::write_msg(s, m).map_err(|e| wire_err(e, "sending"));
+
+    // 1. Version and nonces.
+    let nonce_c = match read_frame(&mut s, io, io) {
+        Ok(Msg::Hello { nonce }) => nonce,
+        Ok(m) => return Err(refuse(&mut s, format!("expected HELLO, got {}", m.name()))),
+        Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
+        Err(e) => return Err(wire_err(e, "reading HELLO")),
+    };
+    let nonce_n = auth::nonce();
+    send(
+        &mut s,
+        &Msg::Challenge {
+            nonce: nonce_n,
+            auth_required: st.cfg.secret.is_some(),
+        },
+    )?;
+
+    // 2. Authentication.
+    let mac = match read_frame(&mut s, io, io) {
+        Ok(Msg::Auth { mac }) => mac,
+        Ok(m) => return Err(refuse(&mut s, format!("expected AUTH, got {}", m.name()))),
+        Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
+        Err(e) => return Err(wire_err(e, "reading AUTH")),
+    };
+    let our_mac = match &st.cfg.secret {
+        Some(secret) => {
+            if !auth::verify(secret, auth::LABEL_COORDINATOR, &nonce_c, &nonce_n, &mac) {
+                return Err(refuse(&mut s, "authentication failed: wrong shared secret".into()));
+            }
+            auth::proof(secret, auth::LABEL_NODE, &nonce_c, &nonce_n)
+        }
+        None => [0; 32],
+    };
+    send(&mut s, &Msg::AuthOk { mac: our_mac })?;
+
+    // 3. Model, layers, context.
+    let open = match read_frame(&mut s, io, io) {
+        Ok(Msg::Open(o)) => o,
+        Ok(m) => return Err(refuse(&mut s, format!("expected OPEN, got {}", m.name()))),
+        Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
+        Err(e) => return Err(wire_err(e, "reading OPEN")),
+    };
+    let diffs = st.check_open(&open, peer);
+    if !diffs.is_empty() {
+        return Err(refuse(&mut s, diffs.join("; ")));
+    }
+    let range = open.layers.0 as usize..open.layers.1 as usize;
+    let key = (range.clone(), open.n_ctx as usize, open.n_batch as usize);
+    let slot = match st.session(open.session, key, &open) {
+        Ok(s) => s,
+        Err(e) => {
+            return Err(refuse(
+                &mut s,
+                format!("cannot open layers {}:{}: {e:#}", range.start, range.end),
+            ));
+        }
+    };
+    let n_past = lock(&slot).core.n_past();
+    send(
+        &mut s,
+        &Msg::Ready(Ready {
+            model: st.info.clone(),
+            layers: open.layers,
+            n_ctx: open.n_ctx,
+            n_past: n_past as u32,
+        }),
+    )?;
+    eprintln!(
+        "baton node: {peer} opened session {:016x} on layers {}:{} ({} positions held)",
+        open.session, range.start, range.end, n_past
+    );
+
+    // 4. Requests until the peer goes away.
+    let e = st.hp.n_embd;
+    loop {
+        let f = match read_frame(&mut s, st.cfg.idle_timeout, io) {
+            Ok(Msg::Forward(f)) => f,
+            Ok(m) => {
+                return Err(refuse(&mut s, format!("expected FORWARD, got {}", m.name())));
+            }
+            Err(WireError::Closed) => return Ok(()),
+            Err(WireError::Timeout) => {
+                return Err(anyhow!("idle or stalled for longer than the timeout"));
+            }
+            Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
+            Err(e) => return Err(wire_err(e, "reading a request")),
+        };
+        let n = f.tokens.len();
+        let bad = if n == 0 || n > open.n_batch as usize {
+            Some(format!("batch of {n} tokens, the session allows 1..={}", open.n_batch))
+        } else if let Some(h) = &f.hidden
+            && (h.width as usize != e || h.n_rows as usize != n)
+        {
+            Some(format!("hidden state of {}x{}, expected {n}x{e}", h.n_rows, h.width))
+        } else {
+            None
+        };
+        if let Some(msg) = bad {
+            send(&mut s, &Msg::Error { message: msg })?;
+            continue;
+        }
+        let hidden = f.hidden.as_ref().map(Hidden::decode);
+        let res = {
+            let _c = lock(&st.compute);
+            let mut g = lock(&slot);
+            g.last_used = Instant::now();
+            g.core
+                .run(f.pos as usize, &f.prefix, &f.tokens, hidden.as_deref(), f.want)
+        };
+        let reply = match res {
+            Ok((StageOut::Mismatch(n_past), _)) => Msg::Mismatch {
+                req: f.req,
+                n_past: n_past as u32,
+            },
+            Ok((out, us)) => {
+                let body = match out {
+                    StageOut::Ack => Body::Ack,
+                    StageOut::Hidden(h) => Body::Hidden(Hidden::encode(&h, e, open.wire)),
+                    StageOut::Sample(sm) => Body::Sample {
+                        token: sm.token,
+                        logprob: sm.logprob,
+                        top: sm.top,
+                    },
+                    StageOut::Logits(l) => Body::Logits(l),
+                    StageOut::Mismatch(_) => unreachable!(),
+                };
+                Msg::Result(ResultMsg {
+                    req: f.req,
+                    compute_us: us,
+                    body,
+                })
+            }
+            Err(err) => Msg::Error {
+                message: format!("{err:#}"),
+            },
+        };
+        send(&mut s, &reply)?;
+    }
+}

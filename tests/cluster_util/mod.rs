@@ -1,0 +1,227 @@
+//! Helpers for the cluster tests: `baton-node` child processes that are always killed, free loopback ports,
+//! the local reference run.
+#![allow(dead_code)]
+
+use baton::engine::{Input, Session, Want};
+use baton::kernels::ThreadPool;
+use baton::model::Model;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+/// The real SmolLM2 model (override with BATON_TEST_MODEL).
+pub fn smollm2() -> PathBuf {
+    std::env::var_os("BATON_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/root/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+}
+
+pub fn gemma3() -> PathBuf {
+    PathBuf::from("/root/.cache/baton/models/gemma-3-270m-q4_k_m.gguf")
+}
+
+pub fn node_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_baton-node"))
+}
+
+/// A free loopback port (bound then released; the node rebinds it with SO_REUSEADDR).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `baton-node` child process, killed (and reaped) on drop; also killed if the test process dies.
+pub struct NodeProc {
+    pub child: Child,
+    pub addr: String,
+    pub log: Arc<Mutex<String>>,
+}
+
+impl NodeProc {
+    /// Starts a node and waits (at most 60 s) until it listens; `Err(log)` when it exits first.
+    pub fn try_spawn(model: &Path, listen: &str, extra: &[&str]) -> Result<NodeProc, String> {
+        Self::try_spawn_in(&[], model, listen, extra)
+    }
+
+    /// Like [`NodeProc::try_spawn`], run through `prefix` (e.g. `ip netns exec NAME`, which execs in place).
+    pub fn try_spawn_in(prefix: &[&str], model: &Path, listen: &str, extra: &[&str]) -> Result<NodeProc, String> {
+        let mut cmd = match prefix.split_first() {
+            None => Command::new(node_bin()),
+            Some((p, rest)) => {
+                let mut c = Command::new(p);
+                c.args(rest).arg(node_bin());
+                c
+            }
+        };
+        cmd.args([
+            "--model",
+            model.to_str().unwrap(),
+            "--listen",
+            listen,
+            "-t",
+            "1",
+            "-c",
+            "1024",
+        ])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("spawn baton-node");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("baton node: listening on ") {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+                }
+                let mut l = log2.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let t0 = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(addr) => return Ok(NodeProc { child, addr, log }),
+                Err(_) => {
+                    if let Ok(Some(_)) = child.try_wait() {
+                        std::thread::sleep(Duration::from_millis(100));
+                        return Err(log.lock().unwrap().clone());
+                    }
+                    if t0.elapsed() > Duration::from_secs(60) {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(format!(
+                            "node did not listen within 60 s; log:\n{}",
+                            log.lock().unwrap()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn spawn(model: &Path, listen: &str, extra: &[&str]) -> NodeProc {
+        Self::try_spawn(model, listen, extra).unwrap_or_else(|log| panic!("baton-node failed to start:\n{log}"))
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, sig: i32) {
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        self.kill();
+    }
+}
+
+/// The local reference: logits of the prompt's last token, then `n_gen` greedy tokens.
+pub fn local_reference(model: &Path, prompt: &[u32], n_gen: usize) -> (Vec<f32>, Vec<u32>) {
+    let m = Arc::new(Model::load(model).unwrap());
+    let mut s = Session::new(m, Arc::new(ThreadPool::new(1)), 1024, 512).unwrap();
+    let logits = s.forward(Input::Tokens(prompt), Want::LastLogits).unwrap().to_vec();
+    let mut toks = vec![argmax(&logits)];
+    while toks.len() < n_gen {
+        let l = s
+            .forward(Input::Tokens(&[*toks.last().unwrap()]), Want::LastLogits)
+            .unwrap();
+        toks.push(argmax(l));
+    }
+    (logits, toks)
+}
+
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Some token ids that exist in every vocabulary used here.
+pub fn prompt(n: usize) -> Vec<u32> {
+    (0..n).map(|i| 100 + (i as u32 * 37) % 900).collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Prefill and decode speed of the local run: (pp tokens/s, tg tokens/s).
+pub fn bench_local(model: &Path, threads: usize, prompt: &[u32], tg: usize) -> (f64, f64) {
+    let m = Arc::new(Model::load(model).unwrap());
+    let mut s = Session::new(m, Arc::new(ThreadPool::new(threads)), prompt.len() + tg + 8, 512).unwrap();
+    let t0 = Instant::now();
+    let mut last = 0;
+    let n = prompt.chunks(512).count();
+    for (i, c) in prompt.chunks(512).enumerate() {
+        let want = if i + 1 == n { Want::LastLogits } else { Want::Hidden };
+        let out = s.forward(Input::Tokens(c), want).unwrap();
+        if i + 1 == n {
+            last = argmax(out);
+        }
+    }
+    let pp = prompt.len() as f64 / t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for _ in 0..tg {
+        last = argmax(s.forward(Input::Tokens(&[last]), Want::LastLogits).unwrap());
+    }
+    (pp, tg as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// Prefill and decode speed through a pipeline: (pp tokens/s, tg tokens/s, decode-only per-stage stats).
+pub fn bench_pipeline(
+    spec: &str,
+    model: &Path,
+    o: baton::cluster::PipelineOpts,
+    prompt: &[u32],
+    tg: usize,
+) -> (f64, f64, Vec<baton::cluster::StageStats>) {
+    let mut p = baton::cluster::PipelineSession::connect(spec, model, o).unwrap();
+    let t0 = Instant::now();
+    let mut last = p.eval(prompt).unwrap().token;
+    let pp = prompt.len() as f64 / t0.elapsed().as_secs_f64();
+    p.reset_stats();
+    let t0 = Instant::now();
+    for _ in 0..tg {
+        last = p.decode_step(last).unwrap().token;
+    }
+    (pp, tg as f64 / t0.elapsed().as_secs_f64(), p.stats())
+}
+
+/// Per decoded token: bytes sent + received over all stages.
+pub fn bytes_per_token(stats: &[baton::cluster::StageStats], tg: usize) -> f64 {
+    stats.iter().map(|s| (s.bytes_sent + s.bytes_recv) as f64).sum::<f64>() / tg as f64
+}

@@ -1,0 +1,237 @@
+//! The pipeline over an emulated link: two network namespaces joined by a veth pair shaped with `tc tbf` (2.5 Gbit/s
+//! or 10 Gbit/s), the nodes in one, the coordinator (a thread that entered the other with setns) relaying through the
+//! link. Skipped with a message where not root or without `ip netns`. Namespaces are deleted on drop.
+
+mod cluster_util;
+
+use baton::cluster::handshake::Timeouts;
+use baton::cluster::{PipelineOpts, PipelineSession};
+use cluster_util::*;
+use std::os::fd::AsRawFd;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn run(cmd: &[&str]) -> Result<(), String> {
+    let out = Command::new(cmd[0])
+        .args(&cmd[1..])
+        .output()
+        .map_err(|e| format!("{}: {e}", cmd.join(" ")))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} failed: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// A named network namespace, deleted on drop.
+struct Netns(String);
+
+impl Netns {
+    fn add(name: String) -> Result<Netns, String> {
+        run(&["ip", "netns", "add", &name])?;
+        let ns = Netns(name);
+        run(&["ip", "-n", &ns.0, "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = run(&["ip", "netns", "del", &self.0]);
+    }
+}
+
+/// Two namespaces joined by a shaped veth pair: `a` at 10.213.N.1, `b` at 10.213.N.2.
+struct Link {
+    a: Netns,
+    b: Netns,
+    b_ip: String,
+}
+
+impl Link {
+    /// `None` (after printing why) where the harness cannot run.
+    fn new(rate: &str) -> Option<Link> {
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: network-namespace tests need root");
+            return None;
+        }
+        match Self::try_new(rate) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                eprintln!("skipped: cannot build network namespaces ({e})");
+                None
+            }
+        }
+    }
+
+    fn try_new(rate: &str) -> Result<Link, String> {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let tag = format!("{}x{n}", std::process::id());
+        let a = Netns::add(format!("btA{tag}"))?;
+        let b = Netns::add(format!("btB{tag}"))?;
+        let subnet = 10 + (std::process::id() as usize * 7 + n) % 240;
+        let (va, vb) = (format!("bva{tag}"), format!("bvb{tag}"));
+        let (va, vb) = (&va[..va.len().min(15)], &vb[..vb.len().min(15)]);
+        run(&[
+            "ip", "-n", &a.0, "link", "add", va, "type", "veth", "peer", "name", vb, "netns", &b.0,
+        ])?;
+        let (ip_a, ip_b) = (format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2"));
+        run(&["ip", "-n", &a.0, "addr", "add", &format!("{ip_a}/24"), "dev", va])?;
+        run(&["ip", "-n", &b.0, "addr", "add", &format!("{ip_b}/24"), "dev", vb])?;
+        run(&["ip", "-n", &a.0, "link", "set", va, "up"])?;
+        run(&["ip", "-n", &b.0, "link", "set", vb, "up"])?;
+        // tbf needs a bucket of at least rate / HZ bytes; 4 MB covers 10 Gbit/s at HZ 250.
+        for (ns, dev) in [(&a.0, va), (&b.0, vb)] {
+            run(&[
+                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+                "4mb", "latency", "20ms",
+            ])?;
+        }
+        Ok(Link { a, b, b_ip: ip_b })
+    }
+
+    /// A node inside namespace `b`, authenticated (it listens off loopback).
+    fn node(&self, secret: &std::path::Path, extra: &[&str]) -> NodeProc {
+        let mut args = vec!["--secret-file", secret.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        NodeProc::try_spawn_in(
+            &["ip", "netns", "exec", &self.b.0],
+            &smollm2(),
+            &format!("{}:0", self.b_ip),
+            &args,
+        )
+        .unwrap_or_else(|log| panic!("node in {} failed:\n{log}", self.b.0))
+    }
+
+    /// Runs `f` on a thread that lives in namespace `a` (every socket it opens is there).
+    fn in_a<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/var/run/netns/{}", self.a.0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let ns = std::fs::File::open(&path).unwrap();
+                assert_eq!(
+                    unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
+                    0,
+                    "setns {path}"
+                );
+                f()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+}
+
+fn secret_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
+    let p = dir.path().join("secret");
+    std::fs::write(&p, "netns test secret, long enough\n").unwrap();
+    p
+}
+
+fn opts() -> PipelineOpts {
+    PipelineOpts {
+        n_ctx: 1024,
+        chunk: 128,
+        threads: 1,
+        secret: Some(b"netns test secret, long enough".to_vec()),
+        timeouts: Timeouts {
+            connect: Duration::from_secs(5),
+            io: Duration::from_secs(60),
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn pipeline_over_a_shaped_link_matches_local() {
+    let names;
+    {
+        let Some(link) = Link::new("2500mbit") else {
+            return;
+        };
+        names = (link.a.0.clone(), link.b.0.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(&dir);
+        let n1 = link.node(&secret, &[]);
+        let n2 = link.node(&secret, &[]);
+        let model = smollm2();
+        let prompt = prompt(20);
+        let (_, ref_toks) = local_reference(&model, &prompt, 5);
+        let spec = format!("{}=0:15,{}=15:end", n1.addr, n2.addr);
+        let toks = link.in_a(|| {
+            let mut p = PipelineSession::connect(&spec, &model, opts()).unwrap();
+            let mut t = vec![p.eval(&prompt).unwrap().token];
+            while t.len() < 5 {
+                t.push(p.decode_step(*t.last().unwrap()).unwrap().token);
+            }
+            t
+        });
+        assert_eq!(toks, ref_toks);
+        // From the root namespace the nodes are unreachable: the traffic really went through the link.
+        assert!(std::net::TcpStream::connect_timeout(&n1.addr.parse().unwrap(), Duration::from_millis(300)).is_err());
+    }
+    let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !list.contains(&names.0) && !list.contains(&names.1),
+        "namespaces left behind: {list}"
+    );
+}
+
+/// `cargo test --test netns bench_shaped_link -- --ignored --nocapture`: pp/tg through 2 and 3 stages over the
+/// emulated 2.5 Gbit/s and 10 Gbit/s links. BENCH_PP, BENCH_TG, BENCH_THREADS as in tests/pipeline.rs.
+#[test]
+#[ignore]
+fn bench_shaped_link() {
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (pp, tg, t) = (env("BENCH_PP", 512), env("BENCH_TG", 128), env("BENCH_THREADS", 1));
+    let chunks: Vec<usize> = std::env::var("BENCH_CHUNKS")
+        .unwrap_or("128,512".into())
+        .split(',')
+        .map(|c| c.parse().unwrap())
+        .collect();
+    let model = smollm2();
+    let prompt = prompt(pp);
+    let (lpp, ltg) = bench_local(&model, t, &prompt, tg);
+    println!("threads per stage {t}, pp{pp} tg{tg}; local: pp {lpp:.1} t/s, tg {ltg:.1} t/s");
+    println!("| link | stages | chunk | pp t/s | tg t/s | pp vs local | tg vs local | decode bytes/token |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for rate in ["2500mbit", "10gbit"] {
+        let Some(link) = Link::new(rate) else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(&dir);
+        let ts = t.to_string();
+        let nodes: Vec<NodeProc> = (0..3).map(|_| link.node(&secret, &["-t", &ts])).collect();
+        for (name, spec) in [
+            ("2", format!("{}=0:15,{}=15:end", nodes[0].addr, nodes[1].addr)),
+            (
+                "3",
+                format!(
+                    "{}=0:10,{}=10:20,{}=20:end",
+                    nodes[0].addr, nodes[1].addr, nodes[2].addr
+                ),
+            ),
+        ] {
+            for chunk in chunks.iter().copied() {
+                let o = PipelineOpts {
+                    chunk,
+                    threads: t,
+                    ..opts()
+                };
+                let (ppp, ptg, st) = link.in_a(|| bench_pipeline(&spec, &model, o, &prompt, tg));
+                println!(
+                    "| {rate} | {name} | {chunk} | {ppp:.1} | {ptg:.1} | {:.2} | {:.2} | {:.0} |",
+                    ppp / lpp,
+                    ptg / ltg,
+                    bytes_per_token(&st, tg)
+                );
+            }
+        }
+    }
+}
