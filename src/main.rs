@@ -63,6 +63,8 @@ enum Cmd {
         #[arg(long = "type", default_value = "q8_0")]
         ty: String,
     },
+    /// Serve layer ranges of a model to coordinators on other machines.
+    Node(NodeArgs),
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
@@ -139,6 +141,45 @@ struct RunArgs {
     /// Verbose: timings and details on standard error.
     #[arg(short = 'v', long)]
     verbose: bool,
+    /// Split the layers over nodes: `HOST:PORT=A:B,...,local=C:end` (B exclusive); every layer exactly once.
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// Hidden-state precision on the wire for --pipeline: 32, 16 (or bf16) or 8.
+    #[arg(long = "wire-bits", default_value = "32")]
+    wire_bits: String,
+    /// Shared secret for nodes that listen beyond loopback.
+    #[arg(long = "secret-file")]
+    secret_file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct NodeArgs {
+    /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Address to listen on (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// Serve only this layer range (`A:B`, B exclusive, or `A:end`), loaded at start.
+    #[arg(long)]
+    layers: Option<String>,
+    /// Shared secret; required to listen on anything but loopback.
+    #[arg(long = "secret-file")]
+    secret_file: Option<PathBuf>,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Largest context a session may ask for.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    ctx_size: usize,
+    /// Largest batch a session may ask for.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    batch_size: usize,
+    /// Sessions kept at once (least recently used evicted).
+    #[arg(long = "max-sessions", default_value_t = 16)]
+    max_sessions: usize,
+    /// Seconds to wait on a peer's frame or write.
+    #[arg(long, default_value_t = 30.0)]
+    timeout: f64,
 }
 
 #[derive(Args)]
@@ -195,6 +236,7 @@ fn main() {
         Cmd::Perplexity(a) => cmd_perplexity(a),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Quantize { input, output, ty } => cmd_quantize(&input, &output, &ty),
+        Cmd::Node(a) => cmd_node(a),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -271,6 +313,9 @@ fn cmd_run(a: RunArgs) -> Result<()> {
             "the prompt is {} tokens, the context is {n_ctx}: shorten it or raise -c",
             tokens.len()
         );
+    }
+    if let Some(spec) = &a.pipeline {
+        return run_pipeline(&a, spec, &tokens, &vocab, &model.file.path);
     }
     let mut session = Session::new(model.clone(), pool, n_ctx, c.batch_size)?;
     let mut sampler = Sampler::new(
@@ -560,6 +605,95 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
         "wrote {} ({n} tensors converted to {target}, {:.1} MiB)",
         output.display(),
         bytes as f64 / 1048576.0
+    );
+    Ok(())
+}
+
+fn cmd_node(a: NodeArgs) -> Result<()> {
+    let path = fetch::resolve(&a.model)?;
+    let mut cfg = baton::cluster::NodeConfig::new(path, &a.listen);
+    cfg.layers = a.layers;
+    cfg.secret = a
+        .secret_file
+        .map(|p| baton::cluster::auth::load_secret(&p))
+        .transpose()?;
+    cfg.threads = a.threads.unwrap_or_else(default_threads);
+    cfg.max_ctx = a.ctx_size;
+    cfg.max_batch = a.batch_size;
+    cfg.max_sessions = a.max_sessions;
+    cfg.io_timeout = std::time::Duration::from_secs_f64(a.timeout);
+    baton::cluster::run_node(cfg)
+}
+
+/// `baton run --pipeline`: the same completion, its layers spread over nodes; the last stage samples.
+fn run_pipeline(a: &RunArgs, spec: &str, tokens: &[u32], vocab: &Vocab, model_path: &std::path::Path) -> Result<()> {
+    use baton::cluster::{PipelineOpts, PipelineSession, SamplingParams, WireDtype};
+    let c = &a.common;
+    let opts = PipelineOpts {
+        n_ctx: c.ctx_size,
+        chunk: c.batch_size.min(512),
+        wire: WireDtype::parse(&a.wire_bits)?,
+        secret: a
+            .secret_file
+            .as_ref()
+            .map(|p| baton::cluster::auth::load_secret(p))
+            .transpose()?,
+        threads: c.threads.unwrap_or_else(default_threads),
+        sampling: SamplingParams {
+            temperature: a.temp.max(0.0),
+            top_p: a.top_p,
+            seed: a.seed.unwrap_or_else(rand::random),
+        },
+        verbose: a.verbose,
+        ..Default::default()
+    };
+    let mut p = PipelineSession::connect(spec, model_path, opts)?;
+    let mut out = std::io::stdout().lock();
+    let t0 = Instant::now();
+    let mut s = p.eval(tokens)?;
+    let t_prompt = t0.elapsed().as_secs_f64();
+    let max_new = if a.n_predict < 0 {
+        usize::MAX
+    } else {
+        a.n_predict as usize
+    };
+    let mut decoder = StreamDecoder::new();
+    let t1 = Instant::now();
+    let mut n_gen = 0;
+    while n_gen < max_new && !vocab.is_eog(s.token) {
+        n_gen += 1;
+        out.write_all(decoder.push(vocab, s.token).as_bytes())?;
+        out.flush()?;
+        if n_gen == max_new || p.n_past() + 1 >= p.n_ctx() {
+            break;
+        }
+        s = p.decode_step(s.token)?;
+    }
+    writeln!(out, "{}", decoder.flush())?;
+    let t_gen = t1.elapsed().as_secs_f64();
+    if a.verbose {
+        for st in p.stats() {
+            eprintln!(
+                "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, received {} B, {} reconnects",
+                st.label,
+                st.layers,
+                st.requests,
+                st.tokens,
+                st.compute.as_secs_f64(),
+                st.wall.as_secs_f64(),
+                st.bytes_sent,
+                st.bytes_recv,
+                st.reconnects
+            );
+        }
+    }
+    eprintln!(
+        "prompt: {} tokens in {:.2} s ({:.1} tok/s) | generated: {n_gen} tokens in {:.2} s ({:.1} tok/s) | pipeline",
+        tokens.len(),
+        t_prompt,
+        tokens.len() as f64 / t_prompt,
+        t_gen,
+        n_gen as f64 / t_gen.max(1e-9)
     );
     Ok(())
 }
