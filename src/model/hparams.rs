@@ -107,60 +107,40 @@ impl Hparams {
             bail!("rope dimension count {n_rot} does not fit head size {head_dim_k}");
         }
 
-        let hp = match arch {
-            Arch::Llama => Hparams {
-                arch,
-                n_layer,
-                n_embd,
-                n_ff,
-                n_head,
-                n_head_kv,
-                head_dim_k,
-                head_dim_v,
-                n_vocab,
-                n_ctx_train,
-                rms_eps,
-                rope_type: RopeType::Norm,
-                n_rot,
-                rope_base,
-                rope_base_swa: rope_base,
-                sliding_window: None,
-                swa_layers: vec![false; n_layer],
-                attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
-                embd_scale: 1.0,
-            },
-            Arch::Gemma3 => {
-                let window = u("attention.sliding_window")?;
-                // Gemma 3: five local layers, then one global (llama.cpp's swa pattern 6).
-                let swa_layers = (0..n_layer).map(|il| il % 6 < 5).collect();
-                Hparams {
-                    arch,
-                    n_layer,
-                    n_embd,
-                    n_ff,
-                    n_head,
-                    n_head_kv,
-                    head_dim_k,
-                    head_dim_v,
-                    n_vocab,
-                    n_ctx_train,
-                    rms_eps,
-                    rope_type: RopeType::Neox,
-                    n_rot,
-                    rope_base,
-                    rope_base_swa: 10000.0,
-                    sliding_window: Some(window),
-                    swa_layers,
-                    // query_pre_attn_scalar = head_dim for every size but 27B (which has 62 layers).
-                    attn_scale: if n_layer == 62 {
-                        1.0 / ((n_embd / n_head) as f32).sqrt()
-                    } else {
-                        1.0 / (head_dim_k as f32).sqrt()
-                    },
-                    embd_scale: (n_embd as f32).sqrt(),
-                }
-            }
+        // The llama shape; Gemma 3 differs in RoPE pairing, local layers and scales.
+        let mut hp = Hparams {
+            arch,
+            n_layer,
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            n_vocab,
+            n_ctx_train,
+            rms_eps,
+            rope_type: RopeType::Norm,
+            n_rot,
+            rope_base,
+            rope_base_swa: rope_base,
+            sliding_window: None,
+            swa_layers: vec![false; n_layer],
+            attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
+            embd_scale: 1.0,
         };
+        if arch == Arch::Gemma3 {
+            hp.rope_type = RopeType::Neox;
+            hp.rope_base_swa = 10000.0;
+            hp.sliding_window = Some(u("attention.sliding_window")?);
+            // Five local layers, then one global (llama.cpp's swa pattern 6).
+            hp.swa_layers = (0..n_layer).map(|il| il % 6 < 5).collect();
+            // query_pre_attn_scalar is head_dim for every size but 27B (the one with 62 layers).
+            if n_layer == 62 {
+                hp.attn_scale = 1.0 / ((n_embd / n_head) as f32).sqrt();
+            }
+            hp.embd_scale = (n_embd as f32).sqrt();
+        }
         Ok(hp)
     }
 
