@@ -18,8 +18,9 @@ use std::sync::Arc;
 // argmax agreement is bounded by that noise: measured 96.3% (SmolLM2) and 95.2% (Gemma 3), below the 98% goal,
 // while perplexity agrees within 0.2% and 0.4%. See docs/correctness.md.
 
-/// A divergence at a step whose llama.cpp top-2 gap is below this is a near-tie flip, not a bug.
-const NEAR_TIE: f64 = 0.15;
+/// A divergence at a step whose llama.cpp top-2 gap is below this is a near-tie flip, not a bug: the logits of the
+/// two engines differ by up to ~0.3 (measured), so two candidates closer than that may swap.
+const NEAR_TIE: f64 = 0.4;
 
 fn golden(name: &str) -> Option<Value> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
