@@ -340,26 +340,41 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         out.flush()?;
     }
     let t0 = Instant::now();
-    let mut next = sampler.sample(session.eval(&tokens)?);
+    let first = sampler.sample(session.eval(&tokens)?);
     let t_prompt = t0.elapsed().as_secs_f64();
-
-    let max_new = if a.n_predict < 0 {
-        usize::MAX
-    } else {
-        a.n_predict as usize
-    };
-    let mut decoder = StreamDecoder::new();
     let t1 = Instant::now();
-    let mut n_gen = 0usize;
-    let mut stop = "length";
+    let (n_gen, stop) = stream_completion(&mut out, &vocab, first, a.n_predict, |tok| {
+        sampler.accept(tok);
+        if session.n_past() + 1 >= session.n_ctx() {
+            return Ok(None);
+        }
+        let logits = session.forward(Input::Tokens(&[tok]), Want::LastLogits)?;
+        Ok(Some(sampler.sample(logits)))
+    })?;
+    speed_line(tokens.len(), t_prompt, n_gen, t1.elapsed().as_secs_f64(), stop, "");
+    Ok(())
+}
+
+/// Streams a completion to `out` from its first sampled token until end of generation, `n_predict` tokens (-1: no
+/// limit) or a full context. `step` feeds a token and returns the next, or `None` when the context is full.
+/// Returns the number of tokens generated and why it stopped. Local and pipelined runs share it.
+fn stream_completion(
+    out: &mut impl Write,
+    vocab: &Vocab,
+    first: u32,
+    n_predict: i64,
+    mut step: impl FnMut(u32) -> Result<Option<u32>>,
+) -> Result<(usize, &'static str)> {
+    let max_new = if n_predict < 0 { usize::MAX } else { n_predict as usize };
+    let mut decoder = StreamDecoder::new();
+    let (mut next, mut n_gen, mut stop) = (first, 0usize, "length");
     while n_gen < max_new {
         if vocab.is_eog(next) {
             stop = "end of generation";
             break;
         }
         n_gen += 1;
-        sampler.accept(next);
-        let piece = decoder.push(&vocab, next);
+        let piece = decoder.push(vocab, next);
         if !piece.is_empty() {
             out.write_all(piece.as_bytes())?;
             out.flush()?;
@@ -367,28 +382,27 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         if n_gen == max_new {
             break;
         }
-        if session.n_past() + 1 >= session.n_ctx() {
-            stop = "context full";
-            break;
+        match step(next)? {
+            Some(t) => next = t,
+            None => {
+                stop = "context full";
+                break;
+            }
         }
-        let logits = session.forward(Input::Tokens(&[next]), Want::LastLogits)?;
-        next = sampler.sample(logits);
     }
-    let tail = decoder.flush();
-    out.write_all(tail.as_bytes())?;
-    writeln!(out)?;
+    writeln!(out, "{}", decoder.flush())?;
     out.flush()?;
-    let t_gen = t1.elapsed().as_secs_f64();
+    Ok((n_gen, stop))
+}
+
+/// The closing speed line, on standard error.
+fn speed_line(n_prompt: usize, t_prompt: f64, n_gen: usize, t_gen: f64, stop: &str, suffix: &str) {
     eprintln!(
-        "prompt: {} tokens in {:.2} s ({:.1} tok/s) | generated: {} tokens in {:.2} s ({:.1} tok/s) | stop: {stop}",
-        tokens.len(),
-        t_prompt,
-        tokens.len() as f64 / t_prompt,
-        n_gen,
-        t_gen,
+        "prompt: {n_prompt} tokens in {t_prompt:.2} s ({:.1} tok/s) | generated: {n_gen} tokens in {t_gen:.2} s \
+         ({:.1} tok/s) | stop: {stop}{suffix}",
+        n_prompt as f64 / t_prompt,
         n_gen as f64 / t_gen.max(1e-9),
     );
-    Ok(())
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
@@ -650,26 +664,15 @@ fn run_pipeline(a: &RunArgs, spec: &str, tokens: &[u32], vocab: &Vocab, model_pa
     let mut p = PipelineSession::connect(spec, model_path, opts)?;
     let mut out = std::io::stdout().lock();
     let t0 = Instant::now();
-    let mut s = p.eval(tokens)?;
+    let first = p.eval(tokens)?.token;
     let t_prompt = t0.elapsed().as_secs_f64();
-    let max_new = if a.n_predict < 0 {
-        usize::MAX
-    } else {
-        a.n_predict as usize
-    };
-    let mut decoder = StreamDecoder::new();
     let t1 = Instant::now();
-    let mut n_gen = 0;
-    while n_gen < max_new && !vocab.is_eog(s.token) {
-        n_gen += 1;
-        out.write_all(decoder.push(vocab, s.token).as_bytes())?;
-        out.flush()?;
-        if n_gen == max_new || p.n_past() + 1 >= p.n_ctx() {
-            break;
+    let (n_gen, stop) = stream_completion(&mut out, vocab, first, a.n_predict, |tok| {
+        if p.n_past() + 1 >= p.n_ctx() {
+            return Ok(None);
         }
-        s = p.decode_step(s.token)?;
-    }
-    writeln!(out, "{}", decoder.flush())?;
+        Ok(Some(p.decode_step(tok)?.token))
+    })?;
     let t_gen = t1.elapsed().as_secs_f64();
     if a.verbose {
         for st in p.stats() {
@@ -687,14 +690,7 @@ fn run_pipeline(a: &RunArgs, spec: &str, tokens: &[u32], vocab: &Vocab, model_pa
             );
         }
     }
-    eprintln!(
-        "prompt: {} tokens in {:.2} s ({:.1} tok/s) | generated: {n_gen} tokens in {:.2} s ({:.1} tok/s) | pipeline",
-        tokens.len(),
-        t_prompt,
-        tokens.len() as f64 / t_prompt,
-        t_gen,
-        n_gen as f64 / t_gen.max(1e-9)
-    );
+    speed_line(tokens.len(), t_prompt, n_gen, t_gen, stop, " | pipeline");
     Ok(())
 }
 
