@@ -356,6 +356,18 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn sampler_params(a: &RunArgs) -> SamplerParams {
+    SamplerParams {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    }
+}
+
 /// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
@@ -372,11 +384,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
                 .map(|p| baton::cluster::auth::load_secret(p))
                 .transpose()?,
             threads: c.threads.unwrap_or_else(default_threads),
-            sampling: SamplingParams {
-                temperature: a.temp.max(0.0),
-                top_p: a.top_p,
-                seed: a.seed.unwrap_or_else(rand::random),
-            },
+            sampling: SamplingParams::from_sampler(&sampler_params(a)),
             verbose: a.verbose,
             ..Default::default()
         };
