@@ -226,6 +226,11 @@ struct BenchArgs {
     /// One JSON object per line and test.
     #[arg(long)]
     json: bool,
+    /// Also measure llama.cpp on the same model and threads, one repetition after each of Baton's, and print the
+    /// ratios. Uses the `tools/llama-ref` binary (build it with `cargo build --release` in tools/llama-ref; path
+    /// overridable with BATON_LLAMA_REF).
+    #[arg(long = "compare-llama-cpp")]
+    compare_llama_cpp: bool,
     /// Measure through a pipeline of nodes instead (`HOST:PORT=A:B,...,local=C:end`, as `baton run --pipeline`).
     #[arg(long)]
     pipeline: Option<String>,
@@ -566,12 +571,34 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         reps: a.reps,
         n_batch: a.batch_size,
     };
+    let llama_bin = std::env::var_os("BATON_LLAMA_REF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("tools/llama-ref/target/release/llama-ref"));
+    if a.compare_llama_cpp && !llama_bin.exists() {
+        bail!(
+            "--compare-llama-cpp needs the llama.cpp reference tool at {} (build it: cd tools/llama-ref && cargo \
+             build --release; or set BATON_LLAMA_REF)",
+            llama_bin.display()
+        );
+    }
+    let (threads, n_batch, model_path) = (pool.n_threads(), a.batch_size, model.file.path.clone());
+    let mut llama =
+        |test: &str, depth: usize| baton::bench::llama_cpp_once(&llama_bin, &model_path, test, depth, threads, n_batch);
+    let compare: Option<baton::bench::Compare> = if a.compare_llama_cpp { Some(&mut llama) } else { None };
     if !a.json {
-        println!("| model | threads | test | depth | t/s median | min | max | bw bound |");
-        println!("|---|---:|---|---:|---:|---:|---:|---:|");
+        let extra = if a.compare_llama_cpp {
+            " llama.cpp median | ratio |"
+        } else {
+            ""
+        };
+        println!("| model | threads | test | depth | t/s median | min | max | bw bound |{extra}");
+        println!(
+            "|---|---:|---|---:|---:|---:|---:|---:|{}",
+            if a.compare_llama_cpp { "---:|---:|" } else { "" }
+        );
     }
     let json = a.json;
-    baton::bench::run(model, pool, &name, &cfg, |f| {
+    baton::bench::run(model, pool, &name, &cfg, compare, |f, other| {
         let bound = if f.test.starts_with("tg") {
             format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
         } else {
@@ -584,10 +611,20 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             } else {
                 0.0
             });
+            if let Some(o) = other {
+                v["llama_cpp_tps_median"] = serde_json::json!(o.tps_median);
+                v["llama_cpp_samples"] = serde_json::json!(o.samples);
+                v["ratio_vs_llama_cpp"] = serde_json::json!(f.tps_median / o.tps_median);
+            }
             println!("{v}");
         } else {
+            let cmp = match other {
+                Some(o) => format!(" {:.1} | {:.2}x |", o.tps_median, f.tps_median / o.tps_median),
+                None if a.compare_llama_cpp => " - | - |".into(),
+                None => String::new(),
+            };
             println!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |",
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |{cmp}",
                 f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
             );
         }
@@ -633,7 +670,7 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
         println!("| model | local threads | test | depth | t/s median | min | max |");
         println!("|---|---:|---|---:|---:|---:|---:|");
     }
-    baton::bench::run_on(&mut p, &name, threads, &cfg, |f| {
+    baton::bench::run_on(&mut p, &name, threads, &cfg, None, |f, _| {
         if a.json {
             println!("{}", serde_json::to_value(f).unwrap());
         } else {

@@ -30,7 +30,7 @@ impl Bytes {
 pub enum Layout {
     /// Row-major, each row `ty.row_bytes(cols)` bytes: the file's layout.
     Rows,
-    /// Q4_1 in groups of 16 interleaved rows (see [`super::x16`]), rows past the last group row-major.
+    /// Q4_1 or Q8_0 in groups of 16 interleaved rows (see [`super::x16`]), rows past the last group row-major.
     X16,
 }
 
@@ -70,13 +70,13 @@ impl Matrix {
     /// on AVX-512). Such a matrix no longer gives out rows (`row`, embedding lookups): repack only matrices that
     /// are multiplied. The mapped pages it leaves are dropped from memory.
     pub fn repack_for_kernels(&mut self) {
-        if self.ty != GgmlType::Q4_1 || self.layout != Layout::Rows || self.rows < super::x16::ROWS {
+        if !super::x16::supports(self.ty) || self.layout != Layout::Rows || self.rows < super::x16::ROWS {
             return;
         }
         if !super::x16::available() {
             return;
         }
-        let packed = super::x16::repack_q4_1(self.bytes(), self.rows, self.cols / 32);
+        let packed = super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / 32);
         if let Bytes::Mapped { file, offset, len } = &self.data {
             file.release(*offset, *len);
         }
@@ -110,9 +110,10 @@ impl Matrix {
         if self.layout == Layout::X16 && r < grouped {
             // Slow path (tests, inspection): gather the row's blocks out of its group.
             let nb = self.cols / 32;
-            let g = &self.bytes()[(r / super::x16::ROWS) * nb * super::x16::GROUP_BLOCK..];
+            let gbb = super::x16::group_block(self.ty);
+            let g = &self.bytes()[(r / super::x16::ROWS) * nb * gbb..];
             let row: Vec<u8> = (0..nb)
-                .flat_map(|b| super::x16::unpack_block(&g[b * super::x16::GROUP_BLOCK..], r % super::x16::ROWS))
+                .flat_map(|b| super::x16::unpack_block(self.ty, &g[b * gbb..], r % super::x16::ROWS))
                 .collect();
             return super::dequantize_row(self.ty, &row, out);
         }

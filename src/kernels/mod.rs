@@ -345,12 +345,12 @@ pub fn matmul_with(
     });
 }
 
-/// [`matmul_with`] for Q4_1 repacked in groups of 16 rows: threads take groups; each group's weights (a few KB) stay
+/// [`matmul_with`] for weights repacked in groups of 16 rows: threads take groups; each group's weights (a few KB) stay
 /// in L1 while every token, four at a time, goes past them. Rows after the last group are row-major.
 fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize, yp: SyncPtr<f32>, dot: DotFn) {
     let (rows, nb) = (w.rows, w.cols / 32);
     let groups = rows / x16::ROWS;
-    let gbytes = nb * x16::GROUP_BLOCK;
+    let gbytes = nb * x16::group_block(w.ty);
     let data = w.bytes();
     let per_item = groups.div_ceil(8 * pool.n_threads()).max(1);
     let next = AtomicUsize::new(0);
@@ -365,7 +365,7 @@ fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize
                 let wg = &data[g * gbytes..(g + 1) * gbytes];
                 for t in (0..n_tok).step_by(4) {
                     let n = (n_tok - t).min(4);
-                    x16::dot_group(nb, wg, &xq[t * xrb..], xrb, n, &mut out);
+                    x16::dot_group(w.ty, nb, wg, &xq[t * xrb..], xrb, n, &mut out);
                     for (j, o) in out[..n].iter().enumerate() {
                         // SAFETY: the rows of group g belong to this work item.
                         unsafe {
