@@ -96,15 +96,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .and_then(|f| f.model.clone())
         .unwrap_or_else(|| cfg.model.clone());
     let path = crate::fetch::resolve(&model_arg)?;
-    let model_id = cfg.served_name.clone().unwrap_or_else(|| {
-        if Path::new(&model_arg).exists() {
-            Path::new(&model_arg)
-                .file_stem()
-                .map_or(model_arg.clone(), |s| s.to_string_lossy().into_owned())
-        } else {
-            model_arg.clone()
-        }
-    });
+    let (model_id, aliases) = model_ids(&cfg, &model_arg, &path);
     let metrics = Arc::new(Metrics::default());
     let (nodes, describe) = build_nodes(&cfg, file.as_ref(), &path, &metrics)?;
     let sched = Scheduler::start(nodes, cfg.queue, metrics.clone());
@@ -114,6 +106,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         sched,
         metrics,
         model_id,
+        aliases,
         api_key: cfg.api_key.clone(),
         describe,
         created: std::time::SystemTime::now()
@@ -138,6 +131,17 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         axum::serve(listener, routes::router(app)).await?;
         Ok(())
     })
+}
+
+/// The id `/v1/models` lists (`--served-name`, else the known model's short name, else the file stem) and the other
+/// names a request may use for the same model (short name, file name, file stem, the --model argument).
+fn model_ids(cfg: &ServeConfig, arg: &str, path: &Path) -> (String, Vec<String>) {
+    let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = path.file_stem().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let known = crate::fetch::known_models().iter().find(|m| m.file_name == file).map(|m| m.name.to_string());
+    let id = cfg.served_name.clone().or(known.clone()).unwrap_or_else(|| stem.clone());
+    let aliases = [known, Some(file), Some(stem), Some(arg.to_string())].into_iter().flatten().collect();
+    (id, aliases)
 }
 
 fn pipeline_opts(cfg: &ServeConfig, wire_bits: &str, secret: Option<&Path>) -> Result<PipelineOpts> {

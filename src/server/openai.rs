@@ -263,6 +263,9 @@ pub fn parse_completion(body: &[u8]) -> Result<Request, ApiError> {
             return Err(ApiError::bad("prompt", "only one prompt per request is supported"));
         }
     };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt is empty"));
+    }
     if b.echo == Some(true) {
         return Err(ApiError::bad("echo", "echo is not supported"));
     }

@@ -364,26 +364,21 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
     let g = generator.as_mut().unwrap();
     // Validation that needs the tokenizer: the prompt and max_tokens against the context.
     let n_ctx = g.n_ctx();
+    let param = match job.prompt {
+        Prompt::Text(_) => "prompt",
+        Prompt::Chat(_) => "messages",
+    };
     let n_prompt = match g.count_prompt(&job.prompt) {
         Ok(n) => n,
         Err(e) => {
-            let _ = job.tx.send(Event::Error(ApiError::bad(
-                "messages",
-                format!("cannot tokenize the prompt: {e:#}"),
-            )));
+            let _ = job.tx.send(Event::Error(ApiError::bad(param, format!("{e:#}"))));
             return Ran::Over;
         }
     };
-    if n_prompt == 0 {
-        let _ = job
-            .tx
-            .send(Event::Error(ApiError::bad("prompt", "the prompt is empty")));
-        return Ran::Over;
-    }
     if n_prompt >= n_ctx {
         let _ = job.tx.send(Event::Error(
             ApiError::bad(
-                "messages",
+                param,
                 format!("the prompt is {n_prompt} tokens; this model's context is {n_ctx} tokens"),
             )
             .code("context_length_exceeded"),

@@ -25,12 +25,20 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// The model id clients name (`/v1/models`).
     pub model_id: String,
+    /// Other names requests may use for the same model.
+    pub aliases: Vec<String>,
     pub api_key: Option<String>,
     pub describe: String,
     pub created: u64,
 }
 
 type AppState = Arc<App>;
+
+impl App {
+    fn serves(&self, model: &str) -> bool {
+        model == self.model_id || self.aliases.iter().any(|a| a == model)
+    }
+}
 
 pub fn router(app: AppState) -> Router {
     Router::new()
@@ -120,7 +128,7 @@ async fn models(State(app): State<AppState>) -> Response {
 }
 
 async fn model(State(app): State<AppState>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
-    if id == app.model_id {
+    if app.serves(&id) {
         axum::Json(model_obj(&app)).into_response()
     } else {
         unknown_model(&app, &id).into_response()
@@ -165,7 +173,7 @@ async fn handle(app: AppState, req: Result<Request, ApiError>) -> Response {
 async fn run(app: AppState, req: Result<Request, ApiError>) -> Result<Response, ApiError> {
     let req = req?;
     if let Some(m) = &req.model
-        && m != &app.model_id
+        && !app.serves(m)
     {
         return Err(unknown_model(&app, m));
     }
