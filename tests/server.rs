@@ -27,10 +27,7 @@ impl Server {
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
-        cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         unsafe {
             cmd.pre_exec(|| {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -78,7 +75,10 @@ impl Server {
 
     fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let (code, _, text) = http(&self.addr, "POST", path, &body.to_string(), &[]);
-        (code, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        )
     }
 
     fn get(&self, path: &str) -> (u16, String) {
@@ -165,7 +165,13 @@ fn read_chunk(r: &mut impl BufRead) -> Option<Vec<u8>> {
 }
 
 /// A minimal HTTP/1.1 client: status, headers, body.
-fn http(addr: &str, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>, String) {
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, Vec<(String, String)>, String) {
     let mut s = connect(addr);
     send_request(&mut s, method, path, body, headers);
     let mut r = BufReader::new(s);
@@ -195,7 +201,12 @@ impl SseReader {
         send_request(&mut s, "POST", path, body, &[]);
         let mut r = BufReader::new(s);
         let (code, headers) = read_head(&mut r);
-        SseReader { code, headers, r, buf: String::new() }
+        SseReader {
+            code,
+            headers,
+            r,
+            buf: String::new(),
+        }
     }
 
     /// The next event's data, or `None` when the stream ends.
@@ -225,8 +236,11 @@ fn chat(content: &str, extra: Value) -> Value {
 
 /// Concatenated text of a chat or completion stream, and its parsed chunks (without `[DONE]`).
 fn stream_text(events: &[String]) -> (String, Vec<Value>) {
-    let chunks: Vec<Value> =
-        events.iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     let text = chunks
         .iter()
         .filter_map(|c| c["choices"].get(0))
@@ -243,7 +257,10 @@ fn chat_completions_streaming_stop_and_logprobs() {
     assert!(models.contains("\"smollm2\""), "{models}");
 
     // Non-streaming, greedy: usage adds up, max_tokens is honoured.
-    let (code, a) = srv.post("/v1/chat/completions", &chat("Name three colors.", json!({"max_tokens": 8})));
+    let (code, a) = srv.post(
+        "/v1/chat/completions",
+        &chat("Name three colors.", json!({"max_tokens": 8})),
+    );
     assert_eq!(code, 200, "{a}");
     let text = a["choices"][0]["message"]["content"].as_str().unwrap().to_string();
     assert!(!text.is_empty());
@@ -252,15 +269,25 @@ fn chat_completions_streaming_stop_and_logprobs() {
     let u = &a["usage"];
     assert_eq!(u["completion_tokens"], 8);
     assert!(u["prompt_tokens"].as_u64().unwrap() > 5);
-    assert_eq!(u["total_tokens"].as_u64(), Some(u["prompt_tokens"].as_u64().unwrap() + 8));
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + 8)
+    );
 
     // The same request streamed: role first, the same text, a finish chunk, the usage chunk, [DONE].
     let mut s = srv.stream(
         "/v1/chat/completions",
-        &chat("Name three colors.", json!({"max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}})),
+        &chat(
+            "Name three colors.",
+            json!({"max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
     );
     assert_eq!(s.code, 200);
-    assert!(s.headers.iter().any(|(k, v)| k == "content-type" && v.starts_with("text/event-stream")));
+    assert!(
+        s.headers
+            .iter()
+            .any(|(k, v)| k == "content-type" && v.starts_with("text/event-stream"))
+    );
     let events = s.all();
     assert_eq!(events.last().unwrap(), "[DONE]");
     let (streamed, chunks) = stream_text(&events);
@@ -273,22 +300,43 @@ fn chat_completions_streaming_stop_and_logprobs() {
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 8);
     // The second identical prompt reused the first one's KV.
-    assert!(usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{usage}");
+    assert!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{usage}"
+    );
 
     // A stop string from the middle of the greedy text: the reply ends just before it, streamed or not.
     let cut = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
     let stop: String = text[cut..].chars().take(2).collect();
     let want = &text[..text.find(&stop).unwrap()];
-    let (code, b) = srv.post("/v1/chat/completions", &chat("Name three colors.", json!({"max_tokens": 8, "stop": [stop]})));
+    let (code, b) = srv.post(
+        "/v1/chat/completions",
+        &chat("Name three colors.", json!({"max_tokens": 8, "stop": [stop]})),
+    );
     assert_eq!(code, 200, "{b}");
     assert_eq!(b["choices"][0]["message"]["content"], want);
     assert_eq!(b["choices"][0]["finish_reason"], "stop");
-    let mut s = srv.stream("/v1/chat/completions", &chat("Name three colors.", json!({"max_tokens": 8, "stop": stop, "stream": true})));
+    let mut s = srv.stream(
+        "/v1/chat/completions",
+        &chat(
+            "Name three colors.",
+            json!({"max_tokens": 8, "stop": stop, "stream": true}),
+        ),
+    );
     let (streamed, _) = stream_text(&s.all());
     assert_eq!(streamed, want);
 
     // Chat logprobs: one entry per token, top alternatives sorted, the greedy choice is the most likely.
-    let (code, c) = srv.post("/v1/chat/completions", &chat("Name three colors.", json!({"max_tokens": 4, "logprobs": true, "top_logprobs": 3})));
+    let (code, c) = srv.post(
+        "/v1/chat/completions",
+        &chat(
+            "Name three colors.",
+            json!({"max_tokens": 4, "logprobs": true, "top_logprobs": 3}),
+        ),
+    );
     assert_eq!(code, 200, "{c}");
     let content = c["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert_eq!(content.len(), 4);
@@ -297,7 +345,10 @@ fn chat_completions_streaming_stop_and_logprobs() {
         assert_eq!(top.len(), 3);
         let lp = e["logprob"].as_f64().unwrap();
         assert!(lp <= 0.0);
-        assert!((lp - top[0]["logprob"].as_f64().unwrap()).abs() < 1e-6, "greedy picks the top token: {e}");
+        assert!(
+            (lp - top[0]["logprob"].as_f64().unwrap()).abs() < 1e-6,
+            "greedy picks the top token: {e}"
+        );
         assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
     }
 
@@ -309,7 +360,12 @@ fn chat_completions_streaming_stop_and_logprobs() {
     let lp = &d["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 5);
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
-    let joined: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let joined: String = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
     assert_eq!(joined, d["choices"][0]["text"].as_str().unwrap());
     let mut body_s = body.clone();
     body_s["stream"] = json!(true);
@@ -317,20 +373,38 @@ fn chat_completions_streaming_stop_and_logprobs() {
     assert_eq!(streamed, d["choices"][0]["text"].as_str().unwrap());
 
     // Seeded sampling is reproducible.
-    let seeded = chat("Tell me a word.", json!({"max_tokens": 6, "temperature": 1.0, "seed": 42}));
+    let seeded = chat(
+        "Tell me a word.",
+        json!({"max_tokens": 6, "temperature": 1.0, "seed": 42}),
+    );
     let (_, x) = srv.post("/v1/chat/completions", &seeded);
     let (_, y) = srv.post("/v1/chat/completions", &seeded);
-    assert_eq!(x["choices"][0]["message"]["content"], y["choices"][0]["message"]["content"]);
+    assert_eq!(
+        x["choices"][0]["message"]["content"],
+        y["choices"][0]["message"]["content"]
+    );
 
     // /metrics saw it all.
     let (code, m) = srv.get("/metrics");
     assert_eq!(code, 200);
-    assert!(srv.metric("baton_requests_total{path=\"/v1/chat/completions\",status=\"200\"}") >= 6.0, "{m}");
+    assert!(
+        srv.metric("baton_requests_total{path=\"/v1/chat/completions\",status=\"200\"}") >= 6.0,
+        "{m}"
+    );
     assert!(srv.metric("baton_completion_tokens_total") >= 40.0, "{m}");
     assert!(srv.metric("baton_ttft_seconds_count") >= 8.0, "{m}");
     assert!(srv.metric("baton_inter_token_seconds_count") >= 20.0, "{m}");
     assert!(srv.metric("baton_cached_prompt_tokens_total") > 0.0, "{m}");
-    assert!(m.contains("baton_queue_depth 0\n") && m.contains("baton_slots_busy 0\n"), "{m}");
+    // The slot is released just after the last event is sent.
+    let t0 = Instant::now();
+    while srv.metric("baton_slots_busy") != 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "a slot stayed busy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        m.contains("baton_queue_depth 0\n") && m.contains("baton_slots 1\n"),
+        "{m}"
+    );
     assert!(m.contains("baton_ttft_seconds_bucket{le=\"+Inf\"}"), "{m}");
 }
 
@@ -342,22 +416,97 @@ fn bad_inputs_get_openai_errors() {
         ("/v1/chat/completions", "{not json".into(), 400, None),
         ("/v1/chat/completions", "[1,2]".into(), 400, None),
         ("/v1/chat/completions", json!({"messages": "hi"}).to_string(), 400, None),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}).to_string(), 400, None),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).to_string(), 400, None),
-        ("/v1/chat/completions", json!({"messages": [], "max_tokens": 5}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).to_string(), 404, Some("model")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(), 400, Some("max_tokens")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).to_string(), 400, Some("max_tokens")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}).to_string(), 400, Some("max_completion_tokens")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}).to_string(), 400, Some("max_tokens")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": long}]}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "n": 3}).to_string(), 400, Some("n")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": true}).to_string(), 400, Some("top_logprobs")),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}).to_string(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).to_string(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [], "max_tokens": 5}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}).to_string(),
+            400,
+            Some("max_completion_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": long}]}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "n": 3}).to_string(),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": true}).to_string(),
+            400,
+            Some("top_logprobs"),
+        ),
         ("/v1/completions", json!({"prompt": 5}).to_string(), 400, None),
-        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": long, "max_tokens": 5}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "", "max_tokens": 5}).to_string(), 400, Some("prompt")),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long, "max_tokens": 5}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "", "max_tokens": 5}).to_string(),
+            400,
+            Some("prompt"),
+        ),
         ("/v1/nothing", "{}".into(), 404, None),
     ];
     for (path, body, want, param) in cases {
@@ -382,7 +531,9 @@ fn bad_inputs_get_openai_errors() {
 
 #[test]
 fn api_key_and_non_loopback() {
-    let err = Server::try_start(&["--listen", "0.0.0.0:0"]).err().expect("must refuse to start");
+    let err = Server::try_start(&["--listen", "0.0.0.0:0"])
+        .err()
+        .expect("must refuse to start");
     assert!(err.contains("--api-key"), "{err}");
     let srv = Server::start(&["--api-key", "sekrit"]);
     let (code, _, text) = http(&srv.addr, "GET", "/v1/models", "", &[]);
@@ -390,7 +541,13 @@ fn api_key_and_non_loopback() {
     assert!(text.contains("invalid_api_key"));
     let (code, _, _) = http(&srv.addr, "GET", "/v1/models", "", &[("Authorization", "Bearer wrong")]);
     assert_eq!(code, 401);
-    let (code, _, _) = http(&srv.addr, "GET", "/v1/models", "", &[("Authorization", "Bearer sekrit")]);
+    let (code, _, _) = http(
+        &srv.addr,
+        "GET",
+        "/v1/models",
+        "",
+        &[("Authorization", "Bearer sekrit")],
+    );
     assert_eq!(code, 200);
     assert_eq!(srv.get("/health").0, 200, "health stays open");
 }
@@ -398,7 +555,10 @@ fn api_key_and_non_loopback() {
 #[test]
 fn queue_full_is_429_and_cancellation_frees_the_slot() {
     let srv = Server::start(&["--parallel", "1", "--queue", "1"]);
-    let long = chat("Write a long story about a dragon.", json!({"max_tokens": 200, "stream": true}));
+    let long = chat(
+        "Write a long story about a dragon.",
+        json!({"max_tokens": 200, "stream": true}),
+    );
     // Occupy the only slot, and see it generating.
     let mut a = srv.stream("/v1/chat/completions", &long);
     assert_eq!(a.code, 200);
@@ -414,11 +574,20 @@ fn queue_full_is_429_and_cancellation_frees_the_slot() {
     });
     let t0 = Instant::now();
     while srv.metric("baton_queue_depth") < 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(20), "the second request never queued");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the second request never queued"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     // ...the next one is refused with 429 and Retry-After.
-    let (code, h, text) = http(&srv.addr, "POST", "/v1/chat/completions", &chat("hi", json!({"max_tokens": 2})).to_string(), &[]);
+    let (code, h, text) = http(
+        &srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat("hi", json!({"max_tokens": 2})).to_string(),
+        &[],
+    );
     assert_eq!(code, 429, "{text}");
     assert!(h.iter().any(|(k, _)| k == "retry-after"), "{h:?}");
     assert!(text.contains("rate_limit_error"), "{text}");
@@ -443,7 +612,9 @@ fn queue_full_is_429_and_cancellation_frees_the_slot() {
 fn cluster_file(dir: &tempfile::TempDir, addrs: &[&str]) -> String {
     let mut s = format!("model = {:?}\n", smollm2().display().to_string());
     for (i, a) in addrs.iter().enumerate() {
-        s.push_str(&format!("[[node]]\nname = \"d{i}\"\naddr = \"{a}\"\nrole = \"decode\"\nslots = 1\n"));
+        s.push_str(&format!(
+            "[[node]]\nname = \"d{i}\"\naddr = \"{a}\"\nrole = \"decode\"\nslots = 1\n"
+        ));
     }
     let p = dir.path().join("cluster.toml");
     std::fs::write(&p, s).unwrap();
@@ -456,7 +627,13 @@ fn node_dying_mid_stream_ends_the_stream_with_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let file = cluster_file(&dir, &[&node.addr]);
     let srv = Server::start(&["--cluster", &file, "--node-timeout", "10"]);
-    let mut s = srv.stream("/v1/chat/completions", &chat("Write a long story about a dragon.", json!({"max_tokens": 200, "stream": true})));
+    let mut s = srv.stream(
+        "/v1/chat/completions",
+        &chat(
+            "Write a long story about a dragon.",
+            json!({"max_tokens": 200, "stream": true}),
+        ),
+    );
     assert_eq!(s.code, 200);
     s.next().unwrap();
     s.next().unwrap();
@@ -506,7 +683,11 @@ fn router_prefers_the_cached_prefix_and_fails_over() {
     let c = counts(&srv);
     let (code, _) = srv.post("/v1/chat/completions", &chat(other, json!({"max_tokens": 3})));
     assert_eq!(code, 200);
-    assert_ne!(node_of(&srv, c), home, "an unrelated prompt goes to the idle, colder node");
+    assert_ne!(
+        node_of(&srv, c),
+        home,
+        "an unrelated prompt goes to the idle, colder node"
+    );
 
     // The conversation's next turn goes where its prefix is cached, and reuses it over the wire.
     let reply = a["choices"][0]["message"]["content"].as_str().unwrap();
@@ -518,19 +699,33 @@ fn router_prefers_the_cached_prefix_and_fails_over() {
     let (code, b) = srv.post("/v1/chat/completions", &next);
     assert_eq!(code, 200, "{b}");
     assert_eq!(node_of(&srv, c), home);
-    assert_eq!(srv.metric(&format!("baton_routed_total{{node=\"d{home}\",reason=\"prefix\"}}")), prefix_before + 1.0);
+    assert_eq!(
+        srv.metric(&format!("baton_routed_total{{node=\"d{home}\",reason=\"prefix\"}}")),
+        prefix_before + 1.0
+    );
     let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(cached > 20, "the node kept the session's KV: {b}");
-    assert!(srv.metric(&format!("baton_wire_bytes_total{{peer=\"{}\",direction=\"sent\"}}", nodes[home].as_ref().unwrap().addr)) > 0.0);
+    assert!(
+        srv.metric(&format!(
+            "baton_wire_bytes_total{{peer=\"{}\",direction=\"sent\"}}",
+            nodes[home].as_ref().unwrap().addr
+        )) > 0.0
+    );
 
     // The node holding the prefix dies: the same request still completes, on the other node.
     nodes[home].as_mut().unwrap().kill();
     let (code, c2) = srv.post("/v1/chat/completions", &next);
     assert_eq!(code, 200, "{c2}");
-    assert_eq!(c2["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"], "same greedy reply");
+    assert_eq!(
+        c2["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"],
+        "same greedy reply"
+    );
     let t0 = Instant::now();
     while srv.metric(&format!("baton_node_up{{node=\"d{home}\"}}")) != 0.0 {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the dead node is still marked up");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the dead node is still marked up"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     // It comes back on the same address: the health check puts it back.
@@ -589,5 +784,9 @@ print("ok")
         .output()
         .unwrap();
     let so = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && so.contains("ok"), "{so}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && so.contains("ok"),
+        "{so}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

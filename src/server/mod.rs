@@ -136,11 +136,27 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
 /// The id `/v1/models` lists (`--served-name`, else the known model's short name, else the file stem) and the other
 /// names a request may use for the same model (short name, file name, file stem, the --model argument).
 fn model_ids(cfg: &ServeConfig, arg: &str, path: &Path) -> (String, Vec<String>) {
-    let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-    let stem = path.file_stem().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-    let known = crate::fetch::known_models().iter().find(|m| m.file_name == file).map(|m| m.name.to_string());
-    let id = cfg.served_name.clone().or(known.clone()).unwrap_or_else(|| stem.clone());
-    let aliases = [known, Some(file), Some(stem), Some(arg.to_string())].into_iter().flatten().collect();
+    let file = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = path
+        .file_stem()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let known = crate::fetch::known_models()
+        .iter()
+        .find(|m| m.file_name == file)
+        .map(|m| m.name.to_string());
+    let id = cfg
+        .served_name
+        .clone()
+        .or(known.clone())
+        .unwrap_or_else(|| stem.clone());
+    let aliases = [known, Some(file), Some(stem), Some(arg.to_string())]
+        .into_iter()
+        .flatten()
+        .collect();
     (id, aliases)
 }
 
