@@ -260,9 +260,12 @@ fn build_nodes(
     }
 }
 
-/// HOOK for disaggregated prefill (issue 5): the generator of one decode slot when prefill nodes exist. The lead
-/// wires `DisaggGenerator` here: pick the least-loaded healthy prefill node per request (links in the cluster file
-/// give the rates), prefill there, stream the KV to `decode`, decode there.
+/// HOOK for disaggregated prefill (issue 5): the generator factory of one decode node's slots when the cluster file
+/// names prefill nodes. The factory is called once per slot (and again after a failure). To wire `DisaggGenerator`:
+/// build here, once per decode node, a shared picker over `prefill` (busy counters behind an `Arc`, health as for
+/// decode nodes; `ClusterFile::links` gives rates) so each request prefills on the least-loaded healthy prefill
+/// node, streams the KV to `decode.addr`, and decodes there; return a factory that clones the picker into each
+/// slot's generator. A prefill failure before the first token is retried on another decode slot by the scheduler.
 fn disagg_hook(prefill: &[NodeEntry], decode: &NodeEntry, _path: &Path, _opts: &PipelineOpts) -> Result<Factory> {
     bail!(
         "prefill nodes ({}) for decode node {} need the disaggregated generator, which this build does not have yet",

@@ -149,7 +149,10 @@ mod tests {
         assert_eq!(f.push(piece("one\n")).len(), 0, "a possible stop prefix is held");
         let out = f.push(piece("\ntwo"));
         let text: String = out.iter().map(|p| p.text.as_str()).collect();
-        assert_eq!(text, "one", "the text before the stop string, cut inside the held piece");
+        assert_eq!(
+            text, "one",
+            "the text before the stop string, cut inside the held piece"
+        );
         assert!(f.matched());
     }
 
