@@ -81,12 +81,17 @@ pub fn pick(slots: &[SlotView], nodes: &[NodeView], key: &str, excluded: &[usize
     if best.1 >= MIN_PREFIX && load(&nodes[slots[best.0].node]) <= min_load + OVERLOAD_MARGIN {
         return Some((best.0, Reason::Prefix, best.1));
     }
-    // Least-loaded node; on it the longest prefix, then the least recently used slot.
+    // Least-loaded node; on it the longest prefix worth having, then the least recently used slot.
+    let worth = |p: usize| if p >= MIN_PREFIX { p } else { 0 };
     let (i, p) = cands
         .iter()
         .copied()
         .filter(|&(i, _)| load(&nodes[slots[i].node]) <= min_load)
-        .max_by(|&(a, pa), &(b, pb)| pa.cmp(&pb).then(slots[b].last_used.cmp(&slots[a].last_used)))
+        .max_by(|&(a, pa), &(b, pb)| {
+            worth(pa)
+                .cmp(&worth(pb))
+                .then(slots[b].last_used.cmp(&slots[a].last_used))
+        })
         .unwrap();
     Some((i, Reason::LeastLoaded, p))
 }
@@ -143,6 +148,16 @@ mod tests {
         ];
         let nodes = [n(true, 1, 2), n(true, 0, 2)];
         assert_eq!(pick(&slots, &nodes, "zzz", &[]), Some((2, Reason::LeastLoaded, 0)));
+    }
+
+    #[test]
+    fn a_few_shared_bytes_do_not_beat_the_colder_slot() {
+        let slots = [s(0, false, "\u{1}user\u{1f}Once upon", 2), s(1, false, "", 1)];
+        let nodes = [n(true, 0, 1), n(true, 0, 1)];
+        assert_eq!(
+            pick(&slots, &nodes, "\u{1}user\u{1f}List", &[]),
+            Some((1, Reason::LeastLoaded, 0))
+        );
     }
 
     #[test]
