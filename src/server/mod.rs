@@ -292,12 +292,10 @@ struct Metered {
 
 impl Metered {
     fn account(&self) {
-        if let Some(s) = self.inner.session() {
-            for st in s.stats() {
-                if st.bytes_sent + st.bytes_recv > 0 && !st.label.starts_with("local") {
-                    let peer = st.label.split(' ').next().unwrap_or(&st.label);
-                    self.metrics.wire(peer, st.bytes_sent, st.bytes_recv);
-                }
+        for st in self.inner.session().stats() {
+            if st.bytes_sent + st.bytes_recv > 0 && !st.label.starts_with("local") {
+                let peer = st.label.split(' ').next().unwrap_or(&st.label);
+                self.metrics.wire(peer, st.bytes_sent, st.bytes_recv);
             }
         }
     }
