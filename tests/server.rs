@@ -608,8 +608,24 @@ fn queue_full_is_429_and_cancellation_frees_the_slot() {
         assert!(t0.elapsed() < Duration::from_secs(5), "the slot stayed busy");
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Fewer than 200 tokens were generated for the cancelled stream.
-    assert!(srv.metric("baton_completion_tokens_total") < 150.0);
+    // A non-streaming client that gives up is noticed too: its generation stops and the slot is freed.
+    let before = srv.metric("baton_completion_tokens_total");
+    let mut c = connect(&srv.addr);
+    let body = json!({"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 200}).to_string();
+    send_request(&mut c, "POST", "/v1/completions", &body, &[]);
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(c);
+    let t0 = Instant::now();
+    while srv.metric("baton_cancelled_total") < 2.0 || srv.metric("baton_slots_busy") != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the abandoned request kept its slot"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(srv.metric("baton_completion_tokens_total") - before < 199.0);
+    // Fewer than 200 tokens were generated for the cancelled stream (and 2 for the queued request).
+    assert!(before < 150.0, "{before} tokens");
 }
 
 /// Writes a cluster file of decode nodes named d0, d1, ... with one slot each.
