@@ -66,6 +66,8 @@ enum Cmd {
     },
     /// Serve layer ranges of a model to coordinators on other machines.
     Node(NodeArgs),
+    /// OpenAI-compatible HTTP server (local, --pipeline, or --cluster with a router over nodes).
+    Serve(ServeArgs),
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
@@ -184,6 +186,50 @@ struct NodeArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Model id clients use (default: the --model argument, or the file stem of a path).
+    #[arg(long = "served-name")]
+    served_name: Option<String>,
+    /// Address to listen on (port 0 picks a free one, printed on start).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// Bearer key clients must send; required when not listening on loopback.
+    #[arg(long = "api-key")]
+    api_key: Option<String>,
+    /// Sessions generating at once (each with its own KV); per decode node with --cluster.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
+    /// Requests that may wait for a free session; beyond them the answer is 429.
+    #[arg(long, default_value_t = 16)]
+    queue: usize,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Context size in tokens per session.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    ctx_size: usize,
+    #[arg(short = 'b', long = "batch-size", default_value_t = 256)]
+    batch_size: usize,
+    /// Layers over nodes, like `baton run --pipeline`.
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// A TOML file naming nodes, roles (prefill, decode, stage) and links (see docs/server.md).
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// Hidden-state precision on the wire: 32, 16 (or bf16) or 8.
+    #[arg(long = "wire-bits", default_value = "32")]
+    wire_bits: String,
+    /// Shared secret for nodes that listen beyond loopback.
+    #[arg(long = "secret-file")]
+    secret_file: Option<PathBuf>,
+    /// Seconds to wait on a node's answer before the request fails.
+    #[arg(long = "node-timeout", default_value_t = 30.0)]
+    node_timeout: f64,
+}
+
+#[derive(Args)]
 struct PerplexityArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
@@ -252,6 +298,7 @@ fn main() {
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Quantize { input, output, ty } => cmd_quantize(&input, &output, &ty),
         Cmd::Node(a) => cmd_node(a),
+        Cmd::Serve(a) => cmd_serve(a),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -723,6 +770,26 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
         bytes as f64 / 1048576.0
     );
     Ok(())
+}
+
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    baton::server::serve(baton::server::ServeConfig {
+        model: a.model,
+        served_name: a.served_name,
+        listen: a.listen,
+        api_key: a.api_key,
+        parallel: a.parallel,
+        queue: a.queue,
+        threads: a.threads.unwrap_or_else(default_threads),
+        ctx_size: a.ctx_size,
+        batch_size: a.batch_size,
+        pipeline: a.pipeline,
+        cluster: a.cluster,
+        wire_bits: a.wire_bits,
+        secret_file: a.secret_file,
+        node_timeout: std::time::Duration::from_secs_f64(a.node_timeout),
+        ..Default::default()
+    })
 }
 
 fn cmd_node(a: NodeArgs) -> Result<()> {

@@ -336,6 +336,8 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
         Ok(Msg::Hello { nonce }) => nonce,
         Ok(m) => return Err(refuse(&mut s, format!("expected HELLO, got {}", m.name()))),
         Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
+        // Connected and closed without a word: a health check (`baton serve`'s router), not worth a log line.
+        Err(WireError::Closed) => return Ok(()),
         Err(e) => return Err(wire_err(e, "reading HELLO")),
     };
     let nonce_n = auth::nonce();
