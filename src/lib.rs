@@ -10,6 +10,7 @@ pub mod bench;
 pub mod chat;
 pub mod cluster;
 pub mod engine;
+pub mod ensemble;
 pub mod fetch;
 pub mod fingerprint;
 pub mod generate;
