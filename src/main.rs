@@ -804,7 +804,11 @@ mod ensemble_cli {
         let (ens, docs) = score(spec, file, ctx, threads)?;
         let w = match combine {
             Combine::Mix(w) if w.len() == ens.members.len() => w.clone(),
-            Combine::Mix(w) => anyhow::bail!("--combine mix has {} weights for {} members", w.len(), ens.members.len()),
+            Combine::Mix(w) => anyhow::bail!(
+                "--combine mix has {} weights for {} members",
+                w.len(),
+                ens.members.len()
+            ),
             _ => vec![1.0; ens.members.len()],
         };
         print_report(&ens, &docs, &w);

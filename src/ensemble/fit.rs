@@ -103,7 +103,11 @@ pub fn score_doc(members: &mut [Member], doc: &str) -> Result<DocScore> {
                         ends.push(at);
                     }
                     if at != doc.len() {
-                        bail!("member {}: its tokens spell {at} bytes of a {}-byte document", m.name(), doc.len());
+                        bail!(
+                            "member {}: its tokens spell {at} bytes of a {}-byte document",
+                            m.name(),
+                            doc.len()
+                        );
                     }
                     if ids.len() > m.n_ctx() {
                         bail!(
@@ -119,7 +123,10 @@ pub fn score_doc(members: &mut [Member], doc: &str) -> Result<DocScore> {
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("scoring thread panicked"))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("scoring thread panicked")))
+            })
             .collect()
     });
     let sides: Vec<Side> = sides.into_iter().collect::<Result<_>>()?;
@@ -236,7 +243,11 @@ pub fn report(docs: &[DocScore], w: &[f64], seed: u64) -> Report {
         }
     }
     diffs.sort_by(f64::total_cmp);
-    let q = |f: f64| diffs.get(((diffs.len() as f64 * f) as usize).min(diffs.len().saturating_sub(1))).copied();
+    let q = |f: f64| {
+        diffs
+            .get(((diffs.len() as f64 * f) as usize).min(diffs.len().saturating_sub(1)))
+            .copied()
+    };
     Report {
         bytes,
         docs: docs.len(),

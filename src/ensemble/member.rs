@@ -10,10 +10,10 @@ use super::combine::{Key, View};
 use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
 use crate::engine::Session;
 use crate::engine::sampler::top_logprobs;
+use crate::generate::TextModel;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::Model;
-use crate::generate::TextModel;
 use crate::vocab::Vocab;
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
@@ -52,7 +52,10 @@ pub fn parse_members(s: &str) -> Result<Vec<MemberSpec>> {
         }
         let place = match place {
             "local" => Place::Local,
-            addr if addr.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) => {
+            addr if addr
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) =>
+            {
                 Place::Remote(addr.to_string())
             }
             other => bail!("ensemble member {part:?}: {other:?} is neither `local` nor HOST:PORT"),
@@ -258,7 +261,13 @@ impl Member {
         let file = Arc::new(GgufFile::open(&path)?);
         let text = TextModel::from_gguf(&file)?;
         let vocab = &text.vocab;
-        if vocab.tokenize("a", false, false).iter().map(|&t| vocab.token_bytes(t)).collect::<Vec<_>>() != [b"a"] {
+        if vocab
+            .tokenize("a", false, false)
+            .iter()
+            .map(|&t| vocab.token_bytes(t))
+            .collect::<Vec<_>>()
+            != [b"a"]
+        {
             bail!(
                 "member {}: its tokenizer adds a space prefix, which tail re-tokenization does not support",
                 spec.name
@@ -320,7 +329,10 @@ impl Member {
     pub fn wire_bytes(&self) -> (u64, u64) {
         match &self.backend {
             Backend::Local(_) => (0, 0),
-            Backend::Remote(p) => p.stats().iter().fold((0, 0), |a, s| (a.0 + s.bytes_sent, a.1 + s.bytes_recv)),
+            Backend::Remote(p) => p
+                .stats()
+                .iter()
+                .fold((0, 0), |a, s| (a.0 + s.bytes_sent, a.1 + s.bytes_recv)),
         }
     }
 
@@ -330,6 +342,16 @@ impl Member {
             Backend::Local(_) => 0,
             Backend::Remote(p) => p.stats().iter().map(|s| s.requests).sum(),
         }
+    }
+
+    /// The bytes the member's generated tokens spell (its view of the shared text).
+    pub fn generated_bytes(&self) -> Vec<u8> {
+        let toks = self.backend.tokens();
+        let mut out = Vec::new();
+        for &t in &toks[self.n_prompt.min(toks.len())..] {
+            out.extend_from_slice(self.text.vocab.token_bytes(t));
+        }
+        out
     }
 
     /// Changes the longest wait on a remote member (no effect on a local one).
@@ -522,11 +544,11 @@ impl View for Member {
             Key::Text(b) => {
                 // The member's own token for exactly these bytes, else the first token it would spell them with
                 // (UniTE's first-sub-token score).
-                let id = self.by_bytes.get(b.as_slice()).copied().or_else(|| {
-                    self.tokenize_bytes(b)
-                        .ok()
-                        .and_then(|t| t.first().copied())
-                });
+                let id = self
+                    .by_bytes
+                    .get(b.as_slice())
+                    .copied()
+                    .or_else(|| self.tokenize_bytes(b).ok().and_then(|t| t.first().copied()));
                 match id {
                     Some(id) => dist.logprob(id),
                     None => (f32::NEG_INFINITY, true),

@@ -92,6 +92,21 @@ impl Ensemble {
         })
     }
 
+    /// Changes the combination rule for the next requests (weights reset to the rule's).
+    pub fn set_combine(&mut self, combine: Combine) -> Result<()> {
+        self.weights = match &combine {
+            Combine::Mix(w) if w.len() == self.members.len() => w.clone(),
+            Combine::Mix(w) => bail!(
+                "--combine mix has {} weights for {} members",
+                w.len(),
+                self.members.len()
+            ),
+            _ => vec![1.0; self.members.len()],
+        };
+        self.combine = combine;
+        Ok(())
+    }
+
     pub fn weights(&self) -> &[f64] {
         &self.weights
     }
