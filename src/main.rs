@@ -94,6 +94,18 @@ enum EnsembleCmd {
         #[arg(short = 't', long)]
         threads: Option<usize>,
     },
+    /// Accuracy of each member and of the mixture on a cloze file (context, right ending, wrong endings; tab-separated).
+    Cloze {
+        #[arg(long)]
+        ensemble: String,
+        #[arg(short = 'f', long = "file")]
+        file: PathBuf,
+        /// Mixture weights: mix:W1,W2,... (default equal).
+        #[arg(long, default_value = "union")]
+        combine: String,
+        #[arg(short = 't', long)]
+        threads: Option<usize>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -710,6 +722,12 @@ fn cmd_ensemble(cmd: EnsembleCmd) -> Result<()> {
             ctx,
             threads,
         } => ensemble_cli::fit(&ensemble, &file, ctx, threads.unwrap_or_else(default_threads)),
+        EnsembleCmd::Cloze {
+            ensemble,
+            file,
+            combine,
+            threads,
+        } => ensemble_cli::cloze(&ensemble, &file, &combine, threads.unwrap_or_else(default_threads)),
     }
 }
 
@@ -749,8 +767,7 @@ mod ensemble_cli {
         Ok(Box::new(Ensemble::open(&opts)?))
     }
 
-    fn score(spec: &str, file: &Path, ctx: usize, threads: usize) -> Result<(Ensemble, Vec<fit::DocScore>)> {
-        let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    fn open_scoring(spec: &str, ctx: usize, threads: usize) -> Result<Ensemble> {
         let opts = EnsembleOpts {
             members: parse_members(spec)?,
             combine: Combine::Union,
@@ -763,7 +780,33 @@ mod ensemble_cli {
             },
             verbose: false,
         };
-        let mut ens = Ensemble::open(&opts)?;
+        Ensemble::open(&opts)
+    }
+
+    fn weights(combine: &Combine, n: usize) -> Result<Vec<f64>> {
+        Ok(match combine {
+            Combine::Mix(w) if w.len() == n => w.clone(),
+            Combine::Mix(w) => anyhow::bail!("--combine mix has {} weights for {n} members", w.len()),
+            _ => vec![1.0; n],
+        })
+    }
+
+    pub fn cloze(spec: &str, file: &Path, combine: &str, threads: usize) -> Result<()> {
+        let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+        let items = fit::parse_cloze(&text)?;
+        let mut ens = open_scoring(spec, 256, threads)?;
+        let w = weights(&Combine::parse(combine)?, ens.members.len())?;
+        let r = fit::cloze(&mut ens.members, &items, &w)?;
+        for (m, right) in ens.members.iter().zip(&r.member_right) {
+            println!("cloze {}: {right}/{}", m.name(), r.items);
+        }
+        println!("cloze ensemble: {}/{}", r.ensemble_right, r.items);
+        Ok(())
+    }
+
+    fn score(spec: &str, file: &Path, ctx: usize, threads: usize) -> Result<(Ensemble, Vec<fit::DocScore>)> {
+        let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+        let mut ens = open_scoring(spec, ctx, threads)?;
         // Two bytes per token is a safe floor for both default models on prose: documents fit the context.
         let docs = fit::split_docs(&text, ctx * 2);
         if docs.is_empty() {

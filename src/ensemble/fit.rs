@@ -25,6 +25,8 @@ pub struct DocScore {
     pub bytes: usize,
     /// `segs[s][m]`: natural log-probability of segment `s` under member `m`.
     pub segs: Vec<Vec<f64>>,
+    /// Byte offset where each segment ends.
+    pub ends: Vec<usize>,
 }
 
 impl DocScore {
@@ -141,6 +143,7 @@ pub fn score_doc(members: &mut [Member], doc: &str) -> Result<DocScore> {
         return Ok(DocScore {
             bytes: 0,
             segs: Vec::new(),
+            ends: Vec::new(),
         });
     };
     let bounds: Vec<usize> = common.range(s0 + 1..).copied().collect();
@@ -160,6 +163,7 @@ pub fn score_doc(members: &mut [Member], doc: &str) -> Result<DocScore> {
     Ok(DocScore {
         bytes: doc.len() - s0,
         segs,
+        ends: bounds,
     })
 }
 
@@ -259,12 +263,93 @@ pub fn report(docs: &[DocScore], w: &[f64], seed: u64) -> Report {
     }
 }
 
+/// A cloze item: a context and its possible endings, the first one right.
+#[derive(Clone, Debug)]
+pub struct ClozeItem {
+    pub context: String,
+    pub endings: Vec<String>,
+}
+
+/// Tab-separated lines `context<TAB>right<TAB>wrong...`; `#` starts a comment line.
+pub fn parse_cloze(text: &str) -> Result<Vec<ClozeItem>> {
+    let mut items = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut f = line.split('\t');
+        let context = f.next().unwrap_or("").to_string();
+        let endings: Vec<String> = f.map(str::to_string).collect();
+        if context.is_empty() || endings.len() < 2 {
+            bail!(
+                "cloze line {}: needs a context and at least two endings, tab-separated",
+                i + 1
+            );
+        }
+        items.push(ClozeItem { context, endings });
+    }
+    Ok(items)
+}
+
+/// Items answered right by each member and by the mixture (highest log-likelihood of the ending after the context).
+#[derive(Clone, Debug)]
+pub struct ClozeReport {
+    pub items: usize,
+    pub member_right: Vec<usize>,
+    pub ensemble_right: usize,
+}
+
+pub fn cloze(members: &mut [Member], items: &[ClozeItem], w: &[f64]) -> Result<ClozeReport> {
+    let total: f64 = w.iter().sum();
+    let mut member_right = vec![0; members.len()];
+    let mut ensemble_right = 0;
+    for item in items {
+        // Log-likelihood of each ending: the segments that end after the context.
+        let mut scores: Vec<(Vec<f64>, f64)> = Vec::new();
+        for ending in &item.endings {
+            let doc = format!("{}{}", item.context, ending);
+            let d = score_doc(members, &doc)?;
+            let mut per = vec![0.0; members.len()];
+            let mut mix = 0.0;
+            for (seg, &end) in d.segs.iter().zip(&d.ends) {
+                if end > item.context.len() {
+                    for (p, l) in per.iter_mut().zip(seg) {
+                        *p += l;
+                    }
+                    mix += log_mix(seg, w, total);
+                }
+            }
+            scores.push((per, mix));
+        }
+        let best = |f: &dyn Fn(&(Vec<f64>, f64)) -> f64| {
+            (0..scores.len()).fold(0, |b, i| if f(&scores[i]) > f(&scores[b]) { i } else { b })
+        };
+        for (m, right) in member_right.iter_mut().enumerate() {
+            if best(&|s| s.0[m]) == 0 {
+                *right += 1;
+            }
+        }
+        if best(&|s| s.1) == 0 {
+            ensemble_right += 1;
+        }
+    }
+    Ok(ClozeReport {
+        items: items.len(),
+        member_right,
+        ensemble_right,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn doc(segs: Vec<Vec<f64>>, bytes: usize) -> DocScore {
-        DocScore { bytes, segs }
+        DocScore {
+            bytes,
+            ends: (1..=segs.len()).collect(),
+            segs,
+        }
     }
 
     #[test]
