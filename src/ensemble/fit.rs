@@ -299,13 +299,16 @@ pub struct ClozeReport {
     pub ensemble_right: usize,
 }
 
+/// One ending's log-likelihood under each member, and under the mixture.
+type EndingScore = (Vec<f64>, f64);
+
 pub fn cloze(members: &mut [Member], items: &[ClozeItem], w: &[f64]) -> Result<ClozeReport> {
     let total: f64 = w.iter().sum();
     let mut member_right = vec![0; members.len()];
     let mut ensemble_right = 0;
     for item in items {
         // Log-likelihood of each ending: the segments that end after the context.
-        let mut scores: Vec<(Vec<f64>, f64)> = Vec::new();
+        let mut scores: Vec<EndingScore> = Vec::new();
         for ending in &item.endings {
             let doc = format!("{}{}", item.context, ending);
             let d = score_doc(members, &doc)?;
@@ -321,7 +324,7 @@ pub fn cloze(members: &mut [Member], items: &[ClozeItem], w: &[f64]) -> Result<C
             }
             scores.push((per, mix));
         }
-        let best = |f: &dyn Fn(&(Vec<f64>, f64)) -> f64| {
+        let best = |f: &dyn Fn(&EndingScore) -> f64| {
             (0..scores.len()).fold(0, |b, i| if f(&scores[i]) > f(&scores[b]) { i } else { b })
         };
         for (m, right) in member_right.iter_mut().enumerate() {

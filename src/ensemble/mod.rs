@@ -53,7 +53,7 @@ pub struct Ensemble {
 struct Cost {
     steps: u64,
     bytes: u64,
-    /// Steps where the winning candidate came from each member.
+    /// Steps where each member was the first to propose the chosen candidate.
     wins: Vec<u64>,
     bounded: u64,
 }
@@ -336,7 +336,7 @@ impl Generator for Ensemble {
         for (i, m) in self.members.iter().enumerate() {
             let s = &m.stats;
             let mut line = format!(
-                "member {}{}: won {} steps, {} forwards, {} tokens fed, {} own-token steps, {} re-tokenized ({} tokens \
+                "member {}{}: first proposer of {} chosen pieces, {} forwards, {} tokens fed, {} own-token steps, {} re-tokenized ({} tokens \
                  rewound), busy {:.2} s",
                 m.name(),
                 if self.alive[i] { "" } else { " (dropped)" },
