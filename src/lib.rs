@@ -11,6 +11,7 @@ pub mod bench;
 pub mod chat;
 pub mod cluster;
 pub mod engine;
+pub mod ensemble;
 pub mod fetch;
 pub mod fingerprint;
 pub mod generate;

@@ -68,10 +68,45 @@ enum Cmd {
     Node(NodeArgs),
     /// OpenAI-compatible HTTP server (local, --pipeline, or --cluster with a router over nodes).
     Serve(ServeArgs),
+    /// Ensembles of models with different vocabularies.
+    Ensemble {
+        #[command(subcommand)]
+        cmd: EnsembleCmd,
+    },
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
         cmd: ModelsCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum EnsembleCmd {
+    /// Fit mixture weights that minimise bits per byte on a development text; prints `mix:W1,W2,...`.
+    Fit {
+        /// Members: `smollm2@local,gemma3@HOST:PORT`.
+        #[arg(long)]
+        ensemble: String,
+        /// The development text (documents separated by blank lines).
+        #[arg(short = 'f', long = "file")]
+        file: PathBuf,
+        /// Each member's context in tokens.
+        #[arg(long = "ctx", short = 'c', default_value_t = 512)]
+        ctx: usize,
+        #[arg(short = 't', long)]
+        threads: Option<usize>,
+    },
+    /// Accuracy of each member and of the mixture on a cloze file (context, right ending, wrong endings; tab-separated).
+    Cloze {
+        #[arg(long)]
+        ensemble: String,
+        #[arg(short = 'f', long = "file")]
+        file: PathBuf,
+        /// Mixture weights: mix:W1,W2,... (default equal).
+        #[arg(long, default_value = "union")]
+        combine: String,
+        #[arg(short = 't', long)]
+        threads: Option<usize>,
     },
 }
 
@@ -153,6 +188,16 @@ struct RunArgs {
     /// Shared secret for nodes that listen beyond loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
+    /// Ensemble of models combined per step: `smollm2@local,gemma3@HOST:PORT` (a remote member is a `baton node`
+    /// serving all its layers).
+    #[arg(long)]
+    ensemble: Option<String>,
+    /// How --ensemble combines its members: union (default), confident, or mix:W1,W2,...
+    #[arg(long, default_value = "union")]
+    combine: String,
+    /// With --ensemble: a member that fails is dropped and the others continue (said on standard error).
+    #[arg(long = "ensemble-degrade")]
+    ensemble_degrade: bool,
 }
 
 #[derive(Args)]
@@ -247,6 +292,13 @@ struct PerplexityArgs {
     /// Score at most this many chunks.
     #[arg(long)]
     chunks: Option<usize>,
+    /// Bits per byte of each member and of their mixture: `smollm2@local,gemma3@HOST:PORT` (documents are split
+    /// at blank lines; --ctx is each member's context).
+    #[arg(long)]
+    ensemble: Option<String>,
+    /// Mixture weights for --ensemble: mix:W1,W2,... (default equal; union and confident mean equal).
+    #[arg(long, default_value = "union")]
+    combine: String,
 }
 
 #[derive(Args)]
@@ -295,6 +347,7 @@ fn main() {
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
         Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
         Cmd::Perplexity(a) => cmd_perplexity(a),
+        Cmd::Ensemble { cmd } => cmd_ensemble(cmd),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Quantize { input, output, ty } => cmd_quantize(&input, &output, &ty),
         Cmd::Node(a) => cmd_node(a),
@@ -423,6 +476,26 @@ fn sampler_params(a: &RunArgs) -> SamplerParams {
 /// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
+    if let Some(spec) = &a.ensemble {
+        if a.pipeline.is_some() {
+            bail!("--ensemble and --pipeline cannot be combined");
+        }
+        let secret = a
+            .secret_file
+            .as_ref()
+            .map(|p| baton::cluster::auth::load_secret(p))
+            .transpose()?;
+        return ensemble_cli::open(
+            spec,
+            &a.combine,
+            a.ensemble_degrade,
+            c.ctx_size,
+            c.batch_size,
+            c.threads.unwrap_or_else(default_threads),
+            secret,
+            a.verbose,
+        );
+    }
     if let Some(spec) = &a.pipeline {
         use baton::cluster::{PipelineOpts, SamplingParams, WireDtype};
         let path = fetch::resolve(&c.model)?;
@@ -531,6 +604,11 @@ fn cmd_tokenize(model: &str, file: &std::path::Path, pieces: bool) -> Result<()>
 }
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
+    if let Some(spec) = &a.ensemble {
+        let combine = baton::ensemble::Combine::parse(&a.combine)?;
+        let file = &a.file;
+        return ensemble_cli::perplexity(spec, &combine, file, a.ctx, a.threads.unwrap_or_else(default_threads));
+    }
     let (model, vocab, pool) = load(&a.model, a.threads)?;
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let n_ctx = a.ctx;
@@ -831,4 +909,160 @@ fn cmd_models(cmd: ModelsCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn cmd_ensemble(cmd: EnsembleCmd) -> Result<()> {
+    match cmd {
+        EnsembleCmd::Fit {
+            ensemble,
+            file,
+            ctx,
+            threads,
+        } => ensemble_cli::fit(&ensemble, &file, ctx, threads.unwrap_or_else(default_threads)),
+        EnsembleCmd::Cloze {
+            ensemble,
+            file,
+            combine,
+            threads,
+        } => ensemble_cli::cloze(&ensemble, &file, &combine, threads.unwrap_or_else(default_threads)),
+    }
+}
+
+/// `--ensemble` wiring; the logic is in `baton::ensemble`.
+mod ensemble_cli {
+    use anyhow::{Context, Result};
+    use baton::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, fit, parse_members};
+    use baton::generate::Generator;
+    use std::path::Path;
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        spec: &str,
+        combine: &str,
+        degrade: bool,
+        n_ctx: usize,
+        n_batch: usize,
+        threads: usize,
+        secret: Option<Vec<u8>>,
+        verbose: bool,
+    ) -> Result<Box<dyn Generator>> {
+        let mut member = MemberOpts {
+            n_ctx,
+            n_batch: n_batch.min(512),
+            threads,
+            ..Default::default()
+        };
+        member.pipeline.secret = secret;
+        member.pipeline.verbose = verbose;
+        let opts = EnsembleOpts {
+            members: parse_members(spec)?,
+            combine: Combine::parse(combine)?,
+            degrade,
+            member,
+            verbose: true,
+        };
+        Ok(Box::new(Ensemble::open(&opts)?))
+    }
+
+    fn open_scoring(spec: &str, ctx: usize, threads: usize) -> Result<Ensemble> {
+        let opts = EnsembleOpts {
+            members: parse_members(spec)?,
+            combine: Combine::Union,
+            degrade: false,
+            member: MemberOpts {
+                n_ctx: ctx,
+                n_batch: ctx.min(128),
+                threads,
+                ..Default::default()
+            },
+            verbose: false,
+        };
+        Ensemble::open(&opts)
+    }
+
+    fn weights(combine: &Combine, n: usize) -> Result<Vec<f64>> {
+        Ok(match combine {
+            Combine::Mix(w) if w.len() == n => w.clone(),
+            Combine::Mix(w) => anyhow::bail!("--combine mix has {} weights for {n} members", w.len()),
+            _ => vec![1.0; n],
+        })
+    }
+
+    pub fn cloze(spec: &str, file: &Path, combine: &str, threads: usize) -> Result<()> {
+        let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+        let items = fit::parse_cloze(&text)?;
+        let mut ens = open_scoring(spec, 256, threads)?;
+        let w = weights(&Combine::parse(combine)?, ens.members.len())?;
+        let r = fit::cloze(&mut ens.members, &items, &w)?;
+        for (m, right) in ens.members.iter().zip(&r.member_right) {
+            println!("cloze {}: {right}/{}", m.name(), r.items);
+        }
+        println!("cloze ensemble: {}/{}", r.ensemble_right, r.items);
+        Ok(())
+    }
+
+    fn score(spec: &str, file: &Path, ctx: usize, threads: usize) -> Result<(Ensemble, Vec<fit::DocScore>)> {
+        let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+        let mut ens = open_scoring(spec, ctx, threads)?;
+        // Two bytes per token is a safe floor for both default models on prose: documents fit the context.
+        let docs = fit::split_docs(&text, ctx * 2);
+        if docs.is_empty() {
+            anyhow::bail!("{} holds no text", file.display());
+        }
+        let t0 = std::time::Instant::now();
+        let mut scored = Vec::with_capacity(docs.len());
+        for (i, d) in docs.iter().enumerate() {
+            scored.push(fit::score_doc(&mut ens.members, d)?);
+            eprint!("\rscored {}/{} documents", i + 1, docs.len());
+        }
+        eprintln!(" in {:.1} s", t0.elapsed().as_secs_f64());
+        Ok((ens, scored))
+    }
+
+    fn print_report(ens: &Ensemble, docs: &[fit::DocScore], w: &[f64]) {
+        let r = fit::report(docs, w, 1);
+        for (m, bpb) in ens.members.iter().zip(&r.member_bpb) {
+            println!("bits-per-byte {}: {bpb:.4}", m.name());
+        }
+        println!("bits-per-byte ensemble: {:.4}", r.ensemble_bpb);
+        eprintln!(
+            "{} bytes in {} documents; weights {}; ensemble - best member ({}): {:+.4} bits/byte, 95% paired bootstrap \
+             interval [{:+.4}, {:+.4}]; ensemble better on {}/{} documents",
+            r.bytes,
+            r.docs,
+            w.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(","),
+            ens.members[r.best].name(),
+            r.ensemble_bpb - r.member_bpb[r.best],
+            r.ci.0,
+            r.ci.1,
+            r.wins,
+            r.docs
+        );
+    }
+
+    pub fn perplexity(spec: &str, combine: &Combine, file: &Path, ctx: usize, threads: usize) -> Result<()> {
+        let (ens, docs) = score(spec, file, ctx, threads)?;
+        let w = match combine {
+            Combine::Mix(w) if w.len() == ens.members.len() => w.clone(),
+            Combine::Mix(w) => anyhow::bail!(
+                "--combine mix has {} weights for {} members",
+                w.len(),
+                ens.members.len()
+            ),
+            _ => vec![1.0; ens.members.len()],
+        };
+        print_report(&ens, &docs, &w);
+        Ok(())
+    }
+
+    pub fn fit(spec: &str, file: &Path, ctx: usize, threads: usize) -> Result<()> {
+        let (ens, docs) = score(spec, file, ctx, threads)?;
+        let w = fit::fit_weights(&docs, ens.members.len());
+        print_report(&ens, &docs, &w);
+        println!(
+            "mix:{}",
+            w.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(",")
+        );
+        Ok(())
+    }
 }
