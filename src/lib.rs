@@ -16,5 +16,6 @@ pub mod generate;
 pub mod gguf;
 pub mod kernels;
 pub mod model;
+pub mod speculative;
 pub mod util;
 pub mod vocab;
