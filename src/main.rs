@@ -151,6 +151,15 @@ struct RunArgs {
     /// Shared secret for nodes that listen beyond loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
+    /// Speculative decoding: a draft model proposes tokens the target verifies in one pass. `MODEL` runs here,
+    /// `MODEL@HOST:PORT` on a `baton node` (the model file is read here for its tokenizer). Output is exactly the
+    /// target's; the vocabularies may differ.
+    #[arg(long)]
+    draft: Option<String>,
+    /// Draft tokens per round, or `auto` (adapts to the acceptance rate and the draft's cost; turns speculation off
+    /// where it does not pay).
+    #[arg(long = "draft-tokens", default_value = "auto")]
+    draft_tokens: String,
 }
 
 #[derive(Args)]
@@ -351,6 +360,9 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
     if let Some(spec) = &a.pipeline {
+        if a.draft.is_some() {
+            bail!("--draft runs the target on this machine; it cannot be combined with --pipeline yet");
+        }
         use baton::cluster::{PipelineOpts, SamplingParams, WireDtype};
         let path = fetch::resolve(&c.model)?;
         let opts = PipelineOpts {
@@ -374,7 +386,33 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts)?));
     }
     let (model, _vocab, pool) = load(&c.model, c.threads)?;
+    if let Some(d) = &a.draft {
+        return open_speculative(a, d, model, pool);
+    }
     Ok(Box::new(LocalGenerator::new(model, pool, c.ctx_size, c.batch_size)?))
+}
+
+/// `baton run --draft`: the target here, the draft here or on a node.
+fn open_speculative(
+    a: &RunArgs,
+    draft: &str,
+    model: Arc<Model>,
+    pool: Arc<ThreadPool>,
+) -> Result<Box<dyn Generator>> {
+    use baton::speculative::{DraftSpec, SpecGenerator, SpecOptions, parse_draft_tokens};
+    let opts = SpecOptions {
+        draft_tokens: parse_draft_tokens(&a.draft_tokens)?,
+        n_ctx: a.common.ctx_size,
+        n_batch: a.common.batch_size,
+        secret: a
+            .secret_file
+            .as_ref()
+            .map(|p| baton::cluster::auth::load_secret(p))
+            .transpose()?,
+        ..Default::default()
+    };
+    let g = SpecGenerator::open(model, pool, &DraftSpec::parse(draft)?, opts)?;
+    Ok(Box::new(g))
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {

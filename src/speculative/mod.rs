@@ -120,6 +120,8 @@ pub struct SpecStats {
     pub t_verify: Duration,
     /// Why the draft stopped helping, if it did (failure, full context).
     pub draft_lost: Option<String>,
+    /// Whether this request printed the warning (once per failure, not again while the draft stays down).
+    pub warned: bool,
 }
 
 pub struct SpecGenerator {
@@ -221,6 +223,9 @@ struct Run {
     stats: SpecStats,
 }
 
+/// Candidates, their proposal distributions (same vocabulary only), draft tokens used, catch-up time.
+type Proposal = (Vec<u32>, Vec<Dist>, usize, Duration);
+
 /// The token after `logits` with its log-probability and top alternatives when asked.
 fn next_of(text: &TextModel, id: u32, logits: &[f32], k: usize) -> Next {
     if k == 0 {
@@ -232,17 +237,28 @@ fn next_of(text: &TextModel, id: u32, logits: &[f32], k: usize) -> Next {
 }
 
 impl Core {
-    /// The draft's proposal: target candidates, each candidate's `q` (same vocabulary), and how many draft
-    /// tokens it took.
-    fn propose(&mut self, text: &TextModel, run: &mut Run, k: usize, room: usize) -> Result<(Vec<u32>, Vec<Dist>, usize)> {
+    /// Brings the draft to `seq`; the time of a catch-up longer than a couple of tokens (the prompt, the tokens
+    /// generated while speculation was off) is returned apart, so it does not count as the draft's per-token cost.
+    fn sync_draft(&mut self, seq: &[u32]) -> Result<(Vec<f32>, Duration)> {
+        let t0 = Instant::now();
+        let (logits, fed) = self.draft.sync(seq)?;
+        let logits = logits.to_vec();
+        let catch_up = if fed > 2 { t0.elapsed() } else { Duration::ZERO };
+        Ok((logits, catch_up))
+    }
+
+    /// The draft's proposal: target candidates, each candidate's `q` (same vocabulary), how many draft tokens it
+    /// took, and the time spent catching up (see [`Core::sync_draft`]).
+    fn propose(&mut self, text: &TextModel, run: &mut Run, k: usize, room: usize) -> Result<Proposal> {
         if self.same_vocab {
             let k = k.min(room);
             let mut cands = Vec::with_capacity(k);
             let mut qs = Vec::with_capacity(k);
             if k == 0 {
-                return Ok((cands, qs, 0));
+                return Ok((cands, qs, 0, Duration::ZERO));
             }
-            let (mut logits, _) = self.draft.sync(&run.tokens)?;
+            let (first, catch_up) = self.sync_draft(&run.tokens)?;
+            let mut logits: &[f32] = &first;
             loop {
                 let q = run.draft_sampler.probs(logits);
                 let x = verify::draw(&q, &mut run.rng);
@@ -253,7 +269,7 @@ impl Core {
                 }
                 logits = self.draft.step(x)?;
             }
-            return Ok((cands, qs, k));
+            return Ok((cands, qs, k, catch_up));
         }
 
         // Another vocabulary: re-sync the draft to the committed text, draft greedily (the exact-match rule accepts
@@ -270,7 +286,8 @@ impl Core {
         run.draft_gen.extend_from_slice(&more);
         held.extend_from_slice(&more);
 
-        let (mut logits, _) = self.draft.sync(&held)?;
+        let (first, catch_up) = self.sync_draft(&held)?;
+        let mut logits: &[f32] = &first;
         let mut drafted = Vec::with_capacity(k);
         let mut eog = false;
         loop {
@@ -303,7 +320,7 @@ impl Core {
             }
         }
         cands.truncate(room);
-        Ok((cands, Vec::new(), drafted.len() + eog as usize))
+        Ok((cands, Vec::new(), drafted.len() + eog as usize, catch_up))
     }
 
     /// One round after the emitted token `tok` (already in `run.tokens`); false when the context is full.
@@ -329,16 +346,16 @@ impl Core {
             0
         };
         let t0 = Instant::now();
-        let (cands, qs, n_drafted) = if k > 0 {
+        let (cands, qs, n_drafted, catch_up) = if k > 0 {
             match self.propose(text, run, k, room) {
                 Ok(p) => p,
                 Err(e) => {
                     self.lose_draft(run, &e);
-                    (Vec::new(), Vec::new(), 0)
+                    (Vec::new(), Vec::new(), 0, Duration::ZERO)
                 }
             }
         } else {
-            (Vec::new(), Vec::new(), 0)
+            (Vec::new(), Vec::new(), 0, Duration::ZERO)
         };
         let t_draft = t0.elapsed();
 
@@ -401,7 +418,7 @@ impl Core {
             n_drafted,
             cands.len(),
             verdict.accepted,
-            t_draft.as_secs_f64(),
+            (t_draft - catch_up).as_secs_f64(),
             t_verify.as_secs_f64(),
         );
         Ok(true)
@@ -415,6 +432,7 @@ impl Core {
                 "warning: draft {} stopped ({why}); the target continues alone",
                 self.draft.label
             );
+            run.stats.warned = true;
         }
         self.draft_failed = true;
         run.stats.draft_lost = Some(why);
