@@ -393,12 +393,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
 }
 
 /// `baton run --draft`: the target here, the draft here or on a node.
-fn open_speculative(
-    a: &RunArgs,
-    draft: &str,
-    model: Arc<Model>,
-    pool: Arc<ThreadPool>,
-) -> Result<Box<dyn Generator>> {
+fn open_speculative(a: &RunArgs, draft: &str, model: Arc<Model>, pool: Arc<ThreadPool>) -> Result<Box<dyn Generator>> {
     use baton::speculative::{DraftSpec, SpecGenerator, SpecOptions, parse_draft_tokens};
     let opts = SpecOptions {
         draft_tokens: parse_draft_tokens(&a.draft_tokens)?,

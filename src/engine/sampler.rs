@@ -145,7 +145,10 @@ impl Sampler {
         if total <= 0.0 || !total.is_finite() {
             return vec![(c.iter().fold(c[0], |b, x| if x.better(&b) { *x } else { b }).id, 1.0)];
         }
-        c.iter().filter(|x| x.p > 0.0).map(|x| (x.id, (x.p as f64 / total) as f32)).collect()
+        c.iter()
+            .filter(|x| x.p > 0.0)
+            .map(|x| (x.id, (x.p as f64 / total) as f32))
+            .collect()
     }
 
     /// Runs the chain up to the draw: `Some(token)` when the choice is already made (greedy, empty input),
@@ -917,7 +920,12 @@ mod tests {
     #[test]
     fn probs_is_the_distribution_sample_draws_from() {
         let logits = pseudo_logits(1000, 3);
-        for (temp, k, p, m) in [(0.8, 40, 0.95, 0.05), (1.5, 0, 0.9, 0.0), (1.0, 5, 1.0, 0.0), (0.0, 40, 0.95, 0.05)] {
+        for (temp, k, p, m) in [
+            (0.8, 40, 0.95, 0.05),
+            (1.5, 0, 0.9, 0.0),
+            (1.0, 5, 1.0, 0.0),
+            (0.0, 40, 0.95, 0.05),
+        ] {
             let mut s = Sampler::new(params(temp, k, p, m, 11), 1000);
             let dist = s.probs(&logits);
             let total: f32 = dist.iter().map(|e| e.1).sum();
@@ -927,7 +935,10 @@ mod tests {
             for _ in 0..n {
                 *counts.entry(s.sample(&logits)).or_insert(0usize) += 1;
             }
-            assert!(counts.keys().all(|t| dist.iter().any(|e| e.0 == *t)), "drew outside the support");
+            assert!(
+                counts.keys().all(|t| dist.iter().any(|e| e.0 == *t)),
+                "drew outside the support"
+            );
             for &(t, pr) in &dist {
                 let f = *counts.get(&t).unwrap_or(&0) as f32 / n as f32;
                 let sd = (pr * (1.0 - pr) / n as f32).sqrt();

@@ -18,7 +18,10 @@ pub fn utf8_prefix(bytes: &[u8]) -> &str {
 
 /// The bytes a token sequence spells.
 pub fn spell(vocab: &Vocab, tokens: &[u32]) -> Vec<u8> {
-    tokens.iter().flat_map(|&t| vocab.token_bytes(t).iter().copied()).collect()
+    tokens
+        .iter()
+        .flat_map(|&t| vocab.token_bytes(t).iter().copied())
+        .collect()
 }
 
 /// The longest `j` such that `tokens[..j]` spells a prefix of `text`, and the length of that spelling.

@@ -173,7 +173,12 @@ impl SpecGenerator {
     }
 
     /// Opens the draft `spec` names (loaded here, or on a node) for a target running here.
-    pub fn open(model: Arc<Model>, pool: Arc<ThreadPool>, spec: &DraftSpec, opts: SpecOptions) -> Result<SpecGenerator> {
+    pub fn open(
+        model: Arc<Model>,
+        pool: Arc<ThreadPool>,
+        spec: &DraftSpec,
+        opts: SpecOptions,
+    ) -> Result<SpecGenerator> {
         let path = crate::fetch::resolve(&spec.model)?;
         // Tokens of the same text differ across vocabularies: give the draft room.
         let draft_ctx = opts.n_ctx * 2;
@@ -364,7 +369,11 @@ impl Core {
         let mut feed = Vec::with_capacity(cands.len() + 1);
         feed.push(tok);
         feed.extend_from_slice(&cands);
-        let want = if cands.is_empty() { Want::LastLogits } else { Want::AllLogits };
+        let want = if cands.is_empty() {
+            Want::LastLogits
+        } else {
+            Want::AllLogits
+        };
         let n_vocab = self.model.hp.n_vocab;
         let logits = self.session.forward(Input::Tokens(&feed), want)?;
         let row = |i: usize| &logits[i * n_vocab..(i + 1) * n_vocab];
@@ -397,7 +406,8 @@ impl Core {
         for (i, &c) in cands[..verdict.accepted].iter().enumerate() {
             run.queue.push_back(next_of(text, c, row(i), k_lp));
         }
-        run.queue.push_back(next_of(text, verdict.next, row(verdict.accepted), k_lp));
+        run.queue
+            .push_back(next_of(text, verdict.next, row(verdict.accepted), k_lp));
         // The RNG stream goes on from where verification left it.
         run.sampler = sp;
         // Keep `tok` and the accepted candidates in the KV, forget the rest.
@@ -460,7 +470,11 @@ impl Core {
                 s.candidates,
                 s.accepted,
                 pct(s.accepted, s.candidates),
-                if s.rounds == 0 { 0.0 } else { s.drafted as f64 / s.rounds as f64 },
+                if s.rounds == 0 {
+                    0.0
+                } else {
+                    s.drafted as f64 / s.rounds as f64
+                },
                 n_gen as f64 / (s.rounds + s.plain_steps).max(1) as f64,
             ),
             format!(

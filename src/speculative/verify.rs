@@ -71,12 +71,7 @@ pub fn accept_or_resample(p: &[(u32, f32)], q: &[(u32, f32)], x: u32, rng: &mut 
 /// The standard rule over a drafted run: `draft[i]` was drawn from `q[i]`; `p(i)` is the target's distribution at
 /// position `i` (after `draft[..i]`), called lazily and in order so the caller can advance its sampler state;
 /// `p(draft.len())` gives the bonus distribution.
-pub fn speculative_sample(
-    draft: &[u32],
-    q: &[Dist],
-    mut p: impl FnMut(usize) -> Dist,
-    rng: &mut impl Rng,
-) -> Verdict {
+pub fn speculative_sample(draft: &[u32], q: &[Dist], mut p: impl FnMut(usize) -> Dist, rng: &mut impl Rng) -> Verdict {
     for (i, &x) in draft.iter().enumerate() {
         if let Err(y) = accept_or_resample(&p(i), &q[i], x, rng) {
             return Verdict { accepted: i, next: y };
@@ -150,7 +145,16 @@ mod tests {
         let p1 = dist(&[0.5, 0.3, 0.15, 0.05]);
         let q1 = dist(&[0.1, 0.2, 0.3, 0.4]);
         // Second position depends on the first token.
-        let p2 = |a: u32| dist(&[[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1], [0.25; 4], [0.1, 0.1, 0.1, 0.7]][a as usize]);
+        let p2 = |a: u32| {
+            dist(
+                &[
+                    [0.7, 0.1, 0.1, 0.1],
+                    [0.1, 0.7, 0.1, 0.1],
+                    [0.25; 4],
+                    [0.1, 0.1, 0.1, 0.7],
+                ][a as usize],
+            )
+        };
         let q2 = dist(&[0.4, 0.4, 0.1, 0.1]);
         let mut rng = StdRng::seed_from_u64(42);
         let n = 40000;
@@ -159,7 +163,12 @@ mod tests {
         for _ in 0..n {
             let x1 = draw(&q1, &mut rng);
             let x2 = draw(&q2, &mut rng);
-            let v = speculative_sample(&[x1, x2], &[q1.clone(), q2.clone()], |i| if i == 0 { p1.clone() } else { p2(x1) }, &mut rng);
+            let v = speculative_sample(
+                &[x1, x2],
+                &[q1.clone(), q2.clone()],
+                |i| if i == 0 { p1.clone() } else { p2(x1) },
+                &mut rng,
+            );
             let (a, b) = match v.accepted {
                 0 => (v.next, draw(&p2(v.next), &mut rng)),
                 _ => (x1, if v.accepted == 1 { v.next } else { x2 }),
