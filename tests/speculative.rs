@@ -348,7 +348,7 @@ fn cli_draft_flag_gives_the_same_text() {
 
 /// `cargo test --test speculative bench_speculative -- --ignored --nocapture`: tokens/s of the target alone and
 /// with each draft (fixed 4 tokens and `auto`), greedy, on two prompts, as a markdown table. BENCH_N tokens per
-/// prompt (64), BENCH_THREADS (2).
+/// prompt (64), BENCH_THREADS (2), BENCH_PAIRS (indices into the list below).
 #[test]
 #[ignore]
 fn bench_speculative() {
@@ -407,22 +407,23 @@ fn bench_speculative() {
             None,
             true,
         ),
-        (
-            "Gemma 3 270M",
-            &gem,
-            "SmolLM2 Q4_1, local",
-            Some(&smol),
-            false,
-        ),
+        ("Gemma 3 270M", &gem, "SmolLM2 Q4_1, local", Some(&smol), false),
     ];
-    for (tname, target, dname, draft, remote) in pairs {
+    // BENCH_PAIRS=0,3 runs a subset.
+    let only: Option<Vec<usize>> = std::env::var("BENCH_PAIRS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect());
+    for (i, (tname, target, dname, draft, remote)) in pairs.into_iter().enumerate() {
+        if only.as_ref().is_some_and(|o| !o.contains(&i)) {
+            continue;
+        }
         let mut alone = LocalGenerator::new(load(target), pool.clone(), 1024, 64).unwrap();
         let (base, _) = run(&mut alone);
         drop(alone);
         println!("| {tname} | none | alone | {base:.1} | 1.00 | |");
         for k in [Some(4), None] {
             let draft = if remote {
-                Draft::remote(&smol, &node.addr, 2048, None, Duration::from_secs(5)).unwrap()
+                Draft::remote(&smol, &node.addr, 1024, None, Duration::from_secs(5)).unwrap()
             } else {
                 Draft::local(load(draft.unwrap()), pool.clone(), 2048, 64).unwrap()
             };

@@ -187,7 +187,8 @@ impl SpecGenerator {
                 let m = Arc::new(Model::load(&path)?);
                 Draft::local(m, pool.clone(), draft_ctx, opts.n_batch)?
             }
-            Some(addr) => Draft::remote(&path, addr, draft_ctx, opts.secret.clone(), opts.draft_timeout)
+            // A node caps the context it grants (`baton node -c`): ask for the target's.
+            Some(addr) => Draft::remote(&path, addr, opts.n_ctx, opts.secret.clone(), opts.draft_timeout)
                 .with_context(|| format!("cannot open the draft on {addr}"))?,
         };
         SpecGenerator::new(model, pool, draft, opts)
