@@ -4,11 +4,13 @@
 //! draft is remote) and one target verify of `k + 1` positions, `t_verify(k) ≈ t_1 + k · δ`. Drafted tokens are
 //! accepted one after another with probability `α` each, so a round emits `E(k) = (1 - α^(k+1)) / (1 - α)` tokens
 //! (the accepted ones plus the target's own). The chosen `k` maximises `E(k) / (k · t_draft + t_verify(k))`; `k = 0`
-//! is the target alone (`1 / t_1`). When off, a probe round runs every [`PROBE_EVERY`] tokens so a change in
-//! acceptance (a new topic, a faster link) is noticed.
+//! is the target alone (`1 / t_1`). When off, a 2-token probe round runs after [`PROBE_EVERY`] tokens (the interval
+//! doubling while the probes keep failing) so a change in acceptance (a new topic, a faster link) is noticed.
 
-/// Tokens generated with speculation off between two probe rounds.
+/// Tokens generated with speculation off before the first probe round; the interval doubles while probes keep
+/// finding that the draft does not pay, up to [`PROBE_MAX`].
 pub const PROBE_EVERY: usize = 32;
+pub const PROBE_MAX: usize = 512;
 /// Weight of a new measurement in the running averages.
 const EMA: f64 = 0.25;
 
@@ -27,8 +29,10 @@ pub struct Adapt {
     t_extra: Option<f64>,
     /// Target candidates per draft token (1 for one vocabulary; differs across vocabularies).
     ratio: f64,
-    off_since: usize,
-    last_k: usize,
+    /// Tokens emitted so far (all requests), when speculation last went off, the current probe interval.
+    tokens_done: usize,
+    off_since: Option<usize>,
+    probe_every: usize,
 }
 
 impl Adapt {
@@ -43,8 +47,9 @@ impl Adapt {
             t_one: None,
             t_extra: None,
             ratio: 1.0,
-            off_since: 0,
-            last_k: 0,
+            tokens_done: 0,
+            off_since: None,
+            probe_every: PROBE_EVERY,
         }
     }
 
@@ -72,36 +77,40 @@ impl Adapt {
         Some(e / (k as f64 * td + t1 + m * extra))
     }
 
-    /// Draft tokens for the next round. `tokens_done` counts emitted tokens (for probing when off).
-    pub fn next_k(&mut self, tokens_done: usize) -> usize {
-        let k = match self.fixed {
+    /// Draft tokens for the next round.
+    pub fn next_k(&mut self) -> usize {
+        match self.fixed {
             // The first decode step runs alone: it measures the target's single-position cost.
             _ if self.t_one.is_none() => 0,
             Some(k) => k,
-            None if self.t_draft.is_none() => self.k_max.min(4),
+            // Then a short first try measures the draft.
+            None if self.t_draft.is_none() => self.k_max.min(2),
             None => {
                 let best = (0..=self.k_max)
                     .max_by(|&a, &b| self.rate(a).unwrap_or(0.0).total_cmp(&self.rate(b).unwrap_or(0.0)))
                     .unwrap_or(0);
-                if best == 0 && self.last_k != 0 {
-                    self.off_since = tokens_done;
+                if best > 0 {
+                    self.off_since = None;
+                    self.probe_every = PROBE_EVERY;
+                    return best;
                 }
-                if best == 0 && tokens_done >= self.off_since + PROBE_EVERY {
-                    // Probe: a short round refreshes α and the draft cost.
-                    self.off_since = tokens_done;
+                let since = *self.off_since.get_or_insert(self.tokens_done);
+                if self.tokens_done >= since + self.probe_every {
+                    // Probe: a short round refreshes α and the draft's cost.
+                    self.off_since = Some(self.tokens_done);
+                    self.probe_every = (self.probe_every * 2).min(PROBE_MAX);
                     2.min(self.k_max)
                 } else {
-                    best
+                    0
                 }
             }
-        };
-        self.last_k = k;
-        k
+        }
     }
 
     /// Records a round: `k` draft tokens (0: target alone) took `draft_s` seconds, the target verified `m`
     /// candidates (+1 position) in `verify_s` seconds and accepted `accepted` of them.
     pub fn record(&mut self, k: usize, m: usize, accepted: usize, draft_s: f64, verify_s: f64) {
+        self.tokens_done += accepted + 1;
         let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + EMA * (new - o)));
         if m == 0 {
             self.t_one = ema(self.t_one, verify_s);
@@ -125,10 +134,9 @@ mod tests {
 
     fn run(a: &mut Adapt, alpha: f64, t_draft: f64, t1: f64, extra: f64, rounds: usize) -> Vec<usize> {
         let mut ks = Vec::new();
-        let mut done = 0;
         let mut seed = 1u64;
         for _ in 0..rounds {
-            let k = a.next_k(done);
+            let k = a.next_k();
             ks.push(k);
             let mut acc = 0;
             while acc < k {
@@ -140,7 +148,6 @@ mod tests {
                 }
             }
             a.record(k, k, acc, k as f64 * t_draft, t1 + k as f64 * extra);
-            done += acc + 1;
         }
         ks
     }

@@ -21,7 +21,7 @@ use std::time::Duration;
 pub const REMOTE_TOP_K: usize = 64;
 
 enum Backend {
-    Local(Session),
+    Local(Box<Session>),
     Remote {
         session: Box<PipelineSession>,
         /// Longest wait for one draft step; a longer stall counts as a dead draft.
@@ -48,7 +48,7 @@ impl Draft {
         let label = format!("{}, local", text.name());
         Ok(Draft {
             text,
-            backend: Backend::Local(Session::new(model, pool, n_ctx, n_batch)?),
+            backend: Backend::Local(Box::new(Session::new(model, pool, n_ctx, n_batch)?)),
             label,
             n_vocab,
             dense: Vec::new(),
@@ -134,8 +134,8 @@ impl Draft {
             Backend::Remote { session, step_timeout } => {
                 let kept = session.reuse_prefix(seq);
                 let n = seq.len() - kept;
-                // A prompt takes longer than a step: allow 20 ms a token on top.
-                session.set_io_timeout(*step_timeout + Duration::from_millis(20 * n as u64));
+                // A prompt takes longer than a step: allow 200 ms a token on top (a loaded one-thread node).
+                session.set_io_timeout(*step_timeout + Duration::from_millis(200 * n as u64));
                 let s = session.eval(&seq[kept..])?;
                 Ok((rebuild(&mut self.dense, &s.top, s.token), n))
             }

@@ -347,7 +347,7 @@ impl Core {
             .min(left.saturating_sub(1))
             .min(self.session.n_batch() - 1);
         let k = if run.draft_ok && room > 0 {
-            self.adapt.next_k(run.emitted)
+            self.adapt.next_k()
         } else {
             0
         };
