@@ -90,9 +90,9 @@ fn same_vocabulary_greedy_is_the_target_alone() {
     let draft = Draft::local(load(&smollm2()), pool(), 1024, 64).unwrap();
     let spec = SpecGenerator::new(load(&q8), pool(), draft, opts(Some(4))).unwrap();
     assert!(spec.same_vocab());
-    let (cands, acc) = compare_greedy(&q8, spec, 16);
+    let (cands, acc) = compare_greedy(&q8, spec, 12);
     eprintln!("accepted {acc} of {cands}");
-    assert!(cands >= 20, "speculation ran: {cands} candidates");
+    assert!(cands >= 15, "speculation ran: {cands} candidates");
     assert!(acc * 10 >= cands * 6, "Q4_1 agrees with Q8_0 mostly: {acc} of {cands}");
 }
 
@@ -101,9 +101,9 @@ fn cross_vocabulary_greedy_is_the_target_alone() {
     let draft = Draft::local(load(&smollm2()), pool(), 1024, 64).unwrap();
     let spec = SpecGenerator::new(load(&gemma3()), pool(), draft, opts(Some(4))).unwrap();
     assert!(!spec.same_vocab());
-    let (cands, acc) = compare_greedy(&gemma3(), spec, 16);
+    let (cands, acc) = compare_greedy(&gemma3(), spec, 12);
     eprintln!("accepted {acc} of {cands}");
-    assert!(cands >= 10, "speculation ran: {cands} candidates");
+    assert!(cands >= 8, "speculation ran: {cands} candidates");
     assert!(acc > 0, "some of SmolLM2's text is Gemma's too");
 }
 
@@ -116,7 +116,7 @@ fn cross_vocabulary_sampling_with_a_seed_is_the_target_alone() {
     let mut alone = LocalGenerator::new(load(&gemma3()), pool(), 512, 64).unwrap();
     for seed in [1, 2] {
         let p = params(
-            16,
+            12,
             SamplerParams {
                 temp: 0.8,
                 seed: Some(seed),
@@ -223,7 +223,7 @@ fn same_vocabulary_sampling_follows_the_target_distribution() {
         )
     };
     collect(&mut spec, &prompt, &p(0));
-    let n = 1000;
+    let n = 700;
     let mut counts = std::collections::HashMap::new();
     let (mut cands, mut acc) = (0, 0);
     let t0 = Instant::now();

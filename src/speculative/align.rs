@@ -64,3 +64,44 @@ pub fn continue_tokens(vocab: &Vocab, held: &[u32], new: &[u8]) -> Vec<u32> {
     }
     Vec::new()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufFile;
+
+    fn vocab() -> Option<Vocab> {
+        let p = crate::fetch::resolve("smollm2").ok()?;
+        Some(Vocab::from_gguf(&GgufFile::open(&p).ok()?).unwrap())
+    }
+
+    #[test]
+    fn continuation_tokenizes_like_the_whole_text() {
+        let Some(v) = vocab() else {
+            eprintln!("skipped: SmolLM2 not cached");
+            return;
+        };
+        let whole = v.tokenize("The cat sat on the mat, quietly.", false, false);
+        let held = v.tokenize("The cat sat", false, false);
+        assert_eq!(whole[..held.len()], held[..]);
+        let more = continue_tokens(&v, &held, b" on the mat, quietly.");
+        assert_eq!(more, whole[held.len()..]);
+        // A character cut short waits: "é" is two bytes, only the first is given.
+        let cut = continue_tokens(&v, &held, &" caf\u{e9}".as_bytes()[..4]);
+        assert_eq!(spell(&v, &cut), b" caf");
+    }
+
+    #[test]
+    fn consistent_prefix_stops_at_the_first_token_that_leaves_the_text() {
+        let Some(v) = vocab() else {
+            return;
+        };
+        let toks = v.tokenize("Hello world again", false, false);
+        let (j, n) = consistent_prefix(&v, &toks, b"Hello world");
+        assert_eq!(spell(&v, &toks[..j]), b"Hello world");
+        assert_eq!(n, 11);
+        let (j, n) = consistent_prefix(&v, &toks, b"Hello wor");
+        assert_eq!((j, n), (1, 5));
+        assert_eq!(utf8_prefix(&[b'a', 0xc3]), "a");
+    }
+}
