@@ -235,6 +235,15 @@ struct BenchArgs {
     /// One JSON object per line and test.
     #[arg(long)]
     json: bool,
+    /// Measure through a pipeline of nodes instead (`HOST:PORT=A:B,...,local=C:end`, as `baton run --pipeline`).
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// Hidden-state precision on the wire for --pipeline: 32, 16 (or bf16) or 8.
+    #[arg(long = "wire-bits", default_value = "32")]
+    wire_bits: String,
+    /// Shared secret for nodes that listen beyond loopback.
+    #[arg(long = "secret-file")]
+    secret_file: Option<PathBuf>,
 }
 
 fn main() {
@@ -356,6 +365,18 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn sampler_params(a: &RunArgs) -> SamplerParams {
+    SamplerParams {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    }
+}
+
 /// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
@@ -375,11 +396,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
                 .map(|p| baton::cluster::auth::load_secret(p))
                 .transpose()?,
             threads: c.threads.unwrap_or_else(default_threads),
-            sampling: SamplingParams {
-                temperature: a.temp.max(0.0),
-                top_p: a.top_p,
-                seed: a.seed.unwrap_or_else(rand::random),
-            },
+            sampling: SamplingParams::from_sampler(&sampler_params(a)),
             verbose: a.verbose,
             ..Default::default()
         };
@@ -557,10 +574,13 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
-    let (model, _vocab, pool) = load(&a.model, a.threads)?;
     if a.reps == 0 {
         bail!("-r must be at least 1");
     }
+    if a.pipeline.is_some() {
+        return bench_pipeline(a);
+    }
+    let (model, _vocab, pool) = load(&a.model, a.threads)?;
     let name = std::path::Path::new(&model.file.path)
         .file_name()
         .map_or(a.model.clone(), |f| f.to_string_lossy().into());
@@ -606,6 +626,79 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         }
     })?;
     eprintln!("peak RSS: {:.1} MiB", baton::bench::peak_rss() as f64 / 1048576.0);
+    Ok(())
+}
+
+/// `baton bench --pipeline`: pp and tg through the stages (prefill chunked and overlapped, the last stage samples).
+fn bench_pipeline(a: BenchArgs) -> Result<()> {
+    use baton::cluster::{PipelineOpts, PipelineSession, WireDtype};
+    let spec = a.pipeline.as_deref().expect("checked by the caller");
+    let path = fetch::resolve(&a.model)?;
+    let max_depth = a.depths.iter().copied().max().unwrap_or(0);
+    let max_test = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
+    let threads = a.threads.unwrap_or_else(default_threads);
+    let opts = PipelineOpts {
+        n_ctx: max_depth + max_test + 1,
+        chunk: a.batch_size.min(512),
+        wire: WireDtype::parse(&a.wire_bits)?,
+        secret: a
+            .secret_file
+            .as_ref()
+            .map(|p| baton::cluster::auth::load_secret(p))
+            .transpose()?,
+        threads,
+        ..Default::default()
+    };
+    let mut p = PipelineSession::connect(spec, &path, opts)?;
+    let name = format!(
+        "{} via {spec} ({} wire)",
+        path.file_name().map_or(a.model.clone(), |f| f.to_string_lossy().into()),
+        WireDtype::parse(&a.wire_bits)?.name()
+    );
+    let cfg = baton::bench::BenchConfig {
+        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
+        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
+        depths: a.depths.clone(),
+        reps: a.reps,
+        n_batch: a.batch_size,
+    };
+    if !a.json {
+        println!("| model | local threads | test | depth | t/s median | min | max |");
+        println!("|---|---:|---|---:|---:|---:|---:|");
+    }
+    baton::bench::run_on(&mut p, &name, threads, &cfg, |f| {
+        if a.json {
+            println!("{}", serde_json::to_value(f).unwrap());
+        } else {
+            println!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
+                f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
+            );
+        }
+    })?;
+    p.reset_stats();
+    let n_tok: usize = 16;
+    let t0 = Instant::now();
+    p.rewind(0);
+    let mut tok = p.eval(&[1, 2, 3, 4])?.token;
+    for _ in 0..n_tok {
+        tok = p.decode_step(tok)?.token;
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    for st in p.stats() {
+        eprintln!(
+            "stage {} layers {:?}: {:.0} bytes/token on the wire ({:.1} ms compute, {:.1} ms wall per request)",
+            st.label,
+            st.layers,
+            (st.bytes_sent + st.bytes_recv) as f64 / (n_tok + 1) as f64,
+            st.compute.as_secs_f64() * 1e3 / st.requests.max(1) as f64,
+            st.wall.as_secs_f64() * 1e3 / st.requests.max(1) as f64,
+        );
+    }
+    eprintln!(
+        "{n_tok} decode steps in {:.2} s after the table, for the per-stage figures above",
+        dt
+    );
     Ok(())
 }
 
