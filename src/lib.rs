@@ -19,5 +19,6 @@ pub mod gguf;
 pub mod kernels;
 pub mod model;
 pub mod server;
+pub mod speculative;
 pub mod util;
 pub mod vocab;

@@ -198,6 +198,15 @@ struct RunArgs {
     /// With --ensemble: a member that fails is dropped and the others continue (said on standard error).
     #[arg(long = "ensemble-degrade")]
     ensemble_degrade: bool,
+    /// Speculative decoding: a draft model proposes tokens the target verifies in one pass. `MODEL` runs here,
+    /// `MODEL@HOST:PORT` on a `baton node` (the model file is read here for its tokenizer). Output is exactly the
+    /// target's; the vocabularies may differ.
+    #[arg(long)]
+    draft: Option<String>,
+    /// Draft tokens per round, or `auto` (adapts to the acceptance rate and the draft's cost; turns speculation off
+    /// where it does not pay).
+    #[arg(long = "draft-tokens", default_value = "auto")]
+    draft_tokens: String,
 }
 
 #[derive(Args)]
@@ -477,8 +486,8 @@ fn sampler_params(a: &RunArgs) -> SamplerParams {
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
     if let Some(spec) = &a.ensemble {
-        if a.pipeline.is_some() {
-            bail!("--ensemble and --pipeline cannot be combined");
+        if a.pipeline.is_some() || a.draft.is_some() {
+            bail!("--ensemble cannot be combined with --pipeline or --draft");
         }
         let secret = a
             .secret_file
@@ -497,6 +506,9 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         );
     }
     if let Some(spec) = &a.pipeline {
+        if a.draft.is_some() {
+            bail!("--draft runs the target on this machine; it cannot be combined with --pipeline yet");
+        }
         use baton::cluster::{PipelineOpts, SamplingParams, WireDtype};
         let path = fetch::resolve(&c.model)?;
         let opts = PipelineOpts {
@@ -516,7 +528,28 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts)?));
     }
     let (model, _vocab, pool) = load(&c.model, c.threads)?;
+    if let Some(d) = &a.draft {
+        return open_speculative(a, d, model, pool);
+    }
     Ok(Box::new(LocalGenerator::new(model, pool, c.ctx_size, c.batch_size)?))
+}
+
+/// `baton run --draft`: the target here, the draft here or on a node.
+fn open_speculative(a: &RunArgs, draft: &str, model: Arc<Model>, pool: Arc<ThreadPool>) -> Result<Box<dyn Generator>> {
+    use baton::speculative::{DraftSpec, SpecGenerator, SpecOptions, parse_draft_tokens};
+    let opts = SpecOptions {
+        draft_tokens: parse_draft_tokens(&a.draft_tokens)?,
+        n_ctx: a.common.ctx_size,
+        n_batch: a.common.batch_size,
+        secret: a
+            .secret_file
+            .as_ref()
+            .map(|p| baton::cluster::auth::load_secret(p))
+            .transpose()?,
+        ..Default::default()
+    };
+    let g = SpecGenerator::open(model, pool, &DraftSpec::parse(draft)?, opts)?;
+    Ok(Box::new(g))
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {

@@ -69,7 +69,7 @@ impl Candidate {
 }
 
 /// A stateful sampler for one sequence: parameters, RNG and the recent-token history for the penalty.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplerParams,
     seed: u64,
@@ -126,8 +126,36 @@ impl Sampler {
     /// Picks the next token from `logits` (one per vocabulary entry). NaN logits are never picked unless all are NaN.
     /// An empty slice yields token 0.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        match self.prepare(logits) {
+            Some(t) => t,
+            None => self.draw(),
+        }
+    }
+
+    /// The distribution [`Sampler::sample`] draws from, as (token, probability) pairs with probability > 0: the
+    /// survivors of the chain after temperature, or one token with probability 1 when greedy. Speculative decoding
+    /// needs it to accept or reject a drafted token exactly. Does not touch the RNG.
+    pub fn probs(&mut self, logits: &[f32]) -> Vec<(u32, f32)> {
+        if let Some(t) = self.prepare(logits) {
+            return vec![(t, 1.0)];
+        }
+        let c = &mut self.candidates;
+        softmax(c);
+        let total: f64 = c.iter().map(|x| x.p as f64).sum();
+        if total <= 0.0 || !total.is_finite() {
+            return vec![(c.iter().fold(c[0], |b, x| if x.better(&b) { *x } else { b }).id, 1.0)];
+        }
+        c.iter()
+            .filter(|x| x.p > 0.0)
+            .map(|x| (x.id, (x.p as f64 / total) as f32))
+            .collect()
+    }
+
+    /// Runs the chain up to the draw: `Some(token)` when the choice is already made (greedy, empty input),
+    /// otherwise leaves the temperature-scaled survivors in `self.candidates`.
+    fn prepare(&mut self, logits: &[f32]) -> Option<u32> {
         if logits.is_empty() {
-            return 0;
+            return Some(0);
         }
         let SamplerParams {
             temp,
@@ -138,7 +166,7 @@ impl Sampler {
             ..
         } = self.params;
         if temp <= 0.0 && (repeat_penalty == 1.0 || self.history.is_empty()) {
-            return argmax(logits); // nothing to rewrite: skip the copy
+            return Some(argmax(logits)); // nothing to rewrite: skip the copy
         }
         self.scratch.clear();
         self.scratch
@@ -146,7 +174,7 @@ impl Sampler {
         self.apply_penalty();
 
         if temp <= 0.0 {
-            return argmax(&self.scratch);
+            return Some(argmax(&self.scratch));
         }
         let n = self.scratch.len();
         // `full` means "every token is still a candidate": the vocabulary is materialised as candidates only when
@@ -201,7 +229,7 @@ impl Sampler {
         for c in &mut self.candidates {
             c.logit /= temp;
         }
-        self.draw()
+        None
     }
 
     /// llama.cpp's repetition penalty: each distinct token of the last `repeat_last_n` has its logit divided by the
@@ -886,6 +914,36 @@ mod tests {
             let ms = (cpu() - t) * 1e3 / 20.0;
             let wall_ms = wall.elapsed().as_secs_f64() * 1e3 / 20.0;
             eprintln!("{name}: {ms:.2} ms CPU ({wall_ms:.2} ms wall) per token, n_vocab {n}");
+        }
+    }
+
+    #[test]
+    fn probs_is_the_distribution_sample_draws_from() {
+        let logits = pseudo_logits(1000, 3);
+        for (temp, k, p, m) in [
+            (0.8, 40, 0.95, 0.05),
+            (1.5, 0, 0.9, 0.0),
+            (1.0, 5, 1.0, 0.0),
+            (0.0, 40, 0.95, 0.05),
+        ] {
+            let mut s = Sampler::new(params(temp, k, p, m, 11), 1000);
+            let dist = s.probs(&logits);
+            let total: f32 = dist.iter().map(|e| e.1).sum();
+            assert!((total - 1.0).abs() < 1e-4, "sums to {total}");
+            let n = 20000;
+            let mut counts = std::collections::HashMap::new();
+            for _ in 0..n {
+                *counts.entry(s.sample(&logits)).or_insert(0usize) += 1;
+            }
+            assert!(
+                counts.keys().all(|t| dist.iter().any(|e| e.0 == *t)),
+                "drew outside the support"
+            );
+            for &(t, pr) in &dist {
+                let f = *counts.get(&t).unwrap_or(&0) as f32 / n as f32;
+                let sd = (pr * (1.0 - pr) / n as f32).sqrt();
+                assert!((f - pr).abs() <= 5.0 * sd + 1e-3, "token {t}: p {pr}, frequency {f}");
+            }
         }
     }
 }

@@ -1,0 +1,186 @@
+//! Choosing the draft length: a cost model fed by measurements, so speculation is used only where it pays.
+//!
+//! Per round with `k` draft tokens the coordinator pays `k · t_draft` (a draft forward, plus the round trip when the
+//! draft is remote) and one target verify of `k + 1` positions, `t_verify(k) ≈ t_1 + k · δ`. Drafted tokens are
+//! accepted one after another with probability `α` each, so a round emits `E(k) = (1 - α^(k+1)) / (1 - α)` tokens
+//! (the accepted ones plus the target's own). The chosen `k` maximises `E(k) / (k · t_draft + t_verify(k))`; `k = 0`
+//! is the target alone (`1 / t_1`). When off, a 2-token probe round runs after [`PROBE_EVERY`] tokens (the interval
+//! doubling while the probes keep failing) so a change in acceptance (a new topic, a faster link) is noticed.
+
+/// Tokens generated with speculation off before the first probe round; the interval doubles while probes keep
+/// finding that the draft does not pay, up to [`PROBE_MAX`].
+pub const PROBE_EVERY: usize = 32;
+pub const PROBE_MAX: usize = 512;
+/// Weight of a new measurement in the running averages.
+const EMA: f64 = 0.25;
+
+#[derive(Clone, Debug)]
+pub struct Adapt {
+    /// `None`: choose; `Some(k)`: always `k`.
+    pub fixed: Option<usize>,
+    pub k_max: usize,
+    /// Accepted and tried draft positions (a rejection counts as a try), with decay.
+    accepted: f64,
+    tried: f64,
+    /// Seconds per draft token (EMA), target seconds for one position (EMA), extra target seconds per verified
+    /// position (EMA).
+    t_draft: Option<f64>,
+    t_one: Option<f64>,
+    t_extra: Option<f64>,
+    /// Target candidates per draft token (1 for one vocabulary; differs across vocabularies).
+    ratio: f64,
+    /// Tokens emitted so far (all requests), when speculation last went off, the current probe interval.
+    tokens_done: usize,
+    off_since: Option<usize>,
+    probe_every: usize,
+}
+
+impl Adapt {
+    pub fn new(fixed: Option<usize>, k_max: usize) -> Adapt {
+        Adapt {
+            fixed,
+            k_max: k_max.max(1),
+            // A mild prior: 2 of 3 accepted.
+            accepted: 2.0,
+            tried: 3.0,
+            t_draft: None,
+            t_one: None,
+            t_extra: None,
+            ratio: 1.0,
+            tokens_done: 0,
+            off_since: None,
+            probe_every: PROBE_EVERY,
+        }
+    }
+
+    /// Per-token acceptance estimate.
+    pub fn alpha(&self) -> f64 {
+        (self.accepted / self.tried).clamp(0.0, 0.99)
+    }
+
+    /// Estimated target-alone speed (tokens/s), once measured.
+    pub fn target_alone_tps(&self) -> Option<f64> {
+        self.t_one.map(|t| 1.0 / t)
+    }
+
+    /// Expected tokens per second with `k` draft tokens (`None` before the costs are measured).
+    pub fn rate(&self, k: usize) -> Option<f64> {
+        let t1 = self.t_one?;
+        if k == 0 {
+            return Some(1.0 / t1);
+        }
+        let td = self.t_draft?;
+        let extra = self.t_extra.unwrap_or(0.1 * t1);
+        let m = (k as f64 * self.ratio).max(1.0);
+        let a = self.alpha();
+        let e = (1.0 - a.powf(m + 1.0)) / (1.0 - a);
+        Some(e / (k as f64 * td + t1 + m * extra))
+    }
+
+    /// Draft tokens for the next round.
+    pub fn next_k(&mut self) -> usize {
+        match self.fixed {
+            // The first decode step runs alone: it measures the target's single-position cost.
+            _ if self.t_one.is_none() => 0,
+            Some(k) => k,
+            // Then a short first try measures the draft.
+            None if self.t_draft.is_none() => self.k_max.min(2),
+            None => {
+                let best = (0..=self.k_max)
+                    .max_by(|&a, &b| self.rate(a).unwrap_or(0.0).total_cmp(&self.rate(b).unwrap_or(0.0)))
+                    .unwrap_or(0);
+                if best > 0 {
+                    self.off_since = None;
+                    self.probe_every = PROBE_EVERY;
+                    return best;
+                }
+                let since = *self.off_since.get_or_insert(self.tokens_done);
+                if self.tokens_done >= since + self.probe_every {
+                    // Probe: a short round refreshes α and the draft's cost.
+                    self.off_since = Some(self.tokens_done);
+                    self.probe_every = (self.probe_every * 2).min(PROBE_MAX);
+                    2.min(self.k_max)
+                } else {
+                    0
+                }
+            }
+        }
+    }
+
+    /// Records a round: `k` draft tokens (0: target alone) took `draft_s` seconds, the target verified `m`
+    /// candidates (+1 position) in `verify_s` seconds and accepted `accepted` of them.
+    pub fn record(&mut self, k: usize, m: usize, accepted: usize, draft_s: f64, verify_s: f64) {
+        self.tokens_done += accepted + 1;
+        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + EMA * (new - o)));
+        if m == 0 {
+            self.t_one = ema(self.t_one, verify_s);
+        } else if let Some(t1) = self.t_one {
+            self.t_extra = ema(self.t_extra, ((verify_s - t1) / m as f64).max(0.0));
+        }
+        if k > 0 {
+            self.t_draft = ema(self.t_draft, draft_s / k as f64);
+            self.ratio += EMA * (m as f64 / k as f64 - self.ratio);
+            // Trials until the first rejection; decay keeps the estimate current.
+            let tries = if accepted < m { accepted + 1 } else { accepted };
+            self.accepted = 0.97 * self.accepted + accepted as f64;
+            self.tried = 0.97 * self.tried + tries as f64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(a: &mut Adapt, alpha: f64, t_draft: f64, t1: f64, extra: f64, rounds: usize) -> Vec<usize> {
+        let mut ks = Vec::new();
+        let mut seed = 1u64;
+        for _ in 0..rounds {
+            let k = a.next_k();
+            ks.push(k);
+            let mut acc = 0;
+            while acc < k {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                if ((seed >> 33) as f64 / (1u64 << 31) as f64) < alpha {
+                    acc += 1;
+                } else {
+                    break;
+                }
+            }
+            a.record(k, k, acc, k as f64 * t_draft, t1 + k as f64 * extra);
+        }
+        ks
+    }
+
+    #[test]
+    fn a_cheap_good_draft_is_used_long() {
+        let mut a = Adapt::new(None, 8);
+        let ks = run(&mut a, 0.9, 0.002, 0.02, 0.001, 60);
+        assert_eq!(ks[0], 0, "first step measures the target");
+        let tail = &ks[40..];
+        assert!(tail.iter().all(|&k| k >= 4), "{ks:?}");
+        assert!(a.rate(*tail.last().unwrap()).unwrap() > 2.0 * a.rate(0).unwrap());
+    }
+
+    #[test]
+    fn a_useless_or_slow_draft_is_turned_off_and_probed() {
+        // A random draft: nothing is accepted.
+        let mut a = Adapt::new(None, 8);
+        let ks = run(&mut a, 0.0, 0.002, 0.02, 0.001, 200);
+        let off = ks[20..].iter().filter(|&&k| k == 0).count();
+        assert!(off as f64 > 0.9 * 180.0, "{ks:?}");
+        assert!(ks[20..].iter().any(|&k| k > 0), "probes continue: {ks:?}");
+        // A draft as slow as the target, even with good acceptance.
+        let mut a = Adapt::new(None, 8);
+        let ks = run(&mut a, 0.7, 0.02, 0.02, 0.002, 200);
+        let off = ks[20..].iter().filter(|&&k| k == 0).count();
+        assert!(off as f64 > 0.8 * 180.0, "{ks:?}");
+    }
+
+    #[test]
+    fn fixed_is_fixed() {
+        let mut a = Adapt::new(Some(3), 8);
+        let ks = run(&mut a, 0.0, 1.0, 0.01, 0.0, 10);
+        assert!(ks[0] == 0 && ks[1..].iter().all(|&k| k == 3), "{ks:?}");
+    }
+}
