@@ -9,6 +9,7 @@
 //! - [`topology`]: parsing `--pipeline ADDR=A:B,local=B:end` and checking that every layer is covered exactly once.
 
 pub mod auth;
+pub mod handoff;
 pub mod handshake;
 pub mod node;
 pub mod pipeline;
