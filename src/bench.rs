@@ -46,41 +46,90 @@ pub fn filler_tokens(n: usize, n_vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % n_vocab.min(20000)) as u32).collect()
 }
 
+/// What a benchmark drives: a local session, or a pipeline over nodes (which chunks its prefill itself).
+pub trait Target {
+    /// Forgets every position.
+    fn reset(&mut self);
+    /// Largest batch one `prefill` call takes.
+    fn n_batch(&self) -> usize;
+    fn n_vocab(&self) -> usize;
+    /// Appends a batch; the last batch of a prompt also computes the next token's logits.
+    fn prefill(&mut self, tokens: &[u32], last: bool) -> Result<()>;
+    /// Appends one token and returns the greedy next one.
+    fn decode(&mut self, token: u32) -> Result<u32>;
+}
+
+impl Target for Session {
+    fn reset(&mut self) {
+        self.rewind(0);
+    }
+    fn n_batch(&self) -> usize {
+        Session::n_batch(self)
+    }
+    fn n_vocab(&self) -> usize {
+        self.model.hp.n_vocab
+    }
+    fn prefill(&mut self, tokens: &[u32], last: bool) -> Result<()> {
+        let want = if last { Want::LastLogits } else { Want::Hidden };
+        self.forward(Input::Tokens(tokens), want)?;
+        Ok(())
+    }
+    fn decode(&mut self, token: u32) -> Result<u32> {
+        let l = self.forward(Input::Tokens(&[token]), Want::LastLogits)?;
+        Ok(crate::kernels::ops::argmax(l) as u32)
+    }
+}
+
+impl Target for crate::cluster::PipelineSession {
+    fn reset(&mut self) {
+        self.rewind(0);
+    }
+    fn n_batch(&self) -> usize {
+        usize::MAX
+    }
+    fn n_vocab(&self) -> usize {
+        self.hparams().n_vocab
+    }
+    fn prefill(&mut self, tokens: &[u32], _last: bool) -> Result<()> {
+        // The pipeline cuts the prompt into chunks and overlaps the stages itself; the last stage samples.
+        self.eval(tokens)?;
+        Ok(())
+    }
+    fn decode(&mut self, token: u32) -> Result<u32> {
+        Ok(self.decode_step(token)?.token)
+    }
+}
+
 /// Feeds `depth` filler tokens (untimed) so the test runs at that context depth.
-fn fill_to(s: &mut Session, depth: usize) -> Result<()> {
-    s.rewind(0);
-    let toks = filler_tokens(depth, s.model.hp.n_vocab);
-    for chunk in toks.chunks(s.n_batch()) {
-        s.forward(Input::Tokens(chunk), Want::Hidden)?;
+fn fill_to(s: &mut dyn Target, depth: usize) -> Result<()> {
+    s.reset();
+    let toks = filler_tokens(depth, s.n_vocab());
+    let chunks: Vec<&[u32]> = toks.chunks(s.n_batch()).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        s.prefill(chunk, i + 1 == chunks.len())?;
     }
     Ok(())
 }
 
 /// Tokens per second of one prompt-processing run of `n` tokens at `depth`.
-pub fn run_pp(s: &mut Session, depth: usize, n: usize) -> Result<f64> {
+pub fn run_pp(s: &mut dyn Target, depth: usize, n: usize) -> Result<f64> {
     fill_to(s, depth)?;
-    let toks = filler_tokens(n, s.model.hp.n_vocab);
+    let toks = filler_tokens(n, s.n_vocab());
     let t0 = Instant::now();
     let chunks: Vec<&[u32]> = toks.chunks(s.n_batch()).collect();
     for (i, c) in chunks.iter().enumerate() {
-        let want = if i + 1 == chunks.len() {
-            Want::LastLogits
-        } else {
-            Want::Hidden
-        };
-        s.forward(Input::Tokens(c), want)?;
+        s.prefill(c, i + 1 == chunks.len())?;
     }
     Ok(n as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// Tokens per second of one generation run of `n` tokens at `depth` (one token per forward, as decode).
-pub fn run_tg(s: &mut Session, depth: usize, n: usize) -> Result<f64> {
+pub fn run_tg(s: &mut dyn Target, depth: usize, n: usize) -> Result<f64> {
     fill_to(s, depth)?;
     let mut tok = 1u32;
     let t0 = Instant::now();
     for _ in 0..n {
-        let l = s.forward(Input::Tokens(&[tok]), Want::LastLogits)?;
-        tok = crate::kernels::ops::argmax(l) as u32;
+        tok = s.decode(tok)?;
     }
     Ok(n as f64 / t0.elapsed().as_secs_f64())
 }
@@ -137,28 +186,35 @@ pub fn run(
     pool: Arc<ThreadPool>,
     name: &str,
     cfg: &BenchConfig,
-    mut report: impl FnMut(&Figure),
+    report: impl FnMut(&Figure),
 ) -> Result<Vec<Figure>> {
     let max_depth = cfg.depths.iter().copied().max().unwrap_or(0);
     let max_test = cfg.pp.iter().chain(&cfg.tg).copied().max().unwrap_or(0);
-    let mut s = Session::new(model, pool.clone(), max_depth + max_test + 1, cfg.n_batch)?;
     let threads = pool.n_threads();
+    let mut s = Session::new(model, pool, max_depth + max_test + 1, cfg.n_batch)?;
+    run_on(&mut s, name, threads, cfg, report)
+}
+
+/// Runs every test of `cfg` on any target (`threads` is only reported).
+pub fn run_on(
+    s: &mut dyn Target,
+    name: &str,
+    threads: usize,
+    cfg: &BenchConfig,
+    mut report: impl FnMut(&Figure),
+) -> Result<Vec<Figure>> {
     let mut out = Vec::new();
     for &depth in &cfg.depths {
         for &n in &cfg.pp {
-            run_pp(&mut s, depth, n.min(64))?; // warm-up
-            let samples = (0..cfg.reps)
-                .map(|_| run_pp(&mut s, depth, n))
-                .collect::<Result<Vec<_>>>()?;
+            run_pp(s, depth, n.min(64))?; // warm-up
+            let samples = (0..cfg.reps).map(|_| run_pp(s, depth, n)).collect::<Result<Vec<_>>>()?;
             let f = summarize(name, format!("pp{n}"), threads, depth, samples);
             report(&f);
             out.push(f);
         }
         for &n in &cfg.tg {
-            run_tg(&mut s, depth, 4)?; // warm-up
-            let samples = (0..cfg.reps)
-                .map(|_| run_tg(&mut s, depth, n))
-                .collect::<Result<Vec<_>>>()?;
+            run_tg(s, depth, 4)?; // warm-up
+            let samples = (0..cfg.reps).map(|_| run_tg(s, depth, n)).collect::<Result<Vec<_>>>()?;
             let f = summarize(name, format!("tg{n}"), threads, depth, samples);
             report(&f);
             out.push(f);

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod engine;
 pub mod fetch;
 pub mod fingerprint;
+pub mod generate;
 pub mod gguf;
 pub mod kernels;
 pub mod model;

@@ -3,13 +3,14 @@
 
 use anyhow::{Context, Result, bail};
 use baton::chat::{ChatMessage, ChatTemplate};
-use baton::engine::sampler::{Sampler, SamplerParams};
+use baton::engine::sampler::SamplerParams;
 use baton::engine::{Input, Session, Want};
+use baton::generate::{GenParams, Generator, LocalGenerator, PipelineGenerator, Prompt};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
 use baton::kernels::ops;
 use baton::model::{Hparams, Model};
-use baton::vocab::{StreamDecoder, Vocab};
+use baton::vocab::Vocab;
 use baton::{fetch, fingerprint};
 use clap::{Args, Parser, Subcommand};
 use std::collections::BTreeMap;
@@ -225,6 +226,15 @@ struct BenchArgs {
     /// One JSON object per line and test.
     #[arg(long)]
     json: bool,
+    /// Measure through a pipeline of nodes instead (`HOST:PORT=A:B,...,local=C:end`, as `baton run --pipeline`).
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// Hidden-state precision on the wire for --pipeline: 32, 16 (or bf16) or 8.
+    #[arg(long = "wire-bits", default_value = "32")]
+    wire_bits: String,
+    /// Shared secret for nodes that listen beyond loopback.
+    #[arg(long = "secret-file")]
+    secret_file: Option<PathBuf>,
 }
 
 fn main() {
@@ -278,48 +288,24 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         (Some(_), Some(_)) => bail!("give the prompt either as an argument or with -f, not both"),
         (None, None) => bail!("no prompt: pass it as an argument or with -f FILE"),
     };
-    let c = &a.common;
-    let (model, vocab, pool) = load(&c.model, c.threads)?;
-    let text = if a.chat {
-        let tmpl = chat_template(&model.file, &vocab)?;
+    let prompt = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
-            msgs.push(ChatMessage {
-                role: "system".into(),
-                content: s.clone(),
-            });
+            msgs.push(ChatMessage::system(s.clone()));
         }
-        msgs.push(ChatMessage {
-            role: "user".into(),
-            content: prompt.clone(),
-        });
-        let r = tmpl.render_for_tokenizer(&msgs, true, vocab.add_bos())?;
-        if a.verbose {
-            eprintln!("chat template ({}) rendered {} bytes", tmpl.source(), r.len());
-        }
-        r
+        msgs.push(ChatMessage::user(prompt));
+        Prompt::Chat(msgs)
     } else {
-        prompt.clone()
+        Prompt::Text(prompt)
     };
-    // The prompt as given: BOS only where the model's metadata asks; special tokens parsed (the chat template's
-    // markers must become control tokens).
-    let tokens = vocab.tokenize(&text, true, true);
-    if tokens.is_empty() {
-        bail!("the prompt is empty");
-    }
-    let n_ctx = c.ctx_size.min(model.hp.n_ctx_train.max(1));
-    if tokens.len() >= n_ctx {
-        bail!(
-            "the prompt is {} tokens, the context is {n_ctx}: shorten it or raise -c",
-            tokens.len()
-        );
-    }
-    if let Some(spec) = &a.pipeline {
-        return run_pipeline(&a, spec, &tokens, &vocab, &model.file.path);
-    }
-    let mut session = Session::new(model.clone(), pool, n_ctx, c.batch_size)?;
-    let mut sampler = Sampler::new(
-        SamplerParams {
+    let mut generator = open_generator(&a)?;
+    let params = GenParams {
+        max_tokens: if a.n_predict < 0 {
+            usize::MAX
+        } else {
+            a.n_predict as usize
+        },
+        sampler: SamplerParams {
             temp: a.temp,
             top_k: a.top_k,
             top_p: a.top_p,
@@ -328,81 +314,76 @@ fn cmd_run(a: RunArgs) -> Result<()> {
             repeat_last_n: a.repeat_last_n,
             seed: a.seed,
         },
-        model.hp.n_vocab,
-    );
-    for &t in &tokens {
-        sampler.accept(t);
-    }
-
+        top_logprobs: 0,
+    };
     let mut out = std::io::stdout().lock();
     if a.echo {
-        out.write_all(text.as_bytes())?;
+        out.write_all(generator.render(&prompt)?.as_bytes())?;
         out.flush()?;
     }
-    let t0 = Instant::now();
-    let first = sampler.sample(session.eval(&tokens)?);
-    let t_prompt = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let (n_gen, stop) = stream_completion(&mut out, &vocab, first, a.n_predict, |tok| {
-        sampler.accept(tok);
-        if session.n_past() + 1 >= session.n_ctx() {
-            return Ok(None);
+    let mut io_err = None;
+    let outcome = generator.generate(&prompt, &params, &mut |piece| {
+        if let Err(e) = out.write_all(piece.text.as_bytes()).and_then(|_| out.flush()) {
+            io_err = Some(e);
+            return false;
         }
-        let logits = session.forward(Input::Tokens(&[tok]), Want::LastLogits)?;
-        Ok(Some(sampler.sample(logits)))
+        true
     })?;
-    speed_line(tokens.len(), t_prompt, n_gen, t1.elapsed().as_secs_f64(), stop, "");
+    if let Some(e) = io_err {
+        return Err(e).context("cannot write to standard output");
+    }
+    writeln!(out)?;
+    out.flush()?;
+    if a.verbose {
+        for line in &outcome.detail {
+            eprintln!("{line}");
+        }
+    }
+    let o = &outcome;
+    eprintln!(
+        "prompt: {} tokens ({} cached) in {:.2} s ({:.1} tok/s) | generated: {} tokens in {:.2} s ({:.1} tok/s) | \
+         stop: {} | {}",
+        o.prompt_tokens,
+        o.cached_tokens,
+        o.t_prompt.as_secs_f64(),
+        (o.prompt_tokens - o.cached_tokens) as f64 / o.t_prompt.as_secs_f64().max(1e-9),
+        o.completion_tokens,
+        o.t_gen.as_secs_f64(),
+        o.completion_tokens as f64 / o.t_gen.as_secs_f64().max(1e-9),
+        o.finish.describe(),
+        generator.describe()
+    );
     Ok(())
 }
 
-/// Streams a completion to `out` from its first sampled token until end of generation, `n_predict` tokens (-1: no
-/// limit) or a full context. `step` feeds a token and returns the next, or `None` when the context is full.
-/// Returns the number of tokens generated and why it stopped. Local and pipelined runs share it.
-fn stream_completion(
-    out: &mut impl Write,
-    vocab: &Vocab,
-    first: u32,
-    n_predict: i64,
-    mut step: impl FnMut(u32) -> Result<Option<u32>>,
-) -> Result<(usize, &'static str)> {
-    let max_new = if n_predict < 0 { usize::MAX } else { n_predict as usize };
-    let mut decoder = StreamDecoder::new();
-    let (mut next, mut n_gen, mut stop) = (first, 0usize, "length");
-    while n_gen < max_new {
-        if vocab.is_eog(next) {
-            stop = "end of generation";
-            break;
-        }
-        n_gen += 1;
-        let piece = decoder.push(vocab, next);
-        if !piece.is_empty() {
-            out.write_all(piece.as_bytes())?;
-            out.flush()?;
-        }
-        if n_gen == max_new {
-            break;
-        }
-        match step(next)? {
-            Some(t) => next = t,
-            None => {
-                stop = "context full";
-                break;
-            }
-        }
+/// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
+fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
+    let c = &a.common;
+    if let Some(spec) = &a.pipeline {
+        use baton::cluster::{PipelineOpts, SamplingParams, WireDtype};
+        let path = fetch::resolve(&c.model)?;
+        let opts = PipelineOpts {
+            n_ctx: c.ctx_size,
+            chunk: c.batch_size.min(512),
+            wire: WireDtype::parse(&a.wire_bits)?,
+            secret: a
+                .secret_file
+                .as_ref()
+                .map(|p| baton::cluster::auth::load_secret(p))
+                .transpose()?,
+            threads: c.threads.unwrap_or_else(default_threads),
+            sampling: SamplingParams {
+                temperature: a.temp.max(0.0),
+                top_p: a.top_p,
+                seed: a.seed.unwrap_or_else(rand::random),
+            },
+            verbose: a.verbose,
+            ..Default::default()
+        };
+        return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts)?));
     }
-    writeln!(out, "{}", decoder.flush())?;
-    out.flush()?;
-    Ok((n_gen, stop))
-}
-
-/// The closing speed line, on standard error.
-fn speed_line(n_prompt: usize, t_prompt: f64, n_gen: usize, t_gen: f64, stop: &str, suffix: &str) {
-    eprintln!(
-        "prompt: {n_prompt} tokens in {t_prompt:.2} s ({:.1} tok/s) | generated: {n_gen} tokens in {t_gen:.2} s \
-         ({:.1} tok/s) | stop: {stop}{suffix}",
-        n_prompt as f64 / t_prompt,
-        n_gen as f64 / t_gen.max(1e-9),
-    );
+    let (model, _vocab, pool) = load(&c.model, c.threads)?;
+    Ok(Box::new(LocalGenerator::new(model, pool, c.ctx_size, c.batch_size)?))
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
@@ -552,10 +533,13 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
-    let (model, _vocab, pool) = load(&a.model, a.threads)?;
     if a.reps == 0 {
         bail!("-r must be at least 1");
     }
+    if a.pipeline.is_some() {
+        return bench_pipeline(a);
+    }
+    let (model, _vocab, pool) = load(&a.model, a.threads)?;
     let name = std::path::Path::new(&model.file.path)
         .file_name()
         .map_or(a.model.clone(), |f| f.to_string_lossy().into());
@@ -604,6 +588,79 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `baton bench --pipeline`: pp and tg through the stages (prefill chunked and overlapped, the last stage samples).
+fn bench_pipeline(a: BenchArgs) -> Result<()> {
+    use baton::cluster::{PipelineOpts, PipelineSession, WireDtype};
+    let spec = a.pipeline.as_deref().expect("checked by the caller");
+    let path = fetch::resolve(&a.model)?;
+    let max_depth = a.depths.iter().copied().max().unwrap_or(0);
+    let max_test = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
+    let threads = a.threads.unwrap_or_else(default_threads);
+    let opts = PipelineOpts {
+        n_ctx: max_depth + max_test + 1,
+        chunk: a.batch_size.min(512),
+        wire: WireDtype::parse(&a.wire_bits)?,
+        secret: a
+            .secret_file
+            .as_ref()
+            .map(|p| baton::cluster::auth::load_secret(p))
+            .transpose()?,
+        threads,
+        ..Default::default()
+    };
+    let mut p = PipelineSession::connect(spec, &path, opts)?;
+    let name = format!(
+        "{} via {spec} ({} wire)",
+        path.file_name().map_or(a.model.clone(), |f| f.to_string_lossy().into()),
+        WireDtype::parse(&a.wire_bits)?.name()
+    );
+    let cfg = baton::bench::BenchConfig {
+        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
+        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
+        depths: a.depths.clone(),
+        reps: a.reps,
+        n_batch: a.batch_size,
+    };
+    if !a.json {
+        println!("| model | local threads | test | depth | t/s median | min | max |");
+        println!("|---|---:|---|---:|---:|---:|---:|");
+    }
+    baton::bench::run_on(&mut p, &name, threads, &cfg, |f| {
+        if a.json {
+            println!("{}", serde_json::to_value(f).unwrap());
+        } else {
+            println!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
+                f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
+            );
+        }
+    })?;
+    p.reset_stats();
+    let n_tok: usize = 16;
+    let t0 = Instant::now();
+    p.rewind(0);
+    let mut tok = p.eval(&[1, 2, 3, 4])?.token;
+    for _ in 0..n_tok {
+        tok = p.decode_step(tok)?.token;
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    for st in p.stats() {
+        eprintln!(
+            "stage {} layers {:?}: {:.0} bytes/token on the wire ({:.1} ms compute, {:.1} ms wall per request)",
+            st.label,
+            st.layers,
+            (st.bytes_sent + st.bytes_recv) as f64 / (n_tok + 1) as f64,
+            st.compute.as_secs_f64() * 1e3 / st.requests.max(1) as f64,
+            st.wall.as_secs_f64() * 1e3 / st.requests.max(1) as f64,
+        );
+    }
+    eprintln!(
+        "{n_tok} decode steps in {:.2} s after the table, for the per-stage figures above",
+        dt
+    );
+    Ok(())
+}
+
 fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
     let target = baton::model::quantize::parse_target(ty)?;
     let path = fetch::resolve(input)?;
@@ -637,61 +694,6 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.max_sessions = a.max_sessions;
     cfg.io_timeout = std::time::Duration::from_secs_f64(a.timeout);
     baton::cluster::run_node(cfg)
-}
-
-/// `baton run --pipeline`: the same completion, its layers spread over nodes; the last stage samples.
-fn run_pipeline(a: &RunArgs, spec: &str, tokens: &[u32], vocab: &Vocab, model_path: &std::path::Path) -> Result<()> {
-    use baton::cluster::{PipelineOpts, PipelineSession, SamplingParams, WireDtype};
-    let c = &a.common;
-    let opts = PipelineOpts {
-        n_ctx: c.ctx_size,
-        chunk: c.batch_size.min(512),
-        wire: WireDtype::parse(&a.wire_bits)?,
-        secret: a
-            .secret_file
-            .as_ref()
-            .map(|p| baton::cluster::auth::load_secret(p))
-            .transpose()?,
-        threads: c.threads.unwrap_or_else(default_threads),
-        sampling: SamplingParams {
-            temperature: a.temp.max(0.0),
-            top_p: a.top_p,
-            seed: a.seed.unwrap_or_else(rand::random),
-        },
-        verbose: a.verbose,
-        ..Default::default()
-    };
-    let mut p = PipelineSession::connect(spec, model_path, opts)?;
-    let mut out = std::io::stdout().lock();
-    let t0 = Instant::now();
-    let first = p.eval(tokens)?.token;
-    let t_prompt = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let (n_gen, stop) = stream_completion(&mut out, vocab, first, a.n_predict, |tok| {
-        if p.n_past() + 1 >= p.n_ctx() {
-            return Ok(None);
-        }
-        Ok(Some(p.decode_step(tok)?.token))
-    })?;
-    let t_gen = t1.elapsed().as_secs_f64();
-    if a.verbose {
-        for st in p.stats() {
-            eprintln!(
-                "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, received {} B, {} reconnects",
-                st.label,
-                st.layers,
-                st.requests,
-                st.tokens,
-                st.compute.as_secs_f64(),
-                st.wall.as_secs_f64(),
-                st.bytes_sent,
-                st.bytes_recv,
-                st.reconnects
-            );
-        }
-    }
-    speed_line(tokens.len(), t_prompt, n_gen, t_gen, stop, " | pipeline");
-    Ok(())
 }
 
 fn cmd_models(cmd: ModelsCmd) -> Result<()> {

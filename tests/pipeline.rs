@@ -532,3 +532,43 @@ fn bench_perplexity() {
         );
     }
 }
+
+#[test]
+fn bench_command_measures_through_a_pipeline() {
+    let node = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--threads", "1"]);
+    let spec = format!("{}=0:15,local=15:end", node.addr);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["bench", "-m"])
+        .arg(smollm2())
+        .args([
+            "--pipeline",
+            &spec,
+            "-p",
+            "32",
+            "-n",
+            "8",
+            "-r",
+            "2",
+            "-t",
+            "1",
+            "--json",
+            "--wire-bits",
+            "16",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let figures: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tests: Vec<&str> = figures.iter().map(|f| f["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, ["pp32", "tg8"]);
+    for f in &figures {
+        assert!(f["tps_median"].as_f64().unwrap() > 0.0);
+        assert_eq!(f["samples"].as_array().unwrap().len(), 2);
+    }
+    // Per-stage bytes on the wire: f16 hidden states, one boundary each way per token.
+    assert!(stderr.contains("bytes/token on the wire"), "{stderr}");
+}

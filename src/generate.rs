@@ -1,0 +1,458 @@
+//! One interface for every way Baton produces text: a local session, a pipeline over nodes, a disaggregated
+//! prefill/decode pair, a speculative pair, an ensemble. `baton run` and `baton serve` drive any of them through
+//! [`Generator`], so a feature built for one topology works from both front ends.
+
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
+use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
+use crate::engine::{Input, Session, Want};
+use crate::gguf::GgufFile;
+use crate::kernels::ThreadPool;
+use crate::model::Model;
+use crate::vocab::{StreamDecoder, Vocab};
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to continue: raw text (used as given, BOS only where the model asks) or a conversation rendered with each
+/// model's own chat template.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    Text(String),
+    Chat(Vec<ChatMessage>),
+}
+
+/// Per-request generation settings.
+#[derive(Clone, Debug)]
+pub struct GenParams {
+    /// Most tokens to generate (`usize::MAX`: until end of generation or a full context).
+    pub max_tokens: usize,
+    pub sampler: SamplerParams,
+    /// Alternatives reported with each piece (0: none).
+    pub top_logprobs: usize,
+}
+
+impl Default for GenParams {
+    fn default() -> Self {
+        GenParams {
+            max_tokens: 256,
+            sampler: SamplerParams::default(),
+            top_logprobs: 0,
+        }
+    }
+}
+
+/// One step of output: the text it completes (possibly empty while a UTF-8 character is split across tokens),
+/// the token behind it when the generator has a single vocabulary, and its log-probabilities when asked.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Piece {
+    pub text: String,
+    pub token: Option<u32>,
+    pub logprob: Option<f32>,
+    /// The most likely alternatives at this step, as text with their log-probabilities.
+    pub top: Vec<(String, f32)>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The model produced an end-of-generation token.
+    Eog,
+    /// `max_tokens` reached.
+    Length,
+    /// The context is full.
+    ContextFull,
+    /// The caller's sink asked to stop (stop string, client gone).
+    Stopped,
+}
+
+impl Finish {
+    /// The words `baton run` prints; OpenAI's `finish_reason` maps Eog/Stopped to "stop", the rest to "length".
+    pub fn describe(self) -> &'static str {
+        match self {
+            Finish::Eog => "end of generation",
+            Finish::Length => "length",
+            Finish::ContextFull => "context full",
+            Finish::Stopped => "stopped",
+        }
+    }
+}
+
+/// What a finished request did.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV was already held (not recomputed).
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub finish: Finish,
+    /// Time to the first sampled token (prompt processing).
+    pub t_prompt: Duration,
+    /// Time from the first token to the end.
+    pub t_gen: Duration,
+    /// Lines for `-v`: per-stage timings, bytes moved, acceptance rates...
+    pub detail: Vec<String>,
+}
+
+/// A way of producing text. Implementations keep their KV between calls where they can, so a request that
+/// extends the previous one (a chat's next turn) only computes what is new.
+pub trait Generator: Send {
+    /// What runs where, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf, local".
+    fn describe(&self) -> String;
+    /// Context size in tokens.
+    fn n_ctx(&self) -> usize;
+    /// Tokens the prompt takes (for validation and usage counts).
+    fn count_prompt(&self, prompt: &Prompt) -> Result<usize>;
+    /// The text the model reads for `prompt` (`--echo`); a multi-model generator shows its first model's.
+    fn render(&self, prompt: &Prompt) -> Result<String> {
+        Ok(match prompt {
+            Prompt::Text(t) => t.clone(),
+            Prompt::Chat(msgs) => msgs.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+        })
+    }
+    /// Generates until end of generation, `max_tokens`, a full context, or until `sink` returns false.
+    fn generate(
+        &mut self,
+        prompt: &Prompt,
+        params: &GenParams,
+        sink: &mut dyn FnMut(&Piece) -> bool,
+    ) -> Result<Outcome>;
+}
+
+/// A model's text side: tokenizer and chat template, and the one way a [`Prompt`] becomes tokens.
+pub struct TextModel {
+    pub vocab: Vocab,
+    pub template: ChatTemplate,
+    pub path: PathBuf,
+}
+
+impl TextModel {
+    pub fn from_gguf(file: &GgufFile) -> Result<TextModel> {
+        let vocab = Vocab::from_gguf(file)?;
+        let piece = |id: Option<u32>| id.map(|i| vocab.token_text(i).to_string()).unwrap_or_default();
+        let template = ChatTemplate::from_metadata(
+            file.get_str("tokenizer.chat_template"),
+            file.architecture()?,
+            &piece(vocab.bos()),
+            &piece(vocab.eos()),
+        )?;
+        Ok(TextModel {
+            vocab,
+            template,
+            path: file.path.clone(),
+        })
+    }
+
+    /// Reads only the tokenizer and template of a GGUF file (a remote member's weights are never loaded here).
+    pub fn open(path: &Path) -> Result<TextModel> {
+        TextModel::from_gguf(&GgufFile::open(path)?)
+    }
+
+    /// The text the model reads: the prompt as given, or the conversation rendered with the chat template (a
+    /// leading BOS text dropped when the tokenizer adds BOS itself).
+    pub fn render(&self, prompt: &Prompt) -> Result<String> {
+        match prompt {
+            Prompt::Text(t) => Ok(t.clone()),
+            Prompt::Chat(msgs) => self.template.render_for_tokenizer(msgs, true, self.vocab.add_bos()),
+        }
+    }
+
+    /// Tokens of the prompt: BOS only where the model's metadata asks; special tokens parsed (a chat template's
+    /// markers must become control tokens).
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let tokens = self.vocab.tokenize(&self.render(prompt)?, true, true);
+        if tokens.is_empty() {
+            bail!("the prompt is empty");
+        }
+        Ok(tokens)
+    }
+
+    /// The file name, for descriptions.
+    pub fn name(&self) -> String {
+        self.path
+            .file_name()
+            .map_or_else(|| self.path.display().to_string(), |f| f.to_string_lossy().into_owned())
+    }
+
+    /// The top alternatives as text.
+    pub fn top_text(&self, top: &[(u32, f32)]) -> Vec<(String, f32)> {
+        top.iter()
+            .map(|&(id, lp)| (String::from_utf8_lossy(self.vocab.token_bytes(id)).into_owned(), lp))
+            .collect()
+    }
+}
+
+/// Refuses a prompt that leaves no room to generate.
+pub fn check_fits(n_prompt: usize, n_ctx: usize) -> Result<()> {
+    if n_prompt >= n_ctx {
+        bail!("the prompt is {n_prompt} tokens, the context is {n_ctx}: shorten it or raise the context size");
+    }
+    Ok(())
+}
+
+/// The decode loop every single-vocabulary generator shares: from the first sampled token, stream pieces and ask
+/// `step` for the next token until end of generation, `max_tokens`, a full context (`step` returns `None`) or the
+/// sink stops it. Returns how many tokens were generated and why it ended.
+pub fn decode_loop(
+    vocab: &Vocab,
+    first: Next,
+    max_tokens: usize,
+    sink: &mut dyn FnMut(&Piece) -> bool,
+    mut step: impl FnMut(u32) -> Result<Option<Next>>,
+) -> Result<(usize, Finish)> {
+    let mut decoder = StreamDecoder::new();
+    let mut next = first;
+    let mut n_gen = 0;
+    let finish = loop {
+        if n_gen >= max_tokens {
+            break Finish::Length;
+        }
+        if vocab.is_eog(next.0) {
+            break Finish::Eog;
+        }
+        n_gen += 1;
+        let piece = Piece {
+            text: decoder.push(vocab, next.0),
+            token: Some(next.0),
+            logprob: next.1,
+            top: std::mem::take(&mut next.2),
+        };
+        if !sink(&piece) {
+            break Finish::Stopped;
+        }
+        if n_gen == max_tokens {
+            break Finish::Length;
+        }
+        match step(next.0)? {
+            Some(t) => next = t,
+            None => break Finish::ContextFull,
+        }
+    };
+    let tail = decoder.flush();
+    if !tail.is_empty() {
+        sink(&Piece {
+            text: tail,
+            ..Default::default()
+        });
+    }
+    Ok((n_gen, finish))
+}
+
+/// A sampled token, its log-probability and the top alternatives as text (when asked for).
+pub type Next = (u32, Option<f32>, Vec<(String, f32)>);
+
+/// A model on this machine: one [`Session`] whose KV is kept between requests.
+pub struct LocalGenerator {
+    pub model: Arc<Model>,
+    pub text: TextModel,
+    session: Session,
+}
+
+impl LocalGenerator {
+    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<LocalGenerator> {
+        let text = TextModel::from_gguf(&model.file)?;
+        let n_ctx = n_ctx.min(model.hp.n_ctx_train.max(1));
+        let session = Session::new(model.clone(), pool, n_ctx, n_batch)?;
+        Ok(LocalGenerator { model, text, session })
+    }
+
+    /// Tokens whose KV this generator holds (for routing requests to the cache that shares their prefix).
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.session.tokens()[..self.session.n_past()]
+    }
+}
+
+impl Generator for LocalGenerator {
+    fn render(&self, prompt: &Prompt) -> Result<String> {
+        self.text.render(prompt)
+    }
+
+    fn describe(&self) -> String {
+        format!("{}, local", self.text.name())
+    }
+
+    fn n_ctx(&self) -> usize {
+        self.session.n_ctx()
+    }
+
+    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
+        Ok(self.text.tokenize(prompt)?.len())
+    }
+
+    fn generate(
+        &mut self,
+        prompt: &Prompt,
+        params: &GenParams,
+        sink: &mut dyn FnMut(&Piece) -> bool,
+    ) -> Result<Outcome> {
+        let tokens = self.text.tokenize(prompt)?;
+        check_fits(tokens.len(), self.n_ctx())?;
+        let t0 = Instant::now();
+        let mut sampler = Sampler::new(params.sampler.clone(), self.model.hp.n_vocab);
+        for &t in &tokens {
+            sampler.accept(t);
+        }
+        let cached = self.session.reuse_prefix(&tokens);
+        let k = params.top_logprobs;
+        let text = &self.text;
+        let session = &mut self.session;
+        let pick = |sampler: &mut Sampler, logits: &[f32]| -> Next {
+            let id = sampler.sample(logits);
+            if k == 0 {
+                return (id, None, Vec::new());
+            }
+            let lp = top_logprobs(logits, logits.len());
+            let own = lp.iter().find(|e| e.0 == id).map(|e| e.1);
+            (id, own, text.top_text(&lp[..k.min(lp.len())]))
+        };
+        let first = {
+            let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
+            pick(&mut sampler, logits)
+        };
+        let t_prompt = t0.elapsed();
+        let t1 = Instant::now();
+        let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
+            sampler.accept(tok);
+            if session.n_past() + 1 >= session.n_ctx() {
+                return Ok(None);
+            }
+            let logits = session.forward(Input::Tokens(&[tok]), Want::LastLogits)?;
+            Ok(Some(pick(&mut sampler, logits)))
+        })?;
+        Ok(Outcome {
+            prompt_tokens: tokens.len(),
+            cached_tokens: cached,
+            completion_tokens: n_gen,
+            finish,
+            t_prompt,
+            t_gen: t1.elapsed(),
+            detail: Vec::new(),
+        })
+    }
+}
+
+/// A model whose layers are spread over nodes; the last stage samples, so only a token and its top-k
+/// log-probabilities come back per step.
+pub struct PipelineGenerator {
+    pub text: TextModel,
+    spec: String,
+    opts: PipelineOpts,
+    session: Option<PipelineSession>,
+}
+
+impl PipelineGenerator {
+    /// Connects to every stage of `spec` (see `baton run --pipeline`).
+    pub fn connect(spec: &str, model_path: &Path, opts: PipelineOpts) -> Result<PipelineGenerator> {
+        let text = TextModel::open(model_path)?;
+        let session = PipelineSession::connect(spec, model_path, opts.clone())?;
+        Ok(PipelineGenerator {
+            text,
+            spec: spec.to_string(),
+            opts,
+            session: Some(session),
+        })
+    }
+
+    pub fn session(&self) -> Option<&PipelineSession> {
+        self.session.as_ref()
+    }
+}
+
+/// The stages sample with the parameters the session was opened with; a request asking for others reopens it (the
+/// sampler's settings travel in the handshake).
+fn reopen_if_needed<'a>(
+    session: &'a mut Option<PipelineSession>,
+    opts: &mut PipelineOpts,
+    spec: &str,
+    path: &Path,
+    params: &GenParams,
+) -> Result<&'a mut PipelineSession> {
+    let want = SamplingParams {
+        temperature: params.sampler.temp.max(0.0),
+        top_p: params.sampler.top_p,
+        seed: params.sampler.seed.unwrap_or(opts.sampling.seed),
+    };
+    if session.is_none() || want != opts.sampling || params.top_logprobs != opts.top_k {
+        opts.sampling = want;
+        opts.top_k = params.top_logprobs;
+        *session = None;
+        *session = Some(PipelineSession::connect(spec, path, opts.clone())?);
+    }
+    Ok(session.as_mut().expect("just opened"))
+}
+
+impl Generator for PipelineGenerator {
+    fn render(&self, prompt: &Prompt) -> Result<String> {
+        self.text.render(prompt)
+    }
+
+    fn describe(&self) -> String {
+        format!("{}, pipeline {}", self.text.name(), self.spec)
+    }
+
+    fn n_ctx(&self) -> usize {
+        self.opts.n_ctx
+    }
+
+    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
+        Ok(self.text.tokenize(prompt)?.len())
+    }
+
+    fn generate(
+        &mut self,
+        prompt: &Prompt,
+        params: &GenParams,
+        sink: &mut dyn FnMut(&Piece) -> bool,
+    ) -> Result<Outcome> {
+        let tokens = self.text.tokenize(prompt)?;
+        check_fits(tokens.len(), self.n_ctx())?;
+        let t0 = Instant::now();
+        let k = params.top_logprobs;
+        let text = &self.text;
+        let p = reopen_if_needed(&mut self.session, &mut self.opts, &self.spec, &text.path, params)?;
+        let cached = p.reuse_prefix(&tokens);
+        p.reset_stats();
+        let conv = |s: crate::cluster::Sampled| -> Next {
+            let top = if k == 0 { Vec::new() } else { text.top_text(&s.top) };
+            (s.token, (k > 0).then_some(s.logprob), top)
+        };
+        let first = conv(p.eval(&tokens[cached..])?);
+        let t_prompt = t0.elapsed();
+        let t1 = Instant::now();
+        let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
+            if p.n_past() + 1 >= p.n_ctx() {
+                return Ok(None);
+            }
+            Ok(Some(conv(p.decode_step(tok)?)))
+        })?;
+        let detail = p
+            .stats()
+            .iter()
+            .map(|st| {
+                format!(
+                    "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, \
+                     received {} B, {} reconnects",
+                    st.label,
+                    st.layers,
+                    st.requests,
+                    st.tokens,
+                    st.compute.as_secs_f64(),
+                    st.wall.as_secs_f64(),
+                    st.bytes_sent,
+                    st.bytes_recv,
+                    st.reconnects
+                )
+            })
+            .collect();
+        Ok(Outcome {
+            prompt_tokens: tokens.len(),
+            cached_tokens: cached,
+            completion_tokens: n_gen,
+            finish,
+            t_prompt,
+            t_gen: t1.elapsed(),
+            detail,
+        })
+    }
+}
