@@ -8,7 +8,7 @@
 
 use super::handshake::{self, Conn, Timeouts};
 use super::stage::StageCore;
-use super::wire::{self, HiddenRows, Hidden, ModelInfo, Msg, Open, Prefill, PrefillHidden, WireDtype};
+use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, WireDtype};
 use super::{PrefixHash, prefix_next, prefix_root};
 use crate::engine::snapshot::{self, KvBlock, KvDtype};
 use crate::engine::{Input, Session, Want};
@@ -71,13 +71,19 @@ pub fn serve_prefill(
     let (pos, send_from, n) = (p.pos as usize, p.send_from as usize, p.tokens.len());
     let end = pos + n;
     let bad = if !model.is_first() {
-        Some(format!("layers {:?} do not start at 0: a prefill runs from the tokens", model.range))
+        Some(format!(
+            "layers {:?} do not start at 0: a prefill runs from the tokens",
+            model.range
+        ))
     } else if n == 0 || send_from < pos || send_from >= end {
         Some(format!(
             "prefill of positions {pos}..{end} sending from {send_from}: nothing to send or out of range"
         ))
     } else if end > core.session.n_ctx() {
-        Some(format!("positions {pos}..{end} exceed the context size {}", core.session.n_ctx()))
+        Some(format!(
+            "positions {pos}..{end} exceed the context size {}",
+            core.session.n_ctx()
+        ))
     } else if let Some(&t) = p.tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
         Some(format!("token id {t} is outside the vocabulary of {}", hp.n_vocab))
     } else {
@@ -138,7 +144,12 @@ pub fn serve_prefill(
             .session
             .forward_layers(Input::Tokens(chunk), 0, Want::Hidden, &mut |il, kv, r| {
                 let from = r.start.max(send_from);
-                if !gone && from < r.end && tx.send(Out::Kv(KvBlock::from_cache(kv, il..il + 1, from..r.end))).is_err() {
+                if !gone
+                    && from < r.end
+                    && tx
+                        .send(Out::Kv(KvBlock::from_cache(kv, il..il + 1, from..r.end)))
+                        .is_err()
+                {
                     gone = true;
                 }
             });
@@ -227,7 +238,9 @@ impl HandoffReport {
                 self.prompt - self.held,
                 self.held,
                 ms(self.total),
-                self.fallback.as_ref().map_or(String::new(), |f| format!(" (fallback: {f})"))
+                self.fallback
+                    .as_ref()
+                    .map_or(String::new(), |f| format!(" (fallback: {f})"))
             ));
             return v;
         }
@@ -273,7 +286,11 @@ pub struct NodeOpts {
 enum Item {
     Kv(KvBlock),
     Hidden(usize, Vec<f32>),
-    Done { at: Instant, queue_us: u64, compute_us: u64 },
+    Done {
+        at: Instant,
+        queue_us: u64,
+        compute_us: u64,
+    },
     Mismatch(usize),
 }
 
@@ -324,7 +341,8 @@ impl PrefillNode {
             seed: 0,
             top_k: 0,
         };
-        let (conn, ready) = handshake::connect(&self.opts.addr, self.opts.secret.as_deref(), &open, self.opts.timeouts)?;
+        let (conn, ready) =
+            handshake::connect(&self.opts.addr, self.opts.secret.as_deref(), &open, self.opts.timeouts)?;
         // The node may have lost the session (restart, eviction): keep only what it still can hold.
         let held = self.held.entry(k).or_default();
         held.truncate(ready.n_past as usize);
@@ -343,7 +361,13 @@ impl PrefillNode {
         r
     }
 
-    fn prefill_inner(&mut self, s: &mut Session, tokens: &[u32], k: usize, rep: &mut HandoffReport) -> Result<Vec<f32>> {
+    fn prefill_inner(
+        &mut self,
+        s: &mut Session,
+        tokens: &[u32],
+        k: usize,
+        rep: &mut HandoffReport,
+    ) -> Result<Vec<f32>> {
         let hp = s.model.hp.clone();
         let n_layer = hp.n_layer;
         if k == 0 || k > n_layer || !s.model.is_first() || !s.model.is_last() {
@@ -362,7 +386,12 @@ impl PrefillNode {
             attempt += 1;
             // Start where the node's records and the prompt agree, never after what we hold.
             let node_held = self.held.get(&k).map_or(&[][..], |v| &v[..]);
-            let q = node_held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(held);
+            let q = node_held
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(held);
             self.req += 1;
             let req = self.req;
             let msg = Msg::Prefill(Prefill {
@@ -392,8 +421,8 @@ impl PrefillNode {
                     let item = (|| -> Result<Item> {
                         Ok(match conn.recv("the prefill stream")? {
                             Msg::Kv { req: r, data } if r == req => {
-                                let (block, _) = snapshot::decode_block(&hp2, &fp2, n_ctx, &data)
-                                    .context("refusing a KV chunk")?;
+                                let (block, _) =
+                                    snapshot::decode_block(&hp2, &fp2, n_ctx, &data).context("refusing a KV chunk")?;
                                 Item::Kv(block)
                             }
                             Msg::PrefillHidden(h) if h.req == req => {
@@ -401,7 +430,11 @@ impl PrefillNode {
                                     bail!("a hidden-state chunk fails its checksum: the data is corrupt");
                                 }
                                 if h.hidden.width as usize != hp2.n_embd {
-                                    bail!("hidden-state chunk of width {}, expected {}", h.hidden.width, hp2.n_embd);
+                                    bail!(
+                                        "hidden-state chunk of width {}, expected {}",
+                                        h.hidden.width,
+                                        hp2.n_embd
+                                    );
                                 }
                                 Item::Hidden(h.pos as usize, h.hidden.decode())
                             }
@@ -446,7 +479,10 @@ impl PrefillNode {
                     // Our records were wrong (node restarted, evicted): replay from 0, once.
                     self.held.insert(k, Vec::new());
                     if attempt >= 2 {
-                        bail!("prefill node {} keeps refusing the prefix (it holds {n_past})", self.opts.addr);
+                        bail!(
+                            "prefill node {} keeps refusing the prefix (it holds {n_past})",
+                            self.opts.addr
+                        );
                     }
                     continue;
                 }
@@ -543,7 +579,10 @@ impl PrefillNode {
                     compute_us,
                 } => {
                     if let Some(il) = next.iter().position(|&p| p != end) {
-                        bail!("the prefill node sent layer {il} up to position {}, not {end}", next[il]);
+                        bail!(
+                            "the prefill node sent layer {il} up to position {}, not {end}",
+                            next[il]
+                        );
                     }
                     let Some(logits) = logits else {
                         bail!("the prefill node did not send the final hidden state");

@@ -366,19 +366,36 @@ pub struct ResultMsg {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Msg {
-    Hello { nonce: [u8; 32] },
-    Challenge { nonce: [u8; 32], auth_required: bool },
-    Auth { mac: [u8; 32] },
-    AuthOk { mac: [u8; 32] },
+    Hello {
+        nonce: [u8; 32],
+    },
+    Challenge {
+        nonce: [u8; 32],
+        auth_required: bool,
+    },
+    Auth {
+        mac: [u8; 32],
+    },
+    AuthOk {
+        mac: [u8; 32],
+    },
     Open(Open),
     Ready(Ready),
     Forward(Forward),
     Result(ResultMsg),
-    Mismatch { req: u64, n_past: u32 },
-    Error { message: String },
+    Mismatch {
+        req: u64,
+        n_past: u32,
+    },
+    Error {
+        message: String,
+    },
     Prefill(Prefill),
     /// One KV chunk of a disaggregated prefill: a buffer in the KV snapshot format (docs/kv-format.md).
-    Kv { req: u64, data: Vec<u8> },
+    Kv {
+        req: u64,
+        data: Vec<u8>,
+    },
     PrefillHidden(PrefillHidden),
     /// End of a disaggregated prefill: the node now holds `n_past` positions; it waited `queue_us` for the compute
     /// lock and spent `compute_us` in forward passes.

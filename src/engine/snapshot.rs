@@ -233,7 +233,11 @@ pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: KvDtype) -
     for (i, il) in b.layers.clone().enumerate() {
         for (name, hd, rows) in [("k", hp.head_dim_k, &b.k[i]), ("v", hp.head_dim_v, &b.v[i])] {
             if rows.len() != hp.n_head_kv * n_pos * hd {
-                bail!("KV block tensor {name}.{il} has {} values, expected {}", rows.len(), hp.n_head_kv * n_pos * hd);
+                bail!(
+                    "KV block tensor {name}.{il} has {} values, expected {}",
+                    rows.len(),
+                    hp.n_head_kv * n_pos * hd
+                );
             }
             let (bytes, scales) = encode_rows(rows, hd, dt);
             let st_dtype = match dt {
@@ -327,7 +331,10 @@ pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8])
     }
     let layers = num("layer_start")?..num("layer_end")?;
     if layers.is_empty() || layers.end > hp.n_layer {
-        bail!("snapshot layers {layers:?} are outside the model's {} layers", hp.n_layer);
+        bail!(
+            "snapshot layers {layers:?} are outside the model's {} layers",
+            hp.n_layer
+        );
     }
     let pos = num("pos_start")?..num("pos_end")?;
     if pos.is_empty() || pos.end > n_ctx {
