@@ -155,6 +155,7 @@ fn second_turn_offloads_only_the_new_suffix() {
     let mut turn2 = turn1.clone();
     turn2.extend_from_slice(&gen1);
     turn2.extend(prompt(16).iter().map(|t| t + 3));
+    let (ref_logits, ref_toks) = local(&model, &turn2, 8);
     for k in [30, 30, 13] {
         let mut s2 = session(&model);
         let (l, _) = prefill_with_fallback(&mut s2, None, &turn1, 0).unwrap();
@@ -163,7 +164,6 @@ fn second_turn_offloads_only_the_new_suffix() {
         assert!(rep2.fallback.is_none(), "{rep2:?}");
         assert_eq!(rep2.held, 53, "the decode side keeps turn 1 and the tokens it decoded");
         assert_eq!(rep2.sent, turn2.len() - 53, "only the new suffix crosses the wire");
-        let (ref_logits, ref_toks) = local(&model, &turn2, 8);
         assert!(max_abs_diff(&logits2, &ref_logits) <= 1e-4);
         assert_eq!(decode(&mut s2, &logits2, 8), ref_toks, "layers {k}");
         // The node caught up on the decoded tokens itself on the first request for this layer range.
