@@ -237,9 +237,10 @@ fn bench_shaped_link() {
 }
 
 /// Disaggregated prefill over emulated links (`cargo test --test netns bench_handoff_shaped -- --ignored
-/// --nocapture`; BENCH_PP prompt tokens, default 512): the prefill node (2 threads) in one namespace, the decode side
-/// (1 thread) in the other. A 2.5 Gbit/s link hides the KV transfer behind compute; a 20 Mbit/s link does not, and
-/// there `--kv-bits 8` and `--offload auto` matter. Figures in docs/disaggregation.md.
+/// --nocapture`; BENCH_PP prompt tokens, default 512; BENCH_SLOW the slow link's rate, default 20mbit): the prefill
+/// node (2 threads) in one namespace, the decode side (1 thread) in the other. A 2.5 Gbit/s link hides the KV
+/// transfer behind compute; a link slower than the KV production rate does not, and there `--kv-bits 8` and
+/// `--offload auto` matter. Figures in docs/disaggregation.md.
 #[test]
 #[ignore]
 fn bench_handoff_shaped() {
@@ -260,7 +261,8 @@ fn bench_handoff_shaped() {
     let prompt = prompt(pp);
     println!("| link | plan | KV | TTFT | remote | exposed | handoff | bytes | link rate |");
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
-    for rate in ["2500mbit", "20mbit"] {
+    let slow = std::env::var("BENCH_SLOW").unwrap_or_else(|_| "20mbit".into());
+    for rate in ["2500mbit", slow.as_str()] {
         let Some(link) = Link::new(rate) else { return };
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(&dir);
