@@ -86,11 +86,18 @@ impl Link {
         run(&["ip", "-n", &b.0, "addr", "add", &format!("{ip_b}/24"), "dev", vb])?;
         run(&["ip", "-n", &a.0, "link", "set", va, "up"])?;
         run(&["ip", "-n", &b.0, "link", "set", vb, "up"])?;
-        // tbf needs a bucket of at least rate / HZ bytes; 4 MB covers 10 Gbit/s at HZ 250.
+        // tbf needs a bucket of at least rate / HZ bytes; 4 MB covers 10 Gbit/s at HZ 250. A slow link gets a small
+        // bucket, or its first 4 MB would pass at full speed.
+        let slow = rate.ends_with("kbit")
+            || rate
+                .strip_suffix("mbit")
+                .and_then(|r| r.parse::<u32>().ok())
+                .is_some_and(|r| r < 100);
+        let burst = if slow { "64kb" } else { "4mb" };
         for (ns, dev) in [(&a.0, va), (&b.0, vb)] {
             run(&[
                 "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
-                "4mb", "latency", "20ms",
+                burst, "latency", "20ms",
             ])?;
         }
         Ok(Link { a, b, b_ip: ip_b })
@@ -237,7 +244,7 @@ fn bench_shaped_link() {
 }
 
 /// Disaggregated prefill over emulated links (`cargo test --test netns bench_handoff_shaped -- --ignored
-/// --nocapture`; BENCH_PP prompt tokens, default 512; BENCH_SLOW the slow link's rate, default 20mbit): the prefill
+/// --nocapture`; BENCH_PP prompt tokens, default 512; BENCH_RATES the links, default 2500mbit,20mbit): the prefill
 /// node (2 threads) in one namespace, the decode side (1 thread) in the other. A 2.5 Gbit/s link hides the KV
 /// transfer behind compute; a link slower than the KV production rate does not, and there `--kv-bits 8` and
 /// `--offload auto` matter. Figures in docs/disaggregation.md.
@@ -261,8 +268,8 @@ fn bench_handoff_shaped() {
     let prompt = prompt(pp);
     println!("| link | plan | KV | TTFT | remote | exposed | handoff | bytes | link rate |");
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
-    let slow = std::env::var("BENCH_SLOW").unwrap_or_else(|_| "20mbit".into());
-    for rate in ["2500mbit", slow.as_str()] {
+    let rates = std::env::var("BENCH_RATES").unwrap_or_else(|_| "2500mbit,20mbit".into());
+    for rate in rates.split(',') {
         let Some(link) = Link::new(rate) else { return };
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(&dir);

@@ -56,6 +56,19 @@ enum Out {
     Last(Msg),
 }
 
+/// The tail of a prefill stream still being written after the compute finished; [`Drain::finish`] waits for it (the
+/// node calls it after releasing its compute lock, so another request can compute meanwhile).
+pub struct Drain(Option<std::thread::JoinHandle<Result<()>>>);
+
+impl Drain {
+    pub fn finish(self) -> Result<()> {
+        match self.0 {
+            None => Ok(()),
+            Some(h) => h.join().map_err(|_| anyhow!("prefill sender panicked"))?,
+        }
+    }
+}
+
 /// Serves one PREFILL on a node session (`core` holds layers `0..k`). The chunks are computed here; a sender thread
 /// encodes and writes each layer's KV as soon as that layer is done, so the socket write overlaps the compute. A bad
 /// request is answered with ERROR (or MISMATCH) and the connection stays usable; `Err` means the peer is gone.
@@ -65,7 +78,7 @@ pub fn serve_prefill(
     p: &Prefill,
     queued: Duration,
     hidden_wire: WireDtype,
-) -> Result<()> {
+) -> Result<Drain> {
     let model = core.session.model.clone();
     let hp = &model.hp;
     let (pos, send_from, n) = (p.pos as usize, p.send_from as usize, p.tokens.len());
@@ -91,12 +104,12 @@ pub fn serve_prefill(
     };
     if let Some(message) = bad {
         wire::write_msg(s, &Msg::Error { message }).map_err(|e| anyhow!("sending: {e}"))?;
-        return Ok(());
+        return Ok(Drain(None));
     }
     if !core.holds_prefix(pos, &p.prefix) {
         let n_past = core.n_past() as u32;
         wire::write_msg(s, &Msg::Mismatch { req: p.req, n_past }).map_err(|e| anyhow!("sending: {e}"))?;
-        return Ok(());
+        return Ok(Drain(None));
     }
     core.rewind(pos);
     let kv_dt = kv_dtype_of(p.kv);
@@ -192,7 +205,7 @@ pub fn serve_prefill(
     };
     let _ = tx.send(Out::Last(last));
     drop(tx);
-    sender.join().map_err(|_| anyhow!("prefill sender panicked"))?
+    Ok(Drain(Some(sender)))
 }
 
 // ---------------------------------------------------------------------------------------------------------------

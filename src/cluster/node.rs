@@ -385,12 +385,15 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
             Ok(Msg::Forward(f)) => f,
             Ok(Msg::Prefill(p)) => {
                 // Disaggregated prefill: the KV streams back while the chunks compute (see handoff.rs).
-                let t_wait = Instant::now();
-                let _c = lock(&st.compute);
-                let queued = t_wait.elapsed();
-                let mut g = lock(&slot);
-                g.last_used = Instant::now();
-                super::handoff::serve_prefill(&mut s, &mut g.core, &p, queued, open.wire)?;
+                let drain = {
+                    let t_wait = Instant::now();
+                    let _c = lock(&st.compute);
+                    let queued = t_wait.elapsed();
+                    let mut g = lock(&slot);
+                    g.last_used = Instant::now();
+                    super::handoff::serve_prefill(&mut s, &mut g.core, &p, queued, open.wire)?
+                };
+                drain.finish()?;
                 continue;
             }
             Ok(m) => {
