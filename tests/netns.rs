@@ -302,7 +302,7 @@ fn bench_handoff_shaped() {
                 learn(&mut speeds, &rep);
             }
             println!(
-                "| {rate} | {name} ({k} layers) | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} MB | {:.1} MB/s |",
+                "| {rate} | {name} ({k} layers) | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} MB | {:.3} MB/s |",
                 kv.name(),
                 ms(rep.total),
                 ms(rep.remote),
