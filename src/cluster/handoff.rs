@@ -277,7 +277,7 @@ impl HandoffReport {
             ms(self.handoff)
         ));
         v.push(format!(
-            "kv: {} bytes moved ({:.1} KB/token), link rate {:.1} MB/s during the stream",
+            "kv: {} bytes moved ({:.1} KB/token), link rate {:.2} MB/s during the stream",
             self.bytes,
             self.bytes as f64 / self.sent.max(1) as f64 / 1e3,
             self.link_rate / 1e6
