@@ -243,7 +243,7 @@ fn assert_fallback(
 }
 
 #[test]
-fn faults_fall_back_to_a_correct_local_prefill() {
+fn connection_faults_fall_back_to_a_correct_local_prefill() {
     let model = smollm2();
     let prompt = prompt(64);
     let r = local(&model, &prompt, 6);
@@ -259,6 +259,22 @@ fn faults_fall_back_to_a_correct_local_prefill() {
     let rep = assert_fallback(&model, &mut pn, &prompt, 30, "refused", &r);
     assert!(rep.fallback.unwrap().contains("serves only 0:10"));
     drop(pinned);
+
+    // A stalled node (stopped): past the 2 s deadline the decode side prefills alone.
+    let stalled = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let mut pn = PrefillNode::new(node_opts(&stalled.addr, KvDtype::F32, 2));
+    stalled.signal(libc::SIGSTOP);
+    let t0 = std::time::Instant::now();
+    let rep = assert_fallback(&model, &mut pn, &prompt, 30, "stalled", &r);
+    assert!(t0.elapsed() < Duration::from_secs(30));
+    assert!(rep.fallback.unwrap().contains("within"));
+}
+
+#[test]
+fn stream_faults_fall_back_to_a_correct_local_prefill() {
+    let model = smollm2();
+    let prompt = prompt(64);
+    let r = local(&model, &prompt, 6);
 
     // A byte flipped in flight, inside the KV stream (300 kB in: well past the handshake).
     let node = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
@@ -292,15 +308,6 @@ fn faults_fall_back_to_a_correct_local_prefill() {
     let mut pn = PrefillNode::new(node_opts(&killer, KvDtype::F32, 10));
     assert_fallback(&model, &mut pn, &prompt, 13, "node killed", &r);
     victim.kill();
-
-    // A stalled node (stopped): past the 2 s deadline the decode side prefills alone.
-    let stalled = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    let mut pn = PrefillNode::new(node_opts(&stalled.addr, KvDtype::F32, 2));
-    stalled.signal(libc::SIGSTOP);
-    let t0 = std::time::Instant::now();
-    let rep = assert_fallback(&model, &mut pn, &prompt, 30, "stalled", &r);
-    assert!(t0.elapsed() < Duration::from_secs(30));
-    assert!(rep.fallback.unwrap().contains("within"));
 }
 
 /// KV at f16 / bf16 / 8 bits on the wire: the first 64 tokens of a real text are prefilled remotely at each precision,
