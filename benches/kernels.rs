@@ -51,6 +51,7 @@ fn matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
         rows,
         cols,
         data: Bytes::Owned(data),
+        layout: baton::kernels::matrix::Layout::Rows,
     }
 }
 

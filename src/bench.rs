@@ -186,41 +186,117 @@ pub fn run(
     pool: Arc<ThreadPool>,
     name: &str,
     cfg: &BenchConfig,
-    report: impl FnMut(&Figure),
+    compare: Option<Compare>,
+    report: impl FnMut(&Figure, Option<&Figure>),
 ) -> Result<Vec<Figure>> {
     let max_depth = cfg.depths.iter().copied().max().unwrap_or(0);
     let max_test = cfg.pp.iter().chain(&cfg.tg).copied().max().unwrap_or(0);
     let threads = pool.n_threads();
     let mut s = Session::new(model, pool, max_depth + max_test + 1, cfg.n_batch)?;
-    run_on(&mut s, name, threads, cfg, report)
+    run_on(&mut s, name, threads, cfg, compare, report)
 }
 
-/// Runs every test of `cfg` on any target (`threads` is only reported).
+/// A second engine measured in the same run, one repetition after each of Baton's (`--compare-llama-cpp`):
+/// given a test name (`pp512`, `tg128`) and depth, returns its tokens/s, or `None` where it cannot run that test.
+pub type Compare<'a> = &'a mut dyn FnMut(&str, usize) -> Result<Option<f64>>;
+
+/// Runs every test of `cfg` on any target (`threads` is only reported). With `compare`, the other engine's
+/// repetitions are interleaved with Baton's, so both see the same machine load; `report` gets both figures.
 pub fn run_on(
     s: &mut dyn Target,
     name: &str,
     threads: usize,
     cfg: &BenchConfig,
-    mut report: impl FnMut(&Figure),
+    mut compare: Option<Compare>,
+    mut report: impl FnMut(&Figure, Option<&Figure>),
 ) -> Result<Vec<Figure>> {
     let mut out = Vec::new();
     for &depth in &cfg.depths {
-        for &n in &cfg.pp {
-            run_pp(s, depth, n.min(64))?; // warm-up
-            let samples = (0..cfg.reps).map(|_| run_pp(s, depth, n)).collect::<Result<Vec<_>>>()?;
-            let f = summarize(name, format!("pp{n}"), threads, depth, samples);
-            report(&f);
-            out.push(f);
-        }
-        for &n in &cfg.tg {
-            run_tg(s, depth, 4)?; // warm-up
-            let samples = (0..cfg.reps).map(|_| run_tg(s, depth, n)).collect::<Result<Vec<_>>>()?;
-            let f = summarize(name, format!("tg{n}"), threads, depth, samples);
-            report(&f);
+        let tests = cfg
+            .pp
+            .iter()
+            .map(|&n| (true, n))
+            .chain(cfg.tg.iter().map(|&n| (false, n)));
+        for (is_pp, n) in tests {
+            let test = format!("{}{n}", if is_pp { "pp" } else { "tg" });
+            let run = |s: &mut dyn Target, n| {
+                if is_pp {
+                    run_pp(s, depth, n)
+                } else {
+                    run_tg(s, depth, n)
+                }
+            };
+            run(s, n.min(if is_pp { 64 } else { 4 }))?; // warm-up
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for _ in 0..cfg.reps {
+                ours.push(run(s, n)?);
+                if let Some(c) = compare.as_mut()
+                    && let Some(v) = c(&test, depth)?
+                {
+                    theirs.push(v);
+                }
+            }
+            let f = summarize(name, test.clone(), threads, depth, ours);
+            let other = (!theirs.is_empty()).then(|| summarize("llama.cpp", test, threads, depth, theirs));
+            report(&f, other.as_ref());
             out.push(f);
         }
     }
     Ok(out)
+}
+
+/// One repetition of llama.cpp's speed on `model`, from the `tools/llama-ref` binary (llama.cpp built from the
+/// crates.io package `llama-cpp-sys-2`; never part of the default build). It runs one warm-up and one timed run and
+/// prints a JSON line. Only depth 0 is supported there.
+pub fn llama_cpp_once(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    test: &str,
+    depth: usize,
+    threads: usize,
+    n_batch: usize,
+) -> Result<Option<f64>> {
+    use anyhow::Context;
+    if depth != 0 {
+        return Ok(None);
+    }
+    let (pp, tg) = match (test.strip_prefix("pp"), test.strip_prefix("tg")) {
+        (Some(n), _) => (n, "0"),
+        (_, Some(n)) => ("0", n),
+        _ => return Ok(None),
+    };
+    let out = std::process::Command::new(bin)
+        .arg("bench")
+        .arg("-m")
+        .arg(model)
+        .args([
+            "-p",
+            pp,
+            "-n",
+            tg,
+            "-r",
+            "1",
+            "-t",
+            &threads.to_string(),
+            "-b",
+            &n_batch.to_string(),
+        ])
+        .output()
+        .with_context(|| format!("cannot run {}", bin.display()))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "{} failed: {}",
+            bin.display(),
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .context("llama-ref printed no figure")?;
+    let v: serde_json::Value = serde_json::from_str(line).context("llama-ref printed malformed JSON")?;
+    Ok(v["median_tokens_per_s"].as_f64())
 }
 
 #[cfg(test)]

@@ -337,49 +337,27 @@ impl Generator for LocalGenerator {
 pub struct PipelineGenerator {
     pub text: TextModel,
     spec: String,
-    opts: PipelineOpts,
-    session: Option<PipelineSession>,
+    n_ctx: usize,
+    session: PipelineSession,
 }
 
 impl PipelineGenerator {
     /// Connects to every stage of `spec` (see `baton run --pipeline`).
     pub fn connect(spec: &str, model_path: &Path, opts: PipelineOpts) -> Result<PipelineGenerator> {
         let text = TextModel::open(model_path)?;
-        let session = PipelineSession::connect(spec, model_path, opts.clone())?;
+        let n_ctx = opts.n_ctx;
+        let session = PipelineSession::connect(spec, model_path, opts)?;
         Ok(PipelineGenerator {
             text,
             spec: spec.to_string(),
-            opts,
-            session: Some(session),
+            n_ctx,
+            session,
         })
     }
 
-    pub fn session(&self) -> Option<&PipelineSession> {
-        self.session.as_ref()
+    pub fn session(&self) -> &PipelineSession {
+        &self.session
     }
-}
-
-/// The stages sample with the parameters the session was opened with; a request asking for others reopens it (the
-/// sampler's settings travel in the handshake).
-fn reopen_if_needed<'a>(
-    session: &'a mut Option<PipelineSession>,
-    opts: &mut PipelineOpts,
-    spec: &str,
-    path: &Path,
-    params: &GenParams,
-) -> Result<&'a mut PipelineSession> {
-    let want = SamplingParams {
-        temperature: params.sampler.temp.max(0.0),
-        top_p: params.sampler.top_p,
-        seed: params.sampler.seed.unwrap_or(opts.sampling.seed),
-    };
-    if session.is_none() || want != opts.sampling || params.top_logprobs != opts.top_k {
-        opts.sampling = want;
-        opts.top_k = params.top_logprobs;
-        *session = None;
-        *session = Some(PipelineSession::connect(spec, path, opts.clone())?);
-    }
-    Ok(session.as_mut().expect("just opened"))
 }
 
 impl Generator for PipelineGenerator {
@@ -392,7 +370,7 @@ impl Generator for PipelineGenerator {
     }
 
     fn n_ctx(&self) -> usize {
-        self.opts.n_ctx
+        self.n_ctx
     }
 
     fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
@@ -410,7 +388,9 @@ impl Generator for PipelineGenerator {
         let t0 = Instant::now();
         let k = params.top_logprobs;
         let text = &self.text;
-        let p = reopen_if_needed(&mut self.session, &mut self.opts, &self.spec, &text.path, params)?;
+        // A request without a seed gets a fresh one, as a local run does.
+        let p = &mut self.session;
+        p.set_sampling(SamplingParams::from_sampler(&params.sampler), params.top_logprobs);
         let cached = p.reuse_prefix(&tokens);
         p.reset_stats();
         let conv = |s: crate::cluster::Sampled| -> Next {

@@ -488,6 +488,22 @@ impl GgufFile {
     }
 
     /// The whole mapped file.
+    /// Tells the kernel this process no longer needs the mapped pages inside `offset..offset + len` (a tensor that
+    /// was copied into another layout), so they stop counting towards its memory. A later read would fault them in
+    /// again from the file; nothing is lost.
+    pub fn release(&self, offset: usize, len: usize) {
+        let page = 4096;
+        let start = offset.next_multiple_of(page);
+        let end = (offset + len) / page * page;
+        if end > start {
+            // SAFETY: the mapping is read-only and file-backed: dropped pages are re-read from the file on access.
+            let _ = unsafe {
+                self.mmap
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+    }
+
     pub fn bytes(&self) -> &[u8] {
         &self.mmap
     }

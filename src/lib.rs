@@ -4,7 +4,8 @@
 //! 1. [`gguf`], [`vocab`], [`model`]: what a model is (file, tokenizer, weights, per-architecture math);
 //! 2. [`kernels`]: the few coarse ops a forward pass needs, SIMD with runtime dispatch and scalar references;
 //! 3. [`engine`]: a session on one node (KV cache, layer-range forward, sampler, snapshots);
-//! 4. [`cluster`]: the wire protocol, `baton node`, and the pipeline coordinator; the server layer (to come) on top.
+//! 4. [`cluster`]: the wire protocol, `baton node`, and the pipeline coordinator;
+//! 5. [`generate`] (one Generator trait for every topology) and [`server`] (`baton serve`, OpenAI-compatible) on top.
 
 pub mod bench;
 pub mod chat;
@@ -16,5 +17,6 @@ pub mod generate;
 pub mod gguf;
 pub mod kernels;
 pub mod model;
+pub mod server;
 pub mod util;
 pub mod vocab;

@@ -68,6 +68,8 @@ enum Cmd {
     Node(NodeArgs),
     /// Disaggregated prefill on this machine: a prefill node and a decode node, next to the local run.
     Demo(DemoArgs),
+    /// OpenAI-compatible HTTP server (local, --pipeline, or --cluster with a router over nodes).
+    Serve(ServeArgs),
     /// Manage the model cache.
     Models {
         #[command(subcommand)]
@@ -224,6 +226,50 @@ struct NodeArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Model id clients use (default: the --model argument, or the file stem of a path).
+    #[arg(long = "served-name")]
+    served_name: Option<String>,
+    /// Address to listen on (port 0 picks a free one, printed on start).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// Bearer key clients must send; required when not listening on loopback.
+    #[arg(long = "api-key")]
+    api_key: Option<String>,
+    /// Sessions generating at once (each with its own KV); per decode node with --cluster.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
+    /// Requests that may wait for a free session; beyond them the answer is 429.
+    #[arg(long, default_value_t = 16)]
+    queue: usize,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Context size in tokens per session.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    ctx_size: usize,
+    #[arg(short = 'b', long = "batch-size", default_value_t = 256)]
+    batch_size: usize,
+    /// Layers over nodes, like `baton run --pipeline`.
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// A TOML file naming nodes, roles (prefill, decode, stage) and links (see docs/server.md).
+    #[arg(long)]
+    cluster: Option<PathBuf>,
+    /// Hidden-state precision on the wire: 32, 16 (or bf16) or 8.
+    #[arg(long = "wire-bits", default_value = "32")]
+    wire_bits: String,
+    /// Shared secret for nodes that listen beyond loopback.
+    #[arg(long = "secret-file")]
+    secret_file: Option<PathBuf>,
+    /// Seconds to wait on a node's answer before the request fails.
+    #[arg(long = "node-timeout", default_value_t = 30.0)]
+    node_timeout: f64,
+}
+
+#[derive(Args)]
 struct PerplexityArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
@@ -266,6 +312,11 @@ struct BenchArgs {
     /// One JSON object per line and test.
     #[arg(long)]
     json: bool,
+    /// Also measure llama.cpp on the same model and threads, one repetition after each of Baton's, and print the
+    /// ratios. Uses the `tools/llama-ref` binary (build it with `cargo build --release` in tools/llama-ref; path
+    /// overridable with BATON_LLAMA_REF).
+    #[arg(long = "compare-llama-cpp")]
+    compare_llama_cpp: bool,
     /// Measure through a pipeline of nodes instead (`HOST:PORT=A:B,...,local=C:end`, as `baton run --pipeline`).
     #[arg(long)]
     pipeline: Option<String>,
@@ -297,6 +348,7 @@ fn main() {
                 kv_bits: a.kv_bits,
             })
         }),
+        Cmd::Serve(a) => cmd_serve(a),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -406,6 +458,18 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn sampler_params(a: &RunArgs) -> SamplerParams {
+    SamplerParams {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    }
+}
+
 /// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
@@ -422,11 +486,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
                 .map(|p| baton::cluster::auth::load_secret(p))
                 .transpose()?,
             threads: c.threads.unwrap_or_else(default_threads),
-            sampling: SamplingParams {
-                temperature: a.temp.max(0.0),
-                top_p: a.top_p,
-                seed: a.seed.unwrap_or_else(rand::random),
-            },
+            sampling: SamplingParams::from_sampler(&sampler_params(a)),
             verbose: a.verbose,
             ..Default::default()
         };
@@ -636,12 +696,34 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         reps: a.reps,
         n_batch: a.batch_size,
     };
+    let llama_bin = std::env::var_os("BATON_LLAMA_REF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("tools/llama-ref/target/release/llama-ref"));
+    if a.compare_llama_cpp && !llama_bin.exists() {
+        bail!(
+            "--compare-llama-cpp needs the llama.cpp reference tool at {} (build it: cd tools/llama-ref && cargo \
+             build --release; or set BATON_LLAMA_REF)",
+            llama_bin.display()
+        );
+    }
+    let (threads, n_batch, model_path) = (pool.n_threads(), a.batch_size, model.file.path.clone());
+    let mut llama =
+        |test: &str, depth: usize| baton::bench::llama_cpp_once(&llama_bin, &model_path, test, depth, threads, n_batch);
+    let compare: Option<baton::bench::Compare> = if a.compare_llama_cpp { Some(&mut llama) } else { None };
     if !a.json {
-        println!("| model | threads | test | depth | t/s median | min | max | bw bound |");
-        println!("|---|---:|---|---:|---:|---:|---:|---:|");
+        let extra = if a.compare_llama_cpp {
+            " llama.cpp median | ratio |"
+        } else {
+            ""
+        };
+        println!("| model | threads | test | depth | t/s median | min | max | bw bound |{extra}");
+        println!(
+            "|---|---:|---|---:|---:|---:|---:|---:|{}",
+            if a.compare_llama_cpp { "---:|---:|" } else { "" }
+        );
     }
     let json = a.json;
-    baton::bench::run(model, pool, &name, &cfg, |f| {
+    baton::bench::run(model, pool, &name, &cfg, compare, |f, other| {
         let bound = if f.test.starts_with("tg") {
             format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
         } else {
@@ -654,10 +736,20 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             } else {
                 0.0
             });
+            if let Some(o) = other {
+                v["llama_cpp_tps_median"] = serde_json::json!(o.tps_median);
+                v["llama_cpp_samples"] = serde_json::json!(o.samples);
+                v["ratio_vs_llama_cpp"] = serde_json::json!(f.tps_median / o.tps_median);
+            }
             println!("{v}");
         } else {
+            let cmp = match other {
+                Some(o) => format!(" {:.1} | {:.2}x |", o.tps_median, f.tps_median / o.tps_median),
+                None if a.compare_llama_cpp => " - | - |".into(),
+                None => String::new(),
+            };
             println!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |",
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |{cmp}",
                 f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
             );
         }
@@ -703,7 +795,7 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
         println!("| model | local threads | test | depth | t/s median | min | max |");
         println!("|---|---:|---|---:|---:|---:|---:|");
     }
-    baton::bench::run_on(&mut p, &name, threads, &cfg, |f| {
+    baton::bench::run_on(&mut p, &name, threads, &cfg, None, |f, _| {
         if a.json {
             println!("{}", serde_json::to_value(f).unwrap());
         } else {
@@ -756,6 +848,26 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
         bytes as f64 / 1048576.0
     );
     Ok(())
+}
+
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    baton::server::serve(baton::server::ServeConfig {
+        model: a.model,
+        served_name: a.served_name,
+        listen: a.listen,
+        api_key: a.api_key,
+        parallel: a.parallel,
+        queue: a.queue,
+        threads: a.threads.unwrap_or_else(default_threads),
+        ctx_size: a.ctx_size,
+        batch_size: a.batch_size,
+        pipeline: a.pipeline,
+        cluster: a.cluster,
+        wire_bits: a.wire_bits,
+        secret_file: a.secret_file,
+        node_timeout: std::time::Duration::from_secs_f64(a.node_timeout),
+        ..Default::default()
+    })
 }
 
 fn cmd_node(a: NodeArgs) -> Result<()> {

@@ -208,3 +208,63 @@ fn info_describes_the_model() {
         assert!(out.contains(needle), "info lacks {needle:?}:\n{out}");
     }
 }
+
+/// `--compare-llama-cpp` interleaves the reference tool's repetitions with Baton's and prints the ratio; a stand-in
+/// script plays llama-ref here (the real one is a 50-minute build, never in CI). A missing tool is a clear error.
+#[test]
+fn bench_compares_with_the_llama_cpp_tool_in_the_same_run() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("calls");
+    let tool = dir.path().join("llama-ref");
+    std::fs::write(
+        &tool,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> {}\necho '{{\"engine\":\"llama.cpp\",\"median_tokens_per_s\":0.5}}'\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let m = common::model("smollm2");
+    let run = |tool: &Path| {
+        Command::new(common::baton_bin())
+            .env("BATON_LLAMA_REF", tool)
+            .args([
+                "bench",
+                "-m",
+                m.to_str().unwrap(),
+                "-p",
+                "16",
+                "-n",
+                "4",
+                "-r",
+                "3",
+                "-t",
+                "1",
+            ])
+            .args(["--compare-llama-cpp", "--json"])
+            .output()
+            .unwrap()
+    };
+    let o = run(&tool);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let figures: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(figures.len(), 2);
+    for f in &figures {
+        assert_eq!(f["llama_cpp_tps_median"], 0.5);
+        let ratio = f["ratio_vs_llama_cpp"].as_f64().unwrap();
+        assert!((ratio - f["tps_median"].as_f64().unwrap() / 0.5).abs() < 1e-9);
+    }
+    // One llama.cpp repetition after each of Baton's: 3 for pp16, 3 for tg4, with the same threads.
+    let calls = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(calls.lines().filter(|l| l.contains("-p 16 -n 0")).count(), 3, "{calls}");
+    assert_eq!(calls.lines().filter(|l| l.contains("-p 0 -n 4")).count(), 3, "{calls}");
+    assert!(calls.lines().all(|l| l.contains("-t 1")), "{calls}");
+
+    let o = run(&dir.path().join("absent"));
+    assert_clean_failure(&o, "needs the llama.cpp reference tool");
+}

@@ -572,3 +572,65 @@ fn bench_command_measures_through_a_pipeline() {
     // Per-stage bytes on the wire: f16 hidden states, one boundary each way per token.
     assert!(stderr.contains("bytes/token on the wire"), "{stderr}");
 }
+
+/// The last stage runs the engine's own sampler: with the same seed, a pipelined run samples exactly the tokens a
+/// local run samples (temperature, top-k, top-p, min-p and the repetition penalty all travel in OPEN), and a second
+/// request with other settings reuses the stages' KV.
+#[test]
+fn sampled_pipeline_output_equals_the_local_run_with_the_same_seed() {
+    use baton::engine::sampler::SamplerParams;
+    use baton::generate::{GenParams, Generator, LocalGenerator, PipelineGenerator, Prompt};
+    use std::sync::Arc;
+    let node = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--threads", "1"]);
+    let model = Arc::new(baton::model::Model::load(&smollm2()).unwrap());
+    let pool = Arc::new(baton::kernels::ThreadPool::new(1));
+    let mut local = LocalGenerator::new(model, pool, 512, 16).unwrap();
+    let mut piped =
+        PipelineGenerator::connect(&format!("{}=0:12,local=12:end", node.addr), &smollm2(), opts()).unwrap();
+    let prompt = Prompt::Text("List some fruits: apple, banana,".into());
+    let run = |g: &mut dyn Generator, sampler: SamplerParams| {
+        let mut ids = Vec::new();
+        let p = GenParams {
+            max_tokens: 24,
+            sampler,
+            top_logprobs: 0,
+        };
+        let o = g
+            .generate(&prompt, &p, &mut |piece| {
+                ids.extend(piece.token);
+                true
+            })
+            .unwrap();
+        (ids, o.cached_tokens)
+    };
+    for (i, sampler) in [
+        SamplerParams {
+            temp: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.3,
+            repeat_last_n: 16,
+            seed: Some(11),
+        },
+        SamplerParams {
+            temp: 1.2,
+            top_k: 0,
+            top_p: 0.9,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: Some(12),
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (want, _) = run(&mut local, sampler.clone());
+        let (got, cached) = run(&mut piped, sampler);
+        assert_eq!(got, want, "settings #{i}");
+        if i == 1 {
+            assert!(cached > 0, "the second request reuses the stages' KV");
+        }
+    }
+}

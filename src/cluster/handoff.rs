@@ -353,6 +353,10 @@ impl PrefillNode {
             top_p: 1.0,
             seed: 0,
             top_k: 0,
+            sample_top_k: 0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
         };
         let (conn, ready) =
             handshake::connect(&self.opts.addr, self.opts.secret.as_deref(), &open, self.opts.timeouts)?;

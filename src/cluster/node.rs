@@ -179,6 +179,19 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
     node.serve()
 }
 
+/// The last stage's sampler settings as OPEN carries them.
+fn sampling_of(open: &Open) -> SamplingParams {
+    SamplingParams {
+        temperature: open.temperature,
+        top_p: open.top_p,
+        seed: open.seed,
+        top_k: open.sample_top_k as usize,
+        min_p: open.min_p,
+        repeat_penalty: open.repeat_penalty,
+        repeat_last_n: open.repeat_last_n as usize,
+    }
+}
+
 impl State {
     fn model(&self, r: Range<usize>) -> Result<Arc<Model>> {
         let mut models = lock(&self.models);
@@ -199,12 +212,7 @@ impl State {
             let mut g = lock(s);
             if g.key == key {
                 g.last_used = Instant::now();
-                g.core.sampling = SamplingParams {
-                    temperature: open.temperature,
-                    top_p: open.top_p,
-                    seed: open.seed,
-                };
-                g.core.top_k = open.top_k as usize;
+                g.core.set_sampling(sampling_of(open), open.top_k as usize);
                 drop(g);
                 return Ok(s.clone());
             }
@@ -223,12 +231,14 @@ impl State {
             );
         }
         let model = self.model(key.0.clone())?;
-        let sampling = SamplingParams {
-            temperature: open.temperature,
-            top_p: open.top_p,
-            seed: open.seed,
-        };
-        let core = StageCore::new(model, self.pool.clone(), key.1, key.2, sampling, open.top_k as usize)?;
+        let core = StageCore::new(
+            model,
+            self.pool.clone(),
+            key.1,
+            key.2,
+            sampling_of(open),
+            open.top_k as usize,
+        )?;
         let slot = Arc::new(Mutex::new(Slot {
             core,
             key,
@@ -266,6 +276,20 @@ impl State {
             d.push(format!(
                 "{peer} asks for batches of {}, this node allows 1..={}",
                 o.n_batch, self.cfg.max_batch
+            ));
+        }
+        if !(o.temperature.is_finite() && o.top_p.is_finite() && o.min_p.is_finite() && o.repeat_penalty > 0.0)
+            || o.repeat_penalty.is_infinite()
+        {
+            d.push(format!(
+                "{peer} asks for sampling settings out of range (temperature {}, top-p {}, min-p {}, repeat penalty {})",
+                o.temperature, o.top_p, o.min_p, o.repeat_penalty
+            ));
+        }
+        if o.repeat_last_n > o.n_ctx {
+            d.push(format!(
+                "{peer} asks for a repetition window of {} tokens, beyond its context {}",
+                o.repeat_last_n, o.n_ctx
             ));
         }
         if o.top_k > 1000 {
@@ -312,6 +336,8 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
         Ok(Msg::Hello { nonce }) => nonce,
         Ok(m) => return Err(refuse(&mut s, format!("expected HELLO, got {}", m.name()))),
         Err(WireError::Malformed(m)) => return Err(refuse(&mut s, m)),
+        // Connected and closed without a word: a health check (`baton serve`'s router), not worth a log line.
+        Err(WireError::Closed) => return Ok(()),
         Err(e) => return Err(wire_err(e, "reading HELLO")),
     };
     let nonce_n = auth::nonce();

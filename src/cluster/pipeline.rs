@@ -369,6 +369,10 @@ impl PipelineSession {
                         top_p: opts.sampling.top_p,
                         seed: opts.sampling.seed,
                         top_k: opts.top_k.min(1000) as u16,
+                        sample_top_k: opts.sampling.top_k.min(u32::MAX as usize) as u32,
+                        min_p: opts.sampling.min_p,
+                        repeat_penalty: opts.sampling.repeat_penalty,
+                        repeat_last_n: opts.sampling.repeat_last_n.min(opts.n_ctx) as u32,
                     };
                     let mut r = Remote {
                         addr: addr.clone(),
@@ -440,6 +444,36 @@ impl PipelineSession {
                 c.timeouts.io = t;
                 let _ = c.stream.set_read_timeout(Some(t));
                 let _ = c.stream.set_write_timeout(Some(t));
+            }
+        }
+    }
+
+    /// New sampling settings for the requests that follow, keeping every stage's KV: the last stage's sampler is
+    /// replaced (a remote one is reopened on a fresh connection under the same session id, which keeps its cache).
+    pub fn set_sampling(&mut self, sampling: SamplingParams, top_k: usize) {
+        if self.opts.sampling == sampling && self.opts.top_k == top_k {
+            return;
+        }
+        self.opts.sampling = sampling;
+        self.opts.top_k = top_k;
+        let n_ctx = self.opts.n_ctx;
+        if let Some(last) = self.stages.last_mut() {
+            match &mut last.kind {
+                Kind::Local(core) => core.set_sampling(sampling, top_k),
+                Kind::Remote(r) => {
+                    let o = &mut r.open;
+                    o.temperature = sampling.temperature;
+                    o.top_p = sampling.top_p;
+                    o.seed = sampling.seed;
+                    o.top_k = top_k.min(1000) as u16;
+                    o.sample_top_k = sampling.top_k.min(u32::MAX as usize) as u32;
+                    o.min_p = sampling.min_p;
+                    o.repeat_penalty = sampling.repeat_penalty;
+                    o.repeat_last_n = sampling.repeat_last_n.min(n_ctx) as u32;
+                    r.conn = None;
+                    // A planned reopen, not a fault: not counted as a reconnect.
+                    r.connected_once = false;
+                }
             }
         }
     }

@@ -7,22 +7,29 @@
 
 use super::wire::WantOut;
 use super::{PrefixHash, prefix_next, prefix_root};
+use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::engine::{Input, Session, Want};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use anyhow::{Result, bail};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Sampling parameters, sent to the last stage when a session opens.
+/// Sampling parameters, sent to the last stage when a session opens. The last stage runs the engine's own
+/// [`Sampler`] with them, so a pipelined run samples exactly as a local run with the same seed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingParams {
     /// 0 = greedy.
     pub temperature: f32,
     pub top_p: f32,
     pub seed: u64,
+    /// The sampler's top-k cut; 0 disables.
+    pub top_k: usize,
+    /// 0 disables.
+    pub min_p: f32,
+    /// 1 disables.
+    pub repeat_penalty: f32,
+    pub repeat_last_n: usize,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +38,37 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
             seed: 0,
+            top_k: 0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// From the engine's parameters; a missing seed becomes a random one (the nodes need a concrete one).
+    pub fn from_sampler(p: &SamplerParams) -> SamplingParams {
+        SamplingParams {
+            temperature: p.temp.max(0.0),
+            top_p: p.top_p,
+            seed: p.seed.unwrap_or_else(rand::random),
+            top_k: p.top_k,
+            min_p: p.min_p,
+            repeat_penalty: p.repeat_penalty,
+            repeat_last_n: p.repeat_last_n,
+        }
+    }
+
+    pub fn to_sampler(&self) -> SamplerParams {
+        SamplerParams {
+            temp: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: Some(self.seed),
         }
     }
 }
@@ -43,73 +81,23 @@ pub struct Sampled {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Picks the next token from `logits`: argmax when greedy, otherwise temperature + top-p sampling.
-pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng, top_k: usize) -> Sampled {
+/// Picks the next token from `logits` with `sampler` (its penalty window refilled from `history`, the tokens the
+/// session holds, so replays and rewinds never leave it stale) and reports the `top_k` most likely alternatives.
+pub fn sample(logits: &[f32], sampler: &mut Sampler, history: &[u32], top_k: usize) -> Sampled {
+    let n = sampler.params().repeat_last_n;
+    if n > 0 && sampler.params().repeat_penalty != 1.0 {
+        sampler.reset();
+        for &t in &history[history.len().saturating_sub(n)..] {
+            sampler.accept(t);
+        }
+    }
+    let token = sampler.sample(logits);
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let lse = max + logits.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
-    let mut order: Vec<u32> = Vec::new();
-    let token = if p.temperature <= 0.0 {
-        let mut best = 0;
-        for (i, &v) in logits.iter().enumerate() {
-            if v > logits[best] {
-                best = i;
-            }
-        }
-        best as u32
-    } else {
-        order = (0..logits.len() as u32).collect();
-        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-        let t = p.temperature;
-        let weights: Vec<f64> = order
-            .iter()
-            .map(|&i| (((logits[i as usize] - max) / t) as f64).exp())
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut keep = weights.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (k, w) in weights.iter().enumerate() {
-                acc += w / total;
-                if acc >= p.top_p as f64 {
-                    keep = k + 1;
-                    break;
-                }
-            }
-        }
-        let kept: f64 = weights[..keep].iter().sum();
-        let mut r = rng.r#gen::<f64>() * kept;
-        let mut pick = order[keep - 1];
-        for (k, w) in weights[..keep].iter().enumerate() {
-            if r < *w {
-                pick = order[k];
-                break;
-            }
-            r -= w;
-        }
-        pick
-    };
-    let top = if top_k == 0 {
-        Vec::new()
-    } else {
-        if order.is_empty() {
-            // Partial selection: the k largest, then sorted.
-            let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-            let k = top_k.min(idx.len());
-            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-            idx.truncate(k);
-            idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-            order = idx;
-        }
-        order
-            .iter()
-            .take(top_k)
-            .map(|&i| (i, logits[i as usize] - lse))
-            .collect()
-    };
     Sampled {
         token,
         logprob: logits[token as usize] - lse,
-        top,
+        top: top_logprobs(logits, top_k),
     }
 }
 
@@ -128,8 +116,7 @@ pub struct StageCore {
     pub session: Session,
     /// `hashes[p]` is the hash of the prefix `0..p`; `len() == n_past() + 1`.
     hashes: Vec<PrefixHash>,
-    pub sampling: SamplingParams,
-    rng: StdRng,
+    sampler: Sampler,
     pub top_k: usize,
 }
 
@@ -145,10 +132,15 @@ impl StageCore {
         Ok(StageCore {
             session: Session::new(model, pool, n_ctx, n_batch)?,
             hashes: vec![prefix_root()],
-            rng: StdRng::seed_from_u64(sampling.seed),
-            sampling,
+            sampler: Sampler::new(sampling.to_sampler(), 0),
             top_k,
         })
+    }
+
+    /// New sampling parameters (a reopened session); the RNG restarts from their seed.
+    pub fn set_sampling(&mut self, sampling: SamplingParams, top_k: usize) {
+        self.sampler = Sampler::new(sampling.to_sampler(), 0);
+        self.top_k = top_k;
     }
 
     pub fn n_past(&self) -> usize {
@@ -241,6 +233,15 @@ impl StageCore {
         self.session.rewind(pos);
         self.hashes.truncate(pos + 1);
 
+        // The penalty window of a local run at this point: the positions before `pos` plus this batch.
+        let mut history = Vec::new();
+        if want == WantOut::Sample {
+            let held = self.session.tokens();
+            history.extend_from_slice(
+                &held[held.len().min(pos).saturating_sub(self.sampler.params().repeat_last_n)..held.len().min(pos)],
+            );
+            history.extend_from_slice(tokens);
+        }
         let t0 = Instant::now();
         let out = self.session.forward(input, engine_want);
         let us = t0.elapsed().as_micros() as u64;
@@ -256,8 +257,11 @@ impl StageCore {
             WantOut::Ack => StageOut::Ack,
             WantOut::Hidden => StageOut::Hidden(out.to_vec()),
             WantOut::LastLogits | WantOut::AllLogits => StageOut::Logits(out.to_vec()),
-            WantOut::Sample => StageOut::Sample(sample(out, &self.sampling, &mut self.rng, self.top_k)),
+            WantOut::Sample => StageOut::Sample(sample(out, &mut self.sampler, &history, self.top_k)),
         };
+        if !model.is_first() {
+            self.session.note_tokens(pos, tokens);
+        }
         let mut h = *self.hashes.last().unwrap();
         for &t in tokens {
             h = prefix_next(&h, t);
@@ -271,11 +275,14 @@ impl StageCore {
 mod tests {
     use super::*;
 
+    fn sampler(p: SamplingParams) -> Sampler {
+        Sampler::new(p.to_sampler(), 0)
+    }
+
     #[test]
     fn greedy_picks_argmax_with_log_softmax() {
         let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
-        let mut rng = StdRng::seed_from_u64(0);
-        let s = sample(&logits, &SamplingParams::default(), &mut rng, 3);
+        let s = sample(&logits, &mut sampler(SamplingParams::default()), &[], 3);
         assert_eq!(s.token, 1, "first maximum wins");
         let lse = logits.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln() as f32;
         assert!((s.logprob - (3.0 - lse)).abs() < 1e-6);
@@ -290,17 +297,48 @@ mod tests {
             temperature: 1.0,
             top_p: 0.5,
             seed: 3,
+            ..Default::default()
         };
-        let mut rng = StdRng::seed_from_u64(3);
+        let mut s = sampler(p);
         for _ in 0..50 {
-            assert_eq!(sample(&logits, &p, &mut rng, 0).token, 0);
+            assert_eq!(sample(&logits, &mut s, &[], 0).token, 0);
         }
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 3,
-        };
-        let seen: std::collections::HashSet<u32> = (0..400).map(|_| sample(&logits, &p, &mut rng, 0).token).collect();
+        let mut s = sampler(SamplingParams { top_p: 1.0, ..p });
+        let seen: std::collections::HashSet<u32> = (0..400).map(|_| sample(&logits, &mut s, &[], 0).token).collect();
         assert!(seen.contains(&3));
+    }
+
+    #[test]
+    fn the_penalty_window_comes_from_the_history_given() {
+        // Token 0 leads slightly; a penalty on recently seen tokens hands greedy decoding to token 1.
+        let logits = [2.0f32, 1.9, 0.0];
+        let p = SamplingParams {
+            repeat_penalty: 1.5,
+            repeat_last_n: 4,
+            ..Default::default()
+        };
+        let mut s = sampler(p);
+        assert_eq!(sample(&logits, &mut s, &[2, 2], 0).token, 0);
+        assert_eq!(sample(&logits, &mut s, &[0, 2], 0).token, 1);
+        // Out of the window again: only the last 4 tokens count.
+        assert_eq!(sample(&logits, &mut s, &[0, 2, 2, 2, 2], 0).token, 0);
+    }
+
+    #[test]
+    fn same_seed_samples_as_the_engine_sampler() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let p = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 7,
+            top_k: 20,
+            min_p: 0.05,
+            ..Default::default()
+        };
+        let mut ours = sampler(p);
+        let mut engine = Sampler::new(p.to_sampler(), logits.len());
+        for _ in 0..20 {
+            assert_eq!(sample(&logits, &mut ours, &[], 0).token, engine.sample(&logits));
+        }
     }
 }

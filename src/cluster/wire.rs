@@ -10,7 +10,7 @@ use half::{bf16, f16};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 4] = *b"BTON";
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 12;
 /// Largest payload of any frame.
 pub const MAX_FRAME: usize = 256 << 20;
@@ -281,6 +281,11 @@ pub struct Open {
     pub seed: u64,
     /// How many top log-probabilities a sampled result carries.
     pub top_k: u16,
+    /// The sampler's own top-k cut (0: off), min-p (0: off), repetition penalty (1: off) and its window.
+    pub sample_top_k: u32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: u32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -453,6 +458,10 @@ impl Msg {
                 e.f32(o.top_p);
                 e.u64(o.seed);
                 e.u16(o.top_k);
+                e.u32(o.sample_top_k);
+                e.f32(o.min_p);
+                e.f32(o.repeat_penalty);
+                e.u32(o.repeat_last_n);
             }
             Msg::Ready(r) => {
                 e.model(&r.model);
@@ -569,6 +578,10 @@ impl Msg {
                 top_p: d.f32()?,
                 seed: d.u64()?,
                 top_k: d.u16()?,
+                sample_top_k: d.u32()?,
+                min_p: d.f32()?,
+                repeat_penalty: d.f32()?,
+                repeat_last_n: d.u32()?,
             }),
             ty::READY => Msg::Ready(Ready {
                 model: d.model()?,
@@ -951,6 +964,10 @@ mod tests {
             top_p: 0.9,
             seed: 42,
             top_k: 5,
+            sample_top_k: 40,
+            min_p: 0.05,
+            repeat_penalty: 1.1,
+            repeat_last_n: 64,
         }));
         roundtrip(Msg::Ready(Ready {
             model: info(),
@@ -1060,8 +1077,10 @@ mod tests {
         head[5] = ty::HELLO;
         head[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
         assert!(check_header(&head).is_err(), "handshake frames have a small limit");
-        head[4] = 2;
-        assert!(matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains("version 2")));
+        head[4] = VERSION + 1;
+        assert!(
+            matches!(check_header(&head), Err(WireError::Malformed(m)) if m.contains(&format!("version {}", VERSION + 1)))
+        );
         let junk = b"GET / HTTP/1.1\r\n\r\n";
         assert!(matches!(read_msg(&mut &junk[..]), Err(WireError::Malformed(m)) if m.contains("magic")));
         assert!(matches!(read_msg(&mut &MAGIC[..]), Err(WireError::Closed)));
@@ -1105,6 +1124,10 @@ mod tests {
             top_p: 1.0,
             seed: 0,
             top_k: 0,
+            sample_top_k: 0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
         })
         .encode();
         for n in 0..full.len() {

@@ -101,6 +101,14 @@ impl Session {
         self.tokens.extend_from_slice(tokens);
     }
 
+    /// Records the token ids of a batch fed as a hidden state at `pos` (a later range learns them from its peer), when
+    /// the ids before it are known.
+    pub fn note_tokens(&mut self, pos: usize, tokens: &[u32]) {
+        if self.tokens.len() == pos {
+            self.tokens.extend_from_slice(tokens);
+        }
+    }
+
     /// Forgets every position from `n` on.
     pub fn rewind(&mut self, n: usize) {
         self.kv.rewind(n);

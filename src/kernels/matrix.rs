@@ -25,12 +25,22 @@ impl Bytes {
     }
 }
 
-/// `rows` rows of `cols` weights each, row-major, each row `ty.row_bytes(cols)` bytes.
+/// How a matrix's rows are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Row-major, each row `ty.row_bytes(cols)` bytes: the file's layout.
+    Rows,
+    /// Q4_1 or Q8_0 in groups of 16 interleaved rows (see [`super::x16`]), rows past the last group row-major.
+    X16,
+}
+
+/// `rows` rows of `cols` weights each, row-major (see [`Layout`]), each row `ty.row_bytes(cols)` bytes.
 pub struct Matrix {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub data: Bytes,
+    pub layout: Layout,
 }
 
 impl Matrix {
@@ -52,7 +62,26 @@ impl Matrix {
                 offset: info.offset,
                 len: info.size,
             },
+            layout: Layout::Rows,
         })
+    }
+
+    /// Rearranges the weights for the fastest kernel this CPU has, when that kernel wants another layout (Q4_1
+    /// on AVX-512). Such a matrix no longer gives out rows (`row`, embedding lookups): repack only matrices that
+    /// are multiplied. The mapped pages it leaves are dropped from memory.
+    pub fn repack_for_kernels(&mut self) {
+        if !super::x16::supports(self.ty) || self.layout != Layout::Rows || self.rows < super::x16::ROWS {
+            return;
+        }
+        if !super::x16::available() {
+            return;
+        }
+        let packed = super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / 32);
+        if let Bytes::Mapped { file, offset, len } = &self.data {
+            file.release(*offset, *len);
+        }
+        self.data = Bytes::Owned(packed);
+        self.layout = Layout::X16;
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -63,15 +92,32 @@ impl Matrix {
         self.ty.row_bytes(self.cols).expect("row length checked at load")
     }
 
-    /// The raw bytes of row `r`.
+    /// The raw bytes of row `r` (row-major matrices only).
     pub fn row(&self, r: usize) -> &[u8] {
+        assert_eq!(
+            self.layout,
+            Layout::Rows,
+            "rows of a repacked matrix are not contiguous"
+        );
         let rb = self.row_bytes();
         &self.bytes()[r * rb..(r + 1) * rb]
     }
 
     /// Row `r` dequantized into `out` (`out.len() == cols`): the embedding lookup.
     pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
-        super::dequantize_row(self.ty, self.row(r), out);
+        let rb = self.row_bytes();
+        let grouped = self.rows / super::x16::ROWS * super::x16::ROWS;
+        if self.layout == Layout::X16 && r < grouped {
+            // Slow path (tests, inspection): gather the row's blocks out of its group.
+            let nb = self.cols / 32;
+            let gbb = super::x16::group_block(self.ty);
+            let g = &self.bytes()[(r / super::x16::ROWS) * nb * gbb..];
+            let row: Vec<u8> = (0..nb)
+                .flat_map(|b| super::x16::unpack_block(self.ty, &g[b * gbb..], r % super::x16::ROWS))
+                .collect();
+            return super::dequantize_row(self.ty, &row, out);
+        }
+        super::dequantize_row(self.ty, &self.bytes()[r * rb..(r + 1) * rb], out);
     }
 
     /// The whole matrix as f32 (small tensors: norms, tests).

@@ -14,6 +14,7 @@ pub mod ops;
 pub mod pool;
 #[cfg(test)]
 pub(crate) mod testutil;
+pub mod x16;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
@@ -299,6 +300,9 @@ pub fn matmul_with(
     let xq = &scratch.xq[..n_tok * xrb];
     let nb = cols / w.ty.block_size();
     let (dot, multi) = (qk.dot, qk.multi);
+    if w.layout == matrix::Layout::X16 {
+        return matmul_x16(pool, w, xq, xrb, n_tok, yp, dot);
+    }
 
     pool.run(|_, _| {
         loop {
@@ -341,6 +345,51 @@ pub fn matmul_with(
     });
 }
 
+/// [`matmul_with`] for weights repacked in groups of 16 rows: threads take groups; each group's weights (a few KB) stay
+/// in L1 while every token, four at a time, goes past them. Rows after the last group are row-major.
+fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize, yp: SyncPtr<f32>, dot: DotFn) {
+    let (rows, nb) = (w.rows, w.cols / 32);
+    let groups = rows / x16::ROWS;
+    let gbytes = nb * x16::group_block(w.ty);
+    let data = w.bytes();
+    let per_item = groups.div_ceil(8 * pool.n_threads()).max(1);
+    let next = AtomicUsize::new(0);
+    pool.run(|_, _| {
+        let mut out = [[0.0f32; x16::ROWS]; 4];
+        loop {
+            let g0 = next.fetch_add(1, Ordering::Relaxed) * per_item;
+            if g0 >= groups {
+                break;
+            }
+            for g in g0..(g0 + per_item).min(groups) {
+                let wg = &data[g * gbytes..(g + 1) * gbytes];
+                for t in (0..n_tok).step_by(4) {
+                    let n = (n_tok - t).min(4);
+                    x16::dot_group(w.ty, nb, wg, &xq[t * xrb..], xrb, n, &mut out);
+                    for (j, o) in out[..n].iter().enumerate() {
+                        // SAFETY: the rows of group g belong to this work item.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                o.as_ptr(),
+                                yp.get().add((t + j) * rows + g * x16::ROWS),
+                                x16::ROWS,
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    });
+    let rb = w.row_bytes();
+    for r in groups * x16::ROWS..rows {
+        let wr = &data[r * rb..(r + 1) * rb];
+        for t in 0..n_tok {
+            // SAFETY: tail rows are written here only, after the pool job.
+            unsafe { *yp.get().add(t * rows + r) = dot(nb, wr, &xq[t * xrb..(t + 1) * xrb]) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::matrix::Bytes;
@@ -377,6 +426,7 @@ mod tests {
             rows,
             cols,
             data: Bytes::Owned(data),
+            layout: matrix::Layout::Rows,
         }
     }
 

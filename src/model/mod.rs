@@ -104,6 +104,12 @@ impl Model {
             }
             Ok(m)
         };
+        // Matrices that are only multiplied may be rearranged for the kernels (embedding lookups need rows).
+        let weight = |name: &str, cols: usize, rows: usize| -> Result<Matrix> {
+            let mut m = matrix(name, cols, rows)?;
+            m.repack_for_kernels();
+            Ok(m)
+        };
         let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
@@ -126,17 +132,17 @@ impl Model {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,
-                wq: matrix(&p("attn_q"), e, hp.n_embd_q())?,
-                wk: matrix(&p("attn_k"), e, hp.n_embd_k())?,
-                wv: matrix(&p("attn_v"), e, hp.n_embd_v())?,
-                wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
+                wq: weight(&p("attn_q"), e, hp.n_embd_q())?,
+                wk: weight(&p("attn_k"), e, hp.n_embd_k())?,
+                wv: weight(&p("attn_v"), e, hp.n_embd_v())?,
+                wo: weight(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
                 q_norm: opt_vector(&p("attn_q_norm"), hp.head_dim_k)?,
                 k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
                 post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
                 ffn_norm: vector(&p("ffn_norm"), e)?,
-                ffn_gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
-                ffn_up: matrix(&p("ffn_up"), e, hp.n_ff)?,
-                ffn_down: matrix(&p("ffn_down"), hp.n_ff, e)?,
+                ffn_gate: weight(&p("ffn_gate"), e, hp.n_ff)?,
+                ffn_up: weight(&p("ffn_up"), e, hp.n_ff)?,
+                ffn_down: weight(&p("ffn_down"), hp.n_ff, e)?,
                 post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
             };
             if hp.arch == Arch::Gemma3
@@ -165,7 +171,7 @@ impl Model {
             };
             (
                 Some(vector("output_norm.weight", e)?),
-                Some(matrix(head, e, hp.n_vocab)?),
+                Some(weight(head, e, hp.n_vocab)?),
             )
         } else {
             (None, None)

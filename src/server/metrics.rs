@@ -1,0 +1,248 @@
+//! Prometheus text exposition of what the server did: requests by endpoint and status, tokens, TTFT and
+//! inter-token latency histograms, routing decisions, wire bytes per peer. Gauges (queue depth, busy slots, node
+//! health) are read from the scheduler when `/metrics` is scraped.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds (seconds) of the latency histograms' buckets.
+const BUCKETS: [f64; 14] = [
+    0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+
+#[derive(Default)]
+struct Hist {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+#[derive(Default)]
+pub struct Histogram(Mutex<Hist>);
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        let mut h = self.0.lock().unwrap();
+        for (i, b) in BUCKETS.iter().enumerate() {
+            if s <= *b {
+                h.counts[i] += 1;
+            }
+        }
+        h.count += 1;
+        h.sum += s;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let h = self.0.lock().unwrap();
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, b) in BUCKETS.iter().enumerate() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", h.counts[i]);
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", h.sum, h.count);
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    /// (path, status) → count.
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub rejected: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub retries: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    /// (node, reason) → requests routed.
+    routes: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// peer → (bytes sent, bytes received).
+    wire: Mutex<BTreeMap<String, (u64, u64)>>,
+}
+
+/// Gauges read at scrape time.
+pub struct Gauges {
+    pub queue_depth: usize,
+    pub slots: usize,
+    pub busy: usize,
+    /// (node label, up, busy slots, slots).
+    pub nodes: Vec<(String, bool, usize, usize)>,
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+impl Metrics {
+    pub fn request(&self, path: &str, status: u16) {
+        *self
+            .requests
+            .lock()
+            .unwrap()
+            .entry((path.to_string(), status))
+            .or_default() += 1;
+    }
+    pub fn route(&self, node: &str, reason: &'static str) {
+        *self
+            .routes
+            .lock()
+            .unwrap()
+            .entry((node.to_string(), reason))
+            .or_default() += 1;
+    }
+    pub fn wire(&self, peer: &str, sent: u64, recv: u64) {
+        let mut w = self.wire.lock().unwrap();
+        let e = w.entry(peer.to_string()).or_default();
+        e.0 += sent;
+        e.1 += recv;
+    }
+    pub fn add(c: &AtomicU64, n: usize) {
+        c.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn render(&self, g: &Gauges) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "# HELP baton_requests_total HTTP requests by path and status.");
+        let _ = writeln!(o, "# TYPE baton_requests_total counter");
+        for ((path, status), n) in self.requests.lock().unwrap().iter() {
+            let _ = writeln!(
+                o,
+                "baton_requests_total{{path=\"{}\",status=\"{status}\"}} {n}",
+                esc(path)
+            );
+        }
+        for (name, help, c) in [
+            (
+                "baton_prompt_tokens_total",
+                "Prompt tokens of completed requests.",
+                &self.prompt_tokens,
+            ),
+            (
+                "baton_cached_prompt_tokens_total",
+                "Prompt tokens served from a cached prefix.",
+                &self.cached_tokens,
+            ),
+            (
+                "baton_completion_tokens_total",
+                "Tokens generated.",
+                &self.completion_tokens,
+            ),
+            (
+                "baton_rejected_total",
+                "Requests refused with 429 because the queue was full.",
+                &self.rejected,
+            ),
+            (
+                "baton_cancelled_total",
+                "Generations stopped because the client went away.",
+                &self.cancelled,
+            ),
+            (
+                "baton_retries_total",
+                "Requests retried on another node after a failure before their first token.",
+                &self.retries,
+            ),
+        ] {
+            let _ = writeln!(
+                o,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+        self.ttft.render(
+            &mut o,
+            "baton_ttft_seconds",
+            "Time from request arrival to the first token.",
+        );
+        self.itl.render(
+            &mut o,
+            "baton_inter_token_seconds",
+            "Time between consecutive tokens of a stream.",
+        );
+        let _ = writeln!(
+            o,
+            "# HELP baton_queue_depth Requests waiting for a slot.\n# TYPE baton_queue_depth gauge"
+        );
+        let _ = writeln!(o, "baton_queue_depth {}", g.queue_depth);
+        let _ = writeln!(
+            o,
+            "# HELP baton_slots Sessions the server runs at once.\n# TYPE baton_slots gauge"
+        );
+        let _ = writeln!(o, "baton_slots {}", g.slots);
+        let _ = writeln!(
+            o,
+            "# HELP baton_slots_busy Sessions generating now.\n# TYPE baton_slots_busy gauge"
+        );
+        let _ = writeln!(o, "baton_slots_busy {}", g.busy);
+        let _ = writeln!(
+            o,
+            "# HELP baton_node_up Whether a node answers (1) or is taken out (0)."
+        );
+        let _ = writeln!(o, "# TYPE baton_node_up gauge");
+        for (n, up, _, _) in &g.nodes {
+            let _ = writeln!(o, "baton_node_up{{node=\"{}\"}} {}", esc(n), *up as u8);
+        }
+        let _ = writeln!(o, "# HELP baton_node_busy_slots Sessions generating now, per node.");
+        let _ = writeln!(o, "# TYPE baton_node_busy_slots gauge");
+        for (n, _, busy, _) in &g.nodes {
+            let _ = writeln!(o, "baton_node_busy_slots{{node=\"{}\"}} {busy}", esc(n));
+        }
+        let _ = writeln!(
+            o,
+            "# HELP baton_routed_total Requests sent to a node, by why it was chosen."
+        );
+        let _ = writeln!(o, "# TYPE baton_routed_total counter");
+        for ((n, why), c) in self.routes.lock().unwrap().iter() {
+            let _ = writeln!(o, "baton_routed_total{{node=\"{}\",reason=\"{why}\"}} {c}", esc(n));
+        }
+        let _ = writeln!(
+            o,
+            "# HELP baton_wire_bytes_total Bytes exchanged with each remote peer."
+        );
+        let _ = writeln!(o, "# TYPE baton_wire_bytes_total counter");
+        for (peer, (s, r)) in self.wire.lock().unwrap().iter() {
+            let _ = writeln!(
+                o,
+                "baton_wire_bytes_total{{peer=\"{}\",direction=\"sent\"}} {s}",
+                esc(peer)
+            );
+            let _ = writeln!(
+                o,
+                "baton_wire_bytes_total{{peer=\"{}\",direction=\"received\"}} {r}",
+                esc(peer)
+            );
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let m = Metrics::default();
+        m.ttft.observe(Duration::from_millis(3));
+        m.ttft.observe(Duration::from_millis(300));
+        m.request("/v1/completions", 200);
+        let g = Gauges {
+            queue_depth: 2,
+            slots: 1,
+            busy: 1,
+            nodes: vec![("a\"b".into(), true, 1, 1)],
+        };
+        let s = m.render(&g);
+        assert!(s.contains("baton_ttft_seconds_bucket{le=\"0.005\"} 1\n"), "{s}");
+        assert!(s.contains("baton_ttft_seconds_bucket{le=\"0.5\"} 2\n"));
+        assert!(s.contains("baton_ttft_seconds_count 2\n"));
+        assert!(s.contains("baton_queue_depth 2\n"));
+        assert!(s.contains("baton_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n"));
+        assert!(s.contains("baton_node_up{node=\"a\\\"b\"} 1\n"));
+    }
+}

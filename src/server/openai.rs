@@ -1,0 +1,578 @@
+//! The OpenAI wire format: request bodies (parsed and validated into a [`Request`]), response bodies and stream
+//! chunks, and the error object. Unknown fields are ignored (clients send many optional ones); fields we accept are
+//! type-checked, and values we cannot honour are refused with a 400 that names the parameter.
+
+use crate::chat::ChatMessage;
+use crate::engine::sampler::SamplerParams;
+use crate::generate::{Finish, GenParams, Outcome, Piece, Prompt};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+    pub fn bad(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: Some(param),
+            ..ApiError::new(StatusCode::BAD_REQUEST, message)
+        }
+    }
+    pub fn code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            404 if self.code == Some("model_not_found") => "invalid_request_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind(), "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        r
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StopSpec {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct MessageIn {
+    role: String,
+    content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptIn {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Fields shared by both endpoints.
+#[derive(Deserialize)]
+struct Common {
+    model: Option<String>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    seed: Option<i64>,
+    stop: Option<StopSpec>,
+    n: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<MessageIn>,
+    max_completion_tokens: Option<i64>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: PromptIn,
+    logprobs: Option<i64>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// A validated request, ready to be queued.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Explicit `max_tokens`; `None` means "until the context is full".
+    pub max_tokens: Option<usize>,
+    pub sampler: SamplerParams,
+    /// Chat: `logprobs: true` (with `top_logprobs` alternatives); completions: `logprobs: N`.
+    pub logprobs: Option<usize>,
+    pub stops: Vec<String>,
+}
+
+impl Request {
+    pub fn gen_params(&self, max_tokens: usize) -> GenParams {
+        GenParams {
+            max_tokens,
+            sampler: self.sampler.clone(),
+            top_logprobs: self.logprobs.unwrap_or(0),
+        }
+    }
+
+    /// The prefix-affinity key: the prompt as a string that grows the way the conversation does (a chat's next
+    /// turn starts with the previous turn's key plus the reply), independent of the model's template.
+    pub fn affinity_key(&self) -> String {
+        match &self.prompt {
+            Prompt::Text(t) => format!("\u{2}{t}"),
+            Prompt::Chat(msgs) => {
+                let mut k = String::from("\u{1}");
+                for m in msgs {
+                    k.push_str(&m.role);
+                    k.push('\u{1f}');
+                    k.push_str(&m.content);
+                    k.push('\u{1e}');
+                }
+                k.push_str("assistant\u{1f}");
+                k
+            }
+        }
+    }
+}
+
+fn parse_err(e: serde_json::Error) -> ApiError {
+    if e.is_syntax() || e.is_eof() {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}"))
+    } else {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+    }
+}
+
+/// Rejects a body that is not a JSON object before field parsing, with a clear message.
+fn object(body: &[u8]) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(parse_err)?;
+    if !v.is_object() {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
+    let b: ChatBody = serde_json::from_value(object(body)?).map_err(parse_err)?;
+    if b.messages.is_empty() {
+        return Err(ApiError::bad("messages", "messages must not be empty"));
+    }
+    let mut msgs = Vec::with_capacity(b.messages.len());
+    for m in b.messages {
+        let role = match m.role.as_str() {
+            "developer" => "system",
+            r @ ("system" | "user" | "assistant" | "tool") => r,
+            r => return Err(ApiError::bad("messages", format!("unknown message role {r:?}"))),
+        };
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => s.push_str(&t),
+                        (k, _) => {
+                            return Err(ApiError::bad(
+                                "messages",
+                                format!("content parts of type {k:?} are not supported (text only)"),
+                            ));
+                        }
+                    }
+                }
+                s
+            }
+        };
+        msgs.push(ChatMessage::new(role, content));
+    }
+    let top = match (b.logprobs, b.top_logprobs) {
+        (_, Some(n)) if !(0..=20).contains(&n) => {
+            return Err(ApiError::bad("top_logprobs", "top_logprobs must be between 0 and 20"));
+        }
+        (Some(true), n) => Some(n.unwrap_or(0) as usize),
+        _ => None,
+    };
+    let max = b.max_completion_tokens.or(b.common.max_tokens);
+    let param = if b.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    common(Endpoint::Chat, b.common, Prompt::Chat(msgs), max, param, top)
+}
+
+pub fn parse_completion(body: &[u8]) -> Result<Request, ApiError> {
+    let b: CompletionBody = serde_json::from_value(object(body)?).map_err(parse_err)?;
+    let prompt = match b.prompt {
+        PromptIn::One(s) => s,
+        PromptIn::Many(mut v) if v.len() == 1 => v.remove(0),
+        PromptIn::Many(_) => {
+            return Err(ApiError::bad("prompt", "only one prompt per request is supported"));
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt is empty"));
+    }
+    if b.echo == Some(true) {
+        return Err(ApiError::bad("echo", "echo is not supported"));
+    }
+    if b.suffix.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad("suffix", "suffix is not supported"));
+    }
+    let top = match b.logprobs {
+        Some(n) if !(0..=20).contains(&n) => {
+            return Err(ApiError::bad("logprobs", "logprobs must be between 0 and 20"));
+        }
+        Some(n) => Some(n as usize),
+        None => None,
+    };
+    let max = b.common.max_tokens;
+    common(
+        Endpoint::Completion,
+        b.common,
+        Prompt::Text(prompt),
+        max,
+        "max_tokens",
+        top,
+    )
+}
+
+fn common(
+    endpoint: Endpoint,
+    c: Common,
+    prompt: Prompt,
+    max_tokens: Option<i64>,
+    max_param: &'static str,
+    logprobs: Option<usize>,
+) -> Result<Request, ApiError> {
+    if let Some(n) = c.n
+        && n != 1
+    {
+        return Err(ApiError::bad("n", "only n = 1 is supported"));
+    }
+    let max_tokens = match max_tokens {
+        Some(m) if m <= 0 => {
+            return Err(ApiError::bad(
+                max_param,
+                format!("{max_param} must be at least 1, got {m}"),
+            ));
+        }
+        Some(m) => Some(m as usize),
+        None => None,
+    };
+    let temp = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temp) {
+        return Err(ApiError::bad("temperature", "temperature must be between 0 and 2"));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&top_p) {
+        return Err(ApiError::bad("top_p", "top_p must be between 0 and 1"));
+    }
+    let stops = match c.stop {
+        None => Vec::new(),
+        Some(StopSpec::One(s)) => vec![s],
+        Some(StopSpec::Many(v)) => v,
+    };
+    if stops.len() > 16 || stops.iter().any(|s| s.len() > 256) {
+        return Err(ApiError::bad(
+            "stop",
+            "at most 16 stop strings of at most 256 bytes each",
+        ));
+    }
+    Ok(Request {
+        endpoint,
+        model: c.model,
+        prompt,
+        stream: c.stream.unwrap_or(false),
+        include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        max_tokens,
+        sampler: SamplerParams {
+            temp: temp as f32,
+            top_k: 0,
+            top_p: top_p as f32,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
+            seed: c.seed.map(|s| s as u64),
+        },
+        logprobs,
+        stops,
+    })
+}
+
+/// Why a completion ended, in OpenAI's words.
+pub fn finish_reason(finish: Finish, stop_matched: bool) -> &'static str {
+    match finish {
+        _ if stop_matched => "stop",
+        Finish::Eog | Finish::Stopped => "stop",
+        Finish::Length | Finish::ContextFull => "length",
+    }
+}
+
+/// Builds response bodies and stream chunks for one request.
+pub struct Responder {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub logprobs: Option<usize>,
+    /// Bytes of completion text so far (completions' `text_offset`).
+    offset: usize,
+}
+
+fn bytes_of(s: &str) -> Value {
+    json!(s.as_bytes())
+}
+
+impl Responder {
+    pub fn new(endpoint: Endpoint, model: &str, logprobs: Option<usize>) -> Responder {
+        let n: u64 = rand::random::<u64>() & 0xffff_ffff_ffff;
+        let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+        Responder {
+            endpoint,
+            id: format!("{prefix}-{n:012x}"),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: model.to_string(),
+            logprobs,
+            offset: 0,
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    /// The `logprobs` object of a choice for these pieces (`null` when not asked for).
+    fn logprobs_of(&mut self, pieces: &[Piece]) -> Value {
+        if self.logprobs.is_none() {
+            return Value::Null;
+        }
+        match self.endpoint {
+            Endpoint::Chat => {
+                let content: Vec<Value> = pieces
+                    .iter()
+                    .map(|p| {
+                        let top: Vec<Value> = p
+                            .top
+                            .iter()
+                            .map(|(t, l)| json!({"token": t, "logprob": l, "bytes": bytes_of(t)}))
+                            .collect();
+                        json!({"token": p.text, "logprob": p.logprob.unwrap_or(0.0), "bytes": bytes_of(&p.text),
+                               "top_logprobs": top})
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completion => {
+                let (mut tokens, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
+                for p in pieces {
+                    tokens.push(json!(p.text));
+                    lps.push(json!(p.logprob));
+                    let m: serde_json::Map<String, Value> = p.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect();
+                    tops.push(Value::Object(m));
+                    offs.push(json!(self.offset));
+                    self.offset += p.text.len();
+                }
+                json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
+            }
+        }
+    }
+
+    fn usage(o: &Outcome) -> Value {
+        json!({"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+               "total_tokens": o.prompt_tokens + o.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": o.cached_tokens}})
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({"id": self.id, "object": self.object(chunk), "created": self.created, "model": self.model,
+               "system_fingerprint": "baton", "choices": choices})
+    }
+
+    /// The whole response of a non-streaming request.
+    pub fn full(&mut self, pieces: &[Piece], finish: &str, o: &Outcome) -> Value {
+        let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
+        let lp = self.logprobs_of(pieces);
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
+                                     "logprobs": lp, "finish_reason": finish}),
+            Endpoint::Completion => json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}),
+        };
+        let mut v = self.envelope(false, json!([choice]));
+        v["usage"] = Self::usage(o);
+        v
+    }
+
+    /// The first chunk of a chat stream: the role.
+    pub fn role_chunk(&self) -> Option<Value> {
+        (self.endpoint == Endpoint::Chat).then(|| {
+            self.envelope(
+                true,
+                json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": null, "finish_reason": null}]),
+            )
+        })
+    }
+
+    /// A chunk carrying one piece of text.
+    pub fn piece_chunk(&mut self, p: &Piece) -> Value {
+        let lp = self.logprobs_of(std::slice::from_ref(p));
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({"index": 0, "delta": {"content": p.text}, "logprobs": lp, "finish_reason": null})
+            }
+            Endpoint::Completion => json!({"index": 0, "text": p.text, "logprobs": lp, "finish_reason": null}),
+        };
+        self.envelope(true, json!([choice]))
+    }
+
+    /// The chunk that closes the choice with its finish reason.
+    pub fn finish_chunk(&self, finish: &str) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}),
+            Endpoint::Completion => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
+        };
+        self.envelope(true, json!([choice]))
+    }
+
+    /// The final usage chunk (`stream_options.include_usage`): no choices, the usage.
+    pub fn usage_chunk(&self, o: &Outcome) -> Value {
+        let mut v = self.envelope(true, json!([]));
+        v["usage"] = Self::usage(o);
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_request_parses_and_validates() {
+        let r = parse_chat(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
+                 "max_completion_tokens":5,"stop":"x","logprobs":true,"top_logprobs":2,"seed":3,"temperature":0,
+                 "stream":true,"stream_options":{"include_usage":true},"user":"ignored"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.stops, vec!["x"]);
+        assert_eq!(r.logprobs, Some(2));
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.sampler.seed, Some(3));
+        assert!(r.affinity_key().contains("user\u{1f}hi"));
+    }
+
+    #[test]
+    fn bad_inputs_are_400_with_the_parameter() {
+        for (body, param) in [
+            (
+                &br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#[..],
+                Some("max_tokens"),
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"5"}"#,
+                None,
+            ),
+            (br#"{"messages":[]}"#, Some("messages")),
+            (
+                br#"{"messages":[{"role":"user","content":"hi"}],"temperature":3}"#,
+                Some("temperature"),
+            ),
+            (br#"{"messages":[{"role":"user","content":"hi"}],"n":2}"#, Some("n")),
+            (br#"{"messages":[{"role":"user","content":"hi"}"#, None),
+            (br#"[1,2]"#, None),
+        ] {
+            let e = parse_chat(body).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
+            assert_eq!(e.param, param, "{}", e.message);
+        }
+        assert!(parse_completion(br#"{"prompt":"a","logprobs":50}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":"a","max_tokens":-1}"#).is_err());
+    }
+
+    #[test]
+    fn completion_logprobs_have_offsets() {
+        let mut r = Responder::new(Endpoint::Completion, "m", Some(1));
+        let p = |t: &str| Piece {
+            text: t.into(),
+            token: Some(1),
+            logprob: Some(-1.0),
+            top: vec![(t.into(), -1.0)],
+        };
+        let o = Outcome {
+            prompt_tokens: 3,
+            cached_tokens: 1,
+            completion_tokens: 2,
+            finish: Finish::Length,
+            t_prompt: Default::default(),
+            t_gen: Default::default(),
+            detail: vec![],
+        };
+        let v = r.full(&[p("ab"), p("c")], "length", &o);
+        assert_eq!(v["choices"][0]["text"], "abc");
+        assert_eq!(v["choices"][0]["logprobs"]["text_offset"], json!([0, 2]));
+        assert_eq!(v["usage"]["total_tokens"], 5);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+    }
+}

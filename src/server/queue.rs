@@ -1,0 +1,470 @@
+//! The scheduler: slots (each one Generator with its own KV, driven by its own thread), the nodes they belong to,
+//! and a bounded queue of requests waiting for a slot. The HTTP side only submits jobs and reads events from a
+//! channel; engine work never runs on the async runtime.
+
+use super::metrics::{Gauges, Metrics};
+use super::openai::ApiError;
+use super::router::{self, NodeView, SlotView};
+use super::stop::StopFilter;
+use crate::generate::GenParams;
+use crate::generate::{Finish, Generator, Outcome, Piece, Prompt};
+use anyhow::Result;
+use axum::http::StatusCode;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a running job tells the HTTP side.
+pub enum Event {
+    /// Text safe to show (stop strings already filtered).
+    Piece(Piece),
+    Done {
+        outcome: Outcome,
+        stop_matched: bool,
+    },
+    /// Before the first piece: the HTTP status to answer with. After it: the stream ends with an error event.
+    Error(ApiError),
+}
+
+/// Builds (or rebuilds after a failure) the generator of one slot.
+pub type Factory = Arc<dyn Fn() -> Result<Box<dyn Generator>> + Send + Sync>;
+
+/// Where slots run: the local process, a pipeline, or one remote decode node (health-checked when `addr` is set).
+pub struct NodeSpec {
+    pub label: String,
+    pub addr: Option<String>,
+    pub slots: usize,
+    pub factory: Factory,
+}
+
+pub struct Job {
+    pub prompt: Prompt,
+    /// `None`: until the context is full.
+    pub max_tokens: Option<usize>,
+    pub params: GenParams,
+    pub stops: Vec<String>,
+    pub key: String,
+    pub tx: UnboundedSender<Event>,
+    pub arrived: Instant,
+    /// Nodes this job already failed on.
+    pub tried: Vec<usize>,
+    pub last_error: Option<String>,
+}
+
+struct SlotState {
+    node: usize,
+    busy: bool,
+    key: String,
+    last_used: u64,
+    tx: mpsc::Sender<Job>,
+}
+
+struct NodeState {
+    label: String,
+    addr: Option<String>,
+    up: bool,
+    slots: usize,
+}
+
+struct State {
+    slots: Vec<SlotState>,
+    nodes: Vec<NodeState>,
+    queue: VecDeque<Job>,
+    clock: u64,
+}
+
+pub struct Scheduler {
+    state: Mutex<State>,
+    max_queue: usize,
+    pub metrics: Arc<Metrics>,
+}
+
+/// How a job ended, for the worker's bookkeeping.
+enum Ran {
+    /// The text the slot's KV now holds (affinity key).
+    Done(String),
+    /// Failed before any piece reached the client: may be retried elsewhere.
+    FailedEarly(anyhow::Error),
+    /// Failed after pieces were sent (the error event is already out) or was refused.
+    Over,
+}
+
+impl Scheduler {
+    /// Starts one thread per slot. `max_queue` requests may wait beyond the busy slots.
+    pub fn start(nodes: Vec<NodeSpec>, max_queue: usize, metrics: Arc<Metrics>) -> Arc<Scheduler> {
+        let sched = Arc::new(Scheduler {
+            state: Mutex::new(State {
+                slots: Vec::new(),
+                nodes: Vec::new(),
+                queue: VecDeque::new(),
+                clock: 0,
+            }),
+            max_queue,
+            metrics,
+        });
+        let mut st = sched.state.lock().unwrap();
+        for (ni, n) in nodes.into_iter().enumerate() {
+            for k in 0..n.slots {
+                let (tx, rx) = mpsc::channel::<Job>();
+                let idx = st.slots.len();
+                st.slots.push(SlotState {
+                    node: ni,
+                    busy: false,
+                    key: String::new(),
+                    last_used: 0,
+                    tx,
+                });
+                let s = sched.clone();
+                let factory = n.factory.clone();
+                let remote = n.addr.is_some();
+                let label = n.label.clone();
+                std::thread::Builder::new()
+                    .name(format!("slot-{}-{k}", n.label))
+                    .spawn(move || worker(s, idx, ni, label, remote, factory, rx))
+                    .expect("spawn slot thread");
+            }
+            st.nodes.push(NodeState {
+                label: n.label,
+                addr: n.addr,
+                up: true,
+                slots: n.slots,
+            });
+        }
+        drop(st);
+        sched
+    }
+
+    /// Queues a job, or refuses it: 429 when the queue is full, 503 when no node is up.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        let mut st = self.state.lock().unwrap();
+        if !st.nodes.iter().any(|n| n.up) {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no node is up to serve the request",
+            ));
+        }
+        let free = st.slots.iter().any(|s| !s.busy && st.nodes[s.node].up);
+        if !free && st.queue.len() >= self.max_queue {
+            Metrics::add(&self.metrics.rejected, 1);
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the server is busy ({} requests queued); retry later", st.queue.len()),
+            )
+            .code("queue_full"));
+        }
+        st.queue.push_back(job);
+        self.dispatch(&mut st);
+        Ok(())
+    }
+
+    /// Hands queued jobs to free slots (router policy), drops jobs whose client left, fails jobs no node can take.
+    fn dispatch(&self, st: &mut State) {
+        let mut i = 0;
+        while i < st.queue.len() {
+            let job = &st.queue[i];
+            if job.tx.is_closed() {
+                st.queue.remove(i);
+                Metrics::add(&self.metrics.cancelled, 1);
+                continue;
+            }
+            if !st
+                .nodes
+                .iter()
+                .enumerate()
+                .any(|(ni, n)| n.up && !job.tried.contains(&ni))
+            {
+                let job = st.queue.remove(i).unwrap();
+                let why = job.last_error.as_deref().unwrap_or("every node is down");
+                let _ = job.tx.send(Event::Error(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("no node could serve the request: {why}"),
+                )));
+                continue;
+            }
+            let views: Vec<SlotView> = st
+                .slots
+                .iter()
+                .map(|s| SlotView {
+                    node: s.node,
+                    busy: s.busy,
+                    key: &s.key,
+                    last_used: s.last_used,
+                })
+                .collect();
+            let nodes = node_views(st);
+            let Some((si, why, _)) = router::pick(&views, &nodes, &job.key, &job.tried) else {
+                i += 1;
+                continue;
+            };
+            let job = st.queue.remove(i).unwrap();
+            st.clock += 1;
+            let clock = st.clock;
+            let slot = &mut st.slots[si];
+            slot.busy = true;
+            slot.last_used = clock;
+            self.metrics.route(&st.nodes[slot.node].label, why.name());
+            if let Err(mpsc::SendError(job)) = slot.tx.send(job) {
+                // The slot's thread is gone (it panicked): never use it again.
+                let _ = job.tx.send(Event::Error(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "slot thread died",
+                )));
+            }
+        }
+    }
+
+    /// A slot finished its job; `key` is the text its KV now holds.
+    fn release(&self, slot: usize, key: String, retry: Option<Job>) {
+        let mut st = self.state.lock().unwrap();
+        st.slots[slot].busy = false;
+        st.slots[slot].key = key;
+        if let Some(job) = retry {
+            Metrics::add(&self.metrics.retries, 1);
+            st.queue.push_front(job);
+        }
+        self.dispatch(&mut st);
+    }
+
+    fn set_up(&self, node: usize, up: bool, why: &str) {
+        let mut st = self.state.lock().unwrap();
+        if st.nodes[node].up != up {
+            eprintln!(
+                "serve: node {} is {}{why}",
+                st.nodes[node].label,
+                if up { "back up" } else { "down: " }
+            );
+            st.nodes[node].up = up;
+            if !up {
+                // Its sessions' KV may be gone: forget what the slots held.
+                for s in st.slots.iter_mut().filter(|s| s.node == node) {
+                    s.key.clear();
+                }
+            }
+        }
+        self.dispatch(&mut st);
+    }
+
+    /// Checks every remote node once per `every`: a TCP connect within a second means it answers.
+    pub fn health_loop(self: Arc<Self>, every: Duration) {
+        let addrs: Vec<(usize, String)> = {
+            let st = self.state.lock().unwrap();
+            st.nodes
+                .iter()
+                .enumerate()
+                .filter_map(|(i, n)| n.addr.clone().map(|a| (i, a)))
+                .collect()
+        };
+        if addrs.is_empty() {
+            return;
+        }
+        std::thread::Builder::new()
+            .name("health".into())
+            .spawn(move || {
+                loop {
+                    for (i, a) in &addrs {
+                        match probe(a) {
+                            Ok(()) => self.set_up(*i, true, ""),
+                            Err(e) => self.set_up(*i, false, &format!("{e:#}")),
+                        }
+                    }
+                    std::thread::sleep(every);
+                }
+            })
+            .expect("spawn health thread");
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let st = self.state.lock().unwrap();
+        let nodes = node_views(&st);
+        Gauges {
+            queue_depth: st.queue.len(),
+            slots: st.slots.len(),
+            busy: st.slots.iter().filter(|s| s.busy).count(),
+            nodes: st
+                .nodes
+                .iter()
+                .zip(nodes)
+                .map(|(n, v)| (n.label.clone(), n.up, v.busy, n.slots))
+                .collect(),
+        }
+    }
+}
+
+fn node_views(st: &State) -> Vec<NodeView> {
+    let mut v: Vec<NodeView> = st
+        .nodes
+        .iter()
+        .map(|n| NodeView {
+            up: n.up,
+            busy: 0,
+            slots: n.slots,
+        })
+        .collect();
+    for s in st.slots.iter().filter(|s| s.busy) {
+        v[s.node].busy += 1;
+    }
+    v
+}
+
+fn probe(addr: &str) -> Result<()> {
+    use std::net::ToSocketAddrs;
+    let sa = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("{addr} resolves to no address"))?;
+    std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(1))?;
+    Ok(())
+}
+
+/// One slot's thread: runs its jobs one after another on its own generator.
+fn worker(
+    sched: Arc<Scheduler>,
+    slot: usize,
+    node: usize,
+    label: String,
+    remote: bool,
+    factory: Factory,
+    rx: mpsc::Receiver<Job>,
+) {
+    let mut generator: Option<Box<dyn Generator>> = None;
+    for mut job in rx {
+        let ran = run_job(&mut generator, &factory, &job, &sched.metrics);
+        match ran {
+            Ran::Done(key) => sched.release(slot, key, None),
+            Ran::Over => sched.release(slot, String::new(), None),
+            Ran::FailedEarly(e) => {
+                generator = None;
+                let msg = format!("{label}: {e:#}");
+                eprintln!("serve: request failed before its first token on {msg}");
+                if remote {
+                    // Take the node out until the health check sees it again, and retry elsewhere.
+                    sched.set_up(node, false, &msg);
+                    job.tried.push(node);
+                    job.last_error = Some(msg);
+                    sched.release(slot, String::new(), Some(job));
+                } else {
+                    let _ = job
+                        .tx
+                        .send(Event::Error(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg)));
+                    sched.release(slot, String::new(), None);
+                }
+            }
+        }
+    }
+}
+
+fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &Job, m: &Metrics) -> Ran {
+    if generator.is_none() {
+        match factory() {
+            Ok(g) => *generator = Some(g),
+            Err(e) => return Ran::FailedEarly(e),
+        }
+    }
+    let g = generator.as_mut().unwrap();
+    // Validation that needs the tokenizer: the prompt and max_tokens against the context.
+    let n_ctx = g.n_ctx();
+    let param = match job.prompt {
+        Prompt::Text(_) => "prompt",
+        Prompt::Chat(_) => "messages",
+    };
+    let n_prompt = match g.count_prompt(&job.prompt) {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = job.tx.send(Event::Error(ApiError::bad(param, format!("{e:#}"))));
+            return Ran::Over;
+        }
+    };
+    if n_prompt >= n_ctx {
+        let _ = job.tx.send(Event::Error(
+            ApiError::bad(
+                param,
+                format!("the prompt is {n_prompt} tokens; this model's context is {n_ctx} tokens"),
+            )
+            .code("context_length_exceeded"),
+        ));
+        return Ran::Over;
+    }
+    let room = n_ctx - n_prompt;
+    let max_tokens = match job.max_tokens {
+        Some(m) if m > room => {
+            let _ = job.tx.send(Event::Error(
+                ApiError::bad(
+                    "max_tokens",
+                    format!(
+                        "this model's context is {n_ctx} tokens; the prompt takes {n_prompt} and max_tokens asks \
+                         for {m} more"
+                    ),
+                )
+                .code("context_length_exceeded"),
+            ));
+            return Ran::Over;
+        }
+        Some(m) => m,
+        None => room,
+    };
+    let mut params = job.params.clone();
+    params.max_tokens = max_tokens;
+
+    let mut filter = StopFilter::new(job.stops.clone());
+    let mut generated = String::new();
+    let mut sent = 0usize;
+    let mut last = None::<Instant>;
+    let mut gone = false;
+    let tx = &job.tx;
+    let emit = |p: Piece, sent: &mut usize, last: &mut Option<Instant>| -> bool {
+        let now = Instant::now();
+        match last {
+            None => m.ttft.observe(now - job.arrived),
+            Some(t) => m.itl.observe(now - *t),
+        }
+        *last = Some(now);
+        *sent += 1;
+        tx.send(Event::Piece(p)).is_ok()
+    };
+    let r = g.generate(&job.prompt, &params, &mut |p: &Piece| {
+        generated.push_str(&p.text);
+        if tx.is_closed() {
+            gone = true;
+            return false;
+        }
+        for out in filter.push(p.clone()) {
+            if !emit(out, &mut sent, &mut last) {
+                gone = true;
+                return false;
+            }
+        }
+        !filter.matched()
+    });
+    match r {
+        Ok(outcome) => {
+            if gone {
+                Metrics::add(&m.cancelled, 1);
+            }
+            for out in filter.finish() {
+                emit(out, &mut sent, &mut last);
+            }
+            Metrics::add(&m.prompt_tokens, outcome.prompt_tokens);
+            Metrics::add(&m.cached_tokens, outcome.cached_tokens);
+            Metrics::add(&m.completion_tokens, outcome.completion_tokens);
+            let stop_matched = filter.matched();
+            let cancelled = gone || (outcome.finish == Finish::Stopped && !stop_matched);
+            let _ = tx.send(Event::Done { outcome, stop_matched });
+            if cancelled {
+                // The KV holds the prompt and part of a reply nobody saw: keep the prompt as the key.
+                Ran::Done(job.key.clone())
+            } else {
+                Ran::Done(format!("{}{generated}", job.key))
+            }
+        }
+        Err(e) if sent == 0 => Ran::FailedEarly(e),
+        Err(e) => {
+            *generator = None;
+            let _ = tx.send(Event::Error(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("generation failed after {sent} pieces: {e:#}"),
+            )));
+            Ran::Over
+        }
+    }
+}

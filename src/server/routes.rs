@@ -1,0 +1,291 @@
+//! HTTP routes: the OpenAI endpoints, `/health`, `/metrics`; authentication and per-request accounting.
+
+use super::metrics::Metrics;
+use super::openai::{self, ApiError, Request, Responder};
+use super::queue::{Event, Job, Scheduler};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+/// Largest request body accepted.
+const MAX_BODY: usize = 4 << 20;
+
+pub struct App {
+    pub sched: Arc<Scheduler>,
+    pub metrics: Arc<Metrics>,
+    /// The model id clients name (`/v1/models`).
+    pub model_id: String,
+    /// Other names requests may use for the same model.
+    pub aliases: Vec<String>,
+    pub api_key: Option<String>,
+    pub describe: String,
+    pub created: u64,
+}
+
+type AppState = Arc<App>;
+
+impl App {
+    fn serves(&self, model: &str) -> bool {
+        model == self.model_id || self.aliases.iter().any(|a| a == model)
+    }
+}
+
+pub fn router(app: AppState) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn_with_state(app.clone(), guard))
+        .with_state(app)
+}
+
+/// Bearer authentication (when an API key is set; `/health` stays open) and request accounting.
+async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    if let Some(key) = &app.api_key
+        && path != "/health"
+    {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            app.metrics.request(&path, 401);
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong API key (Authorization: Bearer KEY)",
+            )
+            .code("invalid_api_key")
+            .into_response();
+        }
+    }
+    let resp = next.run(req).await;
+    let known = [
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+    ];
+    let label = if known.contains(&path.as_str()) || path.starts_with("/v1/models/") {
+        path.as_str()
+    } else {
+        "other"
+    };
+    app.metrics.request(label, resp.status().as_u16());
+    resp
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such route")
+}
+
+async fn health(State(app): State<AppState>) -> Response {
+    let g = app.sched.gauges();
+    let up = g.nodes.iter().any(|n| n.1);
+    let nodes: Vec<Value> = g
+        .nodes
+        .iter()
+        .map(|(n, up, busy, slots)| json!({"node": n, "up": up, "busy": busy, "slots": slots}))
+        .collect();
+    let body = json!({"status": if up { "ok" } else { "unavailable" }, "model": app.model_id, "generator": app.describe,
+                      "slots": g.slots, "busy": g.busy, "queue": g.queue_depth, "nodes": nodes});
+    let code = if up {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, axum::Json(body)).into_response()
+}
+
+async fn metrics(State(app): State<AppState>) -> Response {
+    let text = app.metrics.render(&app.sched.gauges());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+fn model_obj(app: &App) -> Value {
+    json!({"id": app.model_id, "object": "model", "created": app.created, "owned_by": "baton"})
+}
+
+async fn models(State(app): State<AppState>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_obj(&app)]})).into_response()
+}
+
+async fn model(State(app): State<AppState>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if app.serves(&id) {
+        axum::Json(model_obj(&app)).into_response()
+    } else {
+        unknown_model(&app, &id).into_response()
+    }
+}
+
+fn unknown_model(app: &App, id: &str) -> ApiError {
+    ApiError {
+        param: Some("model"),
+        ..ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("the model {id:?} does not exist; this server serves {:?}", app.model_id),
+        )
+    }
+    .code("model_not_found")
+}
+
+async fn chat(State(app): State<AppState>, body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Response {
+    match body {
+        Ok(b) => handle(app, openai::parse_chat(&b)).await,
+        Err(e) => ApiError::new(e.status(), e.body_text()).into_response(),
+    }
+}
+
+async fn completions(
+    State(app): State<AppState>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    match body {
+        Ok(b) => handle(app, openai::parse_completion(&b)).await,
+        Err(e) => ApiError::new(e.status(), e.body_text()).into_response(),
+    }
+}
+
+async fn handle(app: AppState, req: Result<Request, ApiError>) -> Response {
+    match run(app, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(app: AppState, req: Result<Request, ApiError>) -> Result<Response, ApiError> {
+    let req = req?;
+    if let Some(m) = &req.model
+        && !app.serves(m)
+    {
+        return Err(unknown_model(&app, m));
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let job = Job {
+        prompt: req.prompt.clone(),
+        max_tokens: req.max_tokens,
+        params: req.gen_params(0),
+        stops: req.stops.clone(),
+        key: req.affinity_key(),
+        tx,
+        arrived: Instant::now(),
+        tried: Vec::new(),
+        last_error: None,
+    };
+    app.sched.submit(job)?;
+    let mut resp = Responder::new(req.endpoint, &app.model_id, req.logprobs);
+    // The first event decides the HTTP status: an error before any text is a plain error response.
+    let first = rx.recv().await.ok_or_else(dropped)?;
+    if let Event::Error(e) = first {
+        return Err(e);
+    }
+    if !req.stream {
+        let mut pieces = Vec::new();
+        let mut ev = first;
+        loop {
+            match ev {
+                Event::Piece(p) => pieces.push(p),
+                Event::Done { outcome, stop_matched } => {
+                    let fin = openai::finish_reason(outcome.finish, stop_matched);
+                    return Ok(axum::Json(resp.full(&pieces, fin, &outcome)).into_response());
+                }
+                Event::Error(e) => return Err(e),
+            }
+            ev = rx.recv().await.ok_or_else(dropped)?;
+        }
+    }
+    let mut pending = VecDeque::new();
+    if let Some(c) = resp.role_chunk() {
+        pending.push_back(sse(&c));
+    }
+    let mut st = Sse {
+        rx,
+        resp,
+        include_usage: req.include_usage,
+        pending,
+        finished: false,
+    };
+    st.on(first);
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(b) = st.pending.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(b), st));
+            }
+            if st.finished {
+                return None;
+            }
+            match st.rx.recv().await {
+                Some(ev) => st.on(ev),
+                None => st.on(Event::Error(dropped())),
+            }
+        }
+    });
+    Ok(Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header("x-accel-buffering", "no")
+        .body(Body::from_stream(stream))
+        .expect("static headers"))
+}
+
+fn dropped() -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the generation ended without a result",
+    )
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// State of one SSE stream: events in, `data:` lines out.
+struct Sse {
+    rx: UnboundedReceiver<Event>,
+    resp: Responder,
+    include_usage: bool,
+    pending: VecDeque<Bytes>,
+    finished: bool,
+}
+
+impl Sse {
+    fn on(&mut self, ev: Event) {
+        match ev {
+            Event::Piece(p) => {
+                let c = self.resp.piece_chunk(&p);
+                self.pending.push_back(sse(&c));
+            }
+            Event::Done { outcome, stop_matched } => {
+                let fin = openai::finish_reason(outcome.finish, stop_matched);
+                self.pending.push_back(sse(&self.resp.finish_chunk(fin)));
+                if self.include_usage {
+                    self.pending.push_back(sse(&self.resp.usage_chunk(&outcome)));
+                }
+                self.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                self.finished = true;
+            }
+            Event::Error(e) => {
+                // The OpenAI clients raise on a `data:` object carrying `error`.
+                self.pending.push_back(sse(&e.body()));
+                self.finished = true;
+            }
+        }
+    }
+}
