@@ -66,6 +66,8 @@ enum Cmd {
     },
     /// Serve layer ranges of a model to coordinators on other machines.
     Node(NodeArgs),
+    /// Disaggregated prefill on this machine: a prefill node and a decode node, next to the local run.
+    Demo(DemoArgs),
     /// OpenAI-compatible HTTP server (local, --pipeline, or --cluster with a router over nodes).
     Serve(ServeArgs),
     /// Ensembles of models with different vocabularies.
@@ -207,6 +209,44 @@ struct RunArgs {
     /// where it does not pay).
     #[arg(long = "draft-tokens", default_value = "auto")]
     draft_tokens: String,
+    /// Prefill prompts on this `baton node` (HOST:PORT); this process holds the full KV and decodes alone.
+    #[arg(long = "prefill-node")]
+    prefill_node: Option<String>,
+    /// With --prefill-node: auto (decide per request from measured speeds), never, always, or a share of the
+    /// layers such as 60%.
+    #[arg(long, default_value = "auto")]
+    offload: String,
+    /// With --prefill-node: prefill exactly the first K layers remotely, the rest here (overrides --offload).
+    #[arg(long = "offload-layers")]
+    offload_layers: Option<usize>,
+    /// With --prefill-node: KV precision on the wire: 32, 16, bf16 or 8.
+    #[arg(long = "kv-bits", default_value = "32")]
+    kv_bits: String,
+    /// With --prefill-node: seconds of silence before the prefill node is given up (the prompt is then prefilled
+    /// here).
+    #[arg(long = "prefill-timeout", default_value_t = 10.0)]
+    prefill_timeout: f64,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Model: `smollm2`, `gemma3`, or a path to a GGUF file (fetched if needed).
+    #[arg(short = 'm', long, default_value = "smollm2")]
+    model: String,
+    /// Threads of the prefill node.
+    #[arg(long = "prefill-threads", default_value_t = 2)]
+    prefill_threads: usize,
+    /// Threads of the decode node (and of the local run it is compared with).
+    #[arg(long = "decode-threads", default_value_t = 1)]
+    decode_threads: usize,
+    /// Prompt length in tokens (about).
+    #[arg(short = 'p', long = "prompt-tokens", default_value_t = 1500)]
+    prompt_tokens: usize,
+    #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
+    n_predict: usize,
+    /// KV precision on the wire: 32, 16, bf16 or 8.
+    #[arg(long = "kv-bits", default_value = "32")]
+    kv_bits: String,
 }
 
 #[derive(Args)]
@@ -360,6 +400,16 @@ fn main() {
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Quantize { input, output, ty } => cmd_quantize(&input, &output, &ty),
         Cmd::Node(a) => cmd_node(a),
+        Cmd::Demo(a) => fetch::resolve(&a.model).and_then(|model| {
+            baton::cluster::demo::run(&baton::cluster::demo::DemoOpts {
+                model,
+                prefill_threads: a.prefill_threads,
+                decode_threads: a.decode_threads,
+                prompt_tokens: a.prompt_tokens,
+                n_predict: a.n_predict,
+                kv_bits: a.kv_bits,
+            })
+        }),
         Cmd::Serve(a) => cmd_serve(a),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
@@ -529,7 +579,38 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     }
     let (model, _vocab, pool) = load(&c.model, c.threads)?;
     if let Some(d) = &a.draft {
+        if a.prefill_node.is_some() {
+            bail!("--draft and --prefill-node cannot be combined yet");
+        }
         return open_speculative(a, d, model, pool);
+    }
+    if let Some(addr) = &a.prefill_node {
+        use baton::cluster::disagg::{DisaggGenerator, Offload};
+        let node = baton::cluster::handoff::NodeOpts {
+            addr: addr.clone(),
+            secret: a
+                .secret_file
+                .as_ref()
+                .map(|p| baton::cluster::auth::load_secret(p))
+                .transpose()?,
+            timeouts: baton::cluster::handshake::Timeouts {
+                connect: std::time::Duration::from_secs(5),
+                io: std::time::Duration::from_secs_f64(a.prefill_timeout),
+            },
+            kv: baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
+        };
+        let offload = match a.offload_layers {
+            Some(k) => Offload::Layers(k),
+            None => Offload::parse(&a.offload)?,
+        };
+        return Ok(Box::new(DisaggGenerator::new(
+            model,
+            pool,
+            c.ctx_size,
+            c.batch_size,
+            node,
+            offload,
+        )?));
     }
     Ok(Box::new(LocalGenerator::new(model, pool, c.ctx_size, c.batch_size)?))
 }

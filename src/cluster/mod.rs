@@ -6,9 +6,16 @@
 //! - [`stage`]: the engine side of one pipeline stage (KV per session, prefix-hash checks, sampling on the last stage);
 //! - [`node`]: the `baton node` server (a thread per connection, blocking I/O with timeouts);
 //! - [`pipeline`]: the coordinator that carries a session across stages ([`pipeline::PipelineSession`]);
+//! - [`handoff`]: disaggregated prefill: the prefill node streams KV layer by layer, the decode side writes it into
+//!   its cache (and runs the remaining layers), with a local fallback;
+//! - [`disagg`]: the generator that uses it (`baton run --prefill-node`) and the `--offload auto` planner;
+//! - [`demo`]: `baton demo`, a prefill node and a decode node on this machine;
 //! - [`topology`]: parsing `--pipeline ADDR=A:B,local=B:end` and checking that every layer is covered exactly once.
 
 pub mod auth;
+pub mod demo;
+pub mod disagg;
+pub mod handoff;
 pub mod handshake;
 pub mod node;
 pub mod pipeline;

@@ -409,6 +409,19 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
     loop {
         let f = match read_frame(&mut s, st.cfg.idle_timeout, io) {
             Ok(Msg::Forward(f)) => f,
+            Ok(Msg::Prefill(p)) => {
+                // Disaggregated prefill: the KV streams back while the chunks compute (see handoff.rs).
+                let drain = {
+                    let t_wait = Instant::now();
+                    let _c = lock(&st.compute);
+                    let queued = t_wait.elapsed();
+                    let mut g = lock(&slot);
+                    g.last_used = Instant::now();
+                    super::handoff::serve_prefill(&mut s, &mut g.core, &p, queued, open.wire)?
+                };
+                drain.finish()?;
+                continue;
+            }
             Ok(m) => {
                 return Err(refuse(&mut s, format!("expected FORWARD, got {}", m.name())));
             }

@@ -147,6 +147,26 @@ impl StageCore {
         self.session.n_past()
     }
 
+    /// Whether the stage holds positions `0..pos` with prefix hash `prefix` (then it may rewind to `pos`).
+    pub fn holds_prefix(&self, pos: usize, prefix: &PrefixHash) -> bool {
+        pos < self.hashes.len() && self.hashes[pos] == *prefix
+    }
+
+    /// Forgets every position from `n` on (KV and hashes).
+    pub fn rewind(&mut self, n: usize) {
+        self.session.rewind(n);
+        self.hashes.truncate(n.min(self.hashes.len() - 1) + 1);
+    }
+
+    /// Extends the prefix hashes with tokens just appended to the session by a forward pass run directly on it.
+    pub fn record(&mut self, tokens: &[u32]) {
+        let mut h = *self.hashes.last().unwrap();
+        for &t in tokens {
+            h = prefix_next(&h, t);
+            self.hashes.push(h);
+        }
+    }
+
     /// Runs one batch that starts at `pos` after the prefix hashed `prefix`.
     pub fn run(
         &mut self,

@@ -29,6 +29,10 @@ pub mod ty {
     pub const RESULT: u8 = 8;
     pub const MISMATCH: u8 = 9;
     pub const ERROR: u8 = 10;
+    pub const PREFILL: u8 = 11;
+    pub const KV: u8 = 12;
+    pub const PREFILL_HIDDEN: u8 = 13;
+    pub const PREFILL_DONE: u8 = 14;
 }
 
 /// Why reading or writing a frame failed; the caller turns it into a message naming the peer.
@@ -307,6 +311,44 @@ pub struct Forward {
     pub want: WantOut,
 }
 
+/// Which hidden-state rows leaving the prefilled range a PREFILL asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HiddenRows {
+    /// None (the decode side needs only the KV).
+    None = 0,
+    /// Every position sent (partial offload: the decode side runs the remaining layers on them).
+    All = 1,
+    /// Only the prompt's last position (full offload: the decode side applies the output head to it).
+    Last = 2,
+}
+
+/// Disaggregated prefill request: compute the session's layers (those of OPEN, starting at 0) for `tokens` at
+/// positions `pos..`, and stream the KV of positions `send_from..` layer by layer as it is computed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prefill {
+    pub req: u64,
+    /// Position of the first token to compute (the node must hold `0..pos` with prefix hash `prefix`).
+    pub pos: u32,
+    pub prefix: [u8; 16],
+    /// First position whose KV is sent (`>= pos`); positions before it are computed (catch-up) but not sent, the
+    /// decode side holds them already.
+    pub send_from: u32,
+    /// Element type of the KV chunks (same codes as hidden states).
+    pub kv: WireDtype,
+    pub hidden: HiddenRows,
+    pub tokens: Vec<u32>,
+}
+
+/// One hidden-state chunk of a disaggregated prefill: rows for positions `pos..pos + n_rows`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillHidden {
+    pub req: u64,
+    pub pos: u32,
+    /// First 8 bytes of SHA-256 of `hidden.data`.
+    pub checksum: [u8; 8],
+    pub hidden: Hidden,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
     Ack,
@@ -329,16 +371,45 @@ pub struct ResultMsg {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Msg {
-    Hello { nonce: [u8; 32] },
-    Challenge { nonce: [u8; 32], auth_required: bool },
-    Auth { mac: [u8; 32] },
-    AuthOk { mac: [u8; 32] },
+    Hello {
+        nonce: [u8; 32],
+    },
+    Challenge {
+        nonce: [u8; 32],
+        auth_required: bool,
+    },
+    Auth {
+        mac: [u8; 32],
+    },
+    AuthOk {
+        mac: [u8; 32],
+    },
     Open(Open),
     Ready(Ready),
     Forward(Forward),
     Result(ResultMsg),
-    Mismatch { req: u64, n_past: u32 },
-    Error { message: String },
+    Mismatch {
+        req: u64,
+        n_past: u32,
+    },
+    Error {
+        message: String,
+    },
+    Prefill(Prefill),
+    /// One KV chunk of a disaggregated prefill: a buffer in the KV snapshot format (docs/kv-format.md).
+    Kv {
+        req: u64,
+        data: Vec<u8>,
+    },
+    PrefillHidden(PrefillHidden),
+    /// End of a disaggregated prefill: the node now holds `n_past` positions; it waited `queue_us` for the compute
+    /// lock and spent `compute_us` in forward passes.
+    PrefillDone {
+        req: u64,
+        n_past: u32,
+        queue_us: u64,
+        compute_us: u64,
+    },
 }
 
 impl Msg {
@@ -354,6 +425,10 @@ impl Msg {
             Msg::Result(_) => ty::RESULT,
             Msg::Mismatch { .. } => ty::MISMATCH,
             Msg::Error { .. } => ty::ERROR,
+            Msg::Prefill(_) => ty::PREFILL,
+            Msg::Kv { .. } => ty::KV,
+            Msg::PrefillHidden(_) => ty::PREFILL_HIDDEN,
+            Msg::PrefillDone { .. } => ty::PREFILL_DONE,
         }
     }
 
@@ -441,6 +516,38 @@ impl Msg {
                 e.u32(*n_past);
             }
             Msg::Error { message } => e.str(message),
+            Msg::Prefill(p) => {
+                e.u64(p.req);
+                e.u32(p.pos);
+                e.raw(&p.prefix);
+                e.u32(p.send_from);
+                e.u8(p.kv as u8);
+                e.u8(p.hidden as u8);
+                e.u32(p.tokens.len() as u32);
+                p.tokens.iter().for_each(|&t| e.u32(t));
+            }
+            Msg::Kv { req, data } => {
+                e.u64(*req);
+                e.u32(data.len() as u32);
+                e.raw(data);
+            }
+            Msg::PrefillHidden(h) => {
+                e.u64(h.req);
+                e.u32(h.pos);
+                e.raw(&h.checksum);
+                e.hidden(&h.hidden);
+            }
+            Msg::PrefillDone {
+                req,
+                n_past,
+                queue_us,
+                compute_us,
+            } => {
+                e.u64(*req);
+                e.u32(*n_past);
+                e.u64(*queue_us);
+                e.u64(*compute_us);
+            }
         }
         e.0
     }
@@ -534,6 +641,50 @@ impl Msg {
                 n_past: d.u32()?,
             },
             ty::ERROR => Msg::Error { message: d.str()? },
+            ty::PREFILL => {
+                let req = d.u64()?;
+                let pos = d.u32()?;
+                let prefix = d.arr()?;
+                let send_from = d.u32()?;
+                let kv = WireDtype::from_code(d.u8()?)?;
+                let hidden = match d.u8()? {
+                    0 => HiddenRows::None,
+                    1 => HiddenRows::All,
+                    2 => HiddenRows::Last,
+                    v => return malformed(format!("unknown hidden-rows choice {v}")),
+                };
+                let n = d.count(4)?;
+                let tokens = (0..n).map(|_| d.u32()).collect::<Result<Vec<_>, _>>()?;
+                Msg::Prefill(Prefill {
+                    req,
+                    pos,
+                    prefix,
+                    send_from,
+                    kv,
+                    hidden,
+                    tokens,
+                })
+            }
+            ty::KV => {
+                let req = d.u64()?;
+                let n = d.count(1)?;
+                Msg::Kv {
+                    req,
+                    data: d.take(n)?.to_vec(),
+                }
+            }
+            ty::PREFILL_HIDDEN => Msg::PrefillHidden(PrefillHidden {
+                req: d.u64()?,
+                pos: d.u32()?,
+                checksum: d.arr()?,
+                hidden: d.hidden()?,
+            }),
+            ty::PREFILL_DONE => Msg::PrefillDone {
+                req: d.u64()?,
+                n_past: d.u32()?,
+                queue_us: d.u64()?,
+                compute_us: d.u64()?,
+            },
             other => return malformed(format!("unknown message type {other}")),
         };
         if d.left() != 0 {
@@ -559,6 +710,10 @@ pub fn type_name(code: u8) -> &'static str {
         ty::RESULT => "RESULT",
         ty::MISMATCH => "MISMATCH",
         ty::ERROR => "ERROR",
+        ty::PREFILL => "PREFILL",
+        ty::KV => "KV",
+        ty::PREFILL_HIDDEN => "PREFILL_HIDDEN",
+        ty::PREFILL_DONE => "PREFILL_DONE",
         _ => "unknown",
     }
 }
@@ -566,7 +721,7 @@ pub fn type_name(code: u8) -> &'static str {
 /// Largest payload a frame of type `code` may carry.
 pub fn max_payload(code: u8) -> usize {
     match code {
-        ty::FORWARD | ty::RESULT => MAX_FRAME,
+        ty::FORWARD | ty::RESULT | ty::PREFILL | ty::KV | ty::PREFILL_HIDDEN => MAX_FRAME,
         _ => MAX_SMALL_FRAME,
     }
 }
@@ -862,6 +1017,31 @@ mod tests {
             body: Body::Ack,
         }));
         roundtrip(Msg::Mismatch { req: 3, n_past: 77 });
+        roundtrip(Msg::Prefill(Prefill {
+            req: 9,
+            pos: 4,
+            prefix: [5; 16],
+            send_from: 6,
+            kv: WireDtype::F16,
+            hidden: HiddenRows::Last,
+            tokens: vec![1, 2, 3],
+        }));
+        roundtrip(Msg::Kv {
+            req: 9,
+            data: vec![1, 2, 3, 4, 5],
+        });
+        roundtrip(Msg::PrefillHidden(PrefillHidden {
+            req: 9,
+            pos: 6,
+            checksum: [1; 8],
+            hidden: Hidden::encode(&[1.0, 2.0], 2, WireDtype::F32),
+        }));
+        roundtrip(Msg::PrefillDone {
+            req: 9,
+            n_past: 12,
+            queue_us: 7,
+            compute_us: 1000,
+        });
         roundtrip(Msg::Error {
             message: "nope ✓".into(),
         });

@@ -129,7 +129,28 @@ impl Session {
 
     /// Runs the model's layer range over one batch appended at position `n_past()`.
     pub fn forward(&mut self, input: Input, want: Want) -> Result<&[f32]> {
+        let first = self.model.range.start;
+        self.forward_layers(input, first, want, &mut |_, _, _| {})
+    }
+
+    /// [`Session::forward`] over layers `first..` of the range only, calling `on_layer(il, cache, positions)` as soon
+    /// as each layer has written its KV for the batch (disaggregated prefill streams it from there). With `first`
+    /// past the range start the input must be the hidden state entering `first`, and the caller provides the KV of
+    /// the skipped layers for these positions itself (partial offload: it arrives from the prefill node).
+    pub fn forward_layers(
+        &mut self,
+        input: Input,
+        first: usize,
+        want: Want,
+        on_layer: &mut dyn FnMut(usize, &KvCache, std::ops::Range<usize>),
+    ) -> Result<&[f32]> {
         let model = self.model.clone();
+        if first < model.range.start || first > model.range.end {
+            bail!("layer {first} is outside this session's layers {:?}", model.range);
+        }
+        if first > model.range.start && matches!(input, Input::Tokens(_)) {
+            bail!("a forward pass from layer {first} takes the hidden state entering it, not tokens");
+        }
         let hp = &model.hp;
         let e = hp.n_embd;
         let n_tok = match input {
@@ -194,7 +215,7 @@ impl Session {
         }
 
         // The layers, in order.
-        for il in model.range.clone() {
+        for il in first..model.range.end {
             let base = hp.rope_base_of(il);
             let rope = self
                 .ropes
@@ -215,6 +236,7 @@ impl Session {
                 Arch::Llama => llama::layer(&step, lw, &mut self.x, &mut self.bufs, &mut kv),
                 Arch::Gemma3 => gemma3::layer(&step, lw, &mut self.x, &mut self.bufs, &mut kv),
             }
+            on_layer(il, &self.kv, pos0..pos0 + n_tok);
         }
         self.kv.set_n_pos(pos0 + n_tok);
 
@@ -230,6 +252,22 @@ impl Session {
                 Ok(&self.logits[..n_tok * hp.n_vocab])
             }
         }
+    }
+
+    /// Logits of one hidden state row leaving the last layer (final norm and head), e.g. the last prompt token's
+    /// row computed by a prefill node. Changes no position.
+    pub fn logits_of_hidden(&mut self, row: &[f32]) -> Result<&[f32]> {
+        let hp = &self.model.hp;
+        if !self.model.is_last() {
+            bail!("this session holds layers {:?}, not the output head", self.model.range);
+        }
+        if row.len() != hp.n_embd {
+            bail!("hidden row of {} values, expected {}", row.len(), hp.n_embd);
+        }
+        let n_vocab = hp.n_vocab;
+        self.x[..row.len()].copy_from_slice(row);
+        self.head(0..1)?;
+        Ok(&self.logits[..n_vocab])
     }
 
     /// Final norm and output head for the given rows of the batch, into `self.logits`.

@@ -6,7 +6,7 @@
 //! `v.{il}.scale` `[n_head_kv, n_pos]`. Every tensor's checksum (SHA-256 of its bytes, first 16 hex digits) is in the
 //! header, so it is checked wherever the tensor sits in the file.
 
-use super::Session;
+use super::{KvCache, Session};
 use crate::model::Hparams;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
@@ -141,6 +141,128 @@ fn model_fields(hp: &Hparams, fingerprint: &str) -> Vec<(&'static str, String)> 
     ]
 }
 
+/// KV rows of a layer range for a position range, in the snapshot layout: per layer, K `[n_head_kv, n_pos,
+/// head_dim_k]` and V `[n_head_kv, n_pos, head_dim_v]`. What a snapshot file holds and what one KV chunk on the wire
+/// carries (disaggregated prefill), so both use [`encode_block`] and [`decode_block`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvBlock {
+    pub layers: Range<usize>,
+    pub pos: Range<usize>,
+    /// One entry per layer of `layers`.
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    /// Token ids of the positions, when known.
+    pub tokens: Option<Vec<u32>>,
+}
+
+impl KvBlock {
+    /// Copies layers `layers`, positions `pos` out of a cache (which must hold them).
+    pub fn from_cache(kv: &KvCache, layers: Range<usize>, pos: Range<usize>) -> KvBlock {
+        let n_pos = pos.len();
+        let mut k = Vec::with_capacity(layers.len());
+        let mut v = Vec::with_capacity(layers.len());
+        for il in layers.clone() {
+            let mut kr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_k);
+            let mut vr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_v);
+            for h in 0..kv.n_head_kv {
+                kr.extend_from_slice(kv.k_rows(il, h, pos.clone()));
+                vr.extend_from_slice(kv.v_rows(il, h, pos.clone()));
+            }
+            k.push(kr);
+            v.push(vr);
+        }
+        KvBlock {
+            layers,
+            pos,
+            k,
+            v,
+            tokens: None,
+        }
+    }
+
+    /// Writes the rows into a cache that holds the block's layers and has room for its positions. Does not change
+    /// which positions the cache counts as valid (the caller does, once every layer is in).
+    pub fn write_into(&self, kv: &mut KvCache) -> Result<()> {
+        if self.layers.start < kv.layers.start || self.layers.end > kv.layers.end || self.pos.end > kv.n_ctx {
+            bail!(
+                "KV of layers {:?} positions {:?} does not fit a cache of layers {:?} and {} positions",
+                self.layers,
+                self.pos,
+                kv.layers,
+                kv.n_ctx
+            );
+        }
+        let n_pos = self.pos.len();
+        let (dk, dv) = (kv.head_dim_k, kv.head_dim_v);
+        for (i, il) in self.layers.clone().enumerate() {
+            for h in 0..kv.n_head_kv {
+                kv.k_rows_mut(il, h, self.pos.clone())
+                    .copy_from_slice(&self.k[i][h * n_pos * dk..(h + 1) * n_pos * dk]);
+                kv.v_rows_mut(il, h, self.pos.clone())
+                    .copy_from_slice(&self.v[i][h * n_pos * dv..(h + 1) * n_pos * dv]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serialises a block in the snapshot format (safetensors, header with the model fields and every tensor's
+/// checksum).
+pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: KvDtype) -> Result<Vec<u8>> {
+    if b.layers.is_empty() || b.pos.is_empty() || b.k.len() != b.layers.len() || b.v.len() != b.layers.len() {
+        bail!("empty or inconsistent KV block");
+    }
+    let mut meta: HashMap<String, String> = HashMap::new();
+    meta.insert("format".into(), FORMAT.into());
+    meta.insert("version".into(), VERSION.to_string());
+    for (k, v) in model_fields(hp, fingerprint) {
+        meta.insert(k.into(), v);
+    }
+    meta.insert("layer_start".into(), b.layers.start.to_string());
+    meta.insert("layer_end".into(), b.layers.end.to_string());
+    meta.insert("pos_start".into(), b.pos.start.to_string());
+    meta.insert("pos_end".into(), b.pos.end.to_string());
+    meta.insert("dtype".into(), dt.name().into());
+    if let Some(toks) = &b.tokens {
+        let ids: Vec<String> = toks.iter().map(|t| t.to_string()).collect();
+        meta.insert("tokens".into(), ids.join(","));
+    }
+
+    let n_pos = b.pos.len();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (i, il) in b.layers.clone().enumerate() {
+        for (name, hd, rows) in [("k", hp.head_dim_k, &b.k[i]), ("v", hp.head_dim_v, &b.v[i])] {
+            if rows.len() != hp.n_head_kv * n_pos * hd {
+                bail!(
+                    "KV block tensor {name}.{il} has {} values, expected {}",
+                    rows.len(),
+                    hp.n_head_kv * n_pos * hd
+                );
+            }
+            let (bytes, scales) = encode_rows(rows, hd, dt);
+            let st_dtype = match dt {
+                KvDtype::F32 => Dtype::F32,
+                KvDtype::F16 => Dtype::F16,
+                KvDtype::BF16 => Dtype::BF16,
+                KvDtype::Q8 => Dtype::I8,
+            };
+            tensors.push((format!("{name}.{il}"), st_dtype, vec![hp.n_head_kv, n_pos, hd], bytes));
+            if dt == KvDtype::Q8 {
+                let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                tensors.push((format!("{name}.{il}.scale"), Dtype::F32, vec![hp.n_head_kv, n_pos], sb));
+            }
+        }
+    }
+    for (name, _, _, bytes) in &tensors {
+        meta.insert(format!("checksum.{name}"), checksum(bytes));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, d, shape, b)| Ok((n.clone(), TensorView::new(*d, shape.clone(), b)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    Ok(safetensors::serialize(views, &Some(meta))?)
+}
+
 /// Serialises layers `layers` and positions `pos` of the session's cache.
 pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<Vec<u8>> {
     let kv = &s.kv;
@@ -156,60 +278,12 @@ pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDt
             s.n_past()
         );
     }
-    let hp = &s.model.hp;
-    let fp = s.model.fingerprint()?;
-    let mut meta: HashMap<String, String> = HashMap::new();
-    meta.insert("format".into(), FORMAT.into());
-    meta.insert("version".into(), VERSION.to_string());
-    for (k, v) in model_fields(hp, fp) {
-        meta.insert(k.into(), v);
-    }
-    meta.insert("layer_start".into(), layers.start.to_string());
-    meta.insert("layer_end".into(), layers.end.to_string());
-    meta.insert("pos_start".into(), pos.start.to_string());
-    meta.insert("pos_end".into(), pos.end.to_string());
-    meta.insert("dtype".into(), dt.name().into());
+    let mut block = KvBlock::from_cache(kv, layers, pos.clone());
     let toks = s.tokens();
     if toks.len() >= pos.end {
-        let ids: Vec<String> = toks[pos.clone()].iter().map(|t| t.to_string()).collect();
-        meta.insert("tokens".into(), ids.join(","));
+        block.tokens = Some(toks[pos].to_vec());
     }
-
-    let n_pos = pos.len();
-    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for il in layers.clone() {
-        for (name, hd) in [("k", kv.head_dim_k), ("v", kv.head_dim_v)] {
-            let mut rows = Vec::with_capacity(kv.n_head_kv * n_pos * hd);
-            for h in 0..kv.n_head_kv {
-                let src = if name == "k" {
-                    kv.k_rows(il, h, pos.clone())
-                } else {
-                    kv.v_rows(il, h, pos.clone())
-                };
-                rows.extend_from_slice(src);
-            }
-            let (bytes, scales) = encode_rows(&rows, hd, dt);
-            let st_dtype = match dt {
-                KvDtype::F32 => Dtype::F32,
-                KvDtype::F16 => Dtype::F16,
-                KvDtype::BF16 => Dtype::BF16,
-                KvDtype::Q8 => Dtype::I8,
-            };
-            tensors.push((format!("{name}.{il}"), st_dtype, vec![kv.n_head_kv, n_pos, hd], bytes));
-            if dt == KvDtype::Q8 {
-                let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-                tensors.push((format!("{name}.{il}.scale"), Dtype::F32, vec![kv.n_head_kv, n_pos], sb));
-            }
-        }
-    }
-    for (name, _, _, bytes) in &tensors {
-        meta.insert(format!("checksum.{name}"), checksum(bytes));
-    }
-    let views = tensors
-        .iter()
-        .map(|(n, d, shape, b)| Ok((n.clone(), TensorView::new(*d, shape.clone(), b)?)))
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    Ok(safetensors::serialize(views, &Some(meta))?)
+    encode_block(&s.model.hp, s.model.fingerprint()?, &block, dt)
 }
 
 pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<()> {
@@ -226,10 +300,10 @@ pub struct SnapshotInfo {
     pub tokens: Option<Vec<u32>>,
 }
 
-/// Restores a snapshot into the session: every header field must match the session's model and layer range, its
-/// positions must start at or before the session's `n_past()` (the rest of the session is rewound to its end), and
-/// every checksum must hold. Nothing in the session changes unless all checks pass.
-pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
+/// Parses a snapshot-format buffer: every header field must match the model (`hp`, `fingerprint`), every tensor its
+/// shape and checksum; positions must end within `n_ctx`. Returns the decoded block and its element type. Nothing is
+/// trusted before every check passed.
+pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8]) -> Result<(KvBlock, KvDtype)> {
     let (_, header) = SafeTensors::read_metadata(bytes).context("not a safetensors KV snapshot")?;
     let meta = header.metadata().clone().unwrap_or_default();
     let get = |k: &str| {
@@ -249,50 +323,52 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
     if version > VERSION {
         bail!("snapshot format version {version} is newer than this Baton reads ({VERSION}); upgrade Baton");
     }
-    let hp = s.model.hp.clone();
-    let fp = s.model.fingerprint()?.to_string();
-    for (k, mine) in model_fields(&hp, &fp) {
+    for (k, mine) in model_fields(hp, fingerprint) {
         let theirs = get(k)?;
         if theirs != mine {
             bail!("snapshot is from another model: {k} is {theirs} in the snapshot, {mine} in this session's model");
         }
     }
     let layers = num("layer_start")?..num("layer_end")?;
-    if layers != s.kv.layers {
+    if layers.is_empty() || layers.end > hp.n_layer {
         bail!(
-            "snapshot holds layers {}..{}, this session holds {}..{}",
-            layers.start,
-            layers.end,
-            s.kv.layers.start,
-            s.kv.layers.end
+            "snapshot layers {layers:?} are outside the model's {} layers",
+            hp.n_layer
         );
     }
     let pos = num("pos_start")?..num("pos_end")?;
-    if pos.start > s.n_past() || pos.end > s.n_ctx() || pos.is_empty() {
+    if pos.is_empty() || pos.end > n_ctx {
         bail!(
-            "snapshot positions {}..{} cannot follow the session's {} positions (context {})",
+            "snapshot positions {}..{} do not fit a context of {n_ctx}",
             pos.start,
-            pos.end,
-            s.n_past(),
-            s.n_ctx()
+            pos.end
         );
     }
     let dt = KvDtype::parse(get("dtype")?)?;
     let tokens = match meta.get("tokens") {
-        Some(t) if !t.is_empty() => Some(
-            t.split(',')
+        Some(t) if !t.is_empty() => {
+            let t = t
+                .split(',')
                 .map(|x| x.parse::<u32>())
                 .collect::<Result<Vec<_>, _>>()
-                .context("bad token list in snapshot")?,
-        ),
+                .context("bad token list in snapshot")?;
+            if t.len() != pos.len() {
+                bail!("snapshot token list has {} ids for {} positions", t.len(), pos.len());
+            }
+            Some(t)
+        }
         _ => None,
     };
     let st = SafeTensors::deserialize(bytes).context("corrupt snapshot")?;
     let n_pos = pos.len();
-
-    // Decode and check everything before touching the cache.
-    let mut decoded: Vec<(usize, bool, Vec<f32>)> = Vec::new();
-    for il in layers.clone() {
+    let mut block = KvBlock {
+        layers: layers.clone(),
+        pos,
+        k: Vec::new(),
+        v: Vec::new(),
+        tokens,
+    };
+    for il in layers {
         for (name, hd) in [("k", hp.head_dim_k), ("v", hp.head_dim_v)] {
             let tname = format!("{name}.{il}");
             let t = st
@@ -306,7 +382,7 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
                 );
             }
             if checksum(t.data()) != get(&format!("checksum.{tname}"))? {
-                bail!("snapshot tensor {tname} fails its checksum: the file is corrupt");
+                bail!("snapshot tensor {tname} fails its checksum: the data is corrupt");
             }
             let scales: Vec<f32> = if dt == KvDtype::Q8 {
                 let sname = format!("{tname}.scale");
@@ -314,7 +390,7 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
                     .tensor(&sname)
                     .with_context(|| format!("snapshot lacks tensor {sname}"))?;
                 if checksum(st_.data()) != get(&format!("checksum.{sname}"))? {
-                    bail!("snapshot tensor {sname} fails its checksum: the file is corrupt");
+                    bail!("snapshot tensor {sname} fails its checksum: the data is corrupt");
                 }
                 st_.data()
                     .chunks_exact(4)
@@ -325,26 +401,47 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
             };
             let mut rows = vec![0.0f32; hp.n_head_kv * n_pos * hd];
             decode_rows(t.data(), &scales, hd, dt, &mut rows).with_context(|| format!("snapshot tensor {tname}"))?;
-            decoded.push((il, name == "k", rows));
-        }
-    }
-
-    s.rewind(pos.start);
-    for (il, is_k, rows) in decoded {
-        let hd = if is_k { hp.head_dim_k } else { hp.head_dim_v };
-        for h in 0..hp.n_head_kv {
-            let src = &rows[h * n_pos * hd..(h + 1) * n_pos * hd];
-            let dst = if is_k {
-                s.kv.k_rows_mut(il, h, pos.clone())
+            if name == "k" {
+                block.k.push(rows);
             } else {
-                s.kv.v_rows_mut(il, h, pos.clone())
-            };
-            dst.copy_from_slice(src);
+                block.v.push(rows);
+            }
         }
     }
+    Ok((block, dt))
+}
+
+/// Restores a snapshot into the session: every header field must match the session's model and layer range, its
+/// positions must start at or before the session's `n_past()` (the rest of the session is rewound to its end), and
+/// every checksum must hold. Nothing in the session changes unless all checks pass.
+pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
+    let hp = s.model.hp.clone();
+    let fp = s.model.fingerprint()?.to_string();
+    let (block, dt) = decode_block(&hp, &fp, s.n_ctx(), bytes)?;
+    let (layers, pos) = (block.layers.clone(), block.pos.clone());
+    if layers != s.kv.layers {
+        bail!(
+            "snapshot holds layers {}..{}, this session holds {}..{}",
+            layers.start,
+            layers.end,
+            s.kv.layers.start,
+            s.kv.layers.end
+        );
+    }
+    if pos.start > s.n_past() {
+        bail!(
+            "snapshot positions {}..{} cannot follow the session's {} positions (context {})",
+            pos.start,
+            pos.end,
+            s.n_past(),
+            s.n_ctx()
+        );
+    }
+    s.rewind(pos.start);
+    block.write_into(&mut s.kv)?;
     s.kv.set_n_pos(pos.end);
     let mut toks = s.tokens()[..s.tokens().len().min(pos.start)].to_vec();
-    match &tokens {
+    match &block.tokens {
         Some(t) if toks.len() == pos.start => {
             toks.extend_from_slice(t);
             s.set_tokens(&toks);
@@ -355,7 +452,7 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
         layers,
         pos,
         dtype: dt,
-        tokens,
+        tokens: block.tokens,
     })
 }
 
