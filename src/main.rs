@@ -33,7 +33,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate text from a prompt.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print a model's architecture, hyperparameters, tensors, tokenizer and chat template.
     Info {
         /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
@@ -392,7 +392,7 @@ struct BenchArgs {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Run(a) => cmd_run(a),
+        Cmd::Run(a) => cmd_run(*a),
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
         Cmd::Tokenize { model, file, pieces } => cmd_tokenize(&model, &file, pieces),
         Cmd::Perplexity(a) => cmd_perplexity(a),
