@@ -163,11 +163,21 @@ pub fn measure_bandwidth(pool: &ThreadPool) -> f64 {
 
 /// Peak resident set size of this process in bytes (Linux; 0 elsewhere).
 pub fn peak_rss() -> u64 {
+    status_kb("VmHWM:")
+}
+
+/// Resident set size now, in bytes. `baton bench` samples it after each figure: its peak RSS would include the
+/// bandwidth probe's 256 MiB buffer, which is freed before the tests run.
+pub fn current_rss() -> u64 {
+    status_kb("VmRSS:")
+}
+
+fn status_kb(field: &str) -> u64 {
     let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
         return 0;
     };
     s.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
 }
@@ -314,6 +324,7 @@ mod tests {
     #[test]
     fn rss_and_bandwidth_are_measured() {
         assert!(peak_rss() > 0);
+        assert!(current_rss() > 0 && current_rss() <= peak_rss());
         let bw = measure_bandwidth(&ThreadPool::new(2));
         assert!(bw > 1e8, "bandwidth {bw}");
     }

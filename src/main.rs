@@ -837,7 +837,10 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let json = a.json;
+    let mut rss = 0u64;
+    let file_bytes = std::fs::metadata(&model.file.path).map_or(0, |m| m.len());
     baton::bench::run(model, pool, &name, &cfg, compare, |f, other| {
+        rss = rss.max(baton::bench::current_rss());
         let bound = if f.test.starts_with("tg") {
             format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
         } else {
@@ -868,7 +871,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             );
         }
     })?;
-    eprintln!("peak RSS: {:.1} MiB", baton::bench::peak_rss() as f64 / 1048576.0);
+    eprintln!(
+        "RSS during the tests: {:.1} MiB (model file {:.1} MiB; the process peak {:.1} MiB includes the 256 MiB \
+         bandwidth probe)",
+        rss as f64 / 1048576.0,
+        file_bytes as f64 / 1048576.0,
+        baton::bench::peak_rss() as f64 / 1048576.0
+    );
     Ok(())
 }
 
