@@ -175,6 +175,17 @@ impl TextModel {
             .map_or_else(|| self.path.display().to_string(), |f| f.to_string_lossy().into_owned())
     }
 
+    /// Samples the next token from `logits` and, when `k > 0`, reports its log-probability and the `k` most likely
+    /// alternatives as text: the decode step every single-vocabulary generator shares.
+    pub fn pick(&self, sampler: &mut Sampler, logits: &[f32], k: usize) -> Next {
+        let id = sampler.sample(logits);
+        if k == 0 {
+            return (id, None, Vec::new());
+        }
+        let own = (logits[id as usize] as f64 - crate::kernels::ops::log_sum_exp(logits)) as f32;
+        (id, Some(own), self.top_text(&top_logprobs(logits, k)))
+    }
+
     /// The top alternatives as text.
     pub fn top_text(&self, top: &[(u32, f32)]) -> Vec<(String, f32)> {
         top.iter()
@@ -297,15 +308,7 @@ impl Generator for LocalGenerator {
         let k = params.top_logprobs;
         let text = &self.text;
         let session = &mut self.session;
-        let pick = |sampler: &mut Sampler, logits: &[f32]| -> Next {
-            let id = sampler.sample(logits);
-            if k == 0 {
-                return (id, None, Vec::new());
-            }
-            let lp = top_logprobs(logits, logits.len());
-            let own = lp.iter().find(|e| e.0 == id).map(|e| e.1);
-            (id, own, text.top_text(&lp[..k.min(lp.len())]))
-        };
+        let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, k);
         let first = {
             let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
             pick(&mut sampler, logits)

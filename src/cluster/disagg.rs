@@ -2,9 +2,9 @@
 //! holds the full KV afterwards and decodes alone. `--offload auto` picks `k` per request from measured speeds.
 
 use super::handoff::{HandoffReport, NodeOpts, PrefillNode, prefill_with_fallback};
-use crate::engine::sampler::{Sampler, top_logprobs};
+use crate::engine::sampler::Sampler;
 use crate::engine::{Input, Session, Want};
-use crate::generate::{GenParams, Generator, Next, Outcome, Piece, Prompt, TextModel, check_fits, decode_loop};
+use crate::generate::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, check_fits, decode_loop};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use anyhow::{Context, Result, bail};
@@ -283,15 +283,7 @@ impl Generator for DisaggGenerator {
         learn(&mut self.speeds, &rep);
         let top_k = params.top_logprobs;
         let text = &self.text;
-        let pick = |sampler: &mut Sampler, logits: &[f32]| -> Next {
-            let id = sampler.sample(logits);
-            if top_k == 0 {
-                return (id, None, Vec::new());
-            }
-            let lp = top_logprobs(logits, logits.len());
-            let own = lp.iter().find(|e| e.0 == id).map(|e| e.1);
-            (id, own, text.top_text(&lp[..top_k.min(lp.len())]))
-        };
+        let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, top_k);
         let ts = Instant::now();
         let first = pick(&mut sampler, &logits);
         let t_sample = ts.elapsed();
