@@ -1083,6 +1083,7 @@ mod ensemble_cli {
             degrade,
             member,
             verbose: true,
+            retry_dropped: baton::ensemble::RETRY_DROPPED,
         };
         Ok(Box::new(Ensemble::open(&opts)?))
     }
@@ -1099,6 +1100,7 @@ mod ensemble_cli {
                 ..Default::default()
             },
             verbose: false,
+            retry_dropped: baton::ensemble::RETRY_DROPPED,
         };
         Ensemble::open(&opts)
     }

@@ -27,6 +27,7 @@ fn ensemble(spec: &str, combine: Combine, degrade: bool) -> Ensemble {
             ..Default::default()
         },
         verbose: false,
+        retry_dropped: Duration::ZERO,
     };
     Ensemble::open(&opts).unwrap()
 }
@@ -225,6 +226,46 @@ fn killed_member_with_degrade_leaves_the_rest_going() {
     );
     assert!(err.contains("stop: length"), "stderr: {err}");
     assert!(out.len() > 40, "{out:?}");
+}
+
+/// Under `--ensemble-degrade` a member whose node died is dropped, and a later request tries it again: once the
+/// node is back, the member rejoins (what a long-running server needs).
+#[test]
+fn dropped_member_rejoins_when_its_node_is_back() {
+    let mut node = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &[]);
+    let addr = node.addr.clone();
+    let mut e = ensemble(&format!("smollm2@local,smollm2@{addr}"), Combine::Union, true);
+    let want = local_greedy(PROMPTS[0], 8);
+    assert_eq!(run(&mut e, PROMPTS[0], 8).0, want);
+
+    node.kill();
+    let (got, o) = run(&mut e, PROMPTS[0], 8);
+    assert_eq!(got, want, "the local member alone is the same model");
+    assert!(
+        o.detail
+            .iter()
+            .any(|l| l.contains("failed") && l.contains("continuing with smollm2@local")),
+        "{:?}",
+        o.detail
+    );
+    assert!(e.describe().contains("(dropped)"), "{}", e.describe());
+
+    let _back = NodeProc::spawn(&smollm2(), &addr, &[]);
+    let before = e.members[1].wire_requests();
+    let (got, o) = run(&mut e, PROMPTS[0], 8);
+    assert_eq!(got, want);
+    assert!(
+        o.detail
+            .iter()
+            .any(|l| l.contains("trying member") && l.contains("again")),
+        "{:?}",
+        o.detail
+    );
+    assert!(!e.describe().contains("dropped"), "{}", e.describe());
+    assert!(
+        e.members[1].wire_requests() >= before + 8,
+        "the member did not take part again"
+    );
 }
 
 #[test]

@@ -13,7 +13,7 @@ use crate::engine::sampler::top_logprobs;
 use crate::generate::TextModel;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
-use crate::model::Model;
+use crate::model::{Model, ModelCache};
 use crate::vocab::Vocab;
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
@@ -84,6 +84,9 @@ pub struct MemberOpts {
     /// other members' candidates; anything beyond is bounded by the last one).
     pub remote_k: usize,
     pub pipeline: PipelineOpts,
+    /// Local members' models and thread pool, shared with other ensembles in this process (the server's slots);
+    /// `None` loads each member's model and pool for this ensemble alone.
+    pub models: Option<Arc<ModelCache>>,
 }
 
 impl Default for MemberOpts {
@@ -95,6 +98,7 @@ impl Default for MemberOpts {
             k: 10,
             remote_k: 64,
             pipeline: PipelineOpts::default(),
+            models: None,
         }
     }
 }
@@ -276,9 +280,14 @@ impl Member {
         let (by_bytes, byte_tok) = byte_tables(vocab);
         let backend = match &spec.place {
             Place::Local => {
-                let model = Arc::new(Model::from_file(file.clone(), None)?);
+                let (model, pool) = match &opts.models {
+                    Some(c) => (c.get(&path)?, c.pool().clone()),
+                    None => (
+                        Arc::new(Model::from_file(file.clone(), None)?),
+                        Arc::new(ThreadPool::new(opts.threads)),
+                    ),
+                };
                 let n_ctx = opts.n_ctx.min(model.hp.n_ctx_train.max(1));
-                let pool = Arc::new(ThreadPool::new(opts.threads));
                 Backend::Local(Box::new(Session::new(model, pool, n_ctx, opts.n_batch)?))
             }
             Place::Remote(addr) => {

@@ -22,7 +22,7 @@ use anyhow::{Result, bail};
 use combine::View;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Everything an ensemble needs to start.
 #[derive(Clone, Debug)]
@@ -34,11 +34,15 @@ pub struct EnsembleOpts {
     pub member: MemberOpts,
     /// Print member failures and degradations to standard error as they happen.
     pub verbose: bool,
+    /// How long a dropped member sits out before a request tries it again ([`RETRY_DROPPED`] by default).
+    pub retry_dropped: Duration,
 }
 
 pub struct Ensemble {
     pub members: Vec<Member>,
     alive: Vec<bool>,
+    /// When each dropped member failed: it gets another chance at the first request [`RETRY_DROPPED`] later.
+    dropped_at: Vec<Option<Instant>>,
     combine: Combine,
     /// One weight per member (normalised over the live ones at each step).
     weights: Vec<f64>,
@@ -46,7 +50,12 @@ pub struct Ensemble {
     verbose: bool,
     /// Lines about members dropped during the current request.
     notes: Vec<String>,
+    retry_after: Duration,
 }
+
+/// How long a member dropped under `--ensemble-degrade` sits out before a request tries it again (a remote member
+/// reconnects; one that is still down costs that request one connect timeout, then is dropped again).
+pub const RETRY_DROPPED: Duration = Duration::from_secs(10);
 
 /// Totals of one request, for `-v` and the docs.
 #[derive(Clone, Debug, Default)]
@@ -83,12 +92,14 @@ impl Ensemble {
         }
         Ok(Ensemble {
             alive: vec![true; members.len()],
+            dropped_at: vec![None; members.len()],
             members,
             combine: opts.combine.clone(),
             weights,
             degrade: opts.degrade,
             verbose: opts.verbose,
             notes: Vec::new(),
+            retry_after: opts.retry_dropped,
         })
     }
 
@@ -158,6 +169,7 @@ impl Ensemble {
                 return Err(e.context(format!("ensemble member {} failed{why}", self.members[i].name())));
             }
             self.alive[i] = false;
+            self.dropped_at[i] = Some(Instant::now());
             let names: Vec<&str> = self
                 .members
                 .iter()
@@ -176,6 +188,21 @@ impl Ensemble {
             self.notes.push(note);
         }
         Ok(out)
+    }
+
+    /// Gives members dropped at least `after` ago another chance (they rejoin for this request).
+    fn retry_dropped(&mut self, after: Duration) {
+        for i in 0..self.members.len() {
+            if self.dropped_at[i].is_some_and(|t| t.elapsed() >= after) {
+                self.alive[i] = true;
+                self.dropped_at[i] = None;
+                let note = format!("ensemble: trying member {} again", self.members[i].name());
+                if self.verbose {
+                    eprintln!("{note}");
+                }
+                self.notes.push(note);
+            }
+        }
     }
 
     /// The combination of the live members' current distributions.
@@ -232,6 +259,7 @@ impl Generator for Ensemble {
         for m in &mut self.members {
             m.stats = Default::default();
         }
+        self.retry_dropped(self.retry_after);
         let prompts = self.tokenize(prompt)?;
         for (m, p) in self.members.iter().zip(&prompts) {
             check_fits(p.len(), m.n_ctx())?;

@@ -5,12 +5,14 @@
 //! the range are never touched. Global layer indices are kept everywhere.
 
 pub mod blocks;
+pub mod cache;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
 pub mod quantize;
 pub mod random;
 
+pub use cache::ModelCache;
 pub use hparams::{Arch, Hparams, RopeType};
 
 use crate::gguf::GgufFile;

@@ -24,7 +24,7 @@ use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::engine::{Input, Session, Want};
 use crate::generate::{GenParams, Generator, Next, Outcome, Piece, Prompt, TextModel, check_fits, decode_loop};
 use crate::kernels::{ThreadPool, ops};
-use crate::model::Model;
+use crate::model::{Model, ModelCache};
 use adapt::Adapt;
 use anyhow::{Context, Result, bail};
 use rand::SeedableRng;
@@ -91,6 +91,8 @@ pub struct SpecOptions {
     pub secret: Option<Vec<u8>>,
     /// Longest wait for one remote draft step.
     pub draft_timeout: Duration,
+    /// Where a local draft's model comes from when it is shared with other generators (the server's slots).
+    pub models: Option<Arc<ModelCache>>,
 }
 
 impl Default for SpecOptions {
@@ -102,6 +104,7 @@ impl Default for SpecOptions {
             n_batch: 512,
             secret: None,
             draft_timeout: Duration::from_secs(2),
+            models: None,
         }
     }
 }
@@ -184,7 +187,10 @@ impl SpecGenerator {
         let draft_ctx = opts.n_ctx * 2;
         let draft = match &spec.addr {
             None => {
-                let m = Arc::new(Model::load(&path)?);
+                let m = match &opts.models {
+                    Some(c) => c.get(&path)?,
+                    None => Arc::new(Model::load(&path)?),
+                };
                 Draft::local(m, pool.clone(), draft_ctx, opts.n_batch)?
             }
             // A node caps the context it grants (`baton node -c`): ask for the target's.
