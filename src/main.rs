@@ -190,25 +190,8 @@ struct RunArgs {
     /// Shared secret for nodes that listen beyond loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
-    /// Ensemble of models combined per step: `smollm2@local,gemma3@HOST:PORT` (a remote member is a `baton node`
-    /// serving all its layers).
-    #[arg(long)]
-    ensemble: Option<String>,
-    /// How --ensemble combines its members: union (default), confident, or mix:W1,W2,...
-    #[arg(long, default_value = "union")]
-    combine: String,
-    /// With --ensemble: a member that fails is dropped and the others continue (said on standard error).
-    #[arg(long = "ensemble-degrade")]
-    ensemble_degrade: bool,
-    /// Speculative decoding: a draft model proposes tokens the target verifies in one pass. `MODEL` runs here,
-    /// `MODEL@HOST:PORT` on a `baton node` (the model file is read here for its tokenizer). Output is exactly the
-    /// target's; the vocabularies may differ.
-    #[arg(long)]
-    draft: Option<String>,
-    /// Draft tokens per round, or `auto` (adapts to the acceptance rate and the draft's cost; turns speculation off
-    /// where it does not pay).
-    #[arg(long = "draft-tokens", default_value = "auto")]
-    draft_tokens: String,
+    #[command(flatten)]
+    mix: MixArgs,
     /// Prefill prompts on this `baton node` (HOST:PORT); this process holds the full KV and decodes alone.
     #[arg(long = "prefill-node")]
     prefill_node: Option<String>,
@@ -279,6 +262,30 @@ struct NodeArgs {
     timeout: f64,
 }
 
+/// Several models behind one generator (`baton run` and `baton serve`): an ensemble, or a target with a draft.
+#[derive(Args, Clone)]
+struct MixArgs {
+    /// Ensemble of models combined per step: `smollm2@local,gemma3@HOST:PORT` (a remote member is a `baton node`
+    /// serving all its layers).
+    #[arg(long)]
+    ensemble: Option<String>,
+    /// How --ensemble combines its members: union (default), confident, or mix:W1,W2,...
+    #[arg(long, default_value = "union")]
+    combine: String,
+    /// With --ensemble: a member that fails is dropped and the others continue (said on standard error).
+    #[arg(long = "ensemble-degrade")]
+    ensemble_degrade: bool,
+    /// Speculative decoding: a draft model proposes tokens the target verifies in one pass. `MODEL` runs here,
+    /// `MODEL@HOST:PORT` on a `baton node` (the model file is read here for its tokenizer). Output is exactly the
+    /// target's; the vocabularies may differ.
+    #[arg(long)]
+    draft: Option<String>,
+    /// Draft tokens per round, or `auto` (adapts to the acceptance rate and the draft's cost; turns speculation off
+    /// where it does not pay).
+    #[arg(long = "draft-tokens", default_value = "auto")]
+    draft_tokens: String,
+}
+
 #[derive(Args)]
 struct ServeArgs {
     /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
@@ -321,6 +328,8 @@ struct ServeArgs {
     /// Seconds to wait on a node's answer before the request fails.
     #[arg(long = "node-timeout", default_value_t = 30.0)]
     node_timeout: f64,
+    #[command(flatten)]
+    mix: MixArgs,
 }
 
 #[derive(Args)]
@@ -535,8 +544,8 @@ fn sampler_params(a: &RunArgs) -> SamplerParams {
 /// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
 fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
     let c = &a.common;
-    if let Some(spec) = &a.ensemble {
-        if a.pipeline.is_some() || a.draft.is_some() {
+    if let Some(spec) = &a.mix.ensemble {
+        if a.pipeline.is_some() || a.mix.draft.is_some() {
             bail!("--ensemble cannot be combined with --pipeline or --draft");
         }
         let secret = a
@@ -546,8 +555,8 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
             .transpose()?;
         return ensemble_cli::open(
             spec,
-            &a.combine,
-            a.ensemble_degrade,
+            &a.mix.combine,
+            a.mix.ensemble_degrade,
             c.ctx_size,
             c.batch_size,
             c.threads.unwrap_or_else(default_threads),
@@ -556,7 +565,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         );
     }
     if let Some(spec) = &a.pipeline {
-        if a.draft.is_some() {
+        if a.mix.draft.is_some() {
             bail!("--draft runs the target on this machine; it cannot be combined with --pipeline yet");
         }
         use baton::cluster::{PipelineOpts, SamplingParams, WireDtype};
@@ -578,7 +587,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts)?));
     }
     let (model, _vocab, pool) = load(&c.model, c.threads)?;
-    if let Some(d) = &a.draft {
+    if let Some(d) = &a.mix.draft {
         if a.prefill_node.is_some() {
             bail!("--draft and --prefill-node cannot be combined yet");
         }
@@ -619,7 +628,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
 fn open_speculative(a: &RunArgs, draft: &str, model: Arc<Model>, pool: Arc<ThreadPool>) -> Result<Box<dyn Generator>> {
     use baton::speculative::{DraftSpec, SpecGenerator, SpecOptions, parse_draft_tokens};
     let opts = SpecOptions {
-        draft_tokens: parse_draft_tokens(&a.draft_tokens)?,
+        draft_tokens: parse_draft_tokens(&a.mix.draft_tokens)?,
         n_ctx: a.common.ctx_size,
         n_batch: a.common.batch_size,
         secret: a
@@ -989,6 +998,11 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         wire_bits: a.wire_bits,
         secret_file: a.secret_file,
         node_timeout: std::time::Duration::from_secs_f64(a.node_timeout),
+        ensemble: a.mix.ensemble,
+        combine: a.mix.combine,
+        ensemble_degrade: a.mix.ensemble_degrade,
+        draft: a.mix.draft,
+        draft_tokens: a.mix.draft_tokens,
         ..Default::default()
     })
 }

@@ -810,3 +810,48 @@ print("ok")
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--ensemble` serves several models as one (listed in `/v1/models` under its members' names) and `--draft` puts a
+/// draft model behind the local one; a self-ensemble and a same-model draft must answer greedily exactly as the
+/// plain server does.
+#[test]
+fn ensemble_and_draft_serve_the_plain_greedy_answer() {
+    let body = json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let plain = Server::start(&[]);
+    let (code, want) = plain.post("/v1/completions", &body);
+    assert_eq!(code, 200, "{want}");
+    let want = want["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!want.is_empty());
+    drop(plain);
+
+    let ens = Server::start(&["--ensemble", "smollm2@local,smollm2@local", "--parallel", "2"]);
+    let (_, models) = ens.get("/v1/models");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "smollm2+smollm2", "{models}");
+    let mut body_e = body.clone();
+    body_e["model"] = json!("smollm2+smollm2");
+    let (code, got) = ens.post("/v1/completions", &body_e);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["choices"][0]["text"], want.as_str(), "{got}");
+    body_e["model"] = json!("smollm2");
+    let (code, err) = ens.post("/v1/completions", &body_e);
+    assert_eq!(code, 404, "the ensemble is not smollm2 alone: {err}");
+    assert!(
+        ens.log
+            .lock()
+            .unwrap()
+            .contains("ensemble smollm2@local + smollm2@local")
+    );
+    drop(ens);
+
+    let spec = Server::start(&["--draft", "smollm2", "--draft-tokens", "3"]);
+    let (code, got) = spec.post("/v1/completions", &body);
+    assert_eq!(code, 200, "{got}");
+    assert_eq!(got["choices"][0]["text"], want.as_str(), "{got}");
+
+    // A draft that cannot be opened fails the start with a clear message.
+    let e = Server::try_start(&["--draft", "/nonexistent.gguf"])
+        .err()
+        .expect("a missing draft must fail");
+    assert!(e.contains("cannot open the draft") || e.contains("nonexistent"), "{e}");
+}

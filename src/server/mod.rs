@@ -11,6 +11,7 @@
 
 pub mod cluster_file;
 pub mod metrics;
+pub mod mix;
 pub mod openai;
 pub mod queue;
 pub mod router;
@@ -54,6 +55,13 @@ pub struct ServeConfig {
     pub node_timeout: Duration,
     /// Period of the nodes' health checks.
     pub health_every: Duration,
+    /// An ensemble served as one model (`smollm2@local,gemma3@HOST:PORT`), combined by `combine`.
+    pub ensemble: Option<String>,
+    pub combine: String,
+    pub ensemble_degrade: bool,
+    /// A draft model for speculative decoding of the local model (`MODEL` or `MODEL@HOST:PORT`).
+    pub draft: Option<String>,
+    pub draft_tokens: String,
 }
 
 impl Default for ServeConfig {
@@ -74,6 +82,11 @@ impl Default for ServeConfig {
             secret_file: None,
             node_timeout: Duration::from_secs(30),
             health_every: Duration::from_secs(1),
+            ensemble: None,
+            combine: "union".into(),
+            ensemble_degrade: false,
+            draft: None,
+            draft_tokens: "auto".into(),
         }
     }
 }
@@ -91,14 +104,25 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         bail!("--parallel must be at least 1");
     }
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
-    let model_arg = file
-        .as_ref()
-        .and_then(|f| f.model.clone())
-        .unwrap_or_else(|| cfg.model.clone());
-    let path = crate::fetch::resolve(&model_arg)?;
-    let (model_id, aliases) = model_ids(&cfg, &model_arg, &path);
     let metrics = Arc::new(Metrics::default());
-    let (nodes, describe) = build_nodes(&cfg, file.as_ref(), &path, &metrics)?;
+    let (model_id, aliases, nodes, describe) = if let Some(spec) = &cfg.ensemble {
+        if file.is_some() || cfg.pipeline.is_some() || cfg.draft.is_some() {
+            bail!("--ensemble cannot be combined with --cluster, --pipeline or --draft");
+        }
+        let opts = pipeline_opts(&cfg, &cfg.wire_bits, cfg.secret_file.as_deref())?;
+        let (node, describe) = mix::ensemble_slots(&cfg, spec, opts, mix::cache(&cfg))?;
+        let id = cfg.served_name.clone().unwrap_or(mix::ensemble_id(spec)?);
+        (id, vec!["ensemble".to_string(), spec.clone()], vec![node], describe)
+    } else {
+        let model_arg = file
+            .as_ref()
+            .and_then(|f| f.model.clone())
+            .unwrap_or_else(|| cfg.model.clone());
+        let path = crate::fetch::resolve(&model_arg)?;
+        let (model_id, aliases) = model_ids(&cfg, &model_arg, &path);
+        let (nodes, describe) = build_nodes(&cfg, file.as_ref(), &path, &metrics)?;
+        (model_id, aliases, nodes, describe)
+    };
     let sched = Scheduler::start(nodes, cfg.queue, metrics.clone());
     sched.clone().health_loop(cfg.health_every);
 
@@ -195,6 +219,14 @@ fn build_nodes(
     let name = path
         .file_name()
         .map_or(String::new(), |f| f.to_string_lossy().into_owned());
+    if let Some(draft) = &cfg.draft {
+        if topology.is_some() {
+            bail!("--draft runs the target in this process; it cannot be combined with --cluster or --pipeline");
+        }
+        let secret = secret.as_deref().map(crate::cluster::auth::load_secret).transpose()?;
+        let (node, describe) = mix::draft_slots(cfg, path, draft, secret, mix::cache(cfg))?;
+        return Ok((vec![node], format!("{name}, {describe}")));
+    }
     match topology {
         None => {
             let model = Arc::new(Model::load(path)?);
