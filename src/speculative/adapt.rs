@@ -6,11 +6,18 @@
 //! (the accepted ones plus the target's own). The chosen `k` maximises `E(k) / (k · t_draft + t_verify(k))`; `k = 0`
 //! is the target alone (`1 / t_1`). When off, a 2-token probe round runs after [`PROBE_EVERY`] tokens (the interval
 //! doubling while the probes keep failing) so a change in acceptance (a new topic, a faster link) is noticed.
+//!
+//! `t_1` anchors every estimate, so it is measured with care: `auto` runs its first two steps plain and keeps the
+//! faster (the very first decode step after a prefill runs on cold caches), and while speculating it runs one plain
+//! step every [`REMEASURE_EVERY`] rounds. Without that, an inflated first `t_1` made every verify look cheap
+//! (`δ = (t_verify - t_1) / m` came out near zero) and `auto` kept drafting at 0.63× the target's speed.
 
 /// Tokens generated with speculation off before the first probe round; the interval doubles while probes keep
 /// finding that the draft does not pay, up to [`PROBE_MAX`].
 pub const PROBE_EVERY: usize = 32;
 pub const PROBE_MAX: usize = 512;
+/// While speculating, one plain target step per this many rounds keeps `t_1` current.
+pub const REMEASURE_EVERY: usize = 8;
 /// Weight of a new measurement in the running averages.
 const EMA: f64 = 0.25;
 
@@ -33,6 +40,9 @@ pub struct Adapt {
     tokens_done: usize,
     off_since: Option<usize>,
     probe_every: usize,
+    /// Plain steps measured so far, and speculative rounds since the last one.
+    plain_steps: usize,
+    since_plain: usize,
 }
 
 impl Adapt {
@@ -50,6 +60,8 @@ impl Adapt {
             tokens_done: 0,
             off_since: None,
             probe_every: PROBE_EVERY,
+            plain_steps: 0,
+            since_plain: 0,
         }
     }
 
@@ -83,6 +95,8 @@ impl Adapt {
             // The first decode step runs alone: it measures the target's single-position cost.
             _ if self.t_one.is_none() => 0,
             Some(k) => k,
+            // A second plain step: the first one ran on cold caches.
+            None if self.plain_steps < 2 => 0,
             // Then a short first try measures the draft.
             None if self.t_draft.is_none() => self.k_max.min(2),
             None => {
@@ -92,6 +106,9 @@ impl Adapt {
                 if best > 0 {
                     self.off_since = None;
                     self.probe_every = PROBE_EVERY;
+                    if self.since_plain >= REMEASURE_EVERY {
+                        return 0;
+                    }
                     return best;
                 }
                 let since = *self.off_since.get_or_insert(self.tokens_done);
@@ -113,9 +130,18 @@ impl Adapt {
         self.tokens_done += accepted + 1;
         let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + EMA * (new - o)));
         if m == 0 {
-            self.t_one = ema(self.t_one, verify_s);
-        } else if let Some(t1) = self.t_one {
-            self.t_extra = ema(self.t_extra, ((verify_s - t1) / m as f64).max(0.0));
+            self.plain_steps += 1;
+            self.since_plain = 0;
+            self.t_one = match self.t_one {
+                // The second plain step replaces a slower (cold) first one.
+                Some(t) if self.plain_steps == 2 => Some(t.min(verify_s)),
+                old => ema(old, verify_s),
+            };
+        } else {
+            self.since_plain += 1;
+            if let Some(t1) = self.t_one {
+                self.t_extra = ema(self.t_extra, ((verify_s - t1) / m as f64).max(0.0));
+            }
         }
         if k > 0 {
             self.t_draft = ema(self.t_draft, draft_s / k as f64);
@@ -158,7 +184,12 @@ mod tests {
         let ks = run(&mut a, 0.9, 0.002, 0.02, 0.001, 60);
         assert_eq!(ks[0], 0, "first step measures the target");
         let tail = &ks[40..];
-        assert!(tail.iter().all(|&k| k >= 4), "{ks:?}");
+        // Drafting rounds are long; the zeros are the periodic plain steps that re-measure `t_1`.
+        assert!(tail.iter().all(|&k| k >= 4 || k == 0), "{ks:?}");
+        assert!(
+            tail.iter().filter(|&&k| k == 0).count() <= tail.len() / REMEASURE_EVERY + 1,
+            "{ks:?}"
+        );
         assert!(a.rate(*tail.last().unwrap()).unwrap() > 2.0 * a.rate(0).unwrap());
     }
 
@@ -175,6 +206,45 @@ mod tests {
         let ks = run(&mut a, 0.7, 0.02, 0.02, 0.002, 200);
         let off = ks[20..].iter().filter(|&&k| k == 0).count();
         assert!(off as f64 > 0.8 * 180.0, "{ks:?}");
+    }
+
+    /// The case `auto` used to misjudge (a Q4_1 draft for a Q8_0 target of the same network): verifying is nearly
+    /// linear in positions and the first plain step ran 3× slow. Drafting loses here; `auto` must settle at off.
+    #[test]
+    fn a_slow_first_step_does_not_make_a_losing_draft_look_good() {
+        let mut a = Adapt::new(None, 8);
+        let (t1, td, extra) = (0.105, 0.05, 0.09);
+        let mut ks = Vec::new();
+        let mut seed = 7u64;
+        for round in 0..300 {
+            let k = a.next_k();
+            ks.push(k);
+            let mut acc = 0;
+            while acc < k {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                if ((seed >> 33) as f64 / (1u64 << 31) as f64) < 0.825 {
+                    acc += 1;
+                } else {
+                    break;
+                }
+            }
+            let cold = if round == 0 { 3.0 } else { 1.0 };
+            a.record(k, k, acc, k as f64 * td, cold * t1 + k as f64 * extra);
+        }
+        let on = ks[40..].iter().filter(|&&k| k > 0).count();
+        assert!(on < 30, "{on} of 260 rounds drafted: {ks:?}");
+        assert!(a.rate(0).unwrap() >= a.rate(4).unwrap());
+    }
+
+    #[test]
+    fn speculating_re_measures_the_plain_step() {
+        let mut a = Adapt::new(None, 8);
+        let ks = run(&mut a, 0.9, 0.002, 0.02, 0.001, 100);
+        let plain = ks[20..].iter().filter(|&&k| k == 0).count();
+        assert!(
+            (80 / (REMEASURE_EVERY + 1)..=80 / REMEASURE_EVERY + 1).contains(&plain),
+            "{ks:?}"
+        );
     }
 
     #[test]
