@@ -2,6 +2,7 @@
 //! between requests, stops when asked, reports log-probabilities, refuses prompts beyond the context.
 
 mod common;
+use common::collect;
 
 use baton::engine::sampler::SamplerParams;
 use baton::engine::{Input, Session, Want};
@@ -23,18 +24,6 @@ fn greedy(n: usize) -> GenParams {
         sampler: SamplerParams::greedy(),
         top_logprobs: 0,
     }
-}
-
-fn collect(g: &mut dyn Generator, prompt: &Prompt, p: &GenParams) -> (Vec<u32>, String, baton::generate::Outcome) {
-    let (mut ids, mut text) = (Vec::new(), String::new());
-    let o = g
-        .generate(prompt, p, &mut |piece| {
-            ids.extend(piece.token);
-            text.push_str(&piece.text);
-            true
-        })
-        .unwrap();
-    (ids, text, o)
 }
 
 #[test]

@@ -196,13 +196,12 @@ fn pipeline_over_a_shaped_link_matches_local() {
 #[test]
 #[ignore]
 fn bench_shaped_link() {
-    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-    let (pp, tg, t) = (env("BENCH_PP", 512), env("BENCH_TG", 128), env("BENCH_THREADS", 1));
-    let chunks: Vec<usize> = std::env::var("BENCH_CHUNKS")
-        .unwrap_or("128,512".into())
-        .split(',')
-        .map(|c| c.parse().unwrap())
-        .collect();
+    let BenchEnv {
+        pp,
+        tg,
+        threads: t,
+        chunks,
+    } = BenchEnv::from_env();
     let model = smollm2();
     let prompt = prompt(pp);
     let (lpp, ltg) = bench_local(&model, t, &prompt, tg);

@@ -383,13 +383,12 @@ fn stalled_stage_times_out_then_continues() {
 #[test]
 #[ignore]
 fn bench_loopback() {
-    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-    let (pp, tg, t) = (env("BENCH_PP", 512), env("BENCH_TG", 128), env("BENCH_THREADS", 1));
-    let chunks: Vec<usize> = std::env::var("BENCH_CHUNKS")
-        .unwrap_or("128,512".into())
-        .split(',')
-        .map(|c| c.parse().unwrap())
-        .collect();
+    let BenchEnv {
+        pp,
+        tg,
+        threads: t,
+        chunks,
+    } = BenchEnv::from_env();
     let model = smollm2();
     let prompt = prompt(pp);
     let ts = t.to_string();

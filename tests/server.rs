@@ -4,13 +4,12 @@
 
 mod cluster_util;
 
-use cluster_util::{NodeProc, smollm2};
+use cluster_util::{NodeProc, smollm2, spawn_listening};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A `baton serve` child process, killed on drop.
@@ -27,46 +26,11 @@ impl Server {
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().expect("spawn baton serve");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some((_, rest)) = line.split_once("listening on http://") {
-                    let _ = tx.send(rest.trim().to_string());
-                }
-                let mut l = log2.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        let t0 = Instant::now();
-        loop {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(addr) => return Ok(Server { child, addr, log }),
-                Err(_) => {
-                    if let Ok(Some(_)) = child.try_wait() {
-                        std::thread::sleep(Duration::from_millis(100));
-                        return Err(log.lock().unwrap().clone());
-                    }
-                    if t0.elapsed() > Duration::from_secs(60) {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        return Err(format!("no listen line within 60 s:\n{}", log.lock().unwrap()));
-                    }
-                }
-            }
-        }
+        let (child, addr, log) = spawn_listening(cmd, |line| {
+            line.split_once("listening on http://")
+                .map(|(_, rest)| rest.trim().to_string())
+        })?;
+        Ok(Server { child, addr, log })
     }
 
     fn start(args: &[&str]) -> Server {

@@ -6,7 +6,7 @@ mod cluster_util;
 
 use baton::engine::sampler::{Sampler, SamplerParams};
 use baton::engine::{Input, Session, Want};
-use baton::generate::{GenParams, Generator, LocalGenerator, Outcome, Prompt};
+use baton::generate::{GenParams, Generator, LocalGenerator, Prompt};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
 use baton::model::random::{RandomSpec, write_random_model};
@@ -31,18 +31,6 @@ fn params(n: usize, sampler: SamplerParams) -> GenParams {
         sampler,
         top_logprobs: 0,
     }
-}
-
-fn collect(g: &mut dyn Generator, prompt: &Prompt, p: &GenParams) -> (Vec<u32>, String, Outcome) {
-    let (mut ids, mut text) = (Vec::new(), String::new());
-    let o = g
-        .generate(prompt, p, &mut |piece| {
-            ids.extend(piece.token);
-            text.push_str(&piece.text);
-            true
-        })
-        .unwrap();
-    (ids, text, o)
 }
 
 fn opts(k: Option<usize>) -> SpecOptions {

@@ -12,15 +12,43 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-/// The real SmolLM2 model (override with BATON_TEST_MODEL).
+#[path = "../common/mod.rs"]
+mod common;
+pub use common::*;
+
+/// The real SmolLM2 model, fetched on first use (override with BATON_TEST_MODEL).
 pub fn smollm2() -> PathBuf {
     std::env::var_os("BATON_TEST_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/root/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .unwrap_or_else(|| model("smollm2"))
 }
 
 pub fn gemma3() -> PathBuf {
-    PathBuf::from("/root/.cache/baton/models/gemma-3-270m-q4_k_m.gguf")
+    model("gemma3")
+}
+
+/// The shape of an ignored benchmark test, from BENCH_PP, BENCH_TG, BENCH_THREADS and BENCH_CHUNKS.
+pub struct BenchEnv {
+    pub pp: usize,
+    pub tg: usize,
+    pub threads: usize,
+    pub chunks: Vec<usize>,
+}
+
+impl BenchEnv {
+    pub fn from_env() -> BenchEnv {
+        let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+        BenchEnv {
+            pp: env("BENCH_PP", 512),
+            tg: env("BENCH_TG", 128),
+            threads: env("BENCH_THREADS", 1),
+            chunks: std::env::var("BENCH_CHUNKS")
+                .unwrap_or("128,512".into())
+                .split(',')
+                .map(|c| c.parse().expect("BENCH_CHUNKS: comma-separated numbers"))
+                .collect(),
+        }
+    }
 }
 
 pub fn node_bin() -> PathBuf {
@@ -34,6 +62,56 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Starts `cmd` (killed if the test process dies), gathers its standard error, and waits at most 60 s for the line
+/// from which `listening` takes the address it listens on. `Err(log)` when it exits or stays silent first.
+pub fn spawn_listening(
+    mut cmd: Command,
+    listening: impl Fn(&str) -> Option<String> + Send + 'static,
+) -> Result<(Child, String, Arc<Mutex<String>>), String> {
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {:?}: {e}", cmd.get_program()))?;
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = mpsc::channel();
+    let log2 = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if let Some(addr) = listening(&line) {
+                let _ = tx.send(addr);
+            }
+            let mut l = log2.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+    });
+    let t0 = Instant::now();
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(addr) => return Ok((child, addr, log)),
+            Err(_) => {
+                if let Ok(Some(_)) = child.try_wait() {
+                    std::thread::sleep(Duration::from_millis(100));
+                    return Err(log.lock().unwrap().clone());
+                }
+                if t0.elapsed() > Duration::from_secs(60) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!("no listening line within 60 s; log:\n{}", log.lock().unwrap()));
+                }
+            }
+        }
+    }
 }
 
 /// A `baton-node` child process, killed (and reaped) on drop; also killed if the test process dies.
@@ -69,52 +147,12 @@ impl NodeProc {
             "-c",
             "1024",
         ])
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().expect("spawn baton-node");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("baton node: listening on ") {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
-                }
-                let mut l = log2.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        let t0 = Instant::now();
-        loop {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(addr) => return Ok(NodeProc { child, addr, log }),
-                Err(_) => {
-                    if let Ok(Some(_)) = child.try_wait() {
-                        std::thread::sleep(Duration::from_millis(100));
-                        return Err(log.lock().unwrap().clone());
-                    }
-                    if t0.elapsed() > Duration::from_secs(60) {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        return Err(format!(
-                            "node did not listen within 60 s; log:\n{}",
-                            log.lock().unwrap()
-                        ));
-                    }
-                }
-            }
-        }
+        .args(extra);
+        let (child, addr, log) = spawn_listening(cmd, |line| {
+            line.strip_prefix("baton node: listening on ")
+                .map(|rest| rest.split_whitespace().next().unwrap_or("").to_string())
+        })?;
+        Ok(NodeProc { child, addr, log })
     }
 
     pub fn spawn(model: &Path, listen: &str, extra: &[&str]) -> NodeProc {

@@ -1,6 +1,7 @@
 //! Shared helpers of the integration tests.
 #![allow(dead_code)]
 
+use baton::generate::{GenParams, Generator, Outcome, Prompt};
 use std::path::PathBuf;
 
 /// Path of a default model (`smollm2` or `gemma3`), fetched into the cache on first use.
@@ -11,4 +12,17 @@ pub fn model(name: &str) -> PathBuf {
 /// The `baton` binary built for this test run.
 pub fn baton_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_baton"))
+}
+
+/// Runs one request to its end: the token ids (where the generator reports them), the text, the outcome.
+pub fn collect(g: &mut dyn Generator, prompt: &Prompt, p: &GenParams) -> (Vec<u32>, String, Outcome) {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    let o = g
+        .generate(prompt, p, &mut |piece| {
+            ids.extend(piece.token);
+            text.push_str(&piece.text);
+            true
+        })
+        .unwrap();
+    (ids, text, o)
 }
