@@ -327,3 +327,72 @@ fn bench_handoff_shaped() {
         }
     }
 }
+
+/// `cargo test --test netns bench_speculative_shaped_link -- --ignored --nocapture`: a SmolLM2 F16 target here, its
+/// SmolLM2 Q4_1 draft on a node across the emulated 2.5 Gbit/s link, against the target alone (greedy, BENCH_TG
+/// tokens on two prompts, BENCH_THREADS for the target; the node runs 1 thread).
+#[test]
+#[ignore]
+fn bench_speculative_shaped_link() {
+    use baton::engine::sampler::SamplerParams;
+    use baton::generate::{GenParams, Generator, LocalGenerator, Prompt};
+    use baton::kernels::ThreadPool;
+    use baton::model::Model;
+    use baton::speculative::{Draft, SpecGenerator, SpecOptions};
+    use std::sync::Arc;
+
+    let BenchEnv { tg, threads, .. } = BenchEnv::from_env();
+    let Some(link) = Link::new("2500mbit") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let f16 = dir.path().join("f16.gguf");
+    baton::model::quantize::quantize_file(&smollm2(), &f16, baton::gguf::GgmlType::F16, |_, _| {}).unwrap();
+    let secret = secret_file(&dir);
+    let node = link.node(&secret, &[]);
+    let target = Arc::new(Model::load(&f16).unwrap());
+    let pool = Arc::new(ThreadPool::new(threads));
+    let prompts = [
+        Prompt::Chat(vec![baton::chat::ChatMessage::user(
+            "Explain what a CPU cache is, in a few sentences.",
+        )]),
+        Prompt::Text("The history of the Roman Empire".into()),
+    ];
+    let p = GenParams {
+        max_tokens: tg,
+        sampler: SamplerParams::greedy(),
+        top_logprobs: 0,
+    };
+    let run = |g: &mut dyn Generator| -> (f64, String) {
+        let (mut toks, mut secs, mut detail) = (0, 0.0, String::new());
+        for prompt in &prompts {
+            let (_, _, o) = collect(g, prompt, &p);
+            toks += o.completion_tokens;
+            secs += o.t_gen.as_secs_f64();
+            detail = o.detail.get(1).cloned().unwrap_or_default();
+        }
+        (toks as f64 / secs, detail)
+    };
+    let mut alone = LocalGenerator::new(target.clone(), pool.clone(), 1024, 64).unwrap();
+    let (base, _) = run(&mut alone);
+    println!("| target | draft | mode | tok/s | vs alone | last request |");
+    println!("|---|---|---|---:|---:|---|");
+    println!("| SmolLM2 F16 | none | alone | {base:.1} | 1.00 | |");
+    for k in [Some(4), None] {
+        let (tps, detail) = link.in_a(|| {
+            let s = Some(b"netns test secret, long enough".to_vec());
+            let draft = Draft::remote(&smollm2(), &node.addr, 1024, s, Duration::from_secs(5)).unwrap();
+            let opts = SpecOptions {
+                draft_tokens: k,
+                n_ctx: 1024,
+                n_batch: 64,
+                ..Default::default()
+            };
+            let mut g = SpecGenerator::new(target.clone(), pool.clone(), draft, opts).unwrap();
+            run(&mut g)
+        });
+        let mode = k.map_or("auto".to_string(), |k| format!("k = {k}"));
+        println!(
+            "| SmolLM2 F16 | SmolLM2 Q4_1 on a node, 2.5 Gbit/s | {mode} | {tps:.1} | {:.2} | {detail} |",
+            tps / base
+        );
+    }
+}
