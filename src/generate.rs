@@ -418,19 +418,19 @@ impl Generator for PipelineGenerator {
             Ok(Some(conv(p.decode_step(tok)?)))
         })?;
         detail.extend(p.stats().iter().map(|st| {
-                format!(
-                    "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, \
+            format!(
+                "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, \
                      received {} B, {} reconnects",
-                    st.label,
-                    st.layers,
-                    st.requests,
-                    st.tokens,
-                    st.compute.as_secs_f64(),
-                    st.wall.as_secs_f64(),
-                    st.bytes_sent,
-                    st.bytes_recv,
-                    st.reconnects
-                )
+                st.label,
+                st.layers,
+                st.requests,
+                st.tokens,
+                st.compute.as_secs_f64(),
+                st.wall.as_secs_f64(),
+                st.bytes_sent,
+                st.bytes_recv,
+                st.reconnects
+            )
         }));
         Ok(Outcome {
             prompt_tokens: tokens.len(),

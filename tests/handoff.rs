@@ -529,7 +529,10 @@ fn remote_decode_node_pulls_the_kv_and_matches_local() {
     let d = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", key_s]);
     let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
     assert!(ok, "{err}");
-    for (offload, want) in [("always", "layers 0..30 of 30 remote"), ("40%", "layers 0..12 of 30 remote")] {
+    for (offload, want) in [
+        ("always", "layers 0..30 of 30 remote"),
+        ("40%", "layers 0..12 of 30 remote"),
+    ] {
         let args = [
             "--decode-node",
             &d.addr,
@@ -543,13 +546,23 @@ fn remote_decode_node_pulls_the_kv_and_matches_local() {
         let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
         assert!(ok, "{err}");
         assert!(err.contains(want) && !err.contains("fallback"), "{err}");
-        assert!(err.contains("plan (decode node)") && err.contains("exposed transfer"), "{err}");
+        assert!(
+            err.contains("plan (decode node)") && err.contains("exposed transfer"),
+            "{err}"
+        );
         assert_eq!(out, local, "offload {offload}: greedy output of the remote decode node");
     }
     assert!(d.log().contains("opened session"), "{}", d.log());
     // A decode node with another secret: the prefill node refuses it, it prefills alone, same text.
     let d2 = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", wrong.to_str().unwrap()]);
-    let args = ["--decode-node", &d2.addr, "--prefill-node", &p.addr, "--secret-file", wrong.to_str().unwrap()];
+    let args = [
+        "--decode-node",
+        &d2.addr,
+        "--prefill-node",
+        &p.addr,
+        "--secret-file",
+        wrong.to_str().unwrap(),
+    ];
     let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
     assert!(ok, "{err}");
     assert!(err.contains("prefill: local") && err.contains("fallback"), "{err}");
@@ -576,11 +589,23 @@ fn remote_decode_survives_the_prefill_node_dying_mid_stream() {
     });
     let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
     assert!(ok, "{err}");
-    let args = ["--decode-node", &d.addr, "--prefill-node", &killer, "--offload", "always", "--prefill-timeout", "5"];
+    let args = [
+        "--decode-node",
+        &d.addr,
+        "--prefill-node",
+        &killer,
+        "--offload",
+        "always",
+        "--prefill-timeout",
+        "5",
+    ];
     let t0 = std::time::Instant::now();
     let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
     assert!(ok, "{err}");
-    assert!(killed.load(std::sync::atomic::Ordering::SeqCst), "the stream passed 300 kB");
+    assert!(
+        killed.load(std::sync::atomic::Ordering::SeqCst),
+        "the stream passed 300 kB"
+    );
     assert!(err.contains("prefill: local") && err.contains("fallback"), "{err}");
     assert_eq!(out, local, "the completion after the fallback");
     assert!(t0.elapsed() < Duration::from_secs(50));

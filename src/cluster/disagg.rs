@@ -563,15 +563,21 @@ impl Generator for DisaggGenerator {
 pub fn offload_on_wire(offload: Offload, n_layer: usize) -> u32 {
     match offload {
         Offload::Auto => OFFLOAD_AUTO,
-        o => plan(o, &Speeds::default(), &Job {
-            n_layer,
-            n: 1,
-            catch_up: 0,
-            chunk: 1,
-            kv_bytes: 0.0,
-            hidden_bytes: 0.0,
-        })
-        .0 as u32,
+        o => {
+            plan(
+                o,
+                &Speeds::default(),
+                &Job {
+                    n_layer,
+                    n: 1,
+                    catch_up: 0,
+                    chunk: 1,
+                    kv_bytes: 0.0,
+                    hidden_bytes: 0.0,
+                },
+            )
+            .0 as u32
+        }
     }
 }
 
@@ -620,7 +626,10 @@ impl RemotePrefill {
         if rep.layers > 0 {
             self.last = Some(i);
         }
-        let mut lines = vec![format!("plan (decode node): {} with prefill node {}", report.plan, member.name)];
+        let mut lines = vec![format!(
+            "plan (decode node): {} with prefill node {}",
+            report.plan, member.name
+        )];
         lines.extend(rep.lines());
         Ok((s, lines))
     }
@@ -720,8 +729,16 @@ mod tests {
     fn least_loaded_healthy_prefill_node_wins() {
         // (up, busy, chosen before)
         let v = [(true, 1, 0), (true, 0, 5), (true, 0, 2), (false, 0, 0)];
-        assert_eq!(choose_prefill(&v, None), Some(2), "idle, chosen least often; the down node never");
-        assert_eq!(choose_prefill(&v, Some(1)), Some(1), "among the idle ones, the one holding the conversation");
+        assert_eq!(
+            choose_prefill(&v, None),
+            Some(2),
+            "idle, chosen least often; the down node never"
+        );
+        assert_eq!(
+            choose_prefill(&v, Some(1)),
+            Some(1),
+            "among the idle ones, the one holding the conversation"
+        );
         assert_eq!(choose_prefill(&v, Some(0)), Some(2), "a busier preferred node loses");
         assert_eq!(choose_prefill(&[(false, 0, 0)], None), None);
     }
@@ -743,14 +760,20 @@ mod tests {
         );
         let a = pool.pick(None).unwrap();
         let b = pool.pick(None).unwrap();
-        assert_ne!(a.index, b.index, "a busy node is not leased twice while another is idle");
+        assert_ne!(
+            a.index, b.index,
+            "a busy node is not leased twice while another is idle"
+        );
         drop((a, b));
         let failed = HandoffReport {
             fallback: Some("closed".into()),
             ..Default::default()
         };
         pool.report(0, &failed);
-        assert!(pool.is_up(0), "without health checks nothing can put it back, so it stays in");
+        assert!(
+            pool.is_up(0),
+            "without health checks nothing can put it back, so it stays in"
+        );
         pool.checked.store(true, Ordering::Relaxed);
         pool.report(0, &failed);
         assert!(!pool.is_up(0));

@@ -306,7 +306,11 @@ impl HandoffReport {
             handoff_us: us(self.handoff),
             total_us: us(self.total),
             bytes: self.bytes,
-            link_rate: if self.link_rate.is_finite() { self.link_rate as u64 } else { 0 },
+            link_rate: if self.link_rate.is_finite() {
+                self.link_rate as u64
+            } else {
+                0
+            },
             plan: plan.to_string(),
             fallback: self.fallback.clone().unwrap_or_default(),
         }

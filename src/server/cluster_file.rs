@@ -152,7 +152,10 @@ impl ClusterFile {
                 );
             }
             if n.addr == "local" && n.role == Role::Prefill {
-                bail!("node {:?}: a prefill node cannot be local (the server would prefill for itself)", n.name);
+                bail!(
+                    "node {:?}: a prefill node cannot be local (the server would prefill for itself)",
+                    n.name
+                );
             }
             match (n.role, &n.layers) {
                 (Role::Stage, None) => bail!("stage node {:?} needs layers = \"A:B\"", n.name),

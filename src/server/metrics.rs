@@ -219,7 +219,11 @@ impl Metrics {
              fallback: prefilled by the decode side after the node failed).\n# TYPE baton_prefill_requests_total counter"
         );
         for ((n, what), c) in p.iter().filter(|((_, w), _)| matches!(*w, "offloaded" | "fallback")) {
-            let _ = writeln!(o, "baton_prefill_requests_total{{node=\"{}\",outcome=\"{what}\"}} {c}", esc(n));
+            let _ = writeln!(
+                o,
+                "baton_prefill_requests_total{{node=\"{}\",outcome=\"{what}\"}} {c}",
+                esc(n)
+            );
         }
         let _ = writeln!(
             o,
@@ -227,8 +231,15 @@ impl Metrics {
              (already on the decode side), caught_up (recomputed by the prefill node without sending).\n# TYPE \
              baton_prefill_tokens_total counter"
         );
-        for ((n, what), c) in p.iter().filter(|((_, w), _)| matches!(*w, "sent" | "held" | "caught_up")) {
-            let _ = writeln!(o, "baton_prefill_tokens_total{{node=\"{}\",kind=\"{what}\"}} {c}", esc(n));
+        for ((n, what), c) in p
+            .iter()
+            .filter(|((_, w), _)| matches!(*w, "sent" | "held" | "caught_up"))
+        {
+            let _ = writeln!(
+                o,
+                "baton_prefill_tokens_total{{node=\"{}\",kind=\"{what}\"}} {c}",
+                esc(n)
+            );
         }
         drop(p);
         let _ = writeln!(

@@ -293,8 +293,12 @@ struct DisaggSettings {
 
 impl DisaggSettings {
     fn of(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<DisaggSettings> {
-        let offload_text = file.and_then(|f| f.offload.clone()).unwrap_or_else(|| cfg.offload.clone());
-        let kv = file.and_then(|f| f.kv_bits.clone()).unwrap_or_else(|| cfg.kv_bits.clone());
+        let offload_text = file
+            .and_then(|f| f.offload.clone())
+            .unwrap_or_else(|| cfg.offload.clone());
+        let kv = file
+            .and_then(|f| f.kv_bits.clone())
+            .unwrap_or_else(|| cfg.kv_bits.clone());
         let timeout = file
             .and_then(|f| f.prefill_timeout)
             .map_or(Ok(cfg.prefill_timeout), |s| {
