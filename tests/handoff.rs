@@ -566,6 +566,7 @@ fn remote_decode_node_pulls_the_kv_and_matches_local() {
     let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
     assert!(ok, "{err}");
     assert!(err.contains("prefill: local") && err.contains("fallback"), "{err}");
+    assert!(err.contains("authentication failed"), "{err}");
     assert!(d2.log().contains("warning: disaggregated prefill on"), "{}", d2.log());
     assert_eq!(out, local);
 }
