@@ -286,6 +286,15 @@ impl HandoffReport {
     }
 }
 
+/// A message cut to 4 KiB (on a character boundary), so a report always fits a small frame.
+fn clip(s: &str) -> String {
+    let mut end = s.len().min(4096);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
 impl HandoffReport {
     /// The report as a decode node sends it to its coordinator (PULL_REPORT), with the planner's reason.
     pub fn to_wire(&self, req: u64, plan: &str) -> PullReport {
@@ -311,8 +320,8 @@ impl HandoffReport {
             } else {
                 0
             },
-            plan: plan.to_string(),
-            fallback: self.fallback.clone().unwrap_or_default(),
+            plan: clip(plan),
+            fallback: clip(self.fallback.as_deref().unwrap_or_default()),
         }
     }
 
