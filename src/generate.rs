@@ -342,6 +342,9 @@ pub struct PipelineGenerator {
     spec: String,
     n_ctx: usize,
     session: PipelineSession,
+    /// With a single remote full-model stage (a decode node): prompts are prefilled by a prefill node whose KV the
+    /// decode node pulls (`baton run --decode-node D --prefill-node P`).
+    pub remote_prefill: Option<crate::cluster::disagg::RemotePrefill>,
 }
 
 impl PipelineGenerator {
@@ -355,6 +358,7 @@ impl PipelineGenerator {
             spec: spec.to_string(),
             n_ctx,
             session,
+            remote_prefill: None,
         })
     }
 
@@ -400,7 +404,11 @@ impl Generator for PipelineGenerator {
             let top = if k == 0 { Vec::new() } else { text.top_text(&s.top) };
             (s.token, (k > 0).then_some(s.logprob), top)
         };
-        let first = conv(p.eval(&tokens[cached..])?);
+        let (first, mut detail) = match &mut self.remote_prefill {
+            Some(rp) => rp.eval(p, &tokens[cached..])?,
+            None => (p.eval(&tokens[cached..])?, Vec::new()),
+        };
+        let first = conv(first);
         let t_prompt = t0.elapsed();
         let t1 = Instant::now();
         let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
@@ -409,25 +417,21 @@ impl Generator for PipelineGenerator {
             }
             Ok(Some(conv(p.decode_step(tok)?)))
         })?;
-        let detail = p
-            .stats()
-            .iter()
-            .map(|st| {
-                format!(
-                    "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, \
+        detail.extend(p.stats().iter().map(|st| {
+            format!(
+                "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, \
                      received {} B, {} reconnects",
-                    st.label,
-                    st.layers,
-                    st.requests,
-                    st.tokens,
-                    st.compute.as_secs_f64(),
-                    st.wall.as_secs_f64(),
-                    st.bytes_sent,
-                    st.bytes_recv,
-                    st.reconnects
-                )
-            })
-            .collect();
+                st.label,
+                st.layers,
+                st.requests,
+                st.tokens,
+                st.compute.as_secs_f64(),
+                st.wall.as_secs_f64(),
+                st.bytes_sent,
+                st.bytes_recv,
+                st.reconnects
+            )
+        }));
         Ok(Outcome {
             prompt_tokens: tokens.len(),
             cached_tokens: cached,

@@ -69,7 +69,7 @@ enum Cmd {
     /// Disaggregated prefill on this machine: a prefill node and a decode node, next to the local run.
     Demo(DemoArgs),
     /// OpenAI-compatible HTTP server (local, --pipeline, or --cluster with a router over nodes).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Ensembles of models with different vocabularies.
     Ensemble {
         #[command(subcommand)]
@@ -192,9 +192,14 @@ struct RunArgs {
     secret_file: Option<PathBuf>,
     #[command(flatten)]
     mix: MixArgs,
-    /// Prefill prompts on this `baton node` (HOST:PORT); this process holds the full KV and decodes alone.
+    /// Prefill prompts on this `baton node` (HOST:PORT; a comma list: the least-loaded one per request); the decode
+    /// side (this process, or --decode-node) holds the full KV and decodes alone.
     #[arg(long = "prefill-node")]
     prefill_node: Option<String>,
+    /// Decode on this `baton node` (HOST:PORT, all layers) instead of here; with --prefill-node it pulls the
+    /// prompt's KV from the prefill node itself (authenticating with its own --secret-file).
+    #[arg(long = "decode-node")]
+    decode_node: Option<String>,
     /// With --prefill-node: auto (decide per request from measured speeds), never, always, or a share of the
     /// layers such as 60%.
     #[arg(long, default_value = "auto")]
@@ -330,6 +335,20 @@ struct ServeArgs {
     node_timeout: f64,
     #[command(flatten)]
     mix: MixArgs,
+    /// Prefill prompts on these `baton node`s (HOST:PORT,...; the least-loaded healthy one per request); the server
+    /// decodes with the local model.
+    #[arg(long = "prefill-node")]
+    prefill_node: Option<String>,
+    /// With prefill nodes: auto, never, always, or a share of the layers such as 60%.
+    #[arg(long, default_value = "auto")]
+    offload: String,
+    /// With prefill nodes: KV precision on the wire: 32, 16, bf16 or 8.
+    #[arg(long = "kv-bits", default_value = "32")]
+    kv_bits: String,
+    /// With prefill nodes: seconds of silence before a prefill node is given up (the prompt is then prefilled by
+    /// the decode side).
+    #[arg(long = "prefill-timeout", default_value_t = 10.0)]
+    prefill_timeout: f64,
 }
 
 #[derive(Args)]
@@ -419,7 +438,7 @@ fn main() {
                 kv_bits: a.kv_bits,
             })
         }),
-        Cmd::Serve(a) => cmd_serve(a),
+        Cmd::Serve(a) => cmd_serve(*a),
         Cmd::Models { cmd } => cmd_models(cmd),
     };
     if let Err(e) = result {
@@ -564,7 +583,14 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
             a.verbose,
         );
     }
-    if let Some(spec) = &a.pipeline {
+    let decode_spec = a.decode_node.as_ref().map(|d| format!("{d}=0:end"));
+    if a.pipeline.is_some() && decode_spec.is_some() {
+        bail!("give either --pipeline or --decode-node, not both");
+    }
+    if a.pipeline.is_some() && a.prefill_node.is_some() {
+        bail!("--prefill-node pairs with a whole-model decode side: this process, or --decode-node HOST:PORT");
+    }
+    if let Some(spec) = a.pipeline.as_ref().or(decode_spec.as_ref()) {
         if a.mix.draft.is_some() {
             bail!("--draft runs the target on this machine; it cannot be combined with --pipeline yet");
         }
@@ -584,7 +610,17 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
             verbose: a.verbose,
             ..Default::default()
         };
-        return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts)?));
+        let mut g = PipelineGenerator::connect(spec, &path, opts)?;
+        if let Some(list) = &a.prefill_node {
+            use baton::cluster::disagg::{PrefillPool, RemotePrefill};
+            g.remote_prefill = Some(RemotePrefill::new(
+                PrefillPool::from_list(list)?,
+                offload_arg(a)?,
+                baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
+                std::time::Duration::from_secs_f64(a.prefill_timeout),
+            ));
+        }
+        return Ok(Box::new(g));
     }
     let (model, _vocab, pool) = load(&c.model, c.threads)?;
     if let Some(d) = &a.mix.draft {
@@ -593,10 +629,10 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         }
         return open_speculative(a, d, model, pool);
     }
-    if let Some(addr) = &a.prefill_node {
-        use baton::cluster::disagg::{DisaggGenerator, Offload};
+    if let Some(list) = &a.prefill_node {
+        use baton::cluster::disagg::{DisaggGenerator, PrefillPool};
         let node = baton::cluster::handoff::NodeOpts {
-            addr: addr.clone(),
+            addr: String::new(),
             secret: a
                 .secret_file
                 .as_ref()
@@ -608,20 +644,26 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
             },
             kv: baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
         };
-        let offload = match a.offload_layers {
-            Some(k) => Offload::Layers(k),
-            None => Offload::parse(&a.offload)?,
-        };
         return Ok(Box::new(DisaggGenerator::new(
             model,
             pool,
             c.ctx_size,
             c.batch_size,
             node,
-            offload,
+            PrefillPool::from_list(list)?,
+            offload_arg(a)?,
         )?));
     }
     Ok(Box::new(LocalGenerator::new(model, pool, c.ctx_size, c.batch_size)?))
+}
+
+/// `--offload` / `--offload-layers`.
+fn offload_arg(a: &RunArgs) -> Result<baton::cluster::disagg::Offload> {
+    use baton::cluster::disagg::Offload;
+    Ok(match a.offload_layers {
+        Some(k) => Offload::Layers(k),
+        None => Offload::parse(&a.offload)?,
+    })
 }
 
 /// `baton run --draft`: the target here, the draft here or on a node.
@@ -1003,6 +1045,10 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         ensemble_degrade: a.mix.ensemble_degrade,
         draft: a.mix.draft,
         draft_tokens: a.mix.draft_tokens,
+        prefill_node: a.prefill_node,
+        offload: a.offload,
+        kv_bits: a.kv_bits,
+        prefill_timeout: std::time::Duration::from_secs_f64(a.prefill_timeout),
         ..Default::default()
     })
 }

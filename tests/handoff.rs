@@ -492,3 +492,123 @@ fn run_with_a_prefill_node() {
     assert!(err_b.contains("warning: disaggregated prefill on"), "{err_b}");
     assert_eq!(a, b, "the fallback gives the same greedy completion");
 }
+
+/// `baton run` with the given arguments (greedy, 8 tokens, batches of 32): (status ok, stdout, stderr).
+fn baton_run(model: &Path, extra: &[&str], prompt: &str) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["run", "-m"])
+        .arg(model)
+        .args(["-t", "1", "-c", "256", "-b", "32", "--temp", "0", "-n", "8", "-v"])
+        .args(extra)
+        .arg(prompt)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const LONG_PROMPT: &str = "The history of the city begins with a small settlement on the river, where traders from \
+    the north met farmers from the south and exchanged grain, salt and stories about the sea that none of them";
+
+/// Protocol 3: the decode node is remote. The coordinator names the prefill node; the decode node pulls the KV from
+/// it (authenticating with its own secret) and decodes. Greedy output equals the local run for full and partial
+/// offload; a decode node that does not know the prefill node's secret falls back to its own prefill, same output.
+#[test]
+fn remote_decode_node_pulls_the_kv_and_matches_local() {
+    let model = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("k");
+    std::fs::write(&key, "a-long-enough-secret\n").unwrap();
+    let wrong = dir.path().join("w");
+    std::fs::write(&wrong, "another-long-secret!\n").unwrap();
+    let key_s = key.to_str().unwrap();
+    let p = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", key_s]);
+    let d = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", key_s]);
+    let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
+    assert!(ok, "{err}");
+    for (offload, want) in [
+        ("always", "layers 0..30 of 30 remote"),
+        ("40%", "layers 0..12 of 30 remote"),
+    ] {
+        let args = [
+            "--decode-node",
+            &d.addr,
+            "--prefill-node",
+            &p.addr,
+            "--offload",
+            offload,
+            "--secret-file",
+            key_s,
+        ];
+        let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
+        assert!(ok, "{err}");
+        assert!(err.contains(want) && !err.contains("fallback"), "{err}");
+        assert!(
+            err.contains("plan (decode node)") && err.contains("exposed transfer"),
+            "{err}"
+        );
+        assert_eq!(out, local, "offload {offload}: greedy output of the remote decode node");
+    }
+    assert!(d.log().contains("opened session"), "{}", d.log());
+    // A decode node with another secret: the prefill node refuses it, it prefills alone, same text.
+    let d2 = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", wrong.to_str().unwrap()]);
+    let args = [
+        "--decode-node",
+        &d2.addr,
+        "--prefill-node",
+        &p.addr,
+        "--secret-file",
+        wrong.to_str().unwrap(),
+    ];
+    let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
+    assert!(ok, "{err}");
+    assert!(err.contains("prefill: local") && err.contains("fallback"), "{err}");
+    assert!(err.contains("authentication failed"), "{err}");
+    assert!(d2.log().contains("warning: disaggregated prefill on"), "{}", d2.log());
+    assert_eq!(out, local);
+}
+
+/// The prefill node killed mid-stream while a remote decode node pulls from it: the decode node falls back to its
+/// own prefill and the completion is the local one.
+#[test]
+fn remote_decode_survives_the_prefill_node_dying_mid_stream() {
+    let model = smollm2();
+    let mut victim = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let d = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let pid = victim.child.id() as i32;
+    let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let k2 = killed.clone();
+    let killer = proxy(victim.addr.clone(), move |off, _| {
+        if off > 300_000 {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            k2.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        true
+    });
+    let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
+    assert!(ok, "{err}");
+    let args = [
+        "--decode-node",
+        &d.addr,
+        "--prefill-node",
+        &killer,
+        "--offload",
+        "always",
+        "--prefill-timeout",
+        "5",
+    ];
+    let t0 = std::time::Instant::now();
+    let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
+    assert!(ok, "{err}");
+    assert!(
+        killed.load(std::sync::atomic::Ordering::SeqCst),
+        "the stream passed 300 kB"
+    );
+    assert!(err.contains("prefill: local") && err.contains("fallback"), "{err}");
+    assert_eq!(out, local, "the completion after the fallback");
+    assert!(t0.elapsed() < Duration::from_secs(50));
+    victim.kill();
+}

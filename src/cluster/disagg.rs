@@ -1,14 +1,22 @@
-//! The disaggregated generator: prompts are prefilled (all or the first `k` layers) on a prefill node, this process
-//! holds the full KV afterwards and decodes alone. `--offload auto` picks `k` per request from measured speeds.
+//! The disaggregated generators: prompts are prefilled (all or the first `k` layers) on a prefill node and the decode
+//! side holds the full KV afterwards and decodes alone. The decode side is this process ([`DisaggGenerator`]) or a
+//! remote node ([`RemotePrefill`] on the coordinator, [`serve_pull`] on the node: protocol 3's PULL). `--offload auto`
+//! picks `k` per request from measured speeds; a [`PrefillPool`] picks the least-loaded healthy prefill node.
 
-use super::handoff::{HandoffReport, NodeOpts, PrefillNode, prefill_with_fallback};
+use super::handoff::{HandoffReport, NodeOpts, PrefillNode, kv_dtype_of, prefill_with_fallback, wire_of_kv};
+use super::pipeline::{PipelineSession, PullSpec};
+use super::stage::{Sampled, StageCore};
+use super::wire::{OFFLOAD_AUTO, Pull, PullReport};
 use crate::engine::sampler::Sampler;
+use crate::engine::snapshot::KvDtype;
 use crate::engine::{Input, Session, Want};
 use crate::generate::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, check_fits, decode_loop};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
-use anyhow::{Context, Result, bail};
-use std::sync::Arc;
+use anyhow::{Context, Result, anyhow, bail};
+use std::net::ToSocketAddrs;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How much of a prompt to prefill remotely (`--offload`, `--offload-layers`).
@@ -174,77 +182,303 @@ pub fn learn(sp: &mut Speeds, rep: &HandoffReport) {
     sp.overhead = rep.connect.min(Duration::from_millis(50)) + Duration::from_millis(1);
 }
 
-/// `baton run --prefill-node`: a full model here, prompts prefilled on a node.
+/// Measures this machine's whole-model prefill speed (tokens/s) on a 128-token batch in a scratch session, for the
+/// `auto` planner.
+pub fn probe_local_speed(model: &Arc<Model>, pool: Arc<ThreadPool>, n_batch: usize) -> Result<f64> {
+    let n = 128.min(n_batch).max(1);
+    let mut s = Session::new(model.clone(), pool, n + 1, n)?;
+    let probe: Vec<u32> = (0..n as u32).map(|i| 100 + i % 500).collect();
+    let t0 = Instant::now();
+    s.forward(Input::Tokens(&probe), Want::Hidden)?;
+    Ok(n as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// The planner's view of prefilling `tokens` into `s`: the tokens not already held, the chunk size and the bytes per
+/// token that would cross the wire at `kv` precision.
+pub fn job_for(s: &Session, tokens: &[u32], kv: KvDtype) -> Job {
+    let hp = &s.model.hp;
+    let held = s.tokens()[..s.tokens().len().min(s.n_past())]
+        .iter()
+        .zip(tokens)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(tokens.len().saturating_sub(1));
+    let el = match kv {
+        KvDtype::F32 => 4.0,
+        KvDtype::Q8 => 1.0 + 8.0 / hp.head_dim_k as f64,
+        _ => 2.0,
+    };
+    Job {
+        n_layer: hp.n_layer,
+        n: tokens.len() - held,
+        catch_up: 0,
+        chunk: s.n_batch(),
+        kv_bytes: (hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v)) as f64 * el,
+        hidden_bytes: hp.n_embd as f64 * 4.0,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The prefill nodes a decode side may use.
+
+/// One prefill node of a pool.
+#[derive(Clone, Debug)]
+pub struct PoolMember {
+    /// Name in logs and `/metrics` (the cluster file's name, or the address).
+    pub name: String,
+    pub addr: String,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct MemberState {
+    up: bool,
+    busy: usize,
+    chosen: u64,
+}
+
+/// Called after every prefill that used a member (the server counts choices and bytes per peer with it).
+pub type PoolObserver = Box<dyn Fn(&PoolMember, &HandoffReport) + Send + Sync>;
+
+/// Prefill nodes shared by every decode slot of a process: per request the least-loaded healthy one is leased. With
+/// a health loop running, a node whose prefill failed is taken out and put back when it accepts connections again;
+/// without one (`baton run`), a failure only costs that request its offload.
+pub struct PrefillPool {
+    pub members: Vec<PoolMember>,
+    state: Mutex<Vec<MemberState>>,
+    checked: AtomicBool,
+    observer: Option<PoolObserver>,
+}
+
+/// A prefill node in use by one request; dropping it frees the node's load count.
+pub struct Lease {
+    pool: Arc<PrefillPool>,
+    pub index: usize,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut st = self.pool.state.lock().unwrap_or_else(|p| p.into_inner());
+        st[self.index].busy = st[self.index].busy.saturating_sub(1);
+    }
+}
+
+/// The policy, a pure function: among healthy nodes the least busy; among those the one this decode slot used last
+/// (its session there already holds the conversation), then the one chosen least often (spreads idle traffic).
+pub fn choose_prefill(up_busy_chosen: &[(bool, usize, u64)], prefer: Option<usize>) -> Option<usize> {
+    up_busy_chosen
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.0)
+        .min_by_key(|&(i, m)| (m.1, Some(i) != prefer, m.2, i))
+        .map(|(i, _)| i)
+}
+
+impl PrefillPool {
+    pub fn new(members: Vec<PoolMember>, observer: Option<PoolObserver>) -> Arc<PrefillPool> {
+        let state = vec![
+            MemberState {
+                up: true,
+                ..Default::default()
+            };
+            members.len()
+        ];
+        Arc::new(PrefillPool {
+            members,
+            state: Mutex::new(state),
+            checked: AtomicBool::new(false),
+            observer,
+        })
+    }
+
+    /// A pool from `--prefill-node HOST:PORT[,HOST:PORT...]`, each node named by its address.
+    pub fn from_list(list: &str) -> Result<Arc<PrefillPool>> {
+        let members: Vec<PoolMember> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(|a| PoolMember {
+                name: a.to_string(),
+                addr: a.to_string(),
+            })
+            .collect();
+        if members.is_empty() || members.iter().any(|m| !m.addr.contains(':')) {
+            bail!("--prefill-node {list:?} must be HOST:PORT[,HOST:PORT...]");
+        }
+        Ok(PrefillPool::new(members, None))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<MemberState>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Leases the node for one request; `None` when every node is out.
+    pub fn pick(self: &Arc<Self>, prefer: Option<usize>) -> Option<Lease> {
+        let mut st = self.lock();
+        let view: Vec<_> = st.iter().map(|m| (m.up, m.busy, m.chosen)).collect();
+        let i = choose_prefill(&view, prefer)?;
+        st[i].busy += 1;
+        st[i].chosen += 1;
+        Some(Lease {
+            pool: self.clone(),
+            index: i,
+        })
+    }
+
+    pub fn is_up(&self, i: usize) -> bool {
+        self.lock()[i].up
+    }
+
+    fn set_up(&self, i: usize, up: bool, why: &str) {
+        let mut st = self.lock();
+        if st[i].up != up {
+            st[i].up = up;
+            eprintln!(
+                "prefill node {} ({}) is {}{why}",
+                self.members[i].name,
+                self.members[i].addr,
+                if up { "back up" } else { "out: " }
+            );
+        }
+    }
+
+    /// What a prefill on member `i` did: a fallback takes the node out (when health checks can put it back).
+    pub fn report(&self, i: usize, rep: &HandoffReport) {
+        if let Some(why) = &rep.fallback
+            && self.checked.load(Ordering::Relaxed)
+        {
+            self.set_up(i, false, why);
+        }
+        if let Some(f) = &self.observer {
+            f(&self.members[i], rep);
+        }
+    }
+
+    /// Checks every member once per `every` (a TCP connect within a second); ends when the pool is dropped.
+    pub fn health_loop(self: &Arc<Self>, every: Duration) {
+        self.checked.store(true, Ordering::Relaxed);
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("prefill-health".into())
+            .spawn(move || {
+                while let Some(pool) = weak.upgrade() {
+                    for (i, m) in pool.members.iter().enumerate() {
+                        match probe(&m.addr) {
+                            Ok(()) => pool.set_up(i, true, ""),
+                            Err(e) => pool.set_up(i, false, &format!("{e:#}")),
+                        }
+                    }
+                    drop(pool);
+                    std::thread::sleep(every);
+                }
+            })
+            .expect("spawn prefill health thread");
+    }
+}
+
+/// Whether `addr` accepts a TCP connection within a second (the node ignores a connection closed without a word).
+pub fn probe(addr: &str) -> Result<()> {
+    let sa = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| anyhow!("{addr} resolves to no address"))?;
+    std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(1))?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode here.
+
+/// `baton run --prefill-node` / `baton serve --prefill-node`: a full model here, prompts prefilled on the least-loaded
+/// node of a pool; this process holds the KV afterwards and decodes alone.
 pub struct DisaggGenerator {
     pub model: Arc<Model>,
     pub text: TextModel,
     pub session: Session,
-    pub node: PrefillNode,
+    pub prefill: Arc<PrefillPool>,
+    /// One link per pool member: its connection and its records of what that node holds for this session.
+    pub links: Vec<PrefillNode>,
     pub offload: Offload,
-    pub speeds: Speeds,
+    /// The planner's measurements per pool member (the local speed is the same for all).
+    pub speeds: Vec<Speeds>,
+    /// The member used last (preferred among equally loaded ones: it holds this conversation).
+    last: Option<usize>,
 }
 
 impl DisaggGenerator {
-    /// Loads nothing remote yet: the node is connected on the first request (and again after any failure). With
-    /// `auto`, the local prefill speed is measured once here on a 128-token batch.
+    /// Connects nothing yet: a node is connected on the first request that uses it (and again after any failure).
+    /// `link` gives the secret, timeouts and KV precision for every member. With `auto`, the local prefill speed is
+    /// measured once here on a 128-token batch.
     pub fn new(
         model: Arc<Model>,
         pool: Arc<ThreadPool>,
         n_ctx: usize,
         n_batch: usize,
-        node: NodeOpts,
+        link: NodeOpts,
+        prefill: Arc<PrefillPool>,
         offload: Offload,
     ) -> Result<DisaggGenerator> {
         let text = TextModel::from_gguf(&model.file)?;
         let n_ctx = n_ctx.min(model.hp.n_ctx_train.max(1));
-        let mut session = Session::new(model.clone(), pool, n_ctx, n_batch)?;
-        let mut speeds = Speeds::default();
-        if offload == Offload::Auto {
-            let n = 128.min(n_batch).min(n_ctx - 1);
-            let probe: Vec<u32> = (0..n as u32).map(|i| 100 + i % 500).collect();
-            let t0 = Instant::now();
-            session.forward(Input::Tokens(&probe), Want::Hidden)?;
-            speeds.local = Some(n as f64 / t0.elapsed().as_secs_f64());
-            session.rewind(0);
-        }
+        let session = Session::new(model.clone(), pool.clone(), n_ctx, n_batch)?;
+        let local = match offload {
+            Offload::Auto => Some(probe_local_speed(&model, pool, n_batch)?),
+            _ => None,
+        };
+        let links = prefill
+            .members
+            .iter()
+            .map(|m| {
+                PrefillNode::new(NodeOpts {
+                    addr: m.addr.clone(),
+                    ..link.clone()
+                })
+            })
+            .collect();
+        let speeds = vec![
+            Speeds {
+                local,
+                ..Default::default()
+            };
+            prefill.members.len()
+        ];
         Ok(DisaggGenerator {
             model,
             text,
             session,
-            node: PrefillNode::new(node),
+            prefill,
+            links,
             offload,
             speeds,
+            last: None,
         })
     }
 
-    /// Layers to offload for `tokens` and the reason.
-    fn choose(&self, tokens: &[u32]) -> (usize, String) {
-        let hp = &self.model.hp;
-        let held = {
-            let t = &self.session.tokens()[..self.session.tokens().len().min(self.session.n_past())];
-            t.iter()
-                .zip(tokens)
-                .take_while(|(a, b)| a == b)
-                .count()
-                .min(tokens.len() - 1)
+    /// Prefills `tokens` with layers offloaded to the least-loaded prefill node (or locally when none is up).
+    fn prefill(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, HandoffReport, String)> {
+        let Some(lease) = self.prefill.pick(self.last) else {
+            let (logits, rep) = prefill_with_fallback(&mut self.session, None, tokens, 0)?;
+            return Ok((logits, rep, "local: no prefill node is up".into()));
         };
-        let n = tokens.len() - held;
-        let el = match self.node.opts.kv {
-            crate::engine::snapshot::KvDtype::F32 => 4.0,
-            crate::engine::snapshot::KvDtype::Q8 => 1.0 + 8.0 / hp.head_dim_k as f64,
-            _ => 2.0,
+        let i = lease.index;
+        let job = job_for(&self.session, tokens, self.links[i].opts.kv);
+        let (k, why) = plan(self.offload, &self.speeds[i], &job);
+        let (logits, rep) = prefill_with_fallback(&mut self.session, Some(&mut self.links[i]), tokens, k)?;
+        drop(lease);
+        learn(&mut self.speeds[i], &rep);
+        let local = self.speeds[i].local;
+        self.speeds.iter_mut().for_each(|s| s.local = local);
+        if k > 0 {
+            self.prefill.report(i, &rep);
+        }
+        if rep.layers > 0 {
+            self.last = Some(i);
+        }
+        let why = if self.prefill.members.len() > 1 {
+            format!("{why} on {}", self.prefill.members[i].name)
+        } else {
+            why
         };
-        let kv_bytes = (hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v)) as f64 * el;
-        let hidden_bytes = hp.n_embd as f64 * 4.0;
-        let job = Job {
-            n_layer: hp.n_layer,
-            n,
-            catch_up: 0,
-            chunk: self.session.n_batch(),
-            kv_bytes,
-            hidden_bytes,
-        };
-        plan(self.offload, &self.speeds, &job)
+        Ok((logits, rep, why))
     }
 }
 
@@ -254,7 +488,8 @@ impl Generator for DisaggGenerator {
     }
 
     fn describe(&self) -> String {
-        format!("{}, prefill on {}", self.text.name(), self.node.opts.addr)
+        let names: Vec<&str> = self.prefill.members.iter().map(|m| m.addr.as_str()).collect();
+        format!("{}, prefill on {}", self.text.name(), names.join(", "))
     }
 
     fn n_ctx(&self) -> usize {
@@ -278,9 +513,7 @@ impl Generator for DisaggGenerator {
         for &t in &tokens {
             sampler.accept(t);
         }
-        let (k, why) = self.choose(&tokens);
-        let (logits, rep) = prefill_with_fallback(&mut self.session, Some(&mut self.node), &tokens, k)?;
-        learn(&mut self.speeds, &rep);
+        let (logits, rep, why) = self.prefill(&tokens)?;
         let top_k = params.top_logprobs;
         let text = &self.text;
         let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, top_k);
@@ -323,9 +556,229 @@ impl Generator for DisaggGenerator {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Decode on a remote node (protocol 3, PULL): the coordinator names the prefill node, the decode node pulls the KV.
+
+/// Layers to offload as PULL carries them.
+pub fn offload_on_wire(offload: Offload, n_layer: usize) -> u32 {
+    match offload {
+        Offload::Auto => OFFLOAD_AUTO,
+        o => {
+            plan(
+                o,
+                &Speeds::default(),
+                &Job {
+                    n_layer,
+                    n: 1,
+                    catch_up: 0,
+                    chunk: 1,
+                    kv_bytes: 0.0,
+                    hidden_bytes: 0.0,
+                },
+            )
+            .0 as u32
+        }
+    }
+}
+
+/// The coordinator's side when the decode node is remote: per request, lease the least-loaded prefill node and have
+/// the decode node pull the prompt's KV from it (the pipeline's single full-model stage runs the handoff).
+#[derive(Clone)]
+pub struct RemotePrefill {
+    pub pool: Arc<PrefillPool>,
+    pub offload: Offload,
+    pub kv: KvDtype,
+    /// The decode node's deadline for each wait on the prefill node.
+    pub timeout: Duration,
+    last: Option<usize>,
+}
+
+impl RemotePrefill {
+    pub fn new(pool: Arc<PrefillPool>, offload: Offload, kv: KvDtype, timeout: Duration) -> RemotePrefill {
+        RemotePrefill {
+            pool,
+            offload,
+            kv,
+            timeout,
+            last: None,
+        }
+    }
+
+    /// Appends `new` to `p` with a pulled prefill and samples the first token; returns it and the `-v` lines. With
+    /// every prefill node out, the decode node prefills alone (an ordinary FORWARD).
+    pub fn eval(&mut self, p: &mut PipelineSession, new: &[u32]) -> Result<(Sampled, Vec<String>)> {
+        let Some(lease) = self.pool.pick(self.last) else {
+            let s = p.eval(new)?;
+            return Ok((s, vec!["prefill: on the decode node (no prefill node is up)".into()]));
+        };
+        let i = lease.index;
+        let member = &self.pool.members[i];
+        let spec = PullSpec {
+            addr: member.addr.clone(),
+            offload: offload_on_wire(self.offload, p.hparams().n_layer),
+            kv: wire_of_kv(self.kv),
+            timeout: self.timeout,
+        };
+        let (s, report) = p.eval_pulled(new, &spec)?;
+        drop(lease);
+        let rep = HandoffReport::from_wire(&report);
+        self.pool.report(i, &rep);
+        if rep.layers > 0 {
+            self.last = Some(i);
+        }
+        let mut lines = vec![format!(
+            "plan (decode node): {} with prefill node {}",
+            report.plan, member.name
+        )];
+        lines.extend(rep.lines());
+        Ok((s, lines))
+    }
+
+    /// The last request's prefill node, if it was offloaded to one.
+    pub fn last(&self) -> Option<&PoolMember> {
+        self.last.map(|i| &self.pool.members[i])
+    }
+}
+
+/// What a decode node answers a PULL with.
+pub enum Pulled {
+    /// It does not hold the prefix the request builds on (it holds this many positions).
+    Mismatch(usize),
+    Done {
+        report: PullReport,
+        sample: Sampled,
+        compute_us: u64,
+    },
+}
+
+/// Serves one PULL on a decode node's full-model session: pulls the KV of `tokens` from the prefill node through
+/// `link` (exactly as [`DisaggGenerator`] does locally, with the same fallback), then samples the first token.
+/// `speeds` are this node's measurements for that prefill node (`auto`).
+pub fn serve_pull(
+    core: &mut StageCore,
+    link: &mut PrefillNode,
+    speeds: &mut Speeds,
+    pool: &Arc<ThreadPool>,
+    p: &Pull,
+) -> Result<Pulled> {
+    let model = core.session.model.clone();
+    let hp = &model.hp;
+    let (pos, n) = (p.pos as usize, p.tokens.len());
+    if !model.is_first() || !model.is_last() {
+        bail!(
+            "layers {:?} are not the whole model: a pulled prefill needs a full-model session",
+            model.range
+        );
+    }
+    if n == 0 || pos + n >= core.session.n_ctx() {
+        bail!(
+            "prefill of positions {pos}..{} does not fit the context of {} with room to decode",
+            pos + n,
+            core.session.n_ctx()
+        );
+    }
+    if let Some(&t) = p.tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
+        bail!("token id {t} is outside the vocabulary of {}", hp.n_vocab);
+    }
+    if p.offload != OFFLOAD_AUTO && p.offload as usize > hp.n_layer {
+        bail!("offload of {} layers, the model has {}", p.offload, hp.n_layer);
+    }
+    if !core.holds_prefix(pos, &p.prefix) {
+        return Ok(Pulled::Mismatch(core.n_past()));
+    }
+    core.rewind(pos);
+    if core.session.tokens().len() != pos {
+        bail!("this session does not know the token ids of its first {pos} positions");
+    }
+    let mut tokens = core.session.tokens().to_vec();
+    tokens.extend_from_slice(&p.tokens);
+    link.opts.kv = kv_dtype_of(p.kv);
+    link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
+    let job = job_for(&core.session, &tokens, link.opts.kv);
+    let (k, why) = if p.offload == OFFLOAD_AUTO {
+        if speeds.local.is_none() {
+            speeds.local = Some(probe_local_speed(&model, pool.clone(), core.session.n_batch())?);
+        }
+        plan(Offload::Auto, speeds, &job)
+    } else {
+        plan(Offload::Layers(p.offload as usize), speeds, &job)
+    };
+    let res = prefill_with_fallback(&mut core.session, Some(link), &tokens, k);
+    let (logits, rep) = match res {
+        Ok(r) => r,
+        Err(e) => {
+            core.rewind(pos);
+            return Err(e);
+        }
+    };
+    learn(speeds, &rep);
+    core.record(&p.tokens);
+    let sample = core.sample_next(&logits);
+    Ok(Pulled::Done {
+        report: rep.to_wire(p.req, &why),
+        sample,
+        compute_us: rep.total.as_micros() as u64,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn least_loaded_healthy_prefill_node_wins() {
+        // (up, busy, chosen before)
+        let v = [(true, 1, 0), (true, 0, 5), (true, 0, 2), (false, 0, 0)];
+        assert_eq!(
+            choose_prefill(&v, None),
+            Some(2),
+            "idle, chosen least often; the down node never"
+        );
+        assert_eq!(
+            choose_prefill(&v, Some(1)),
+            Some(1),
+            "among the idle ones, the one holding the conversation"
+        );
+        assert_eq!(choose_prefill(&v, Some(0)), Some(2), "a busier preferred node loses");
+        assert_eq!(choose_prefill(&[(false, 0, 0)], None), None);
+    }
+
+    #[test]
+    fn pool_leases_spread_and_fallbacks_take_a_node_out() {
+        let pool = PrefillPool::new(
+            vec![
+                PoolMember {
+                    name: "p1".into(),
+                    addr: "127.0.0.1:1".into(),
+                },
+                PoolMember {
+                    name: "p2".into(),
+                    addr: "127.0.0.1:2".into(),
+                },
+            ],
+            None,
+        );
+        let a = pool.pick(None).unwrap();
+        let b = pool.pick(None).unwrap();
+        assert_ne!(
+            a.index, b.index,
+            "a busy node is not leased twice while another is idle"
+        );
+        drop((a, b));
+        let failed = HandoffReport {
+            fallback: Some("closed".into()),
+            ..Default::default()
+        };
+        pool.report(0, &failed);
+        assert!(
+            pool.is_up(0),
+            "without health checks nothing can put it back, so it stays in"
+        );
+        pool.checked.store(true, Ordering::Relaxed);
+        pool.report(0, &failed);
+        assert!(!pool.is_up(0));
+        assert_eq!(pool.pick(Some(0)).unwrap().index, 1);
+    }
 
     #[test]
     fn offload_parses() {

@@ -8,7 +8,7 @@
 
 use super::handshake::{self, Conn, Timeouts};
 use super::stage::StageCore;
-use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, WireDtype};
+use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, PullReport, WireDtype};
 use super::{PrefixHash, prefix_next, prefix_root};
 use crate::engine::snapshot::{self, KvBlock, KvDtype};
 use crate::engine::{Input, Session, Want};
@@ -283,6 +283,69 @@ impl HandoffReport {
             self.link_rate / 1e6
         ));
         v
+    }
+}
+
+/// A message cut to 4 KiB (on a character boundary), so a report always fits a small frame.
+fn clip(s: &str) -> String {
+    let mut end = s.len().min(4096);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+impl HandoffReport {
+    /// The report as a decode node sends it to its coordinator (PULL_REPORT), with the planner's reason.
+    pub fn to_wire(&self, req: u64, plan: &str) -> PullReport {
+        let us = |d: Duration| d.as_micros() as u64;
+        PullReport {
+            req,
+            layers: self.layers as u32,
+            n_layer: self.n_layer as u32,
+            prompt: self.prompt as u32,
+            held: self.held as u32,
+            sent: self.sent as u32,
+            catch_up: self.catch_up as u32,
+            connect_us: us(self.connect),
+            queue_us: us(self.queue),
+            remote_us: us(self.remote),
+            local_us: us(self.local),
+            exposed_us: us(self.exposed),
+            handoff_us: us(self.handoff),
+            total_us: us(self.total),
+            bytes: self.bytes,
+            link_rate: if self.link_rate.is_finite() {
+                self.link_rate as u64
+            } else {
+                0
+            },
+            plan: clip(plan),
+            fallback: clip(self.fallback.as_deref().unwrap_or_default()),
+        }
+    }
+
+    /// The report a coordinator received from a remote decode node.
+    pub fn from_wire(r: &PullReport) -> HandoffReport {
+        let d = Duration::from_micros;
+        HandoffReport {
+            layers: r.layers as usize,
+            n_layer: r.n_layer as usize,
+            prompt: r.prompt as usize,
+            held: r.held as usize,
+            sent: r.sent as usize,
+            catch_up: r.catch_up as usize,
+            connect: d(r.connect_us),
+            queue: d(r.queue_us),
+            remote: d(r.remote_us),
+            local: d(r.local_us),
+            exposed: d(r.exposed_us),
+            handoff: d(r.handoff_us),
+            total: d(r.total_us),
+            bytes: r.bytes,
+            link_rate: r.link_rate as f64,
+            fallback: (!r.fallback.is_empty()).then(|| r.fallback.clone()),
+        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! `baton node`: serves pipeline stages of one model file to coordinators.
+//! `baton node`: serves pipeline stages of one model file to coordinators, prefills for decode sides (PREFILL), and
+//! decodes with a prefill pulled from another node (PULL).
 //!
 //! Blocking I/O, one thread per connection, a timeout on every read and write. A connection that sends anything
 //! malformed is dropped on its own; the others keep being served. Sessions (the KV of one conversation for one
@@ -6,8 +7,12 @@
 //! the prefix hash carried by every request tells whether that KV is the one it needs.
 
 use super::auth;
+use super::disagg::{Pulled, Speeds, serve_pull};
+use super::handoff::{NodeOpts, PrefillNode};
+use super::handshake::Timeouts;
 use super::stage::{SamplingParams, StageCore, StageOut};
 use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WireError};
+use crate::engine::snapshot::KvDtype;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -61,6 +66,9 @@ impl NodeConfig {
 
 struct Slot {
     core: StageCore,
+    /// Links to the prefill nodes this session pulled from (PULL), by address: each keeps its connection and the
+    /// records of what that node holds for this conversation.
+    links: HashMap<String, PrefillNode>,
     /// (layers, n_ctx, n_batch) the session was opened with.
     key: (Range<usize>, usize, usize),
     last_used: Instant,
@@ -80,7 +88,12 @@ struct State {
     sessions: Mutex<HashMap<(u64, usize, usize), SharedSlot>>,
     /// One forward pass at a time: they all share the thread pool and the cores.
     compute: Mutex<()>,
+    /// The `auto` planner's measurements per prefill node this node pulled from (shared by its sessions).
+    speeds: Mutex<HashMap<String, Speeds>>,
 }
+
+/// Prefill nodes a session may keep links to; beyond it the links are dropped (they reconnect on demand).
+const MAX_LINKS: usize = 8;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -116,6 +129,7 @@ impl Node {
             models: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             compute: Mutex::new(()),
+            speeds: Mutex::new(HashMap::new()),
             cfg,
             file,
             hp,
@@ -241,6 +255,7 @@ impl State {
         )?;
         let slot = Arc::new(Mutex::new(Slot {
             core,
+            links: HashMap::new(),
             key,
             last_used: Instant::now(),
         }));
@@ -420,6 +435,62 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
                     super::handoff::serve_prefill(&mut s, &mut g.core, &p, queued, open.wire)?
                 };
                 drain.finish()?;
+                continue;
+            }
+            Ok(Msg::Pull(p)) => {
+                // Protocol 3: this node decodes; it pulls the prompt's KV from the prefill node named (disagg.rs).
+                let req = p.req;
+                let res = {
+                    let _c = lock(&st.compute);
+                    let mut g = lock(&slot);
+                    g.last_used = Instant::now();
+                    let g = &mut *g;
+                    if g.links.len() >= MAX_LINKS && !g.links.contains_key(&p.prefill) {
+                        g.links.clear();
+                    }
+                    let link = g.links.entry(p.prefill.clone()).or_insert_with(|| {
+                        PrefillNode::new(NodeOpts {
+                            addr: p.prefill.clone(),
+                            secret: st.cfg.secret.clone(),
+                            timeouts: Timeouts::default(),
+                            kv: KvDtype::F32,
+                        })
+                    });
+                    let mut speeds = lock(&st.speeds);
+                    if speeds.len() >= 64 && !speeds.contains_key(&p.prefill) {
+                        speeds.clear();
+                    }
+                    let sp = speeds.entry(p.prefill.clone()).or_default();
+                    serve_pull(&mut g.core, link, sp, &st.pool, &p)
+                };
+                let replies = match res {
+                    Ok(Pulled::Mismatch(n_past)) => vec![Msg::Mismatch {
+                        req,
+                        n_past: n_past as u32,
+                    }],
+                    Ok(Pulled::Done {
+                        report,
+                        sample,
+                        compute_us,
+                    }) => vec![
+                        Msg::PullReport(report),
+                        Msg::Result(ResultMsg {
+                            req,
+                            compute_us,
+                            body: Body::Sample {
+                                token: sample.token,
+                                logprob: sample.logprob,
+                                top: sample.top,
+                            },
+                        }),
+                    ],
+                    Err(e) => vec![Msg::Error {
+                        message: format!("{e:#}"),
+                    }],
+                };
+                for m in &replies {
+                    send(&mut s, m)?;
+                }
                 continue;
             }
             Ok(m) => {

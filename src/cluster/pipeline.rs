@@ -16,7 +16,7 @@
 use super::handshake::{self, Conn, Timeouts};
 use super::stage::{Sampled, SamplingParams, StageCore, StageOut};
 use super::topology::{StageSpec, parse_pipeline};
-use super::wire::{Body, Forward, Hidden, ModelInfo, Msg, Open, WantOut, WireDtype};
+use super::wire::{Body, Forward, Hidden, ModelInfo, Msg, Open, Pull, PullReport, ResultMsg, WantOut, WireDtype};
 use super::{PrefixHash, prefix_next, prefix_root};
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
@@ -62,6 +62,16 @@ impl Default for PipelineOpts {
             verbose: false,
         }
     }
+}
+
+/// A prefill the decode node pulls from a prefill node (protocol 3, PULL): which node, how many layers
+/// ([`super::wire::OFFLOAD_AUTO`]: the decode node decides), KV precision, the decode node's deadline per wait.
+#[derive(Clone, Debug)]
+pub struct PullSpec {
+    pub addr: String,
+    pub offload: u32,
+    pub kv: WireDtype,
+    pub timeout: Duration,
 }
 
 /// What one stage did so far (for `-v` and benchmarks).
@@ -525,7 +535,92 @@ impl PipelineSession {
         }
     }
 
-    fn run(&mut self, new: &[u32], want: WantOut) -> Result<Out> {
+    /// Appends `new` like [`PipelineSession::eval`], but the single full-model remote stage (a decode node) pulls the
+    /// prompt's KV from a prefill node (PULL) instead of computing it alone; it falls back to its own prefill if the
+    /// prefill node fails. Returns the first sampled token and the decode node's report.
+    pub fn eval_pulled(&mut self, new: &[u32], spec: &PullSpec) -> Result<(Sampled, PullReport)> {
+        if self.stages.len() != 1 || self.stages[0].spec.layers != (0..self.hp.n_layer) {
+            bail!("a pulled prefill needs a single remote stage holding every layer (the decode node)");
+        }
+        self.check_new(new)?;
+        let ctx = PassCtx::new(&self.hp, &self.opts);
+        let stage = &mut self.stages[0];
+        let label = stage.spec.label();
+        let Kind::Remote(r) = &mut stage.kind else {
+            bail!("a pulled prefill needs a remote decode node");
+        };
+        // The decode node may wait on the prefill node, then prefill alone: allow for both.
+        let chunks = (self.tokens.len() + new.len()).div_ceil(self.opts.chunk) as u32;
+        let wait = spec.timeout + ctx.timeouts.connect + ctx.timeouts.io * chunks.max(1);
+        for attempt in 0..2 {
+            let start = if attempt == 0 { self.tokens.len() } else { 0 };
+            let mut feed = self.tokens[start..].to_vec();
+            feed.extend_from_slice(new);
+            let req = self.next_req;
+            self.next_req += 1;
+            let msg = Msg::Pull(Pull {
+                req,
+                pos: start as u32,
+                prefix: self.hashes[start],
+                tokens: feed.clone(),
+                prefill: spec.addr.clone(),
+                offload: spec.offload,
+                kv: spec.kv,
+                timeout_ms: spec.timeout.as_millis().min(u32::MAX as u128) as u32,
+            });
+            let t0 = Instant::now();
+            r.ensure(&ctx, &mut stage.stats)?;
+            let conn = r.conn.as_mut().unwrap();
+            let (s0, r0) = (conn.bytes_sent, conn.bytes_recv);
+            let what = format!("the pulled prefill of positions {start}..{}", start + feed.len());
+            let _ = conn.stream.set_read_timeout(Some(wait));
+            let res = (|| -> Result<Option<(Sampled, PullReport, u64)>> {
+                conn.send(&msg, &what)?;
+                let report = match conn.recv(&what)? {
+                    Msg::PullReport(rep) if rep.req == req => rep,
+                    Msg::Mismatch { req: q, .. } if q == req => return Ok(None),
+                    m => bail!("stage {label} answered PULL with {}", m.name()),
+                };
+                match conn.recv(&what)? {
+                    Msg::Result(ResultMsg {
+                        req: q,
+                        compute_us,
+                        body: Body::Sample { token, logprob, top },
+                    }) if q == req && (token as usize) < ctx.n_vocab => {
+                        Ok(Some((Sampled { token, logprob, top }, report, compute_us)))
+                    }
+                    m => bail!("stage {label} answered PULL with {} instead of a sample", m.name()),
+                }
+            })();
+            let _ = conn.stream.set_read_timeout(Some(ctx.timeouts.io));
+            stage.stats.bytes_sent += conn.bytes_sent - s0;
+            stage.stats.bytes_recv += conn.bytes_recv - r0;
+            r.last_used = Instant::now();
+            match res {
+                Ok(Some((sampled, report, compute_us))) => {
+                    stage.stats.requests += 1;
+                    stage.stats.tokens += feed.len() as u64;
+                    stage.stats.compute += Duration::from_micros(compute_us);
+                    stage.stats.wall += t0.elapsed();
+                    for &t in new {
+                        let h = prefix_next(self.hashes.last().unwrap(), t);
+                        self.hashes.push(h);
+                        self.tokens.push(t);
+                    }
+                    return Ok((sampled, report));
+                }
+                Ok(None) if attempt == 0 => self.replays += 1,
+                Ok(None) => bail!("the decode node still does not hold the session's prefix after a full replay"),
+                Err(e) => {
+                    r.conn = None;
+                    return Err(e);
+                }
+            }
+        }
+        unreachable!()
+    }
+
+    fn check_new(&self, new: &[u32]) -> Result<()> {
         if new.is_empty() {
             bail!("nothing to evaluate");
         }
@@ -540,6 +635,11 @@ impl PipelineSession {
         if let Some(&t) = new.iter().find(|&&t| t as usize >= self.hp.n_vocab) {
             bail!("token id {t} is outside the vocabulary of {}", self.hp.n_vocab);
         }
+        Ok(())
+    }
+
+    fn run(&mut self, new: &[u32], want: WantOut) -> Result<Out> {
+        self.check_new(new)?;
         for attempt in 0..2 {
             let start = if attempt == 0 { self.tokens.len() } else { 0 };
             let mut feed = self.tokens[start..].to_vec();

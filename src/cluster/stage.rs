@@ -167,6 +167,12 @@ impl StageCore {
         }
     }
 
+    /// Samples the next token from logits the session just produced for its last position (its tokens are the
+    /// penalty window, as in [`StageCore::run`]); used after a disaggregated prefill on a decode node.
+    pub fn sample_next(&mut self, logits: &[f32]) -> Sampled {
+        sample(logits, &mut self.sampler, self.session.tokens(), self.top_k)
+    }
+
     /// Runs one batch that starts at `pos` after the prefix hashed `prefix`.
     pub fn run(
         &mut self,

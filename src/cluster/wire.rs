@@ -10,7 +10,7 @@ use half::{bf16, f16};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 4] = *b"BTON";
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 12;
 /// Largest payload of any frame.
 pub const MAX_FRAME: usize = 256 << 20;
@@ -33,6 +33,8 @@ pub mod ty {
     pub const KV: u8 = 12;
     pub const PREFILL_HIDDEN: u8 = 13;
     pub const PREFILL_DONE: u8 = 14;
+    pub const PULL: u8 = 15;
+    pub const PULL_REPORT: u8 = 16;
 }
 
 /// Why reading or writing a frame failed; the caller turns it into a message naming the peer.
@@ -349,6 +351,55 @@ pub struct PrefillHidden {
     pub hidden: Hidden,
 }
 
+/// `offload` value of a PULL asking the decode node to choose (its `--offload auto` planner).
+pub const OFFLOAD_AUTO: u32 = u32::MAX;
+
+/// Disaggregated prefill with a remote decode node (protocol 3): the coordinator asks the node holding a full-model
+/// session to prefill `tokens` at `pos..` by pulling their KV from the prefill node `prefill`, then to sample the
+/// first token. The node answers PULL_REPORT, then RESULT (a sample), or MISMATCH / ERROR.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pull {
+    pub req: u64,
+    pub pos: u32,
+    pub prefix: [u8; 16],
+    pub tokens: Vec<u32>,
+    /// `HOST:PORT` of the prefill node.
+    pub prefill: String,
+    /// Layers to prefill remotely (0: locally), or [`OFFLOAD_AUTO`].
+    pub offload: u32,
+    /// Element type of the KV between the prefill and the decode node.
+    pub kv: WireDtype,
+    /// The decode node's deadline for each wait on the prefill node, milliseconds.
+    pub timeout_ms: u32,
+}
+
+/// How a PULL went on the decode node: the fields of its TTFT breakdown (durations in microseconds).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PullReport {
+    pub req: u64,
+    pub layers: u32,
+    pub n_layer: u32,
+    pub prompt: u32,
+    pub held: u32,
+    pub sent: u32,
+    pub catch_up: u32,
+    pub connect_us: u64,
+    pub queue_us: u64,
+    pub remote_us: u64,
+    pub local_us: u64,
+    pub exposed_us: u64,
+    pub handoff_us: u64,
+    pub total_us: u64,
+    /// KV and hidden-state bytes received from the prefill node.
+    pub bytes: u64,
+    /// Bytes per second during the stream.
+    pub link_rate: u64,
+    /// The planner's choice and reason.
+    pub plan: String,
+    /// Why the remote prefill was abandoned (empty: it was not).
+    pub fallback: String,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
     Ack,
@@ -410,6 +461,8 @@ pub enum Msg {
         queue_us: u64,
         compute_us: u64,
     },
+    Pull(Pull),
+    PullReport(PullReport),
 }
 
 impl Msg {
@@ -429,6 +482,8 @@ impl Msg {
             Msg::Kv { .. } => ty::KV,
             Msg::PrefillHidden(_) => ty::PREFILL_HIDDEN,
             Msg::PrefillDone { .. } => ty::PREFILL_DONE,
+            Msg::Pull(_) => ty::PULL,
+            Msg::PullReport(_) => ty::PULL_REPORT,
         }
     }
 
@@ -547,6 +602,38 @@ impl Msg {
                 e.u32(*n_past);
                 e.u64(*queue_us);
                 e.u64(*compute_us);
+            }
+            Msg::Pull(p) => {
+                e.u64(p.req);
+                e.u32(p.pos);
+                e.raw(&p.prefix);
+                e.u32(p.tokens.len() as u32);
+                p.tokens.iter().for_each(|&t| e.u32(t));
+                e.str(&p.prefill);
+                e.u32(p.offload);
+                e.u8(p.kv as u8);
+                e.u32(p.timeout_ms);
+            }
+            Msg::PullReport(r) => {
+                e.u64(r.req);
+                for v in [r.layers, r.n_layer, r.prompt, r.held, r.sent, r.catch_up] {
+                    e.u32(v);
+                }
+                for v in [
+                    r.connect_us,
+                    r.queue_us,
+                    r.remote_us,
+                    r.local_us,
+                    r.exposed_us,
+                    r.handoff_us,
+                    r.total_us,
+                    r.bytes,
+                    r.link_rate,
+                ] {
+                    e.u64(v);
+                }
+                e.str(&r.plan);
+                e.str(&r.fallback);
             }
         }
         e.0
@@ -685,6 +772,43 @@ impl Msg {
                 queue_us: d.u64()?,
                 compute_us: d.u64()?,
             },
+            ty::PULL => {
+                let req = d.u64()?;
+                let pos = d.u32()?;
+                let prefix = d.arr()?;
+                let n = d.count(4)?;
+                let tokens = (0..n).map(|_| d.u32()).collect::<Result<Vec<_>, _>>()?;
+                Msg::Pull(Pull {
+                    req,
+                    pos,
+                    prefix,
+                    tokens,
+                    prefill: d.str()?,
+                    offload: d.u32()?,
+                    kv: WireDtype::from_code(d.u8()?)?,
+                    timeout_ms: d.u32()?,
+                })
+            }
+            ty::PULL_REPORT => Msg::PullReport(PullReport {
+                req: d.u64()?,
+                layers: d.u32()?,
+                n_layer: d.u32()?,
+                prompt: d.u32()?,
+                held: d.u32()?,
+                sent: d.u32()?,
+                catch_up: d.u32()?,
+                connect_us: d.u64()?,
+                queue_us: d.u64()?,
+                remote_us: d.u64()?,
+                local_us: d.u64()?,
+                exposed_us: d.u64()?,
+                handoff_us: d.u64()?,
+                total_us: d.u64()?,
+                bytes: d.u64()?,
+                link_rate: d.u64()?,
+                plan: d.str()?,
+                fallback: d.str()?,
+            }),
             other => return malformed(format!("unknown message type {other}")),
         };
         if d.left() != 0 {
@@ -714,6 +838,8 @@ pub fn type_name(code: u8) -> &'static str {
         ty::KV => "KV",
         ty::PREFILL_HIDDEN => "PREFILL_HIDDEN",
         ty::PREFILL_DONE => "PREFILL_DONE",
+        ty::PULL => "PULL",
+        ty::PULL_REPORT => "PULL_REPORT",
         _ => "unknown",
     }
 }
@@ -721,7 +847,7 @@ pub fn type_name(code: u8) -> &'static str {
 /// Largest payload a frame of type `code` may carry.
 pub fn max_payload(code: u8) -> usize {
     match code {
-        ty::FORWARD | ty::RESULT | ty::PREFILL | ty::KV | ty::PREFILL_HIDDEN => MAX_FRAME,
+        ty::FORWARD | ty::RESULT | ty::PREFILL | ty::KV | ty::PREFILL_HIDDEN | ty::PULL => MAX_FRAME,
         _ => MAX_SMALL_FRAME,
     }
 }
@@ -1042,6 +1168,36 @@ mod tests {
             queue_us: 7,
             compute_us: 1000,
         });
+        roundtrip(Msg::Pull(Pull {
+            req: 10,
+            pos: 3,
+            prefix: [6; 16],
+            tokens: vec![4, 5, 6],
+            prefill: "10.0.0.2:7070".into(),
+            offload: OFFLOAD_AUTO,
+            kv: WireDtype::Q8,
+            timeout_ms: 10_000,
+        }));
+        roundtrip(Msg::PullReport(PullReport {
+            req: 10,
+            layers: 30,
+            n_layer: 30,
+            prompt: 40,
+            held: 3,
+            sent: 37,
+            catch_up: 1,
+            connect_us: 1,
+            queue_us: 2,
+            remote_us: 3,
+            local_us: 4,
+            exposed_us: 5,
+            handoff_us: 6,
+            total_us: 7,
+            bytes: 8,
+            link_rate: 9,
+            plan: "offload always".into(),
+            fallback: String::new(),
+        }));
         roundtrip(Msg::Error {
             message: "nope ✓".into(),
         });

@@ -4,6 +4,9 @@
 //! model = "smollm2"              # optional: the model every node serves (default: --model)
 //! secret_file = "cluster.key"    # optional: shared secret for nodes beyond loopback
 //! wire_bits = "16"               # optional: hidden-state precision on the wire (32, 16, bf16, 8)
+//! offload = "auto"               # optional, with prefill nodes: auto, never, always, or a share such as 60%
+//! kv_bits = "32"                 # optional, with prefill nodes: KV precision from prefill to decode node
+//! prefill_timeout = 10.0         # optional, with prefill nodes: seconds before a silent prefill node is given up
 //!
 //! [[node]]
 //! name = "d1"
@@ -25,7 +28,8 @@
 //! ```
 //!
 //! Stage nodes together form one pipeline. Decode nodes each serve all layers; the router spreads requests over
-//! them. Prefill nodes pair with decode nodes (disaggregated prefill, see [`super::disagg_hook`]).
+//! them (`addr = "local"`: the server decodes itself). Prefill nodes serve every decode node: per request the
+//! least-loaded healthy one prefills and the decode node pulls the KV (see [`super::disagg_hook`]).
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
@@ -65,6 +69,9 @@ pub struct ClusterFile {
     pub model: Option<String>,
     pub secret_file: Option<PathBuf>,
     pub wire_bits: Option<String>,
+    pub offload: Option<String>,
+    pub kv_bits: Option<String>,
+    pub prefill_timeout: Option<f64>,
     #[serde(default, rename = "node")]
     pub nodes: Vec<NodeEntry>,
     #[serde(default, rename = "link")]
@@ -89,6 +96,36 @@ impl PartialEq for NodeEntry {
     }
 }
 
+/// `baton serve --prefill-node A,B`: this server decodes (a local decode node), the listed nodes prefill.
+pub fn local_decode(list: &str) -> Result<Topology> {
+    let prefill: Vec<NodeEntry> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(|a| NodeEntry {
+            name: a.to_string(),
+            addr: a.to_string(),
+            role: Role::Prefill,
+            layers: None,
+            slots: None,
+        })
+        .collect();
+    if prefill.is_empty() || prefill.iter().any(|p| !p.addr.contains(':')) {
+        bail!("--prefill-node {list:?} must be HOST:PORT[,HOST:PORT...]");
+    }
+    let local = NodeEntry {
+        name: "local".into(),
+        addr: "local".into(),
+        role: Role::Decode,
+        layers: None,
+        slots: None,
+    };
+    Ok(Topology::Decode {
+        decode: vec![local],
+        prefill,
+    })
+}
+
 impl ClusterFile {
     pub fn load(path: &Path) -> Result<ClusterFile> {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -109,13 +146,16 @@ impl ClusterFile {
             }
             if n.addr != "local" && !n.addr.contains(':') {
                 bail!(
-                    "node {:?}: addr {:?} must be HOST:PORT (or local for a stage)",
+                    "node {:?}: addr {:?} must be HOST:PORT (or local for a stage or a decode node)",
                     n.name,
                     n.addr
                 );
             }
-            if n.addr == "local" && n.role != Role::Stage {
-                bail!("node {:?}: only a stage can be local", n.name);
+            if n.addr == "local" && n.role == Role::Prefill {
+                bail!(
+                    "node {:?}: a prefill node cannot be local (the server would prefill for itself)",
+                    n.name
+                );
             }
             match (n.role, &n.layers) {
                 (Role::Stage, None) => bail!("stage node {:?} needs layers = \"A:B\"", n.name),
@@ -227,6 +267,7 @@ mod tests {
                 "[[node]]\nname='a'\naddr='h:1'\nrole='decode'\nport=3\n",
                 "unknown field",
             ),
+            ("[[node]]\nname='a'\naddr='local'\nrole='prefill'\n", "cannot be local"),
         ];
         for (text, want) in bad {
             let e = ClusterFile::parse(text).map(|_| ()).unwrap_err().to_string();

@@ -63,6 +63,8 @@ pub struct Metrics {
     routes: Mutex<BTreeMap<(String, &'static str), u64>>,
     /// peer → (bytes sent, bytes received).
     wire: Mutex<BTreeMap<String, (u64, u64)>>,
+    /// (prefill node, counter) → value: requests offloaded / fallen back, tokens sent / held / caught up.
+    prefill: Mutex<BTreeMap<(String, &'static str), u64>>,
 }
 
 /// Gauges read at scrape time.
@@ -100,6 +102,16 @@ impl Metrics {
         let e = w.entry(peer.to_string()).or_default();
         e.0 += sent;
         e.1 += recv;
+    }
+    /// One disaggregated prefill that used prefill node `node` (its KV bytes count as received from that peer).
+    pub fn prefill(&self, node: &str, fallback: bool, sent: usize, held: usize, caught_up: usize, bytes: u64) {
+        let mut p = self.prefill.lock().unwrap();
+        let outcome = if fallback { "fallback" } else { "offloaded" };
+        for (what, n) in [(outcome, 1), ("sent", sent), ("held", held), ("caught_up", caught_up)] {
+            *p.entry((node.to_string(), what)).or_default() += n as u64;
+        }
+        drop(p);
+        self.wire(node, 0, bytes);
     }
     pub fn add(c: &AtomicU64, n: usize) {
         c.fetch_add(n as u64, Ordering::Relaxed);
@@ -200,6 +212,36 @@ impl Metrics {
         for ((n, why), c) in self.routes.lock().unwrap().iter() {
             let _ = writeln!(o, "baton_routed_total{{node=\"{}\",reason=\"{why}\"}} {c}", esc(n));
         }
+        let p = self.prefill.lock().unwrap();
+        let _ = writeln!(
+            o,
+            "# HELP baton_prefill_requests_total Prompts offloaded to a prefill node, by outcome (offloaded, or \
+             fallback: prefilled by the decode side after the node failed).\n# TYPE baton_prefill_requests_total counter"
+        );
+        for ((n, what), c) in p.iter().filter(|((_, w), _)| matches!(*w, "offloaded" | "fallback")) {
+            let _ = writeln!(
+                o,
+                "baton_prefill_requests_total{{node=\"{}\",outcome=\"{what}\"}} {c}",
+                esc(n)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "# HELP baton_prefill_tokens_total Prompt tokens of offloaded prefills: sent (KV crossed the wire), held \
+             (already on the decode side), caught_up (recomputed by the prefill node without sending).\n# TYPE \
+             baton_prefill_tokens_total counter"
+        );
+        for ((n, what), c) in p
+            .iter()
+            .filter(|((_, w), _)| matches!(*w, "sent" | "held" | "caught_up"))
+        {
+            let _ = writeln!(
+                o,
+                "baton_prefill_tokens_total{{node=\"{}\",kind=\"{what}\"}} {c}",
+                esc(n)
+            );
+        }
+        drop(p);
         let _ = writeln!(
             o,
             "# HELP baton_wire_bytes_total Bytes exchanged with each remote peer."

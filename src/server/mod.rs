@@ -18,7 +18,11 @@ pub mod router;
 pub mod routes;
 pub mod stop;
 
+use crate::cluster::disagg::{DisaggGenerator, Offload, PoolMember, PrefillPool, RemotePrefill};
+use crate::cluster::handoff::NodeOpts;
+use crate::cluster::handshake::Timeouts;
 use crate::cluster::{PipelineOpts, WireDtype};
+use crate::engine::snapshot::KvDtype;
 use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, PipelineGenerator, Prompt};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
@@ -62,6 +66,14 @@ pub struct ServeConfig {
     /// A draft model for speculative decoding of the local model (`MODEL` or `MODEL@HOST:PORT`).
     pub draft: Option<String>,
     pub draft_tokens: String,
+    /// Prefill nodes (`HOST:PORT,...`) for the local model: this server decodes, they prefill.
+    pub prefill_node: Option<String>,
+    /// With prefill nodes: auto, never, always or a share of the layers (`60%`).
+    pub offload: String,
+    /// With prefill nodes: KV precision between prefill and decode side (32, 16, bf16, 8).
+    pub kv_bits: String,
+    /// With prefill nodes: a silent prefill node is given up after this (the decode side then prefills).
+    pub prefill_timeout: Duration,
 }
 
 impl Default for ServeConfig {
@@ -87,6 +99,10 @@ impl Default for ServeConfig {
             ensemble_degrade: false,
             draft: None,
             draft_tokens: "auto".into(),
+            prefill_node: None,
+            offload: "auto".into(),
+            kv_bits: "32".into(),
+            prefill_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -106,8 +122,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
     let metrics = Arc::new(Metrics::default());
     let (model_id, aliases, nodes, describe) = if let Some(spec) = &cfg.ensemble {
-        if file.is_some() || cfg.pipeline.is_some() || cfg.draft.is_some() {
-            bail!("--ensemble cannot be combined with --cluster, --pipeline or --draft");
+        if file.is_some() || cfg.pipeline.is_some() || cfg.draft.is_some() || cfg.prefill_node.is_some() {
+            bail!("--ensemble cannot be combined with --cluster, --pipeline, --draft or --prefill-node");
         }
         let opts = pipeline_opts(&cfg, &cfg.wire_bits, cfg.secret_file.as_deref())?;
         let (node, describe) = mix::ensemble_slots(&cfg, spec, opts, mix::cache(&cfg))?;
@@ -204,11 +220,14 @@ fn build_nodes(
     path: &Path,
     metrics: &Arc<Metrics>,
 ) -> Result<(Vec<NodeSpec>, String)> {
-    let topology = match (file, &cfg.pipeline) {
-        (Some(_), Some(_)) => bail!("give either --pipeline or --cluster, not both"),
-        (Some(f), None) => Some(f.topology()?),
-        (None, Some(spec)) => Some(Topology::Pipeline(spec.clone())),
-        (None, None) => None,
+    let topology = match (file, &cfg.pipeline, &cfg.prefill_node) {
+        (Some(_), Some(_), _) => bail!("give either --pipeline or --cluster, not both"),
+        (Some(_), _, Some(_)) => bail!("with --cluster, name prefill nodes in the cluster file (role = \"prefill\")"),
+        (None, Some(_), Some(_)) => bail!("--prefill-node pairs with a whole-model decode side, not a pipeline"),
+        (Some(f), None, None) => Some(f.topology()?),
+        (None, Some(spec), None) => Some(Topology::Pipeline(spec.clone())),
+        (None, None, Some(list)) => Some(cluster_file::local_decode(list)?),
+        (None, None, None) => None,
     };
     let wire_bits = file
         .and_then(|f| f.wire_bits.clone())
@@ -221,7 +240,9 @@ fn build_nodes(
         .map_or(String::new(), |f| f.to_string_lossy().into_owned());
     if let Some(draft) = &cfg.draft {
         if topology.is_some() {
-            bail!("--draft runs the target in this process; it cannot be combined with --cluster or --pipeline");
+            bail!(
+                "--draft runs the target in this process; it cannot be combined with --cluster, --pipeline or --prefill-node"
+            );
         }
         let secret = secret.as_deref().map(crate::cluster::auth::load_secret).transpose()?;
         let (node, describe) = mix::draft_slots(cfg, path, draft, secret, mix::cache(cfg))?;
@@ -248,7 +269,7 @@ fn build_nodes(
             let opts = pipeline_opts(cfg, &wire_bits, secret.as_deref())?;
             // Fail at start on a bad spec or an unreachable stage.
             PipelineGenerator::connect(&spec, path, opts.clone()).context("cannot open the pipeline")?;
-            let factory = metered_pipeline(spec.clone(), path.to_path_buf(), opts, metrics.clone());
+            let factory = metered_pipeline(spec.clone(), path.to_path_buf(), opts, metrics.clone(), None);
             let node = NodeSpec {
                 label: "pipeline".into(),
                 addr: None,
@@ -259,21 +280,25 @@ fn build_nodes(
         }
         Some(Topology::Decode { decode, prefill }) => {
             let opts = pipeline_opts(cfg, &wire_bits, secret.as_deref())?;
+            let pool = (!prefill.is_empty())
+                .then(|| prefill_pool(&prefill, metrics, cfg.health_every))
+                .transpose()?;
+            let dis = DisaggSettings::of(cfg, file)?;
             let mut nodes = Vec::new();
             for d in &decode {
-                let factory = if prefill.is_empty() {
-                    metered_pipeline(
+                let factory = match &pool {
+                    None => metered_pipeline(
                         format!("{}=0:end", d.addr),
                         path.to_path_buf(),
                         opts.clone(),
                         metrics.clone(),
-                    )
-                } else {
-                    disagg_hook(&prefill, d, path, &opts)?
+                        None,
+                    ),
+                    Some(pool) => disagg_hook(pool, d, path, &opts, cfg, &dis, metrics)?,
                 };
                 nodes.push(NodeSpec {
                     label: d.name.clone(),
-                    addr: Some(d.addr.clone()),
+                    addr: (d.addr != "local").then(|| d.addr.clone()),
                     slots: d.slots.unwrap_or(cfg.parallel),
                     factory,
                 });
@@ -284,7 +309,7 @@ fn build_nodes(
                 if prefill.is_empty() {
                     String::new()
                 } else {
-                    format!(" and {} prefill node(s)", prefill.len())
+                    format!(" and {} prefill node(s), offload {}", prefill.len(), dis.offload_text)
                 }
             );
             Ok((nodes, desc))
@@ -292,24 +317,128 @@ fn build_nodes(
     }
 }
 
-/// HOOK for disaggregated prefill (issue 5): the generator factory of one decode node's slots when the cluster file
-/// names prefill nodes. The factory is called once per slot (and again after a failure). To wire `DisaggGenerator`:
-/// build here, once per decode node, a shared picker over `prefill` (busy counters behind an `Arc`, health as for
-/// decode nodes; `ClusterFile::links` gives rates) so each request prefills on the least-loaded healthy prefill
-/// node, streams the KV to `decode.addr`, and decodes there; return a factory that clones the picker into each
-/// slot's generator. A prefill failure before the first token is retried on another decode slot by the scheduler.
-fn disagg_hook(prefill: &[NodeEntry], decode: &NodeEntry, _path: &Path, _opts: &PipelineOpts) -> Result<Factory> {
-    bail!(
-        "prefill nodes ({}) for decode node {} need the disaggregated generator, which this build does not have yet",
-        prefill.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "),
-        decode.name
-    )
+/// How decode sides use prefill nodes: from the cluster file, else the flags.
+struct DisaggSettings {
+    offload: Offload,
+    offload_text: String,
+    kv: KvDtype,
+    timeout: Duration,
 }
 
-/// A pipeline generator whose wire bytes per stage are added to `/metrics`.
-fn metered_pipeline(spec: String, path: PathBuf, opts: PipelineOpts, metrics: Arc<Metrics>) -> Factory {
+impl DisaggSettings {
+    fn of(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<DisaggSettings> {
+        let offload_text = file
+            .and_then(|f| f.offload.clone())
+            .unwrap_or_else(|| cfg.offload.clone());
+        let kv = file
+            .and_then(|f| f.kv_bits.clone())
+            .unwrap_or_else(|| cfg.kv_bits.clone());
+        let timeout = file
+            .and_then(|f| f.prefill_timeout)
+            .map_or(Ok(cfg.prefill_timeout), |s| {
+                Duration::try_from_secs_f64(s).map_err(|_| anyhow::anyhow!("prefill_timeout {s} is not a duration"))
+            })?;
+        Ok(DisaggSettings {
+            offload: Offload::parse(&offload_text)?,
+            offload_text,
+            kv: KvDtype::parse(&kv)?,
+            timeout,
+        })
+    }
+}
+
+/// The prefill nodes every decode slot shares, health-checked; each prefill's outcome, tokens and KV bytes go to
+/// `/metrics` under the node's name.
+fn prefill_pool(prefill: &[NodeEntry], metrics: &Arc<Metrics>, every: Duration) -> Result<Arc<PrefillPool>> {
+    let members = prefill
+        .iter()
+        .map(|p| PoolMember {
+            name: p.name.clone(),
+            addr: p.addr.clone(),
+        })
+        .collect();
+    let m = metrics.clone();
+    let pool = PrefillPool::new(
+        members,
+        Some(Box::new(move |member, rep| {
+            m.prefill(
+                &member.name,
+                rep.fallback.is_some(),
+                rep.sent,
+                rep.held,
+                rep.catch_up,
+                rep.bytes,
+            )
+        })),
+    );
+    pool.health_loop(every);
+    Ok(pool)
+}
+
+/// The generator factory of one decode node's slots when there are prefill nodes. Per request each slot leases the
+/// least-loaded healthy prefill node of `pool`. A local decode node (`addr = "local"`, or `--prefill-node` without a
+/// cluster file) is a [`DisaggGenerator`] per slot over one model loaded once; a remote one is a pipeline with a
+/// single full-model stage whose prompts the node prefills by pulling the KV from the prefill node (protocol 3,
+/// PULL; it authenticates to the prefill node with its own secret). A prefill node that fails costs the request
+/// nothing but the offload (the decode side prefills itself) and is taken out until it answers again; a decode node
+/// that fails before the first token is retried on another one by the scheduler.
+fn disagg_hook(
+    pool: &Arc<PrefillPool>,
+    decode: &NodeEntry,
+    path: &Path,
+    opts: &PipelineOpts,
+    cfg: &ServeConfig,
+    dis: &DisaggSettings,
+    metrics: &Arc<Metrics>,
+) -> Result<Factory> {
+    let remote = RemotePrefill::new(pool.clone(), dis.offload, dis.kv, dis.timeout);
+    if decode.addr != "local" {
+        return Ok(metered_pipeline(
+            format!("{}=0:end", decode.addr),
+            path.to_path_buf(),
+            opts.clone(),
+            metrics.clone(),
+            Some(remote),
+        ));
+    }
+    let model = Arc::new(Model::load(path)?);
+    let threads = Arc::new(ThreadPool::new(cfg.threads));
+    let link = NodeOpts {
+        addr: String::new(),
+        secret: opts.secret.clone(),
+        timeouts: Timeouts {
+            connect: opts.timeouts.connect,
+            io: dis.timeout,
+        },
+        kv: dis.kv,
+    };
+    let (ctx, batch, offload, pool) = (cfg.ctx_size, cfg.batch_size, dis.offload, pool.clone());
+    Ok(Arc::new(move || {
+        let g = DisaggGenerator::new(
+            model.clone(),
+            threads.clone(),
+            ctx,
+            batch,
+            link.clone(),
+            pool.clone(),
+            offload,
+        )?;
+        Ok(Box::new(g) as Box<dyn Generator>)
+    }))
+}
+
+/// A pipeline generator whose wire bytes per stage are added to `/metrics` (with `remote`: its single full-model
+/// stage is a decode node that pulls prefills from prefill nodes).
+fn metered_pipeline(
+    spec: String,
+    path: PathBuf,
+    opts: PipelineOpts,
+    metrics: Arc<Metrics>,
+    remote: Option<RemotePrefill>,
+) -> Factory {
     Arc::new(move || {
-        let inner = PipelineGenerator::connect(&spec, &path, opts.clone())?;
+        let mut inner = PipelineGenerator::connect(&spec, &path, opts.clone())?;
+        inner.remote_prefill = remote.clone();
         Ok(Box::new(Metered {
             inner,
             metrics: metrics.clone(),
