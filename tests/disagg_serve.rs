@@ -4,110 +4,26 @@
 
 mod cluster_util;
 
-use cluster_util::{NodeProc, smollm2};
+use cluster_util::{NodeProc, ServeProc, smollm2};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A `baton serve` child process, killed on drop (its log printed when the test fails).
-struct Server {
-    child: Child,
-    addr: String,
-    log: Arc<Mutex<String>>,
-}
+/// `baton serve` with one thread, a 512-token context and 32-token prompt batches, plus ARGS.
+struct Server;
 
 impl Server {
-    fn start(args: &[&str]) -> Server {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
-        cmd.args(["serve", "-t", "1", "-c", "512", "-b", "32", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().expect("spawn baton serve");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some((_, rest)) = line.split_once("listening on http://") {
-                    let _ = tx.send(rest.trim().to_string());
-                }
-                let mut l = log2.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(addr) => Server { child, addr, log },
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("baton serve did not start:\n{}", log.lock().unwrap());
-            }
-        }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// One request on its own connection (`Connection: close`): status and body.
-    fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
-        let mut s = TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).unwrap();
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
-        assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
-        let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (code, body.to_string())
-    }
-
-    fn chat(&self, messages: Value) -> Value {
-        let body = json!({"model": "smollm2", "temperature": 0, "max_tokens": 4, "messages": messages});
-        let (code, text) = self.http("POST", "/v1/chat/completions", &body.to_string());
-        assert_eq!(code, 200, "{text}\nserver log:\n{}", self.log());
-        serde_json::from_str(&text).unwrap()
-    }
-
-    /// The value of the metric line starting with `name` (0 when absent).
-    fn metric(&self, name: &str) -> f64 {
-        let (_, text) = self.http("GET", "/metrics", "");
-        text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-            .map_or(0.0, |v| v.trim().parse().unwrap())
+    fn start(args: &[&str]) -> ServeProc {
+        ServeProc::start(&[&["-t", "1", "-c", "512", "-b", "32"], args].concat())
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("server log:\n{}", self.log());
-        }
-    }
+/// A greedy 4-token chat request that must succeed.
+fn chat(srv: &ServeProc, messages: Value) -> Value {
+    let body = json!({"model": "smollm2", "temperature": 0, "max_tokens": 4, "messages": messages});
+    let (code, text) = srv.http("POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(code, 200, "{text}\nserver log:\n{}", srv.log());
+    serde_json::from_str(&text).unwrap()
 }
 
 fn user(content: &str) -> Value {
@@ -140,14 +56,14 @@ fn serve_with_a_prefill_node_offloads_only_the_new_suffix() {
         "--offload",
         "always",
     ]);
-    let sent = |srv: &Server, kind: &str| {
+    let sent = |srv: &ServeProc, kind: &str| {
         srv.metric(&format!(
             "baton_prefill_tokens_total{{node=\"{}\",kind=\"{kind}\"}}",
             p.addr
         ))
     };
     let q1 = "Name three colours of the rainbow.";
-    let a = srv.chat(json!([user(q1)]));
+    let a = chat(&srv, json!([user(q1)]));
     let (n1, cached1) = usage(&a);
     assert_eq!(cached1, 0.0);
     assert_eq!(
@@ -162,7 +78,7 @@ fn serve_with_a_prefill_node_offloads_only_the_new_suffix() {
     assert!(bytes1 > n1 * 40_000.0, "{bytes1} bytes of KV for {n1} tokens");
 
     let turn2 = json!([user(q1), {"role": "assistant", "content": reply(&a)}, user("And two more?")]);
-    let b = srv.chat(turn2);
+    let b = chat(&srv, turn2);
     let (n2, cached2) = usage(&b);
     assert!(cached2 >= n1, "turn 2 keeps turn 1 (and its reply): {cached2} of {n2}");
     assert_eq!(
@@ -181,7 +97,7 @@ fn serve_with_a_prefill_node_offloads_only_the_new_suffix() {
     // The same conversation on a plain local server gives the same replies.
     drop(srv);
     let local = Server::start(&["-m", model.to_str().unwrap()]);
-    let a2 = local.chat(json!([user(q1)]));
+    let a2 = chat(&local, json!([user(q1)]));
     assert_eq!(reply(&a2), reply(&a));
 }
 
@@ -219,7 +135,7 @@ fn router_over_two_prefill_and_two_decode_nodes() {
         "--node-timeout",
         "30",
     ]));
-    let offloaded = |srv: &Server, i: usize| {
+    let offloaded = |srv: &ServeProc, i: usize| {
         srv.metric(&format!(
             "baton_prefill_requests_total{{node=\"p{i}\",outcome=\"offloaded\"}}"
         ))
@@ -231,7 +147,7 @@ fn router_over_two_prefill_and_two_decode_nodes() {
     let threads: Vec<_> = [story, planets]
         .map(|q| {
             let srv = srv.clone();
-            std::thread::spawn(move || srv.chat(json!([user(q)])))
+            std::thread::spawn(move || chat(&srv, json!([user(q)])))
         })
         .into_iter()
         .collect();
@@ -247,7 +163,7 @@ fn router_over_two_prefill_and_two_decode_nodes() {
     // The story's next turn: routed for its prefix, and the decode node only receives the new suffix's KV.
     let next = json!([user(story), {"role": "assistant", "content": reply(&first[0])}, user("What happened next?")]);
     let prefix_before = routed(0, "prefix") + routed(1, "prefix");
-    let b = srv.chat(next.clone());
+    let b = chat(&srv, next.clone());
     assert_eq!(
         routed(0, "prefix") + routed(1, "prefix"),
         prefix_before + 1.0,
@@ -259,7 +175,7 @@ fn router_over_two_prefill_and_two_decode_nodes() {
     // A prefill node dies: requests still complete (the one that hits it falls back; it is taken out).
     p[0].kill();
     for q in ["Say hello in French.", "Say hello in Spanish.", "Count to three."] {
-        srv.chat(json!([user(q)]));
+        chat(&srv, json!([user(q)]));
     }
     let t0 = Instant::now();
     while !srv.log().contains("prefill node p0") {
@@ -279,7 +195,7 @@ fn router_over_two_prefill_and_two_decode_nodes() {
     // A decode node dies too: its requests are retried on the other one.
     d[0].kill();
     for q in ["Name a fruit.", "Name a tree."] {
-        srv.chat(json!([user(q)]));
+        chat(&srv, json!([user(q)]));
     }
     assert_eq!(
         srv.metric("baton_requests_total{path=\"/v1/chat/completions\",status=\"200\"}"),

@@ -4,71 +4,33 @@
 
 mod cluster_util;
 
-use cluster_util::{NodeProc, smollm2, spawn_listening};
+use cluster_util::{NodeProc, ServeProc, smollm2};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A `baton serve` child process, killed on drop.
-struct Server {
-    child: Child,
-    addr: String,
-    log: Arc<Mutex<String>>,
-}
+/// `baton serve` with one thread and a small context, plus ARGS.
+struct Server;
 
 impl Server {
-    fn try_start(args: &[&str]) -> Result<Server, String> {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
-        cmd.args(["serve", "-t", "1", "-c", "256"]).args(args);
-        if !args.contains(&"--listen") {
-            cmd.args(["--listen", "127.0.0.1:0"]);
-        }
-        let (child, addr, log) = spawn_listening(cmd, |line| {
-            line.split_once("listening on http://")
-                .map(|(_, rest)| rest.trim().to_string())
-        })?;
-        Ok(Server { child, addr, log })
+    fn try_start(args: &[&str]) -> Result<ServeProc, String> {
+        ServeProc::try_start(&[&["-t", "1", "-c", "256"], args].concat())
     }
 
-    fn start(args: &[&str]) -> Server {
-        Server::try_start(args).unwrap_or_else(|log| panic!("baton serve failed to start:\n{log}"))
-    }
-
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (code, _, text) = http(&self.addr, "POST", path, &body.to_string(), &[]);
-        (
-            code,
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
-        )
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        let (code, _, text) = http(&self.addr, "GET", path, "", &[]);
-        (code, text)
-    }
-
-    fn metric(&self, line_prefix: &str) -> f64 {
-        let (_, text) = self.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(line_prefix).and_then(|r| r.strip_prefix(' ')))
-            .map_or(0.0, |v| v.trim().parse().unwrap())
-    }
-
-    fn stream(&self, path: &str, body: &Value) -> SseReader {
-        SseReader::open(&self.addr, path, &body.to_string())
+    fn start(args: &[&str]) -> ServeProc {
+        ServeProc::start(&[&["-t", "1", "-c", "256"], args].concat())
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("server log:\n{}", self.log.lock().unwrap());
-        }
+trait Stream {
+    fn stream(&self, path: &str, body: &Value) -> SseReader;
+}
+
+impl Stream for ServeProc {
+    fn stream(&self, path: &str, body: &Value) -> SseReader {
+        SseReader::open(&self.addr, path, &body.to_string())
     }
 }
 
@@ -644,14 +606,14 @@ fn router_prefers_the_cached_prefix_and_fails_over() {
     let file = cluster_file(&dir, &[&n0.addr, &n1.addr]);
     let srv = Server::start(&["--cluster", &file, "--node-timeout", "30"]);
     let mut nodes = [Some(n0), Some(n1)];
-    let node_of = |srv: &Server, before: [f64; 2]| -> usize {
+    let node_of = |srv: &ServeProc, before: [f64; 2]| -> usize {
         let after = [0, 1].map(|i| {
             srv.metric(&format!("baton_routed_total{{node=\"d{i}\",reason=\"prefix\"}}"))
                 + srv.metric(&format!("baton_routed_total{{node=\"d{i}\",reason=\"least_loaded\"}}"))
         });
         (0..2).find(|&i| after[i] > before[i]).expect("a node was routed to")
     };
-    let counts = |srv: &Server| {
+    let counts = |srv: &ServeProc| {
         [0, 1].map(|i| {
             srv.metric(&format!("baton_routed_total{{node=\"d{i}\",reason=\"prefix\"}}"))
                 + srv.metric(&format!("baton_routed_total{{node=\"d{i}\",reason=\"least_loaded\"}}"))

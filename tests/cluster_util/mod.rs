@@ -114,6 +114,89 @@ pub fn spawn_listening(
     }
 }
 
+/// A `baton serve` child process on an ephemeral loopback port, killed on drop (its log printed when the test
+/// fails).
+pub struct ServeProc {
+    pub child: Child,
+    pub addr: String,
+    pub log: Arc<Mutex<String>>,
+}
+
+impl ServeProc {
+    /// `baton serve ARGS` (with `--listen 127.0.0.1:0` unless ARGS names one); `Err(log)` when it does not start.
+    pub fn try_start(args: &[&str]) -> Result<ServeProc, String> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
+        cmd.arg("serve").args(args);
+        if !args.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        let (child, addr, log) = spawn_listening(cmd, |line| {
+            line.split_once("listening on http://")
+                .map(|(_, rest)| rest.trim().to_string())
+        })?;
+        Ok(ServeProc { child, addr, log })
+    }
+
+    pub fn start(args: &[&str]) -> ServeProc {
+        Self::try_start(args).unwrap_or_else(|log| panic!("baton serve failed to start:\n{log}"))
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// One request on its own connection (`Connection: close`), not streamed: status and body.
+    pub fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+        assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
+        let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (code, body.to_string())
+    }
+
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let (code, text) = self.http("POST", path, &body.to_string());
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        )
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        self.http("GET", path, "")
+    }
+
+    /// The value of the `/metrics` line starting with `name` (0 when absent).
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+            .map_or(0.0, |v| v.trim().parse().unwrap())
+    }
+}
+
+impl Drop for ServeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("server log:\n{}", self.log());
+        }
+    }
+}
+
 /// A `baton-node` child process, killed (and reaped) on drop; also killed if the test process dies.
 pub struct NodeProc {
     pub child: Child,
