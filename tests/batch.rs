@@ -38,7 +38,10 @@ fn check_model(name: &str) {
         batched.push(b);
     }
     let positions: Vec<usize> = batched.iter().map(|s| s.n_past()).collect();
-    assert!(positions.windows(2).all(|w| w[0] != w[1]), "prompts of distinct lengths: {positions:?}");
+    assert!(
+        positions.windows(2).all(|w| w[0] != w[1]),
+        "prompts of distinct lengths: {positions:?}"
+    );
 
     // Greedy, 24 steps: each session alone, then all four in shared steps.
     let mut want = vec![Vec::new(); prompts.len()];
@@ -62,7 +65,10 @@ fn check_model(name: &str) {
             *t = argmax(&logits[i * nv..(i + 1) * nv]) as u32;
         }
     }
-    assert_eq!(got, want, "{name}: batched greedy tokens differ from each session decoded alone");
+    assert_eq!(
+        got, want,
+        "{name}: batched greedy tokens differ from each session decoded alone"
+    );
 
     // Logits of one more step: a batch of three (the second session sits this one out), against each alone.
     let mut worst = 0.0f32;
@@ -82,9 +88,16 @@ fn check_model(name: &str) {
         worst = worst.max(d);
     }
     eprintln!("{name}: largest logit difference batched vs alone: {worst:e}");
-    assert!(worst < LOGIT_TOL, "{name}: logits differ by {worst} (tolerance {LOGIT_TOL})");
+    assert!(
+        worst < LOGIT_TOL,
+        "{name}: logits differ by {worst} (tolerance {LOGIT_TOL})"
+    );
     let held = |v: &[Session]| v.iter().map(|s| (s.n_past(), s.tokens().to_vec())).collect::<Vec<_>>();
-    assert_eq!(held(&batched), held(&alone), "{name}: positions and tokens held (the left-out session did not move)");
+    assert_eq!(
+        held(&batched),
+        held(&alone),
+        "{name}: positions and tokens held (the left-out session did not move)"
+    );
 }
 
 #[test]

@@ -99,10 +99,17 @@ impl Batch {
                 bail!("a batched step runs sessions of one loaded model only");
             }
             if s.n_ctx() > self.n_ctx {
-                bail!("a session of {} positions exceeds the batch's {}", s.n_ctx(), self.n_ctx);
+                bail!(
+                    "a session of {} positions exceeds the batch's {}",
+                    s.n_ctx(),
+                    self.n_ctx
+                );
             }
             if s.n_past() + 1 > s.n_ctx() {
-                bail!("context full: a session holds all {} positions (use a larger -c)", s.n_ctx());
+                bail!(
+                    "context full: a session holds all {} positions (use a larger -c)",
+                    s.n_ctx()
+                );
             }
         }
         session::embed(&model, tokens, &mut self.x)?;
@@ -138,15 +145,26 @@ impl Batch {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::engine::{Input, Want};
     use crate::gguf::GgufFile;
     use crate::model::Arch;
     use crate::model::random::{RandomSpec, write_random_model};
 
+    /// A tiny random-weight model of `arch` written into `dir` (None, with a note, when smollm2 is not cached).
+    pub(crate) fn tiny(arch: Arch, dir: &std::path::Path) -> Option<Arc<Model>> {
+        let Ok(base) = crate::fetch::resolve("smollm2") else {
+            eprintln!("skipped: smollm2 not cached");
+            return None;
+        };
+        let p = dir.join(format!("{}.gguf", arch.name()));
+        write_random_model(&GgufFile::open(&base).unwrap(), &RandomSpec::tiny(arch), &p).unwrap();
+        Some(Arc::new(Model::load(&p).unwrap()))
+    }
+
     /// Tokens every vocabulary here has.
-    fn prompt(n: usize, seed: u32) -> Vec<u32> {
+    pub(crate) fn prompt(n: usize, seed: u32) -> Vec<u32> {
         (0..n as u32).map(|i| 100 + (i * 37 + seed * 11) % 900).collect()
     }
 
@@ -158,17 +176,10 @@ mod tests {
     /// together, give the logits each gets alone, and then hold the same KV positions and tokens.
     #[test]
     fn batched_step_matches_single_steps_random_models() {
-        let Ok(base) = crate::fetch::resolve("smollm2") else {
-            eprintln!("skipped: smollm2 not cached");
-            return;
-        };
-        let base = GgufFile::open(&base).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let pool = Arc::new(ThreadPool::new(2));
         for arch in [Arch::Llama, Arch::Gemma3] {
-            let p = dir.path().join(format!("{}.gguf", arch.name()));
-            write_random_model(&base, &RandomSpec::tiny(arch), &p).unwrap();
-            let m = Arc::new(Model::load(&p).unwrap());
+            let Some(m) = tiny(arch, dir.path()) else { return };
             let nv = m.hp.n_vocab;
             let lens = [3, 20, 41];
             let new = || Session::new(m.clone(), pool.clone(), 64, 64).unwrap();
@@ -201,17 +212,10 @@ mod tests {
 
     #[test]
     fn bad_batches_are_refused_and_change_nothing() {
-        let Ok(base) = crate::fetch::resolve("smollm2") else {
-            eprintln!("skipped: smollm2 not cached");
-            return;
-        };
-        let base = GgufFile::open(&base).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("llama.gguf");
-        write_random_model(&base, &RandomSpec::tiny(Arch::Llama), &p).unwrap();
+        let Some(m) = tiny(Arch::Llama, dir.path()) else { return };
         let pool = Arc::new(ThreadPool::new(1));
-        let m = Arc::new(Model::load(&p).unwrap());
-        let other = Arc::new(Model::load(&p).unwrap());
+        let other = Arc::new(Model::load(&dir.path().join("llama.gguf")).unwrap());
         let mut batch = Batch::new(m.clone(), pool.clone(), 2, 8).unwrap();
         let mut a = Session::new(m.clone(), pool.clone(), 8, 8).unwrap();
         let mut b = Session::new(m.clone(), pool.clone(), 8, 8).unwrap();

@@ -2,6 +2,7 @@
 //! the sampler that turns logits into tokens.
 
 pub mod batch;
+pub mod batcher;
 pub mod kv_cache;
 pub mod sampler;
 pub mod session;

@@ -243,7 +243,15 @@ impl Session {
     /// Final norm and output head for the given rows of the batch, into `self.logits`.
     fn head(&mut self, rows: std::ops::Range<usize>) -> Result<()> {
         let (model, pool) = (&self.model, &self.pool);
-        head(model, pool, &self.x, rows, &mut self.head_in, &mut self.logits, &mut self.bufs.mm);
+        head(
+            model,
+            pool,
+            &self.x,
+            rows,
+            &mut self.head_in,
+            &mut self.logits,
+            &mut self.bufs.mm,
+        );
         Ok(())
     }
 
@@ -289,7 +297,10 @@ pub(super) fn rope_tables(model: &Model, n_ctx: usize) -> Vec<RopeTable> {
 }
 
 pub(super) fn rope_of(tables: &[RopeTable], base: f32) -> &RopeTable {
-    tables.iter().find(|r| r.base == base).expect("table built for every base")
+    tables
+        .iter()
+        .find(|r| r.base == base)
+        .expect("table built for every base")
 }
 
 /// Embeds `tokens` into the first rows of `x` (scaled where the architecture asks).
@@ -346,7 +357,12 @@ pub(super) fn head(
         logits.resize(n * hp.n_vocab, 0.0);
     }
     for (i, t) in rows.enumerate() {
-        ops::rms_norm(&x[t * e..(t + 1) * e], norm, hp.rms_eps, &mut head_in[i * e..(i + 1) * e]);
+        ops::rms_norm(
+            &x[t * e..(t + 1) * e],
+            norm,
+            hp.rms_eps,
+            &mut head_in[i * e..(i + 1) * e],
+        );
     }
     kernels::matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab], mm);
 }
