@@ -48,6 +48,8 @@ pub struct ServeConfig {
     pub parallel: usize,
     /// Requests that may wait for a slot; beyond them, 429.
     pub queue: usize,
+    /// Local slots decode together in batched steps (else one session per forward, taking turns).
+    pub batch_decode: bool,
     pub threads: usize,
     pub ctx_size: usize,
     pub batch_size: usize,
@@ -70,6 +72,7 @@ impl Default for ServeConfig {
             api_key: None,
             parallel: 1,
             queue: 16,
+            batch_decode: true,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             ctx_size: 4096,
             batch_size: 256,
@@ -207,7 +210,7 @@ fn build_nodes(
             // with several slots, decode steps go through one batcher that steps every ready session at once.
             let pool = Arc::new(ThreadPool::new(cfg.threads));
             let (ctx, batch) = (cfg.ctx_size, cfg.batch_size);
-            let batcher = (cfg.parallel > 1)
+            let batcher = (cfg.parallel > 1 && cfg.batch_decode)
                 .then(|| {
                     Batcher::start(
                         model.clone(),
