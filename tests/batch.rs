@@ -15,6 +15,9 @@ use std::sync::Arc;
 /// order.
 const LOGIT_TOL: f32 = 1e-3;
 
+/// Greedy steps compared.
+const STEPS: usize = 12;
+
 fn check_model(name: &str) {
     let m = Arc::new(Model::load(&common::model(name)).unwrap());
     let pool = Arc::new(ThreadPool::new(2));
@@ -43,11 +46,11 @@ fn check_model(name: &str) {
         "prompts of distinct lengths: {positions:?}"
     );
 
-    // Greedy, 24 steps: each session alone, then all four in shared steps.
+    // Greedy: each session alone, then all four in shared steps.
     let mut want = vec![Vec::new(); prompts.len()];
     for (i, s) in alone.iter_mut().enumerate() {
         let mut t = next[i];
-        for _ in 0..24 {
+        for _ in 0..STEPS {
             want[i].push(t);
             t = argmax(s.forward(Input::Tokens(&[t]), Want::LastLogits).unwrap()) as u32;
         }
@@ -55,7 +58,7 @@ fn check_model(name: &str) {
     let mut batch = Batch::new(m.clone(), pool.clone(), prompts.len(), 256).unwrap();
     let mut got = vec![Vec::new(); prompts.len()];
     let mut toks = next.clone();
-    for _ in 0..24 {
+    for _ in 0..STEPS {
         for (g, &t) in got.iter_mut().zip(&toks) {
             g.push(t);
         }
