@@ -644,13 +644,19 @@ fn parallel_slots_decode_together_with_the_text_each_gets_alone() {
             text(&v)
         })
         .collect();
-    let (steps0, rows0) = (srv.metric("baton_decode_steps_total"), srv.metric("baton_decode_rows_total"));
+    let (steps0, rows0) = (
+        srv.metric("baton_decode_steps_total"),
+        srv.metric("baton_decode_rows_total"),
+    );
     assert_eq!(steps0, rows0, "requests one after another are decoded alone");
 
     // All three at once, and a fourth, streaming, that leaves after a few tokens.
     let mut leaver = srv.stream(
         "/v1/chat/completions",
-        &chat("Write a long story about a dragon.", json!({"max_tokens": 200, "stream": true})),
+        &chat(
+            "Write a long story about a dragon.",
+            json!({"max_tokens": 200, "stream": true}),
+        ),
     );
     assert_eq!(leaver.code, 200);
     leaver.next().unwrap();
@@ -672,11 +678,20 @@ fn parallel_slots_decode_together_with_the_text_each_gets_alone() {
         })
         .collect();
     assert_eq!(together, alone, "batched decode changed the greedy text");
-    let (steps, rows) = (srv.metric("baton_decode_steps_total"), srv.metric("baton_decode_rows_total"));
-    assert!(rows - rows0 > steps - steps0, "no step decoded more than one session: {steps} steps, {rows} rows");
+    let (steps, rows) = (
+        srv.metric("baton_decode_steps_total"),
+        srv.metric("baton_decode_rows_total"),
+    );
+    assert!(
+        rows - rows0 > steps - steps0,
+        "no step decoded more than one session: {steps} steps, {rows} rows"
+    );
     let t0 = Instant::now();
     while srv.metric("baton_cancelled_total") < 1.0 || srv.metric("baton_slots_busy") != 0.0 {
-        assert!(t0.elapsed() < Duration::from_secs(20), "the stream that left kept its slot");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the stream that left kept its slot"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(srv.metric("baton_completion_tokens_total") < 150.0);

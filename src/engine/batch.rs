@@ -222,7 +222,7 @@ pub(crate) mod tests {
         let mut c = Session::new(m.clone(), pool.clone(), 8, 8).unwrap();
         a.eval(&prompt(8, 0)).unwrap();
         b.eval(&prompt(3, 1)).unwrap();
-        let err = |r: Result<&[f32]>| format!("{:#}", r.err().expect("refused"));
+        let err = |r: Result<&[f32]>| format!("{:#}", r.expect_err("refused"));
         assert!(err(batch.step(&mut [&mut a, &mut b], &[1, 2])).contains("context full"));
         assert!(err(batch.step(&mut [&mut b, &mut c], &[1])).contains("1 tokens for 2"));
         assert!(err(batch.step(&mut [&mut b, &mut c], &[1, 999_999])).contains("outside the vocabulary"));

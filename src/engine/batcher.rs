@@ -3,11 +3,12 @@
 //! and hands each back with its logits. Sampling stays on the caller's thread (its own sampler and seed).
 //!
 //! The batcher waits for more sessions only while fewer are ready than are decoding ([`Batcher::decoding`]), and at
-//! most `window`: a lone session never waits, and a session in prefill or between requests is never waited for.
+//! most `window`: a session in prefill or between requests is never waited for. A session decoding alone steps on
+//! its own thread (the same logits, bit for bit), so a lone client pays no hand-over to the batcher's thread.
 //! Sessions move by value (a `Box`) to the batcher and back, so no session is ever shared between threads.
 
 use super::batch::Batch;
-use super::session::Session;
+use super::session::{Input, Session, Want};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use anyhow::{Context, Result, anyhow};
@@ -44,6 +45,7 @@ pub struct Batcher {
     /// Sessions between their first and last decode step.
     decoding: Arc<AtomicUsize>,
     n_vocab: usize,
+    stats: Arc<BatchStats>,
 }
 
 /// Marks a session as decoding while alive.
@@ -69,12 +71,17 @@ impl Batcher {
         let batch = Batch::new(model, pool, max_rows, n_ctx)?;
         let (tx, rx) = mpsc::channel();
         let decoding = Arc::new(AtomicUsize::new(0));
-        let d = decoding.clone();
+        let (d, st) = (decoding.clone(), stats.clone());
         std::thread::Builder::new()
             .name("batcher".into())
-            .spawn(move || run(batch, rx, &d, window, &stats))
+            .spawn(move || run(batch, rx, &d, window, &st))
             .context("cannot start the batcher thread")?;
-        Ok(Arc::new(Batcher { tx, decoding, n_vocab }))
+        Ok(Arc::new(Batcher {
+            tx,
+            decoding,
+            n_vocab,
+            stats,
+        }))
     }
 
     /// Counts the caller's session as decoding until the guard is dropped (the batcher waits for decoding
@@ -109,10 +116,19 @@ impl Seat {
         &self.batcher
     }
 
-    /// Feeds `token` to the session in `slot` in a step shared with whatever other sessions are ready, and returns
-    /// the next token's logits. The session is lent to the batcher meanwhile; it is only lost (`slot` left empty)
-    /// when the batcher's thread is gone.
-    pub fn step(&mut self, slot: &mut Option<Box<Session>>, token: u32) -> Result<&[f32]> {
+    /// Feeds `token` to the session in `slot` in a step shared with whatever other sessions are ready (alone on
+    /// this thread when no other session is decoding), and returns the next token's logits. The session is lent to
+    /// the batcher meanwhile; it is only lost (`slot` left empty) when the batcher's thread is gone.
+    pub fn step<'a>(&'a mut self, slot: &'a mut Option<Box<Session>>, token: u32) -> Result<&'a [f32]> {
+        if self.batcher.decoding.load(Ordering::SeqCst) <= 1 {
+            let session = slot
+                .as_deref_mut()
+                .ok_or_else(|| anyhow!("the session was lost by the batcher"))?;
+            let stats = &self.batcher.stats;
+            stats.steps.fetch_add(1, Ordering::Relaxed);
+            stats.rows.fetch_add(1, Ordering::Relaxed);
+            return session.forward(Input::Tokens(&[token]), Want::LastLogits);
+        }
         let session = slot
             .take()
             .ok_or_else(|| anyhow!("the session was lost by the batcher"))?;
@@ -204,7 +220,6 @@ fn run(mut batch: Batch, rx: mpsc::Receiver<Request>, decoding: &AtomicUsize, wi
 mod tests {
     use super::*;
     use crate::engine::batch::tests::{prompt, tiny};
-    use crate::engine::{Input, Want};
     use crate::kernels::ops::argmax;
     use crate::model::Arch;
 
@@ -228,9 +243,10 @@ mod tests {
         let pool = Arc::new(ThreadPool::new(2));
         let stats = Arc::new(BatchStats::default());
         let batcher = Batcher::start(m.clone(), pool.clone(), 3, 64, Duration::from_millis(50), stats.clone()).unwrap();
+        let all = Arc::new(std::sync::Barrier::new(3));
         let threads: Vec<_> = (0..3u32)
             .map(|i| {
-                let (m, pool, batcher) = (m.clone(), pool.clone(), batcher.clone());
+                let (m, pool, batcher, all) = (m.clone(), pool.clone(), batcher.clone(), all.clone());
                 std::thread::spawn(move || {
                     let toks = prompt(5 + 9 * i as usize, i);
                     let mut alone = Session::new(m.clone(), pool.clone(), 64, 64).unwrap();
@@ -240,6 +256,8 @@ mod tests {
                     slot.as_mut().unwrap().eval(&toks).unwrap();
                     let mut seat = batcher.seat();
                     let _d = batcher.decoding();
+                    // Every thread decoding before the first step, so every step goes through the batcher.
+                    all.wait();
                     let mut t = first;
                     let got: Vec<u32> = (0..12)
                         .map(|_| {
@@ -260,7 +278,7 @@ mod tests {
         assert!(steps < rows, "{steps} steps for {rows} rows: nothing was batched");
     }
 
-    /// A lone decoding session never waits for the window; one that waits for a decoding session that is not ready
+    /// A lone decoding session steps on its own thread at once; one that waits for a decoding session that is not ready
     /// waits the window and no longer.
     #[test]
     fn the_window_is_paid_only_for_sessions_that_decode() {
@@ -269,7 +287,7 @@ mod tests {
         let pool = Arc::new(ThreadPool::new(1));
         let stats = Arc::new(BatchStats::default());
         let window = Duration::from_millis(400);
-        let batcher = Batcher::start(m.clone(), pool.clone(), 2, 16, window, stats).unwrap();
+        let batcher = Batcher::start(m.clone(), pool.clone(), 2, 16, window, stats.clone()).unwrap();
         let mut slot = Some(Box::new(Session::new(m, pool, 16, 16).unwrap()));
         let mut seat = batcher.seat();
         let time_step = |seat: &mut Seat, slot: &mut Option<Box<Session>>| {
@@ -282,6 +300,7 @@ mod tests {
             time_step(&mut seat, &mut slot)
         };
         assert!(alone < window / 2, "a lone session waited {alone:?}");
+        assert_eq!(stats.steps.load(Ordering::Relaxed), 1);
         let _a = batcher.decoding();
         let _b = batcher.decoding();
         let waited = time_step(&mut seat, &mut slot);
