@@ -4,13 +4,14 @@
 
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
+use crate::engine::batcher::{Batcher, Seat};
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::engine::{Input, Session, Want};
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use crate::vocab::{StreamDecoder, Vocab};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -257,7 +258,11 @@ pub type Next = (u32, Option<f32>, Vec<(String, f32)>);
 pub struct LocalGenerator {
     pub model: Arc<Model>,
     pub text: TextModel,
-    session: Session,
+    /// Always here except while lent to the batcher for a step (gone only if the batcher died with it).
+    session: Option<Box<Session>>,
+    n_ctx: usize,
+    /// Decode steps shared with other sessions' in one batched forward (`baton serve`); `None`: each step alone.
+    seat: Option<Seat>,
 }
 
 impl LocalGenerator {
@@ -265,13 +270,30 @@ impl LocalGenerator {
         let text = TextModel::from_gguf(&model.file)?;
         let n_ctx = n_ctx.min(model.hp.n_ctx_train.max(1));
         let session = Session::new(model.clone(), pool, n_ctx, n_batch)?;
-        Ok(LocalGenerator { model, text, session })
+        Ok(LocalGenerator {
+            model,
+            text,
+            session: Some(Box::new(session)),
+            n_ctx,
+            seat: None,
+        })
+    }
+
+    /// Decodes through `batcher`, together with the other sessions using it (prefill stays on this thread).
+    pub fn with_batcher(mut self, batcher: &Arc<Batcher>) -> LocalGenerator {
+        self.seat = Some(batcher.seat());
+        self
     }
 
     /// Tokens whose KV this generator holds (for routing requests to the cache that shares their prefix).
     pub fn cached_tokens(&self) -> &[u32] {
-        &self.session.tokens()[..self.session.n_past()]
+        self.session.as_deref().map_or(&[], |s| &s.tokens()[..s.n_past()])
     }
+}
+
+fn session_mut(slot: &mut Option<Box<Session>>) -> Result<&mut Session> {
+    slot.as_deref_mut()
+        .ok_or_else(|| anyhow!("this generator's session was lost with the batcher"))
 }
 
 impl Generator for LocalGenerator {
@@ -284,7 +306,7 @@ impl Generator for LocalGenerator {
     }
 
     fn n_ctx(&self) -> usize {
-        self.session.n_ctx()
+        self.n_ctx
     }
 
     fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
@@ -304,23 +326,30 @@ impl Generator for LocalGenerator {
         for &t in &tokens {
             sampler.accept(t);
         }
-        let cached = self.session.reuse_prefix(&tokens);
         let k = params.top_logprobs;
         let text = &self.text;
-        let session = &mut self.session;
+        let slot = &mut self.session;
         let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, k);
-        let first = {
+        let (cached, first) = {
+            let session = session_mut(slot)?;
+            let cached = session.reuse_prefix(&tokens);
             let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
-            pick(&mut sampler, logits)
+            (cached, pick(&mut sampler, logits))
         };
         let t_prompt = t0.elapsed();
         let t1 = Instant::now();
+        let mut seat = self.seat.as_mut();
+        let _decoding = seat.as_ref().map(|s| s.batcher().decoding());
         let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
             sampler.accept(tok);
+            let session = session_mut(slot)?;
             if session.n_past() + 1 >= session.n_ctx() {
                 return Ok(None);
             }
-            let logits = session.forward(Input::Tokens(&[tok]), Want::LastLogits)?;
+            let logits = match seat.as_deref_mut() {
+                Some(seat) => seat.step(slot, tok)?,
+                None => session.forward(Input::Tokens(&[tok]), Want::LastLogits)?,
+            };
             Ok(Some(pick(&mut sampler, logits)))
         })?;
         Ok(Outcome {

@@ -311,6 +311,9 @@ struct ServeArgs {
     /// Requests that may wait for a free session; beyond them the answer is 429.
     #[arg(long, default_value_t = 16)]
     queue: usize,
+    /// Local slots decode one session per forward, taking turns, instead of together in batched steps.
+    #[arg(long = "no-batch")]
+    no_batch: bool,
     #[arg(short = 't', long)]
     threads: Option<usize>,
     /// Context size in tokens per session.
@@ -1032,6 +1035,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         api_key: a.api_key,
         parallel: a.parallel,
         queue: a.queue,
+        batch_decode: !a.no_batch,
         threads: a.threads.unwrap_or_else(default_threads),
         ctx_size: a.ctx_size,
         batch_size: a.batch_size,

@@ -554,6 +554,75 @@ fn queue_full_is_429_and_cancellation_frees_the_slot() {
     assert!(before < 150.0, "{before} tokens");
 }
 
+/// Several local slots decode together in batched steps: concurrent requests get the greedy text each gets alone,
+/// a client leaving mid-stream stops only its own generation, and `/metrics` shows steps of more than one row.
+#[test]
+fn parallel_slots_decode_together_with_the_text_each_gets_alone() {
+    let srv = Server::start(&["--parallel", "3"]);
+    let prompts = ["Name three colors.", "What is the capital of Italy?", "Count to five."];
+    let body = |p: &str| chat(p, json!({"max_tokens": 12}));
+    let text = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let (code, v) = srv.post("/v1/chat/completions", &body(p));
+            assert_eq!(code, 200, "{v}");
+            text(&v)
+        })
+        .collect();
+    let (steps0, rows0) = (
+        srv.metric("baton_decode_steps_total"),
+        srv.metric("baton_decode_rows_total"),
+    );
+    assert_eq!(steps0, rows0, "requests one after another are decoded alone");
+
+    // All three at once, and a fourth, streaming, that leaves after a few tokens.
+    let mut leaver = srv.stream(
+        "/v1/chat/completions",
+        &chat(
+            "Write a long story about a dragon.",
+            json!({"max_tokens": 200, "stream": true}),
+        ),
+    );
+    assert_eq!(leaver.code, 200);
+    leaver.next().unwrap();
+    let together: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (addr, b) = (srv.addr.clone(), body(p).to_string());
+            std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", &b, &[]))
+        })
+        .collect();
+    leaver.next().unwrap();
+    drop(leaver);
+    let together: Vec<String> = together
+        .into_iter()
+        .map(|t| {
+            let (code, _, body) = t.join().unwrap();
+            assert_eq!(code, 200, "{body}");
+            text(&serde_json::from_str(&body).unwrap())
+        })
+        .collect();
+    assert_eq!(together, alone, "batched decode changed the greedy text");
+    let (steps, rows) = (
+        srv.metric("baton_decode_steps_total"),
+        srv.metric("baton_decode_rows_total"),
+    );
+    assert!(
+        rows - rows0 > steps - steps0,
+        "no step decoded more than one session: {steps} steps, {rows} rows"
+    );
+    let t0 = Instant::now();
+    while srv.metric("baton_cancelled_total") < 1.0 || srv.metric("baton_slots_busy") != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the stream that left kept its slot"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(srv.metric("baton_completion_tokens_total") < 150.0);
+}
+
 /// Writes a cluster file of decode nodes named d0, d1, ... with one slot each.
 fn cluster_file(dir: &tempfile::TempDir, addrs: &[&str]) -> String {
     let mut s = format!("model = {:?}\n", smollm2().display().to_string());

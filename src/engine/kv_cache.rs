@@ -62,6 +62,12 @@ impl KvCache {
         }
     }
 
+    /// One layer's K and V to read (the layout of [`KvCache::layer_mut`]).
+    pub fn layer(&self, il: usize) -> (&[f32], &[f32]) {
+        let i = il - self.layers.start;
+        (&self.k[i], &self.v[i])
+    }
+
     /// K rows of one head for positions `pos`: `[pos.len(), head_dim_k]`, contiguous.
     pub fn k_rows(&self, il: usize, head: usize, pos: Range<usize>) -> &[f32] {
         let i = il - self.layers.start;

@@ -7,7 +7,7 @@
 use super::kv_cache::KvCache;
 use crate::kernels::ops::{self, RopeTable};
 use crate::kernels::{self, ThreadPool};
-use crate::model::blocks::{Buffers, Step};
+use crate::model::blocks::{Buffers, RowsKv, SeqKv, Step};
 use crate::model::{Arch, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
@@ -55,14 +55,7 @@ impl Session {
         if n_ctx == 0 || n_batch == 0 {
             bail!("context and batch sizes must be positive");
         }
-        let mut bases: Vec<f32> = Vec::new();
-        for il in model.range.clone() {
-            let b = hp.rope_base_of(il);
-            if !bases.contains(&b) {
-                bases.push(b);
-            }
-        }
-        let ropes = bases.iter().map(|&b| RopeTable::new(b, hp.n_rot, n_ctx)).collect();
+        let ropes = rope_tables(&model, n_ctx);
         let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
         Ok(Session {
             kv: KvCache::new(hp, model.range.clone(), n_ctx),
@@ -188,22 +181,7 @@ impl Session {
         // Input: embed the tokens, or take the hidden state as is.
         match input {
             Input::Tokens(toks) => {
-                let Some(embd) = &model.tok_embd else {
-                    bail!(
-                        "this session holds layers {:?}, it takes hidden states, not tokens",
-                        model.range
-                    );
-                };
-                for (t, &id) in toks.iter().enumerate() {
-                    if id as usize >= hp.n_vocab {
-                        bail!("token id {id} is outside the vocabulary of {}", hp.n_vocab);
-                    }
-                    let row = &mut self.x[t * e..(t + 1) * e];
-                    embd.dequantize_row_into(id as usize, row);
-                    if hp.embd_scale != 1.0 {
-                        ops::scale_inplace(row, hp.embd_scale);
-                    }
-                }
+                embed(&model, toks, &mut self.x)?;
                 if self.tokens.len() == pos0 {
                     self.tokens.extend_from_slice(toks);
                 }
@@ -216,26 +194,18 @@ impl Session {
 
         // The layers, in order.
         for il in first..model.range.end {
-            let base = hp.rope_base_of(il);
-            let rope = self
-                .ropes
-                .iter()
-                .find(|r| r.base == base)
-                .expect("table built for every base");
+            let mut rows = SeqKv {
+                kv: self.kv.layer_mut(il),
+                pos0,
+            };
             let step = Step {
                 hp,
                 pool: &self.pool,
-                rope,
+                rope: rope_of(&self.ropes, hp.rope_base_of(il)),
                 il,
-                pos0,
                 n_tok,
             };
-            let lw = model.layer(il);
-            let mut kv = self.kv.layer_mut(il);
-            match hp.arch {
-                Arch::Llama => llama::layer(&step, lw, &mut self.x, &mut self.bufs, &mut kv),
-                Arch::Gemma3 => gemma3::layer(&step, lw, &mut self.x, &mut self.bufs, &mut kv),
-            }
+            layer(&step, &model, &mut self.x, &mut self.bufs, &mut rows);
             on_layer(il, &self.kv, pos0..pos0 + n_tok);
         }
         self.kv.set_n_pos(pos0 + n_tok);
@@ -272,34 +242,26 @@ impl Session {
 
     /// Final norm and output head for the given rows of the batch, into `self.logits`.
     fn head(&mut self, rows: std::ops::Range<usize>) -> Result<()> {
-        let model = &self.model;
-        let hp = &model.hp;
-        let (norm, out) = (model.output_norm.as_ref().unwrap(), model.output.as_ref().unwrap());
-        let e = hp.n_embd;
-        let n = rows.len();
-        if self.head_in.len() < n * e {
-            self.head_in.resize(n * e, 0.0);
-        }
-        if self.logits.len() < n * hp.n_vocab {
-            self.logits.resize(n * hp.n_vocab, 0.0);
-        }
-        for (i, t) in rows.enumerate() {
-            ops::rms_norm(
-                &self.x[t * e..(t + 1) * e],
-                norm,
-                hp.rms_eps,
-                &mut self.head_in[i * e..(i + 1) * e],
-            );
-        }
-        kernels::matmul(
-            &self.pool,
-            out,
-            &self.head_in[..n * e],
-            n,
-            &mut self.logits[..n * hp.n_vocab],
+        let (model, pool) = (&self.model, &self.pool);
+        head(
+            model,
+            pool,
+            &self.x,
+            rows,
+            &mut self.head_in,
+            &mut self.logits,
             &mut self.bufs.mm,
         );
         Ok(())
+    }
+
+    /// Marks the token fed at position `n_past()` by a batched step (`engine::batch`) as held.
+    pub(super) fn push_decoded(&mut self, token: u32) {
+        let pos = self.n_past();
+        if self.tokens.len() == pos {
+            self.tokens.push(token);
+        }
+        self.kv.set_n_pos(pos + 1);
     }
 
     /// Feeds `tokens` in batches and returns the logits of the last one (full-model sessions).
@@ -319,4 +281,88 @@ impl Session {
         }
         Ok(&self.logits[..self.model.hp.n_vocab])
     }
+}
+
+/// One RoPE table per frequency base the model's layer range uses, for `n_ctx` positions.
+pub(super) fn rope_tables(model: &Model, n_ctx: usize) -> Vec<RopeTable> {
+    let hp = &model.hp;
+    let mut tables: Vec<RopeTable> = Vec::new();
+    for il in model.range.clone() {
+        let b = hp.rope_base_of(il);
+        if !tables.iter().any(|t| t.base == b) {
+            tables.push(RopeTable::new(b, hp.n_rot, n_ctx));
+        }
+    }
+    tables
+}
+
+pub(super) fn rope_of(tables: &[RopeTable], base: f32) -> &RopeTable {
+    tables
+        .iter()
+        .find(|r| r.base == base)
+        .expect("table built for every base")
+}
+
+/// Embeds `tokens` into the first rows of `x` (scaled where the architecture asks).
+pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> {
+    let hp = &model.hp;
+    let e = hp.n_embd;
+    let Some(embd) = &model.tok_embd else {
+        bail!(
+            "this session holds layers {:?}, it takes hidden states, not tokens",
+            model.range
+        );
+    };
+    for (t, &id) in tokens.iter().enumerate() {
+        if id as usize >= hp.n_vocab {
+            bail!("token id {id} is outside the vocabulary of {}", hp.n_vocab);
+        }
+        let row = &mut x[t * e..(t + 1) * e];
+        embd.dequantize_row_into(id as usize, row);
+        if hp.embd_scale != 1.0 {
+            ops::scale_inplace(row, hp.embd_scale);
+        }
+    }
+    Ok(())
+}
+
+/// Layer `step.il` of the model's architecture over the batch in `x`.
+pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffers, kv: &mut impl RowsKv) {
+    let lw = model.layer(step.il);
+    match model.hp.arch {
+        Arch::Llama => llama::layer(step, lw, x, bufs, kv),
+        Arch::Gemma3 => gemma3::layer(step, lw, x, bufs, kv),
+    }
+}
+
+/// Final norm and output head for `rows` of the residual stream `x`, into `logits` (`[rows.len(), n_vocab]`);
+/// `head_in` and `logits` grow when too small.
+pub(super) fn head(
+    model: &Model,
+    pool: &ThreadPool,
+    x: &[f32],
+    rows: std::ops::Range<usize>,
+    head_in: &mut Vec<f32>,
+    logits: &mut Vec<f32>,
+    mm: &mut kernels::Scratch,
+) {
+    let hp = &model.hp;
+    let (norm, out) = (model.output_norm.as_ref().unwrap(), model.output.as_ref().unwrap());
+    let e = hp.n_embd;
+    let n = rows.len();
+    if head_in.len() < n * e {
+        head_in.resize(n * e, 0.0);
+    }
+    if logits.len() < n * hp.n_vocab {
+        logits.resize(n * hp.n_vocab, 0.0);
+    }
+    for (i, t) in rows.enumerate() {
+        ops::rms_norm(
+            &x[t * e..(t + 1) * e],
+            norm,
+            hp.rms_eps,
+            &mut head_in[i * e..(i + 1) * e],
+        );
+    }
+    kernels::matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab], mm);
 }

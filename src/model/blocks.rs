@@ -58,6 +58,42 @@ pub struct LayerKv<'a> {
     pub n_ctx: usize,
 }
 
+/// Where the rows of a batch keep their KV in one layer, and at which positions: one cache's consecutive positions
+/// ([`SeqKv`]: prefill, one session's decode), or each row its own session's cache at its own position (batched
+/// decode across sessions, `engine::batch`). The layer code is the same for both.
+pub trait RowsKv: Sync {
+    /// Position of row `t`.
+    fn pos(&self, t: usize) -> usize;
+    /// Row `t`'s cache of this layer to read: K, V and the positions each head's run holds.
+    fn read(&self, t: usize) -> (&[f32], &[f32], usize);
+    /// Row `t`'s cache of this layer to write.
+    fn write(&mut self, t: usize) -> LayerKv<'_>;
+}
+
+/// A batch of consecutive positions `pos0..` of one cache.
+pub struct SeqKv<'a> {
+    pub kv: LayerKv<'a>,
+    pub pos0: usize,
+}
+
+impl RowsKv for SeqKv<'_> {
+    fn pos(&self, t: usize) -> usize {
+        self.pos0 + t
+    }
+
+    fn read(&self, _t: usize) -> (&[f32], &[f32], usize) {
+        (&*self.kv.k, &*self.kv.v, self.kv.n_ctx)
+    }
+
+    fn write(&mut self, _t: usize) -> LayerKv<'_> {
+        LayerKv {
+            k: &mut *self.kv.k,
+            v: &mut *self.kv.v,
+            n_ctx: self.kv.n_ctx,
+        }
+    }
+}
+
 /// What every step of one layer's forward needs to know.
 pub struct Step<'a> {
     pub hp: &'a Hparams,
@@ -66,8 +102,7 @@ pub struct Step<'a> {
     pub rope: &'a RopeTable,
     /// Global layer index.
     pub il: usize,
-    /// Position of the first token of the batch.
-    pub pos0: usize,
+    /// Rows of the batch (tokens of one session, or one token of each session).
     pub n_tok: usize,
 }
 
@@ -132,13 +167,14 @@ pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
     project(s, &lw.wv, &b.xn, &mut b.v, &mut b.mm);
 }
 
-/// Rotates Q and K by position and appends K and V to the layer's cache at `pos0..pos0+n_tok`.
-pub fn rope_and_store(s: &Step, b: &mut Buffers, kv: &mut LayerKv) {
+/// Rotates Q and K by position and writes each row's K and V into its cache at its position.
+pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
     let hp = s.hp;
     let neox = hp.rope_type == super::RopeType::Neox;
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     for t in 0..s.n_tok {
-        let pos = s.pos0 + t;
+        let pos = rows.pos(t);
+        let kv = rows.write(t);
         for h in 0..hp.n_head {
             let o = (t * hp.n_head + h) * hdk;
             s.rope.apply(&mut b.q[o..o + hdk], pos, neox);
@@ -155,19 +191,18 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, kv: &mut LayerKv) {
     }
 }
 
-/// Causal attention of the batch's queries over the cache (positions `0..=pos` for a query at `pos`, or the last
-/// `window` of them on sliding-window layers), written to `b.att`. Parallel over (token, head).
-pub fn attend(s: &Step, b: &mut Buffers, kv: &LayerKv) {
+/// Causal attention of each row's query over its cache (positions `0..=pos` for a query at `pos`, or the last
+/// `window` of them on sliding-window layers), written to `b.att`. Parallel over (row, head).
+pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     let hp = s.hp;
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     let group = hp.n_head / hp.n_head_kv;
     let window = hp.window(s.il);
     let n_tasks = s.n_tok * hp.n_head;
-    let n_ctx = kv.n_ctx;
+    let n_ctx = b.n_ctx;
     let q = &b.q;
     let att = SyncPtr(b.att.as_mut_ptr());
     let scores = SyncPtr(b.scores.as_mut_ptr());
-    let (kc, vc) = (&*kv.k, &*kv.v);
     let scale = hp.attn_scale;
     s.pool.run(|ith, nth| {
         // SAFETY: each thread owns its own score row, and writes only the att rows of its own tasks.
@@ -176,10 +211,11 @@ pub fn attend(s: &Step, b: &mut Buffers, kv: &LayerKv) {
         while task < n_tasks {
             let (t, h) = (task / hp.n_head, task % hp.n_head);
             let kvh = h / group;
-            let pos = s.pos0 + t;
+            let pos = rows.pos(t);
+            let (kc, vc, kv_ctx) = rows.read(t);
             let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let qh = &q[(t * hp.n_head + h) * hdk..][..hdk];
-            let kbase = &kc[kvh * n_ctx * hdk..];
+            let kbase = &kc[kvh * kv_ctx * hdk..];
             let mut max = f32::NEG_INFINITY;
             for j in lo..=pos {
                 let v = ops::dot(qh, &kbase[j * hdk..(j + 1) * hdk]) * scale;
@@ -193,7 +229,7 @@ pub fn attend(s: &Step, b: &mut Buffers, kv: &LayerKv) {
             }
             let out = unsafe { std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv) };
             out.fill(0.0);
-            let vbase = &vc[kvh * n_ctx * hdv..];
+            let vbase = &vc[kvh * kv_ctx * hdv..];
             let inv = 1.0 / sum;
             for j in lo..=pos {
                 ops::axpy(out, sc[j] * inv, &vbase[j * hdv..(j + 1) * hdv]);

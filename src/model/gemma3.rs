@@ -4,11 +4,12 @@
 //! [`blocks::attend`] from [`super::Hparams::window`], at prefill and decode alike.
 
 use super::LayerWeights;
-use super::blocks::{self, Buffers, LayerKv, Step};
+use super::blocks::{self, Buffers, RowsKv, Step};
 use crate::kernels::ops;
 
-/// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place.
-pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut LayerKv) {
+/// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
+/// row keeps its KV.
+pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
     let hp = s.hp;
     let n = s.n_tok * hp.n_embd;
     let (q_norm, k_norm) = (lw.q_norm.as_deref().unwrap(), lw.k_norm.as_deref().unwrap());

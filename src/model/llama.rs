@@ -2,11 +2,12 @@
 //! adjacent pairs, and a SwiGLU feed-forward.
 
 use super::LayerWeights;
-use super::blocks::{self, Buffers, LayerKv, Step};
+use super::blocks::{self, Buffers, RowsKv, Step};
 use crate::kernels::ops;
 
-/// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place.
-pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut LayerKv) {
+/// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
+/// row keeps its KV.
+pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
     let n = s.n_tok * s.hp.n_embd;
 
     // Attention.

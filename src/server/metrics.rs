@@ -2,10 +2,11 @@
 //! inter-token latency histograms, routing decisions, wire bytes per peer. Gauges (queue depth, busy slots, node
 //! health) are read from the scheduler when `/metrics` is scraped.
 
+use crate::engine::batcher::BatchStats;
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
@@ -65,6 +66,8 @@ pub struct Metrics {
     wire: Mutex<BTreeMap<String, (u64, u64)>>,
     /// (prefill node, counter) → value: requests offloaded / fallen back, tokens sent / held / caught up.
     prefill: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// Batched decode steps of the local slots.
+    pub batch: Arc<BatchStats>,
 }
 
 /// Gauges read at scrape time.
@@ -158,6 +161,16 @@ impl Metrics {
                 "baton_retries_total",
                 "Requests retried on another node after a failure before their first token.",
                 &self.retries,
+            ),
+            (
+                "baton_decode_steps_total",
+                "Batched decode steps over the local slots.",
+                &self.batch.steps,
+            ),
+            (
+                "baton_decode_rows_total",
+                "Sessions' tokens decoded in those steps (rows / steps: the mean batch size).",
+                &self.batch.rows,
             ),
         ] {
             let _ = writeln!(

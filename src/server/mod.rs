@@ -22,6 +22,7 @@ use crate::cluster::disagg::{DisaggGenerator, Offload, PoolMember, PrefillPool, 
 use crate::cluster::handoff::NodeOpts;
 use crate::cluster::handshake::Timeouts;
 use crate::cluster::{PipelineOpts, WireDtype};
+use crate::engine::batcher::Batcher;
 use crate::engine::snapshot::KvDtype;
 use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, PipelineGenerator, Prompt};
 use crate::kernels::ThreadPool;
@@ -34,6 +35,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Longest a batched decode step waits for decoding sessions that are not ready yet (a lone session never waits):
+/// a small fraction of a step, so a session that is late by more goes into the next step instead.
+const BATCH_WINDOW: Duration = Duration::from_millis(3);
 
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
@@ -48,6 +53,8 @@ pub struct ServeConfig {
     pub parallel: usize,
     /// Requests that may wait for a slot; beyond them, 429.
     pub queue: usize,
+    /// Local slots decode together in batched steps (else one session per forward, taking turns).
+    pub batch_decode: bool,
     pub threads: usize,
     pub ctx_size: usize,
     pub batch_size: usize,
@@ -85,6 +92,7 @@ impl Default for ServeConfig {
             api_key: None,
             parallel: 1,
             queue: 16,
+            batch_decode: true,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             ctx_size: 4096,
             batch_size: 256,
@@ -251,11 +259,29 @@ fn build_nodes(
     match topology {
         None => {
             let model = Arc::new(Model::load(path)?);
-            // One pool shared by every slot: sessions take turns per op, each slot keeps its own KV.
+            // One pool shared by every slot, each slot keeps its own KV. Prefills take turns on the pool op by op;
+            // with several slots, decode steps go through one batcher that steps every ready session at once.
             let pool = Arc::new(ThreadPool::new(cfg.threads));
             let (ctx, batch) = (cfg.ctx_size, cfg.batch_size);
+            let batcher = (cfg.parallel > 1 && cfg.batch_decode)
+                .then(|| {
+                    Batcher::start(
+                        model.clone(),
+                        pool.clone(),
+                        cfg.parallel,
+                        ctx,
+                        BATCH_WINDOW,
+                        metrics.batch.clone(),
+                    )
+                })
+                .transpose()?;
             let factory: Factory = Arc::new(move || {
-                Ok(Box::new(LocalGenerator::new(model.clone(), pool.clone(), ctx, batch)?) as Box<dyn Generator>)
+                let g = LocalGenerator::new(model.clone(), pool.clone(), ctx, batch)?;
+                let g = match &batcher {
+                    Some(b) => g.with_batcher(b),
+                    None => g,
+                };
+                Ok(Box::new(g) as Box<dyn Generator>)
             });
             let node = NodeSpec {
                 label: "local".into(),
