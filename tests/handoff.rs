@@ -612,3 +612,60 @@ fn remote_decode_survives_the_prefill_node_dying_mid_stream() {
     assert!(t0.elapsed() < Duration::from_secs(50));
     victim.kill();
 }
+
+/// A decode node asked to pull from itself prefills the prompt itself at once (pulling from its own socket would
+/// wait on its own compute lock until the prefill timeout), and says so; the text is the local run's.
+#[test]
+fn a_decode_node_named_as_its_own_prefill_node_prefills_itself() {
+    let model = smollm2();
+    let d = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
+    assert!(ok, "{err}");
+    let args = [
+        "--decode-node",
+        &d.addr,
+        "--prefill-node",
+        &d.addr,
+        "--offload",
+        "always",
+        "--prefill-timeout",
+        "120",
+    ];
+    let t0 = std::time::Instant::now();
+    let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
+    assert!(ok, "{err}");
+    assert!(err.contains("the prefill node named is this node"), "{err}");
+    assert_eq!(out, local);
+    assert!(
+        t0.elapsed() < Duration::from_secs(100),
+        "it did not wait for the prefill timeout"
+    );
+}
+
+/// Gemma 3 with a remote decode node: full and partial offload (sliding-window and global layers on both sides of
+/// the split) give the local run's greedy text.
+#[test]
+fn gemma3_remote_decode_matches_local() {
+    let model = gemma3();
+    let p = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let d = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
+    assert!(ok, "{err}");
+    for (offload, want) in [
+        ("always", "layers 0..18 of 18 remote"),
+        ("40%", "layers 0..7 of 18 remote"),
+    ] {
+        let args = [
+            "--decode-node",
+            &d.addr,
+            "--prefill-node",
+            &p.addr,
+            "--offload",
+            offload,
+        ];
+        let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
+        assert!(ok, "{err}");
+        assert!(err.contains(want) && !err.contains("fallback"), "{err}");
+        assert_eq!(out, local, "offload {offload}: Gemma 3 greedy output of the remote decode node");
+    }
+}

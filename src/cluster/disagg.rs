@@ -653,10 +653,11 @@ pub enum Pulled {
 
 /// Serves one PULL on a decode node's full-model session: pulls the KV of `tokens` from the prefill node through
 /// `link` (exactly as [`DisaggGenerator`] does locally, with the same fallback), then samples the first token.
-/// `speeds` are this node's measurements for that prefill node (`auto`).
+/// `speeds` are this node's measurements for that prefill node (`auto`). No `link` means the PULL named this node
+/// itself as the prefill node: it prefills here (pulling from itself would wait on its own compute lock).
 pub fn serve_pull(
     core: &mut StageCore,
-    link: &mut PrefillNode,
+    link: Option<&mut PrefillNode>,
     speeds: &mut Speeds,
     pool: &Arc<ThreadPool>,
     p: &Pull,
@@ -692,6 +693,17 @@ pub fn serve_pull(
     }
     let mut tokens = core.session.tokens().to_vec();
     tokens.extend_from_slice(&p.tokens);
+    let Some(link) = link else {
+        let (logits, rep) =
+            prefill_with_fallback(&mut core.session, None, &tokens, 0).inspect_err(|_| core.rewind(pos))?;
+        core.record(&p.tokens);
+        let sample = core.sample_next(&logits);
+        return Ok(Pulled::Done {
+            report: rep.to_wire(p.req, "the prefill node named is this node: prefilled here"),
+            sample,
+            compute_us: rep.total.as_micros() as u64,
+        });
+    };
     link.opts.kv = kv_dtype_of(p.kv);
     link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
     let job = job_for(&core.session, &tokens, link.opts.kv);

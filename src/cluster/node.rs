@@ -19,7 +19,7 @@ use crate::model::{Hparams, Model};
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::HashMap;
 use std::io::Read;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -78,6 +78,8 @@ type SharedSlot = Arc<Mutex<Slot>>;
 
 struct State {
     cfg: NodeConfig,
+    /// The address this node listens on (to recognise a PULL that names this node as its own prefill node).
+    listen: SocketAddr,
     file: Arc<GgufFile>,
     hp: Hparams,
     info: ModelInfo,
@@ -130,6 +132,7 @@ impl Node {
             sessions: Mutex::new(HashMap::new()),
             compute: Mutex::new(()),
             speeds: Mutex::new(HashMap::new()),
+            listen: addr,
             cfg,
             file,
             hp,
@@ -207,6 +210,20 @@ fn sampling_of(open: &Open) -> SamplingParams {
 }
 
 impl State {
+    /// Whether `addr` (`host:port`) reaches this node's own listening socket: same port, and the same IP or, when
+    /// listening on every interface, an IP of this machine (binding to it succeeds only if it is local).
+    fn names_this_node(&self, addr: &str) -> bool {
+        let Ok(resolved) = addr.to_socket_addrs() else {
+            return false;
+        };
+        resolved.into_iter().any(|a| {
+            a.port() == self.listen.port()
+                && (a.ip() == self.listen.ip()
+                    || (self.listen.ip().is_unspecified()
+                        && (a.ip().is_loopback() || std::net::UdpSocket::bind((a.ip(), 0)).is_ok())))
+        })
+    }
+
     fn model(&self, r: Range<usize>) -> Result<Arc<Model>> {
         let mut models = lock(&self.models);
         if let Some(m) = models.get(&(r.start, r.end)) {
@@ -445,23 +462,27 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
                     let mut g = lock(&slot);
                     g.last_used = Instant::now();
                     let g = &mut *g;
-                    if g.links.len() >= MAX_LINKS && !g.links.contains_key(&p.prefill) {
-                        g.links.clear();
+                    if st.names_this_node(&p.prefill) {
+                        serve_pull(&mut g.core, None, &mut Speeds::default(), &st.pool, &p)
+                    } else {
+                        if g.links.len() >= MAX_LINKS && !g.links.contains_key(&p.prefill) {
+                            g.links.clear();
+                        }
+                        let link = g.links.entry(p.prefill.clone()).or_insert_with(|| {
+                            PrefillNode::new(NodeOpts {
+                                addr: p.prefill.clone(),
+                                secret: st.cfg.secret.clone(),
+                                timeouts: Timeouts::default(),
+                                kv: KvDtype::F32,
+                            })
+                        });
+                        let mut speeds = lock(&st.speeds);
+                        if speeds.len() >= 64 && !speeds.contains_key(&p.prefill) {
+                            speeds.clear();
+                        }
+                        let sp = speeds.entry(p.prefill.clone()).or_default();
+                        serve_pull(&mut g.core, Some(link), sp, &st.pool, &p)
                     }
-                    let link = g.links.entry(p.prefill.clone()).or_insert_with(|| {
-                        PrefillNode::new(NodeOpts {
-                            addr: p.prefill.clone(),
-                            secret: st.cfg.secret.clone(),
-                            timeouts: Timeouts::default(),
-                            kv: KvDtype::F32,
-                        })
-                    });
-                    let mut speeds = lock(&st.speeds);
-                    if speeds.len() >= 64 && !speeds.contains_key(&p.prefill) {
-                        speeds.clear();
-                    }
-                    let sp = speeds.entry(p.prefill.clone()).or_default();
-                    serve_pull(&mut g.core, link, sp, &st.pool, &p)
                 };
                 let replies = match res {
                     Ok(Pulled::Mismatch(n_past)) => vec![Msg::Mismatch {
