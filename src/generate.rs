@@ -103,14 +103,15 @@ pub trait Generator: Send {
     fn describe(&self) -> String;
     /// Context size in tokens.
     fn n_ctx(&self) -> usize;
+    /// The model whose tokenizer and template read the prompt (a multi-model generator: its first model's).
+    fn text(&self) -> &TextModel;
     /// Tokens the prompt takes (for validation and usage counts).
-    fn count_prompt(&self, prompt: &Prompt) -> Result<usize>;
-    /// The text the model reads for `prompt` (`--echo`); a multi-model generator shows its first model's.
+    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
+        Ok(self.text().tokenize(prompt)?.len())
+    }
+    /// The text the model reads for `prompt` (`--echo`).
     fn render(&self, prompt: &Prompt) -> Result<String> {
-        Ok(match prompt {
-            Prompt::Text(t) => t.clone(),
-            Prompt::Chat(msgs) => msgs.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
-        })
+        self.text().render(prompt)
     }
     /// Generates until end of generation, `max_tokens`, a full context, or until `sink` returns false.
     fn generate(
@@ -166,6 +167,13 @@ impl TextModel {
         if tokens.is_empty() {
             bail!("the prompt is empty");
         }
+        Ok(tokens)
+    }
+
+    /// The prompt's tokens, refused when they leave no room to generate in `n_ctx`: where every generator starts.
+    pub fn prompt_tokens(&self, prompt: &Prompt, n_ctx: usize) -> Result<Vec<u32>> {
+        let tokens = self.tokenize(prompt)?;
+        check_fits(tokens.len(), n_ctx)?;
         Ok(tokens)
     }
 
@@ -297,8 +305,8 @@ fn session_mut(slot: &mut Option<Box<Session>>) -> Result<&mut Session> {
 }
 
 impl Generator for LocalGenerator {
-    fn render(&self, prompt: &Prompt) -> Result<String> {
-        self.text.render(prompt)
+    fn text(&self) -> &TextModel {
+        &self.text
     }
 
     fn describe(&self) -> String {
@@ -309,23 +317,15 @@ impl Generator for LocalGenerator {
         self.n_ctx
     }
 
-    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
-        Ok(self.text.tokenize(prompt)?.len())
-    }
-
     fn generate(
         &mut self,
         prompt: &Prompt,
         params: &GenParams,
         sink: &mut dyn FnMut(&Piece) -> bool,
     ) -> Result<Outcome> {
-        let tokens = self.text.tokenize(prompt)?;
-        check_fits(tokens.len(), self.n_ctx())?;
+        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let t0 = Instant::now();
-        let mut sampler = Sampler::new(params.sampler.clone(), self.model.hp.n_vocab);
-        for &t in &tokens {
-            sampler.accept(t);
-        }
+        let mut sampler = Sampler::after_prompt(params.sampler.clone(), self.model.hp.n_vocab, &tokens);
         let k = params.top_logprobs;
         let text = &self.text;
         let slot = &mut self.session;
@@ -397,8 +397,8 @@ impl PipelineGenerator {
 }
 
 impl Generator for PipelineGenerator {
-    fn render(&self, prompt: &Prompt) -> Result<String> {
-        self.text.render(prompt)
+    fn text(&self) -> &TextModel {
+        &self.text
     }
 
     fn describe(&self) -> String {
@@ -409,18 +409,13 @@ impl Generator for PipelineGenerator {
         self.n_ctx
     }
 
-    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
-        Ok(self.text.tokenize(prompt)?.len())
-    }
-
     fn generate(
         &mut self,
         prompt: &Prompt,
         params: &GenParams,
         sink: &mut dyn FnMut(&Piece) -> bool,
     ) -> Result<Outcome> {
-        let tokens = self.text.tokenize(prompt)?;
-        check_fits(tokens.len(), self.n_ctx())?;
+        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let t0 = Instant::now();
         let k = params.top_logprobs;
         let text = &self.text;

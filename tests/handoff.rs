@@ -666,6 +666,9 @@ fn gemma3_remote_decode_matches_local() {
         let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
         assert!(ok, "{err}");
         assert!(err.contains(want) && !err.contains("fallback"), "{err}");
-        assert_eq!(out, local, "offload {offload}: Gemma 3 greedy output of the remote decode node");
+        assert_eq!(
+            out, local,
+            "offload {offload}: Gemma 3 greedy output of the remote decode node"
+        );
     }
 }

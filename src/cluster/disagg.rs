@@ -10,7 +10,7 @@ use super::wire::{OFFLOAD_AUTO, Pull, PullReport};
 use crate::engine::sampler::Sampler;
 use crate::engine::snapshot::KvDtype;
 use crate::engine::{Input, Session, Want};
-use crate::generate::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, check_fits, decode_loop};
+use crate::generate::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, decode_loop};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use anyhow::{Context, Result, anyhow, bail};
@@ -483,8 +483,8 @@ impl DisaggGenerator {
 }
 
 impl Generator for DisaggGenerator {
-    fn render(&self, prompt: &Prompt) -> Result<String> {
-        self.text.render(prompt)
+    fn text(&self) -> &TextModel {
+        &self.text
     }
 
     fn describe(&self) -> String {
@@ -496,23 +496,15 @@ impl Generator for DisaggGenerator {
         self.session.n_ctx()
     }
 
-    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
-        Ok(self.text.tokenize(prompt)?.len())
-    }
-
     fn generate(
         &mut self,
         prompt: &Prompt,
         params: &GenParams,
         sink: &mut dyn FnMut(&Piece) -> bool,
     ) -> Result<Outcome> {
-        let tokens = self.text.tokenize(prompt)?;
-        check_fits(tokens.len(), self.n_ctx())?;
+        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let t0 = Instant::now();
-        let mut sampler = Sampler::new(params.sampler.clone(), self.model.hp.n_vocab);
-        for &t in &tokens {
-            sampler.accept(t);
-        }
+        let mut sampler = Sampler::after_prompt(params.sampler.clone(), self.model.hp.n_vocab, &tokens);
         let (logits, rep, why) = self.prefill(&tokens)?;
         let top_k = params.top_logprobs;
         let text = &self.text;

@@ -106,6 +106,15 @@ impl Sampler {
         self.seed
     }
 
+    /// A sampler that has already seen `prompt` (for the repetition penalty): where every generation starts.
+    pub fn after_prompt(params: SamplerParams, n_vocab: usize, prompt: &[u32]) -> Self {
+        let mut s = Sampler::new(params, n_vocab);
+        for &t in prompt {
+            s.accept(t);
+        }
+        s
+    }
+
     /// Records a token of the sequence (prompt or generated) for the repetition penalty.
     pub fn accept(&mut self, token: u32) {
         let n = self.params.repeat_last_n;

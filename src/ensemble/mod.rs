@@ -16,7 +16,7 @@ pub mod member;
 pub use combine::{Choice, Combine, Key, Pick};
 pub use member::{Member, MemberOpts, MemberSpec, Place, Synced, parse_members};
 
-use crate::generate::{Finish, GenParams, Generator, Outcome, Piece, Prompt, check_fits};
+use crate::generate::{Finish, GenParams, Generator, Outcome, Piece, Prompt, TextModel, check_fits};
 use crate::vocab::StreamDecoder;
 use anyhow::{Result, bail};
 use combine::View;
@@ -245,8 +245,8 @@ impl Generator for Ensemble {
         Ok(self.tokenize(prompt)?.iter().map(|t| t.len()).max().unwrap_or(0))
     }
 
-    fn render(&self, prompt: &Prompt) -> Result<String> {
-        self.members[0].text.render(prompt)
+    fn text(&self) -> &TextModel {
+        &self.members[0].text
     }
 
     fn generate(

@@ -24,7 +24,7 @@ use crate::cluster::handshake::Timeouts;
 use crate::cluster::{PipelineOpts, WireDtype};
 use crate::engine::batcher::Batcher;
 use crate::engine::snapshot::KvDtype;
-use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, PipelineGenerator, Prompt};
+use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, PipelineGenerator, Prompt, TextModel};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
 use anyhow::{Context, Result, bail};
@@ -497,6 +497,9 @@ impl Generator for Metered {
     }
     fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
         self.inner.count_prompt(prompt)
+    }
+    fn text(&self) -> &TextModel {
+        self.inner.text()
     }
     fn render(&self, prompt: &Prompt) -> Result<String> {
         self.inner.render(prompt)

@@ -22,7 +22,7 @@ pub use draft::Draft;
 
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::engine::{Input, Session, Want};
-use crate::generate::{GenParams, Generator, Next, Outcome, Piece, Prompt, TextModel, check_fits, decode_loop};
+use crate::generate::{GenParams, Generator, Next, Outcome, Piece, Prompt, TextModel, decode_loop};
 use crate::kernels::{ThreadPool, ops};
 use crate::model::{Model, ModelCache};
 use adapt::Adapt;
@@ -507,12 +507,8 @@ impl Generator for SpecGenerator {
         self.core.session.n_ctx()
     }
 
-    fn count_prompt(&self, prompt: &Prompt) -> Result<usize> {
-        Ok(self.text.tokenize(prompt)?.len())
-    }
-
-    fn render(&self, prompt: &Prompt) -> Result<String> {
-        self.text.render(prompt)
+    fn text(&self) -> &TextModel {
+        &self.text
     }
 
     fn generate(
@@ -521,8 +517,7 @@ impl Generator for SpecGenerator {
         params: &GenParams,
         sink: &mut dyn FnMut(&Piece) -> bool,
     ) -> Result<Outcome> {
-        let tokens = self.text.tokenize(prompt)?;
-        check_fits(tokens.len(), self.n_ctx())?;
+        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let core = &mut self.core;
         let text = &self.text;
         let draft_prompt = if core.same_vocab {
@@ -531,10 +526,7 @@ impl Generator for SpecGenerator {
             core.draft.text.tokenize(prompt)?
         };
         let t0 = Instant::now();
-        let mut sampler = Sampler::new(params.sampler.clone(), core.model.hp.n_vocab);
-        for &t in &tokens {
-            sampler.accept(t);
-        }
+        let mut sampler = Sampler::after_prompt(params.sampler.clone(), core.model.hp.n_vocab, &tokens);
         // The draft samples with the same chain (without the penalty: any proposal is exact, this one is cheap).
         let draft_params = SamplerParams {
             repeat_penalty: 1.0,
