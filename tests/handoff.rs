@@ -513,6 +513,38 @@ fn baton_run(model: &Path, extra: &[&str], prompt: &str) -> (bool, String, Strin
 const LONG_PROMPT: &str = "The history of the city begins with a small settlement on the river, where traders from \
     the north met farmers from the south and exchanged grain, salt and stories about the sea that none of them";
 
+/// Runs `LONG_PROMPT` locally, then with decode node `d` pulling from prefill node `p`, full (`always`) and partial
+/// (`40%`) offload: the greedy text must be the local one, with no fallback. Returns the local text.
+fn remote_decode_matches_local(model: &Path, p: &NodeProc, d: &NodeProc, n_layer: usize, extra: &[&str]) -> String {
+    let (ok, local, err) = baton_run(model, &[], LONG_PROMPT);
+    assert!(ok, "{err}");
+    let partial = (n_layer as f32 * 0.4).round() as usize;
+    for (offload, k) in [("always", n_layer), ("40%", partial)] {
+        let args = [
+            &[
+                "--decode-node",
+                &d.addr,
+                "--prefill-node",
+                &p.addr,
+                "--offload",
+                offload,
+            ],
+            extra,
+        ]
+        .concat();
+        let (ok, out, err) = baton_run(model, &args, LONG_PROMPT);
+        assert!(ok, "{err}");
+        let want = format!("layers 0..{k} of {n_layer} remote");
+        assert!(err.contains(&want) && !err.contains("fallback"), "{err}");
+        assert!(
+            err.contains("plan (decode node)") && err.contains("exposed transfer"),
+            "{err}"
+        );
+        assert_eq!(out, local, "offload {offload}: greedy output of the remote decode node");
+    }
+    local
+}
+
 /// Protocol 3: the decode node is remote. The coordinator names the prefill node; the decode node pulls the KV from
 /// it (authenticating with its own secret) and decodes. Greedy output equals the local run for full and partial
 /// offload; a decode node that does not know the prefill node's secret falls back to its own prefill, same output.
@@ -527,31 +559,7 @@ fn remote_decode_node_pulls_the_kv_and_matches_local() {
     let key_s = key.to_str().unwrap();
     let p = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", key_s]);
     let d = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", key_s]);
-    let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
-    assert!(ok, "{err}");
-    for (offload, want) in [
-        ("always", "layers 0..30 of 30 remote"),
-        ("40%", "layers 0..12 of 30 remote"),
-    ] {
-        let args = [
-            "--decode-node",
-            &d.addr,
-            "--prefill-node",
-            &p.addr,
-            "--offload",
-            offload,
-            "--secret-file",
-            key_s,
-        ];
-        let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
-        assert!(ok, "{err}");
-        assert!(err.contains(want) && !err.contains("fallback"), "{err}");
-        assert!(
-            err.contains("plan (decode node)") && err.contains("exposed transfer"),
-            "{err}"
-        );
-        assert_eq!(out, local, "offload {offload}: greedy output of the remote decode node");
-    }
+    let local = remote_decode_matches_local(&model, &p, &d, 30, &["--secret-file", key_s]);
     assert!(d.log().contains("opened session"), "{}", d.log());
     // A decode node with another secret: the prefill node refuses it, it prefills alone, same text.
     let d2 = NodeProc::spawn(&model, "127.0.0.1:0", &["--secret-file", wrong.to_str().unwrap()]);
@@ -649,26 +657,5 @@ fn gemma3_remote_decode_matches_local() {
     let model = gemma3();
     let p = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
     let d = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    let (ok, local, err) = baton_run(&model, &[], LONG_PROMPT);
-    assert!(ok, "{err}");
-    for (offload, want) in [
-        ("always", "layers 0..18 of 18 remote"),
-        ("40%", "layers 0..7 of 18 remote"),
-    ] {
-        let args = [
-            "--decode-node",
-            &d.addr,
-            "--prefill-node",
-            &p.addr,
-            "--offload",
-            offload,
-        ];
-        let (ok, out, err) = baton_run(&model, &args, LONG_PROMPT);
-        assert!(ok, "{err}");
-        assert!(err.contains(want) && !err.contains("fallback"), "{err}");
-        assert_eq!(
-            out, local,
-            "offload {offload}: Gemma 3 greedy output of the remote decode node"
-        );
-    }
+    remote_decode_matches_local(&model, &p, &d, 18, &[]);
 }
