@@ -7,8 +7,17 @@ pub fn dequantize_f32(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// Through `half`'s slice conversion, which converts 8 or 16 values per F16C/AVX-512 instruction after one CPU
+/// check per call: converting element by element checks the CPU on every value and ran F16 decode at 2 GB/s.
 pub fn dequantize_f16(src: &[u8], dst: &mut [f32]) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
     assert_eq!(src.len(), dst.len() * 2, "source bytes do not match the row length");
+    // SAFETY: u16 has no invalid bit patterns; `align_to` puts only whole, aligned u16 in the middle part.
+    let (head, bits, tail) = unsafe { src.align_to::<u16>() };
+    if head.is_empty() && tail.is_empty() && cfg!(target_endian = "little") {
+        bits.reinterpret_cast::<half::f16>().convert_to_f32_slice(dst);
+        return;
+    }
     for (b, y) in src.chunks_exact(2).zip(dst.iter_mut()) {
         *y = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
     }
@@ -55,6 +64,21 @@ mod tests {
         // bf16: the high half of the f32.
         dequantize_bf16(&[0x80, 0x3f, 0x00, 0xc0, 0x49, 0x40], &mut y);
         assert_eq!(y, [1.0, -2.0, f32::from_bits(0x4049_0000)]);
+    }
+
+    #[test]
+    fn f16_rows_decode_aligned_or_not() {
+        let vals: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.37).collect();
+        let mut bytes = vec![0u8];
+        bytes.extend(vals.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()));
+        let want: Vec<f32> = vals.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        // A fresh Vec is u16-aligned (the slice conversion); one byte into a buffer is not (the element loop).
+        let aligned = bytes[1..].to_vec();
+        for src in [&aligned[..], &bytes[1..]] {
+            let mut y = vec![0.0f32; 37];
+            dequantize_f16(src, &mut y);
+            assert_eq!(y, want);
+        }
     }
 
     #[test]

@@ -18,6 +18,9 @@ pub const PROBE_EVERY: usize = 32;
 pub const PROBE_MAX: usize = 512;
 /// While speculating, one plain target step per this many rounds keeps `t_1` current.
 pub const REMEASURE_EVERY: usize = 8;
+/// The predicted gain drafting must show before `auto` drafts: the estimates are noisy, and near break-even a
+/// wrong "on" (a draft and a wider verify every round) costs more than a wrong "off" (one plain step).
+pub const MIN_GAIN: f64 = 1.1;
 /// Weight of a new measurement in the running averages.
 const EMA: f64 = 0.25;
 
@@ -100,10 +103,11 @@ impl Adapt {
             // Then a short first try measures the draft.
             None if self.t_draft.is_none() => self.k_max.min(2),
             None => {
-                let best = (0..=self.k_max)
+                let best = (1..=self.k_max)
                     .max_by(|&a, &b| self.rate(a).unwrap_or(0.0).total_cmp(&self.rate(b).unwrap_or(0.0)))
                     .unwrap_or(0);
-                if best > 0 {
+                let pays = self.rate(best).unwrap_or(0.0) > MIN_GAIN * self.rate(0).unwrap_or(f64::INFINITY);
+                if pays {
                     self.off_since = None;
                     self.probe_every = PROBE_EVERY;
                     if self.since_plain >= REMEASURE_EVERY {
@@ -234,6 +238,20 @@ mod tests {
         let on = ks[40..].iter().filter(|&&k| k > 0).count();
         assert!(on < 30, "{on} of 260 rounds drafted: {ks:?}");
         assert!(a.rate(0).unwrap() >= a.rate(4).unwrap());
+    }
+
+    /// A draft that would gain only a few percent on paper (the cross-vocabulary Gemma 3 case: SmolLM2 at about half
+    /// the target's step time, 75% acceptance, an expensive verify per position) stays off.
+    #[test]
+    fn a_break_even_draft_stays_off() {
+        let mut a = Adapt::new(None, 8);
+        let (alpha, td, t1, extra) = (0.75f64, 0.0045, 0.0114, 0.0025);
+        let gain = |k: i32| (1.0 - alpha.powi(k + 1)) / (1.0 - alpha) / (k as f64 * (td + extra) + t1) * t1;
+        let best = (1..=8).map(gain).fold(0.0, f64::max);
+        assert!(best > 1.0 && best < 1.1, "the case is break-even: {best}");
+        let ks = run(&mut a, alpha, td, t1, extra, 200);
+        let on = ks[20..].iter().filter(|&&k| k > 0).count();
+        assert!(on < 20, "{on} of 180 rounds drafted: {ks:?}");
     }
 
     #[test]
