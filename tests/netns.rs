@@ -243,7 +243,7 @@ fn bench_shaped_link() {
 }
 
 /// Disaggregated prefill over emulated links (`cargo test --test netns bench_handoff_shaped -- --ignored
-/// --nocapture`; BENCH_PP prompt tokens, default 512; BENCH_RATES the links, default 2500mbit,20mbit): the prefill
+/// --nocapture`; BENCH_PP prompt lengths, default 512; BENCH_RATES the links, default 2500mbit,20mbit): the prefill
 /// node (2 threads) in one namespace, the decode side (1 thread) in the other. A 2.5 Gbit/s link hides the KV
 /// transfer behind compute; a link slower than the KV production rate does not, and there `--kv-bits 8` and
 /// `--offload auto` matter. Figures in docs/disaggregation.md.
@@ -257,73 +257,77 @@ fn bench_handoff_shaped() {
     use baton::kernels::ThreadPool;
     use baton::model::Model;
     use std::sync::Arc;
-    let pp = std::env::var("BENCH_PP")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(512);
+    let lens: Vec<usize> = std::env::var("BENCH_PP")
+        .unwrap_or_else(|_| "512".into())
+        .split(',')
+        .filter_map(|v| v.parse().ok())
+        .collect();
     let model = smollm2();
     let m = Arc::new(Model::load(&model).unwrap());
     let hp = m.hp.clone();
-    let prompt = prompt(pp);
-    println!("| link | plan | KV | TTFT | remote | exposed | handoff | bytes | link rate |");
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("| link | prompt | plan | KV | TTFT | remote | exposed | handoff | bytes | link rate |");
+    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|");
     let rates = std::env::var("BENCH_RATES").unwrap_or_else(|_| "2500mbit,20mbit".into());
     for rate in rates.split(',') {
         let Some(link) = Link::new(rate) else { return };
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(&dir);
-        let node = link.node(&secret, &["-t", "2"]);
+        let node = link.node(&secret, &["-t", "2", "-c", "8192"]);
         let mut speeds = Speeds::default();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let mut runs: Vec<(String, usize, KvDtype)> = vec![
-            ("local".into(), 0, KvDtype::F32),
-            ("full".into(), hp.n_layer, KvDtype::F32),
-            ("full".into(), hp.n_layer, KvDtype::Q8),
-        ];
-        let mut i = 0;
-        while i < runs.len() {
-            let (name, k, kv) = runs[i].clone();
-            let rep = link.in_a(|| {
-                let mut s = Session::new(m.clone(), Arc::new(ThreadPool::new(1)), pp + 64, 512).unwrap();
-                let mut pn = PrefillNode::new(NodeOpts {
-                    addr: node.addr.clone(),
-                    secret: Some(b"netns test secret, long enough".to_vec()),
-                    timeouts: Timeouts {
-                        connect: Duration::from_secs(5),
-                        io: Duration::from_secs(120),
-                    },
-                    kv,
+        for &pp in &lens {
+            let prompt = prompt(pp);
+            let mut runs: Vec<(String, usize, KvDtype)> = vec![
+                ("local".into(), 0, KvDtype::F32),
+                ("full".into(), hp.n_layer, KvDtype::F32),
+                ("full".into(), hp.n_layer, KvDtype::Q8),
+                ("half".into(), hp.n_layer / 2, KvDtype::F32),
+            ];
+            let mut i = 0;
+            while i < runs.len() {
+                let (name, k, kv) = runs[i].clone();
+                let rep = link.in_a(|| {
+                    let mut s = Session::new(m.clone(), Arc::new(ThreadPool::new(1)), pp + 64, 512).unwrap();
+                    let mut pn = PrefillNode::new(NodeOpts {
+                        addr: node.addr.clone(),
+                        secret: Some(b"netns test secret, long enough".to_vec()),
+                        timeouts: Timeouts {
+                            connect: Duration::from_secs(5),
+                            io: Duration::from_secs(120),
+                        },
+                        kv,
+                    });
+                    prefill_with_fallback(&mut s, Some(&mut pn), &prompt, k).unwrap().1
                 });
-                prefill_with_fallback(&mut s, Some(&mut pn), &prompt, k).unwrap().1
-            });
-            assert!(rep.fallback.is_none(), "{rep:?}");
-            if kv == KvDtype::F32 {
-                learn(&mut speeds, &rep);
+                assert!(rep.fallback.is_none(), "{rep:?}");
+                if kv == KvDtype::F32 {
+                    learn(&mut speeds, &rep);
+                }
+                println!(
+                    "| {rate} | {pp} | {name} ({k} layers) | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} MB | {:.3} MB/s |",
+                    kv.name(),
+                    ms(rep.total),
+                    ms(rep.remote),
+                    ms(rep.exposed),
+                    ms(rep.handoff),
+                    rep.bytes as f64 / 1e6,
+                    rep.link_rate / 1e6
+                );
+                if i == 3 {
+                    let job = Job {
+                        n_layer: hp.n_layer,
+                        n: pp,
+                        catch_up: 0,
+                        chunk: 512,
+                        kv_bytes: (hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 4) as f64,
+                        hidden_bytes: (hp.n_embd * 4) as f64,
+                    };
+                    let (k, why) = plan(Offload::Auto, &speeds, &job);
+                    println!("<!-- {rate} {pp}: {why} -->");
+                    runs.push(("auto".to_string(), k, KvDtype::F32));
+                }
+                i += 1;
             }
-            println!(
-                "| {rate} | {name} ({k} layers) | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} MB | {:.3} MB/s |",
-                kv.name(),
-                ms(rep.total),
-                ms(rep.remote),
-                ms(rep.exposed),
-                ms(rep.handoff),
-                rep.bytes as f64 / 1e6,
-                rep.link_rate / 1e6
-            );
-            if i == 2 {
-                let job = Job {
-                    n_layer: hp.n_layer,
-                    n: pp,
-                    catch_up: 0,
-                    chunk: 512,
-                    kv_bytes: (hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 4) as f64,
-                    hidden_bytes: (hp.n_embd * 4) as f64,
-                };
-                let (k, why) = plan(Offload::Auto, &speeds, &job);
-                println!("<!-- {rate}: {why} -->");
-                runs.push(("auto".to_string(), k, KvDtype::F32));
-            }
-            i += 1;
         }
     }
 }
