@@ -373,7 +373,7 @@ fn bench_ttft_loopback() {
     let m = Arc::new(Model::load(&model).unwrap());
     let hp = m.hp.clone();
     let new_session = || Session::new(m.clone(), Arc::new(ThreadPool::new(1)), max + 64, 512).unwrap();
-    let mut speeds = Speeds::default();
+    let mut speeds = Speeds::for_model(&hp);
     println!(
         "| prompt | local 1 thread | full offload | 50% offload | auto (k) | full: remote / exposed / handoff | KV bytes | link rate |"
     );
@@ -396,6 +396,7 @@ fn bench_ttft_loopback() {
         learn(&mut speeds, &half);
         let job = Job {
             n_layer: hp.n_layer,
+            start: 0,
             n,
             catch_up: 0,
             chunk: 512,

@@ -273,7 +273,7 @@ fn bench_handoff_shaped() {
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(&dir);
         let node = link.node(&secret, &["-t", "2", "-c", "8192"]);
-        let mut speeds = Speeds::default();
+        let mut speeds = Speeds::for_model(&hp);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         for &pp in &lens {
             let prompt = prompt(pp);
@@ -316,6 +316,7 @@ fn bench_handoff_shaped() {
                 if i == 3 {
                     let job = Job {
                         n_layer: hp.n_layer,
+                        start: 0,
                         n: pp,
                         catch_up: 0,
                         chunk: 512,

@@ -58,20 +58,55 @@ impl Offload {
 /// What the planner knows: speeds measured on this machine, the prefill node and the link, updated by every request.
 #[derive(Clone, Debug, Default)]
 pub struct Speeds {
-    /// Whole-model prefill tokens/s here.
+    /// Whole-model prefill speed here, in work units/s ([`work`]: one unit is one token's matmuls, so this is
+    /// tokens/s at the start of a context).
     pub local: Option<f64>,
-    /// Whole-model prefill tokens/s on the prefill node.
+    /// The same on the prefill node.
     pub remote: Option<f64>,
     /// Highest link rate seen during a handoff, bytes/s (a lower bound of the link's capacity).
     pub link: Option<f64>,
     /// Fixed cost of a remote prefill (request round trip, stream start).
     pub overhead: Duration,
+    /// The model's attention cost per cached position relative to one token's matmuls ([`attn_ratio`]); 0 treats
+    /// every token alike.
+    pub attn: f64,
+}
+
+impl Speeds {
+    /// Nothing measured yet, for `hp`'s cost model.
+    pub fn for_model(hp: &crate::model::Hparams) -> Speeds {
+        Speeds {
+            attn: attn_ratio(hp),
+            ..Default::default()
+        }
+    }
+}
+
+/// Attention FLOPs of one query against one cached position, relative to the matmul FLOPs of one token: a prompt's
+/// cost grows with its length (a 4k-token prompt costs far more than 8 × 512 tokens), and the planner compares
+/// prompts of every length with speeds measured on others. Sliding-window layers are counted as free (their
+/// attention stops growing at the window).
+pub fn attn_ratio(hp: &crate::model::Hparams) -> f64 {
+    let (e, q, kv) = (hp.n_embd as f64, hp.n_head as f64, hp.n_head_kv as f64);
+    let (dk, dv, ff) = (hp.head_dim_k as f64, hp.head_dim_v as f64, hp.n_ff as f64);
+    let matmul = e * q * dk + e * kv * (dk + dv) + q * dv * e + 3.0 * e * ff;
+    let attention = q * (dk + dv);
+    let global = (0..hp.n_layer).filter(|&il| hp.window(il).is_none()).count() as f64 / hp.n_layer.max(1) as f64;
+    attention * global / matmul
+}
+
+/// Work of computing `n` tokens at positions `start..start + n`, in tokens at position 0.
+pub fn work(attn: f64, start: usize, n: usize) -> f64 {
+    let (s, n) = (start as f64, n as f64);
+    n + attn * (n * s + n * (n - 1.0).max(0.0) / 2.0)
 }
 
 /// The shape of one prefill, as the planner sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct Job {
     pub n_layer: usize,
+    /// Positions the decode side already holds: the new tokens start there.
+    pub start: usize,
     /// New tokens (their KV crosses the wire).
     pub n: usize,
     /// Tokens the node must recompute without sending (multi-turn catch-up).
@@ -91,6 +126,7 @@ pub struct Job {
 pub fn estimate(sp: &Speeds, k: usize, j: &Job) -> Option<f64> {
     let Job {
         n_layer,
+        start,
         n,
         catch_up,
         chunk,
@@ -99,11 +135,12 @@ pub fn estimate(sp: &Speeds, k: usize, j: &Job) -> Option<f64> {
     } = *j;
     let local = sp.local?;
     let f = k as f64 / n_layer as f64;
-    let local_part = n as f64 * (1.0 - f) / local;
+    let new_work = work(sp.attn, start, n);
+    let local_part = new_work * (1.0 - f) / local;
     if k == 0 {
-        return Some(n as f64 / local);
+        return Some(new_work / local);
     }
-    let remote = (n + catch_up) as f64 * f / sp.remote?;
+    let remote = work(sp.attn, start.saturating_sub(catch_up), n + catch_up) * f / sp.remote?;
     let bytes = n as f64 * (k as f64 * kv_bytes + if k < n_layer { hidden_bytes } else { 0.0 });
     let link = bytes / sp.link.unwrap_or(f64::INFINITY);
     let chunks = n.div_ceil(chunk.max(1)).max(1);
@@ -162,20 +199,22 @@ pub fn plan(offload: Offload, sp: &Speeds, j: &Job) -> (usize, String) {
 pub fn learn(sp: &mut Speeds, rep: &HandoffReport) {
     let blend = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| 0.5 * o + 0.5 * new));
     let n = rep.prompt - rep.held;
+    let new_work = work(sp.attn, rep.held, n);
     if rep.layers == 0 {
         // Only a prompt long enough to be representative updates the local speed.
         if n >= 64 && rep.local > Duration::ZERO {
-            sp.local = blend(sp.local, n as f64 / rep.local.as_secs_f64());
+            sp.local = blend(sp.local, new_work / rep.local.as_secs_f64());
         }
         return;
     }
     let f = rep.layers as f64 / rep.n_layer as f64;
-    let computed = (rep.sent + rep.catch_up) as f64;
-    if computed >= 64.0 && rep.remote > Duration::ZERO {
-        sp.remote = blend(sp.remote, computed * f / rep.remote.as_secs_f64());
+    let computed = rep.sent + rep.catch_up;
+    if computed >= 64 && rep.remote > Duration::ZERO {
+        let w = work(sp.attn, rep.held.saturating_sub(rep.catch_up), computed);
+        sp.remote = blend(sp.remote, w * f / rep.remote.as_secs_f64());
     }
     if rep.layers < rep.n_layer && n >= 64 && rep.local > Duration::ZERO {
-        sp.local = blend(sp.local, n as f64 * (1.0 - f) / rep.local.as_secs_f64());
+        sp.local = blend(sp.local, new_work * (1.0 - f) / rep.local.as_secs_f64());
     }
     if rep.link_rate.is_finite() && rep.bytes > 1 << 20 {
         sp.link = Some(sp.link.map_or(rep.link_rate, |l| l.max(rep.link_rate)));
@@ -183,15 +222,15 @@ pub fn learn(sp: &mut Speeds, rep: &HandoffReport) {
     sp.overhead = rep.connect.min(Duration::from_millis(50)) + Duration::from_millis(1);
 }
 
-/// Measures this machine's whole-model prefill speed (tokens/s) on a 128-token batch in a scratch session, for the
-/// `auto` planner.
+/// Measures this machine's whole-model prefill speed (work units/s, see [`Speeds::local`]) on a 128-token batch in a
+/// scratch session, for the `auto` planner.
 pub fn probe_local_speed(model: &Arc<Model>, pool: Arc<ThreadPool>, n_batch: usize) -> Result<f64> {
     let n = 128.min(n_batch).max(1);
     let mut s = Session::new(model.clone(), pool, n + 1, n)?;
     let probe: Vec<u32> = (0..n as u32).map(|i| 100 + i % 500).collect();
     let t0 = Instant::now();
     s.forward(Input::Tokens(&probe), Want::Hidden)?;
-    Ok(n as f64 / t0.elapsed().as_secs_f64())
+    Ok(work(attn_ratio(&model.hp), 0, n) / t0.elapsed().as_secs_f64())
 }
 
 /// The planner's view of prefilling `tokens` into `s`: the tokens not already held, the chunk size and the bytes per
@@ -211,6 +250,7 @@ pub fn job_for(s: &Session, tokens: &[u32], kv: KvDtype) -> Job {
     };
     Job {
         n_layer: hp.n_layer,
+        start: held,
         n: tokens.len() - held,
         catch_up: 0,
         chunk: s.n_batch(),
@@ -438,7 +478,7 @@ impl DisaggGenerator {
         let speeds = vec![
             Speeds {
                 local,
-                ..Default::default()
+                ..Speeds::for_model(&model.hp)
             };
             prefill.members.len()
         ];
@@ -452,6 +492,16 @@ impl DisaggGenerator {
             speeds,
             last: None,
         })
+    }
+
+    /// Link rates to the pool's members (bytes/s, in pool order) known before any request, e.g. from a cluster
+    /// file: the planner starts from them instead of learning the link from the first streams.
+    pub fn seed_link_rates(&mut self, rates: &[Option<f64>]) {
+        for (sp, r) in self.speeds.iter_mut().zip(rates) {
+            if let Some(r) = r.filter(|r| r.is_finite() && *r > 0.0) {
+                sp.link = Some(r);
+            }
+        }
     }
 
     /// Prefills `tokens` with layers offloaded to the least-loaded prefill node (or locally when none is up).
@@ -562,6 +612,7 @@ pub fn offload_on_wire(offload: Offload, n_layer: usize) -> u32 {
                 &Speeds::default(),
                 &Job {
                     n_layer,
+                    start: 0,
                     n: 1,
                     catch_up: 0,
                     chunk: 1,
@@ -796,6 +847,7 @@ mod tests {
     fn job(n_layer: usize, n: usize) -> Job {
         Job {
             n_layer,
+            start: 0,
             n,
             catch_up: 0,
             chunk: 512,
@@ -811,6 +863,7 @@ mod tests {
             remote: Some(1000.0),
             link: Some(1e9),
             overhead: Duration::from_millis(2),
+            attn: 0.0,
         };
         let (k, _) = plan(Offload::Auto, &sp, &job(30, 2000));
         assert_eq!(k, 30, "a 10x faster node and a fast link: offload everything");
@@ -832,6 +885,36 @@ mod tests {
         assert_eq!(k, 0);
     }
 
+    /// Speeds learned on one prompt length predict another: a prompt's attention grows with its length, so a
+    /// speed measured on 4096 tokens (slow per token) must not make a 512-token prompt look slow, and the time of the
+    /// measured prompt itself comes back exactly.
+    #[test]
+    fn speeds_carry_across_prompt_lengths() {
+        let mut sp = Speeds {
+            attn: 3.26e-4, // SmolLM2-135M
+            ..Default::default()
+        };
+        let rep = HandoffReport {
+            prompt: 4096,
+            n_layer: 30,
+            local: Duration::from_secs(40),
+            ..Default::default()
+        };
+        learn(&mut sp, &rep);
+        let at = |n| estimate(&sp, 0, &Job { n, ..job(30, n) }).unwrap();
+        assert!((at(4096) - 40.0).abs() < 1e-6);
+        assert!(
+            at(512) < 40.0 / 8.0 * 0.7,
+            "512 tokens: {} s (linear would be 5)",
+            at(512)
+        );
+        assert!((work(0.0, 100, 10) - 10.0).abs() < 1e-12, "no attention term: tokens");
+        assert!(
+            (work(1e-3, 1000, 1) - 2.0).abs() < 1e-12,
+            "one token at 1000: its matmuls plus 1000 positions"
+        );
+    }
+
     /// Measured on the emulated 2.5 GbE link (docs/disaggregation.md): a 512-token prompt in one chunk, this side
     /// 253 tok/s, the node 433 tok/s, 24 MB/s seen on the link (the node's production rate). Full offload took
     /// 1351 ms, half 1657 ms, local 2042 ms. The KV leaves layer by layer while the node computes, so even one chunk
@@ -843,9 +926,11 @@ mod tests {
             remote: Some(433.0),
             link: Some(24e6),
             overhead: Duration::from_millis(1),
+            attn: 0.0,
         };
         let j = Job {
             n_layer: 30,
+            start: 0,
             n: 512,
             catch_up: 0,
             chunk: 512,

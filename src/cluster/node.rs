@@ -480,7 +480,9 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
                         if speeds.len() >= 64 && !speeds.contains_key(&p.prefill) {
                             speeds.clear();
                         }
-                        let sp = speeds.entry(p.prefill.clone()).or_default();
+                        let sp = speeds
+                            .entry(p.prefill.clone())
+                            .or_insert_with(|| Speeds::for_model(&st.hp));
                         serve_pull(&mut g.core, Some(link), sp, &st.pool, &p)
                     }
                 };

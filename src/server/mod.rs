@@ -349,9 +349,20 @@ struct DisaggSettings {
     offload_text: String,
     kv: KvDtype,
     timeout: Duration,
+    /// The cluster file's `[[link]]` entries (their `gbps` seed the planner's link rate).
+    links: Vec<cluster_file::Link>,
 }
 
 impl DisaggSettings {
+    /// The configured rate between nodes `a` and `b` in bytes/s, if the cluster file gives one.
+    fn link_rate(&self, a: &str, b: &str) -> Option<f64> {
+        self.links
+            .iter()
+            .find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a))
+            .and_then(|l| l.gbps)
+            .map(|g| g * 1e9 / 8.0)
+    }
+
     fn of(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<DisaggSettings> {
         let offload_text = file
             .and_then(|f| f.offload.clone())
@@ -369,6 +380,7 @@ impl DisaggSettings {
             offload_text,
             kv: KvDtype::parse(&kv)?,
             timeout,
+            links: file.map(|f| f.links.clone()).unwrap_or_default(),
         })
     }
 }
@@ -439,8 +451,14 @@ fn disagg_hook(
         kv: dis.kv,
     };
     let (ctx, batch, offload, pool) = (cfg.ctx_size, cfg.batch_size, dis.offload, pool.clone());
+    // A remote decode node measures its links itself; this server's own links may be given in the cluster file.
+    let rates: Vec<Option<f64>> = pool
+        .members
+        .iter()
+        .map(|m| dis.link_rate(&m.name, &decode.name))
+        .collect();
     Ok(Arc::new(move || {
-        let g = DisaggGenerator::new(
+        let mut g = DisaggGenerator::new(
             model.clone(),
             threads.clone(),
             ctx,
@@ -449,6 +467,7 @@ fn disagg_hook(
             pool.clone(),
             offload,
         )?;
+        g.seed_link_rates(&rates);
         Ok(Box::new(g) as Box<dyn Generator>)
     }))
 }
@@ -514,5 +533,23 @@ impl Generator for Metered {
         // Stats are reset at the start of each request, so they hold this request's bytes (also after a failure).
         self.account();
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_file_link_rates_reach_the_planner_in_bytes_per_second() {
+        let file: ClusterFile = toml::from_str(
+            "[[node]]\nname='me'\naddr='local'\nrole='decode'\n[[node]]\nname='p1'\naddr='h:1'\nrole='prefill'\n\
+             [[node]]\nname='p2'\naddr='h:2'\nrole='prefill'\n[[link]]\na='me'\nb='p1'\ngbps=2.5\n",
+        )
+        .unwrap();
+        let dis = DisaggSettings::of(&ServeConfig::default(), Some(&file)).unwrap();
+        assert_eq!(dis.link_rate("p1", "me"), Some(312.5e6), "either order");
+        assert_eq!(dis.link_rate("me", "p1"), Some(312.5e6));
+        assert_eq!(dis.link_rate("p2", "me"), None, "no link given");
     }
 }
