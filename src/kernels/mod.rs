@@ -6,6 +6,7 @@
 //! once per call into the weight type's "vec-dot type" (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the
 //! K-quants), then every output is an integer dot per block, scaled per block. Float weights are dotted in f32.
 
+pub mod attention;
 pub mod float;
 pub mod kquants;
 pub mod legacy;

@@ -4,7 +4,7 @@
 
 use super::{Hparams, LayerWeights};
 use crate::kernels::ops::{self, RopeTable};
-use crate::kernels::{self, Matrix, ThreadPool};
+use crate::kernels::{self, Matrix, ThreadPool, attention};
 
 /// Scratch space for a forward pass over up to `n_batch` tokens; allocated once per session so a decoded token
 /// allocates nothing.
@@ -25,7 +25,7 @@ pub struct Buffers {
     /// Feed-forward gate and up projections, `[n_tok, n_ff]`.
     pub g: Vec<f32>,
     pub u: Vec<f32>,
-    /// One row of attention scores per thread.
+    /// Attention scores: one row per query head of a GQA group, per thread.
     pub scores: Vec<f32>,
     pub n_ctx: usize,
     pub mm: kernels::Scratch,
@@ -43,7 +43,7 @@ impl Buffers {
             o: vec![0.0; n_batch * hp.n_embd],
             g: vec![0.0; n_batch * hp.n_ff],
             u: vec![0.0; n_batch * hp.n_ff],
-            scores: vec![0.0; n_threads * n_ctx],
+            scores: vec![0.0; n_threads * (hp.n_head / hp.n_head_kv) * n_ctx],
             n_ctx,
             mm: kernels::Scratch::default(),
         }
@@ -192,48 +192,46 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
 }
 
 /// Causal attention of each row's query over its cache (positions `0..=pos` for a query at `pos`, or the last
-/// `window` of them on sliding-window layers), written to `b.att`. Parallel over (row, head).
+/// `window` of them on sliding-window layers), written to `b.att`. Parallel over (row, KV head): the query heads of
+/// one GQA group share the K and V rows they read (`kernels::attention`).
 pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     let hp = s.hp;
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     let group = hp.n_head / hp.n_head_kv;
     let window = hp.window(s.il);
-    let n_tasks = s.n_tok * hp.n_head;
-    let n_ctx = b.n_ctx;
+    let n_tasks = s.n_tok * hp.n_head_kv;
+    let per_thread = group * b.n_ctx;
     let q = &b.q;
     let att = SyncPtr(b.att.as_mut_ptr());
     let scores = SyncPtr(b.scores.as_mut_ptr());
     let scale = hp.attn_scale;
     s.pool.run(|ith, nth| {
-        // SAFETY: each thread owns its own score row, and writes only the att rows of its own tasks.
-        let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * n_ctx), n_ctx) };
+        // SAFETY: each thread owns its own score rows, and writes only the att rows of its own tasks.
+        let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * per_thread), per_thread) };
         let mut task = ith;
         while task < n_tasks {
-            let (t, h) = (task / hp.n_head, task % hp.n_head);
-            let kvh = h / group;
+            let (t, kvh) = (task / hp.n_head_kv, task % hp.n_head_kv);
             let pos = rows.pos(t);
             let (kc, vc, kv_ctx) = rows.read(t);
-            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qh = &q[(t * hp.n_head + h) * hdk..][..hdk];
-            let kbase = &kc[kvh * kv_ctx * hdk..];
-            let mut max = f32::NEG_INFINITY;
-            for j in lo..=pos {
-                let v = ops::dot(qh, &kbase[j * hdk..(j + 1) * hdk]) * scale;
-                sc[j] = v;
-                max = max.max(v);
-            }
-            let mut sum = 0.0f32;
-            for v in &mut sc[lo..=pos] {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add((t * hp.n_head + h) * hdv), hdv) };
-            out.fill(0.0);
-            let vbase = &vc[kvh * kv_ctx * hdv..];
-            let inv = 1.0 / sum;
-            for j in lo..=pos {
-                ops::axpy(out, sc[j] * inv, &vbase[j * hdv..(j + 1) * hdv]);
-            }
+            let g = attention::Group {
+                n_q: group,
+                hdk,
+                hdv,
+                lo: window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+                hi: pos + 1,
+                scale,
+            };
+            let h0 = t * hp.n_head + kvh * group;
+            let qg = &q[h0 * hdk..(h0 + group) * hdk];
+            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add(h0 * hdv), group * hdv) };
+            attention::attend(
+                &g,
+                qg,
+                &kc[kvh * kv_ctx * hdk..(kvh + 1) * kv_ctx * hdk],
+                &vc[kvh * kv_ctx * hdv..(kvh + 1) * kv_ctx * hdv],
+                sc,
+                out,
+            );
             task += nth;
         }
     });
