@@ -97,13 +97,7 @@ mod x86 {
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
         let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            5.000_000_1e-1,
-        ] {
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
             p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
         }
         let r2 = _mm512_mul_ps(r, r);
@@ -190,7 +184,7 @@ mod x86 {
                 *inv_h = 1.0 / _mm512_reduce_add_ps(vsum);
             }
             // Output: 64 values of a head at a time in four registers, over every V row.
-            for h in 0..g.n_q {
+            for (h, &inv_h) in inv.iter().enumerate() {
                 let row = sp.add(h * n);
                 let o = out.as_mut_ptr().add(h * hdv);
                 let mut d = 0;
@@ -203,7 +197,7 @@ mod x86 {
                             *a = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr.add(16 * c)), *a);
                         }
                     }
-                    let s = _mm512_set1_ps(inv[h]);
+                    let s = _mm512_set1_ps(inv_h);
                     for (c, a) in acc.iter().enumerate() {
                         _mm512_storeu_ps(o.add(d + 16 * c), _mm512_mul_ps(*a, s));
                     }
@@ -214,7 +208,7 @@ mod x86 {
                     for (i, j) in (g.lo..g.hi).enumerate() {
                         acc = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(i)), _mm512_loadu_ps(vp.add(j * hdv + d)), acc);
                     }
-                    _mm512_storeu_ps(o.add(d), _mm512_mul_ps(acc, _mm512_set1_ps(inv[h])));
+                    _mm512_storeu_ps(o.add(d), _mm512_mul_ps(acc, _mm512_set1_ps(inv_h)));
                     d += 16;
                 }
                 for dd in d..hdv {
@@ -222,7 +216,7 @@ mod x86 {
                     for (i, j) in (g.lo..g.hi).enumerate() {
                         s += *row.add(i) * *vp.add(j * hdv + dd);
                     }
-                    *o.add(dd) = s * inv[h];
+                    *o.add(dd) = s * inv_h;
                 }
             }
         }
