@@ -1,4 +1,4 @@
-//! Q4_1 and Q8_0 weights repacked 16 rows at a time, for AVX-512.
+//! Q4_1, Q5_0 and Q8_0 weights repacked 16 rows at a time, for AVX-512.
 //!
 //! Why: the row-major kernel spends most of its instructions per 32-weight block on things that are not
 //! multiply-adds — two scalar f16 conversions, a scale vector built from scalars, a horizontal sum per row. With 16
@@ -11,10 +11,14 @@
 //! each f16 header field for the 16 rows (Q4_1: `d[16]`, `m[16]`; Q8_0: `d[16]`), then for each 4-byte quad `k` of
 //! the quants: `qs_r[4k..4k+4]` for `r` in 0..16 (64 bytes). Q4_1 has 4 quads (low nibbles pair with activations
 //! 4k.., high nibbles with 16+4k..), Q8_0 has 8.
+//! Q5_0 (`d`, 4 bytes `qh` of fifth bits, 16 bytes of nibbles) keeps that shape with one change: the 16 rows' `qh`
+//! words (64 bytes) are stored as eight 64-bit masks, mask `2k` holding the fifth bits of the low-nibble values of
+//! quad `k` (bit `4r + i`: row `r`, byte `i`) and mask `2k + 1` those of its high-nibble values, so the kernel turns
+//! each into byte form with one masked add instead of shifting bits per row.
 //! The group's blocks follow each other; groups follow each other; rows past the last whole group stay row-major
 //! after the groups. The integer sums are the same as the row-major kernel's; only the f32 summation order differs.
 
-use super::legacy::{Q4_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use super::legacy::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::gguf::GgmlType;
 
 /// Rows per group.
@@ -22,13 +26,14 @@ pub const ROWS: usize = 16;
 
 /// Whether `ty` has an interleaved kernel.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
 }
 
 /// Bytes of one block of `ty` and of its f16 header.
 fn block_shape(ty: GgmlType) -> (usize, usize) {
     match ty {
         GgmlType::Q4_1 => (Q4_1_BYTES, 4),
+        GgmlType::Q5_0 => (Q5_0_BYTES, 2),
         GgmlType::Q8_0 => (Q8_0_BYTES, 2),
         _ => panic!("no interleaved layout for {ty}"),
     }
@@ -52,6 +57,9 @@ pub fn repack(ty: GgmlType, src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
             for r in 0..ROWS {
                 let blk = &src[(g * ROWS + r) * rb + b * bb..][..bb];
                 scatter(o, blk, r, hdr);
+            }
+            if ty == GgmlType::Q5_0 {
+                qh_to_masks(&mut o[2 * ROWS..6 * ROWS]);
             }
         }
     }
@@ -80,7 +88,38 @@ fn scatter(gb: &mut [u8], blk: &[u8], r: usize, hdr: usize) {
 /// Row `r`'s block of an interleaved group block, back in the file's block form (references, row lookups).
 pub fn unpack_block(ty: GgmlType, gb: &[u8], r: usize) -> Vec<u8> {
     let (bb, hdr) = block_shape(ty);
-    (0..bb).map(|i| gb[position(i, r, hdr)]).collect()
+    let mut blk: Vec<u8> = (0..bb).map(|i| gb[position(i, r, hdr)]).collect();
+    if ty == GgmlType::Q5_0 {
+        // Bytes 2..6 were scattered from the masks; rebuild the row's qh word from them.
+        let mask = |m: usize| u64::from_le_bytes(gb[2 * ROWS + 8 * m..][..8].try_into().unwrap());
+        let mut qh = 0u32;
+        for k in 0..4 {
+            for i in 0..4 {
+                qh |= ((mask(2 * k) >> (4 * r + i) & 1) as u32) << (4 * k + i);
+                qh |= ((mask(2 * k + 1) >> (4 * r + i) & 1) as u32) << (16 + 4 * k + i);
+            }
+        }
+        blk[2..6].copy_from_slice(&qh.to_le_bytes());
+    }
+    blk
+}
+
+/// The 16 rows' `qh` words (row `r` at bytes `4r..4r+4`) rewritten as the eight masks described above.
+fn qh_to_masks(qh: &mut [u8]) {
+    let word = |r: usize| u32::from_le_bytes(qh[4 * r..4 * r + 4].try_into().unwrap());
+    let mut masks = [0u64; 8];
+    for r in 0..ROWS {
+        let w = word(r);
+        for k in 0..4 {
+            for i in 0..4 {
+                masks[2 * k] |= ((w >> (4 * k + i) & 1) as u64) << (4 * r + i);
+                masks[2 * k + 1] |= ((w >> (16 + 4 * k + i) & 1) as u64) << (4 * r + i);
+            }
+        }
+    }
+    for (m, out) in masks.iter().zip(qh.chunks_exact_mut(8)) {
+        out.copy_from_slice(&m.to_le_bytes());
+    }
 }
 
 /// The activation type a kernel of `ty` dots with, and its block bytes.
@@ -100,6 +139,7 @@ pub fn dot_group_scalar(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], out: &mut [
             .collect();
         *o = match ty {
             GgmlType::Q4_1 => super::legacy::dot_q4_1_q8_1(nb, &row, x),
+            GgmlType::Q5_0 => super::legacy::dot_q5_0_q8_0(nb, &row, x),
             _ => super::legacy::dot_q8_0_q8_0(nb, &row, x),
         };
     }
@@ -152,6 +192,73 @@ pub unsafe fn q4_1_group_avx512<const N: usize>(
                 let sy = _mm512_set1_ps(f16_at(y.add(2)));
                 *acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, dy), *acc);
                 *acc = _mm512_fmadd_ps(m, sy, *acc);
+            }
+        }
+        for t in 0..N {
+            _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+}
+
+/// The 16 dots of one Q5_0 group with `N` (1..=4) Q8_0 activation rows `xs` bytes apart: `out[t][r]`. The weights
+/// enter `maddubs` as unsigned 0..31 (nibble plus fifth bit); their offset of 16 is taken off once per block as
+/// 16 · Σx, the same for all 16 rows.
+///
+/// # Safety
+/// As [`q4_1_group_avx512`], with Q5_0 group blocks and Q8_0 activation rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub unsafe fn q5_0_group_avx512<const N: usize>(
+    nb: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [[f32; ROWS]; N],
+) {
+    use std::arch::x86_64::*;
+    unsafe {
+        let m4 = _mm512_set1_epi8(0x0f);
+        let b16 = _mm512_set1_epi8(0x10);
+        let ones = _mm512_set1_epi16(1);
+        let ones8 = _mm256_set1_epi8(1);
+        let ones16 = _mm256_set1_epi16(1);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..nb {
+            let gb = w.add(b * ROWS * Q5_0_BYTES);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(gb as *const __m256i));
+            let mask = |m: usize| std::ptr::read_unaligned(gb.add(2 * ROWS + 8 * m) as *const u64);
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                let q = _mm512_loadu_si512(gb.add(6 * ROWS + 64 * k) as *const __m512i);
+                let l = _mm512_and_si512(q, m4);
+                let h = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                lo[k] = _mm512_mask_add_epi8(l, mask(2 * k), l, b16);
+                hi[k] = _mm512_mask_add_epi8(h, mask(2 * k + 1), h, b16);
+            }
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let y = x.add(t * xs + b * Q8_0_BYTES);
+                let yq = y.add(2);
+                let quad = |o: usize| _mm512_set1_epi32(std::ptr::read_unaligned(yq.add(o) as *const i32));
+                // Four products pairs of ≤ 31·127 per i16 lane stay below 32767; then i32.
+                let mut s = _mm512_maddubs_epi16(lo[0], quad(0));
+                s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[1], quad(4)));
+                s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[2], quad(8)));
+                s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[3], quad(12)));
+                let mut s2 = _mm512_maddubs_epi16(hi[0], quad(16));
+                s2 = _mm512_add_epi16(s2, _mm512_maddubs_epi16(hi[1], quad(20)));
+                s2 = _mm512_add_epi16(s2, _mm512_maddubs_epi16(hi[2], quad(24)));
+                s2 = _mm512_add_epi16(s2, _mm512_maddubs_epi16(hi[3], quad(28)));
+                let sum = _mm512_add_epi32(_mm512_madd_epi16(s, ones), _mm512_madd_epi16(s2, ones));
+                // Σx of the block: 32 signed bytes summed in pairs, then in i32.
+                let xv = _mm256_loadu_si256(yq as *const __m256i);
+                let sx = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xv), ones16);
+                let sx = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+                let sx = _mm_add_epi32(sx, _mm_shuffle_epi32(sx, 0b01_00_11_10));
+                let sx = _mm_cvtsi128_si32(_mm_add_epi32(sx, _mm_shuffle_epi32(sx, 0b10_11_00_01)));
+                let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(16 * sx));
+                let dy = _mm512_set1_ps(f16_at(y));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dy), *acc);
             }
         }
         for t in 0..N {
@@ -249,6 +356,7 @@ pub fn dot_group(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], xs: usize, n: usiz
             }
             match ty {
                 GgmlType::Q4_1 => go!(q4_1_group_avx512),
+                GgmlType::Q5_0 => go!(q5_0_group_avx512),
                 _ => go!(q8_0_group_avx512),
             }
         }
@@ -268,7 +376,7 @@ mod tests {
     #[test]
     fn repack_round_trips_every_row() {
         let mut rng = Rng(5);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
             let (bb, hdr) = block_shape(ty);
             let (rows, nb) = (37, 3);
             let offs: Vec<usize> = (0..hdr / 2).map(|i| 2 * i).collect();
@@ -288,7 +396,7 @@ mod tests {
     #[test]
     fn group_kernels_match_the_row_dots() {
         let mut rng = Rng(8);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
             let (bb, hdr) = block_shape(ty);
             let offs: Vec<usize> = (0..hdr / 2).map(|i| 2 * i).collect();
             for nb in [1, 2, 5, 18] {
@@ -313,6 +421,9 @@ mod tests {
                             let direct = match ty {
                                 GgmlType::Q4_1 => {
                                     super::super::legacy::dot_q4_1_q8_1(nb, &src[r * nb * bb..], &xq[t * xs..])
+                                }
+                                GgmlType::Q5_0 => {
+                                    super::super::legacy::dot_q5_0_q8_0(nb, &src[r * nb * bb..], &xq[t * xs..])
                                 }
                                 _ => super::super::legacy::dot_q8_0_q8_0(nb, &src[r * nb * bb..], &xq[t * xs..]),
                             };
