@@ -70,6 +70,9 @@ pub struct Speeds {
     /// The model's attention cost per cached position relative to one token's matmuls ([`attn_ratio`]); 0 treats
     /// every token alike.
     pub attn: f64,
+    /// How far the local layers of a partial offload really run beside the node's (1: fully, as on two machines;
+    /// 0: not at all, as when both share the same cores), learned from partial offloads; `None` assumes 1.
+    pub overlap: Option<f64>,
 }
 
 impl Speeds {
@@ -92,8 +95,14 @@ pub fn attn_ratio(hp: &crate::model::Hparams) -> f64 {
     let matmul = e * q * dk + e * kv * (dk + dv) + q * dv * e + 3.0 * e * ff;
     let attention = q * (dk + dv);
     let global = (0..hp.n_layer).filter(|&il| hp.window(il).is_none()).count() as f64 / hp.n_layer.max(1) as f64;
-    attention * global / matmul
+    ATTN_SLOWER * attention * global / matmul
 }
+
+/// Attention runs in f32 (16 multiply-adds per instruction), the quantized matmuls on 8-bit integers (64 per
+/// instruction): per FLOP attention costs about 3× more. Measured: with this factor SmolLM2's node spent the same
+/// time per work unit on 2048- and 4096-token prompts (1087 and 1070 units/s); with 1 it looked 20% slower on the
+/// longer one.
+const ATTN_SLOWER: f64 = 3.0;
 
 /// Work of computing `n` tokens at positions `start..start + n`, in tokens at position 0.
 pub fn work(attn: f64, start: usize, n: usize) -> f64 {
@@ -146,7 +155,9 @@ pub fn estimate(sp: &Speeds, k: usize, j: &Job) -> Option<f64> {
     let chunks = n.div_ceil(chunk.max(1)).max(1);
     let stream = remote.max(link) + remote.min(link) / (chunks * k) as f64;
     let share = 1.0 / chunks as f64;
-    Some(sp.overhead.as_secs_f64() + stream.max(local_part) + stream.min(local_part) * share)
+    let ov = sp.overlap.unwrap_or(1.0);
+    let serial = share + (1.0 - share) * (1.0 - ov);
+    Some(sp.overhead.as_secs_f64() + stream.max(local_part) + stream.min(local_part) * serial)
 }
 
 /// The planner's choice for one request: layers to offload and why.
@@ -215,6 +226,16 @@ pub fn learn(sp: &mut Speeds, rep: &HandoffReport) {
     }
     if rep.layers < rep.n_layer && n >= 64 && rep.local > Duration::ZERO {
         sp.local = blend(sp.local, new_work * (1.0 - f) / rep.local.as_secs_f64());
+        // How much the two sides overlapped: total = max + min · (share + (1 - share)(1 - overlap)), with share
+        // the one chunk that cannot overlap. Only a prompt of several chunks tells.
+        let chunks = if rep.chunk > 0 { n.div_ceil(rep.chunk) } else { 0 };
+        let (r, l) = (rep.remote.as_secs_f64(), rep.local.as_secs_f64());
+        if chunks >= 2 && r > 0.0 {
+            let share = 1.0 / chunks as f64;
+            let x = (rep.total.as_secs_f64() - r.max(l)) / r.min(l);
+            let ov = (1.0 - (x - share) / (1.0 - share)).clamp(0.0, 1.0);
+            sp.overlap = blend(sp.overlap, ov);
+        }
     }
     if rep.link_rate.is_finite() && rep.bytes > 1 << 20 {
         sp.link = Some(sp.link.map_or(rep.link_rate, |l| l.max(rep.link_rate)));
@@ -864,6 +885,7 @@ mod tests {
             link: Some(1e9),
             overhead: Duration::from_millis(2),
             attn: 0.0,
+            overlap: None,
         };
         let (k, _) = plan(Offload::Auto, &sp, &job(30, 2000));
         assert_eq!(k, 30, "a 10x faster node and a fast link: offload everything");
@@ -915,6 +937,40 @@ mod tests {
         );
     }
 
+    /// Two processes on the same cores do not run side by side: a partial offload there took remote + local time.
+    /// Learning that from one such run makes the planner stop splitting layers and send the whole prompt to the
+    /// faster node.
+    #[test]
+    fn partial_offload_that_did_not_overlap_teaches_the_planner() {
+        let mut sp = Speeds {
+            local: Some(400.0),
+            remote: Some(600.0),
+            link: Some(1e9),
+            ..Default::default()
+        };
+        let j = Job {
+            n: 2048,
+            ..job(30, 2048)
+        };
+        let (k, why) = plan(Offload::Auto, &sp, &j);
+        assert!(k > 0 && k < 30, "side by side, splitting wins: {why}");
+        let rep = HandoffReport {
+            layers: 15,
+            n_layer: 30,
+            prompt: 2048,
+            sent: 2048,
+            remote: Duration::from_secs_f64(1024.0 / 600.0),
+            local: Duration::from_secs_f64(1024.0 / 400.0),
+            total: Duration::from_secs_f64(1024.0 / 600.0 + 1024.0 / 400.0),
+            chunk: 512,
+            ..Default::default()
+        };
+        learn(&mut sp, &rep);
+        assert!(sp.overlap.unwrap() < 0.05, "{:?}", sp.overlap);
+        let (k, why) = plan(Offload::Auto, &sp, &j);
+        assert_eq!(k, 30, "{why}");
+    }
+
     /// Measured on the emulated 2.5 GbE link (docs/disaggregation.md): a 512-token prompt in one chunk, this side
     /// 253 tok/s, the node 433 tok/s, 24 MB/s seen on the link (the node's production rate). Full offload took
     /// 1351 ms, half 1657 ms, local 2042 ms. The KV leaves layer by layer while the node computes, so even one chunk
@@ -927,6 +983,7 @@ mod tests {
             link: Some(24e6),
             overhead: Duration::from_millis(1),
             attn: 0.0,
+            overlap: None,
         };
         let j = Job {
             n_layer: 30,

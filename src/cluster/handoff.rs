@@ -238,6 +238,8 @@ pub struct HandoffReport {
     pub link_rate: f64,
     /// Why the remote prefill was abandoned, when it was.
     pub fallback: Option<String>,
+    /// Tokens per chunk of this prefill (the decode side's batch size; 0: unknown).
+    pub chunk: usize,
 }
 
 impl HandoffReport {
@@ -345,6 +347,7 @@ impl HandoffReport {
             bytes: r.bytes,
             link_rate: r.link_rate as f64,
             fallback: (!r.fallback.is_empty()).then(|| r.fallback.clone()),
+            chunk: 0,
         }
     }
 }
@@ -711,6 +714,7 @@ pub fn prefill_with_fallback(
         prompt: tokens.len(),
         held,
         n_layer: s.model.hp.n_layer,
+        chunk: s.n_batch(),
         ..Default::default()
     };
     if let Some(node) = node
@@ -730,6 +734,7 @@ pub fn prefill_with_fallback(
                     prompt: tokens.len(),
                     held,
                     n_layer: s.model.hp.n_layer,
+                    chunk: s.n_batch(),
                     fallback: Some(format!("{e:#}")),
                     ..Default::default()
                 };
