@@ -265,6 +265,9 @@ struct NodeArgs {
     /// Seconds to wait on a peer's frame or write.
     #[arg(long, default_value_t = 30.0)]
     timeout: f64,
+    /// Step each session's decode on its own instead of batching the steps that arrive together.
+    #[arg(long = "no-batch")]
+    no_batch: bool,
 }
 
 /// Several models behind one generator (`baton run` and `baton serve`): an ensemble, or a target with a draft.
@@ -1070,6 +1073,7 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.max_batch = a.batch_size;
     cfg.max_sessions = a.max_sessions;
     cfg.io_timeout = std::time::Duration::from_secs_f64(a.timeout);
+    cfg.batch = !a.no_batch;
     baton::cluster::run_node(cfg)
 }
 

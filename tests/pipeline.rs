@@ -633,3 +633,69 @@ fn sampled_pipeline_output_equals_the_local_run_with_the_same_seed() {
         }
     }
 }
+
+/// Greedy text of `baton run --pipeline ADDR=0:end` (the whole model on one node): `n` tokens of `prompt`.
+fn run_on_node(addr: &str, prompt: &str, n: usize) -> String {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["run", "-m"])
+        .arg(smollm2())
+        .args([
+            "--pipeline",
+            &format!("{addr}=0:end"),
+            "--temp",
+            "0",
+            "-n",
+            &n.to_string(),
+            "-c",
+            "256",
+        ])
+        .arg(prompt)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A decode node serving several sessions at once steps them together (one batched forward for the next token of
+/// each): each client gets the greedy text it gets alone, and the node's log shows more rows than steps. With
+/// `--no-batch` nothing is batched.
+#[test]
+fn a_node_batches_the_decode_steps_of_concurrent_sessions() {
+    let prompts = ["The capital of France is", "List three colors:", "Water boils at"];
+    let mut node = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--threads", "1"]);
+    let alone: Vec<String> = prompts.iter().map(|p| run_on_node(&node.addr, p, 24)).collect();
+    assert!(
+        !node.log().contains("batched decode"),
+        "one session at a time: {}",
+        node.log()
+    );
+    let together: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| s.spawn(|| run_on_node(&node.addr, p, 24)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone, "each session's text with its steps batched");
+    let log = node.log();
+    let (rows, steps) = log
+        .lines()
+        .filter_map(|l| l.split_once("batched decode so far: ")?.1.split_once(" rows in "))
+        .map(|(r, s)| {
+            (
+                r.parse::<u64>().unwrap(),
+                s.trim_end_matches(" steps").parse::<u64>().unwrap(),
+            )
+        })
+        .next_back()
+        .unwrap_or_else(|| panic!("no batched step: {log}"));
+    assert!(rows > steps && steps > 0, "{rows} rows in {steps} steps");
+    node.kill();
+    let node = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--threads", "1", "--no-batch"]);
+    std::thread::scope(|s| {
+        for p in &prompts {
+            s.spawn(|| run_on_node(&node.addr, p, 8));
+        }
+    });
+    assert!(!node.log().contains("batched decode"), "{}", node.log());
+}

@@ -1,7 +1,7 @@
 //! `baton-node`: serves pipeline stages of one model (the same server as `baton node`).
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
-//!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N]
+//!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--no-batch]
 
 use anyhow::{Context, Result, bail};
 use baton::cluster::{NodeConfig, auth, run_node};
@@ -33,10 +33,11 @@ fn real_main() -> Result<()> {
             "--max-sessions" => cfg.max_sessions = val()?.parse().context("bad session count")?,
             "--timeout" => cfg.io_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
             "--idle-timeout" => cfg.idle_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
+            "--no-batch" => cfg.batch = false,
             "-h" | "--help" => {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
-                     [--timeout SECS] [--idle-timeout SECS] [--max-sessions N]"
+                     [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--no-batch]"
                 );
                 return Ok(());
             }

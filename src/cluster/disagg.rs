@@ -220,20 +220,26 @@ pub fn learn(sp: &mut Speeds, rep: &HandoffReport) {
     }
     let f = rep.layers as f64 / rep.n_layer as f64;
     let computed = rep.sent + rep.catch_up;
-    if computed >= 64 && rep.remote > Duration::ZERO {
-        let w = work(sp.attn, rep.held.saturating_sub(rep.catch_up), computed);
-        sp.remote = blend(sp.remote, w * f / rep.remote.as_secs_f64());
+    let remote_work = work(sp.attn, rep.held.saturating_sub(rep.catch_up), computed) * f;
+    let partial = rep.layers < rep.n_layer;
+    // The node's speed comes from full offloads, this side's from local prefills: during a partial offload both
+    // sides compute at once, and where they share cores (one machine emulating two) each runs slower than alone.
+    if computed >= 64 && rep.remote > Duration::ZERO && (!partial || sp.remote.is_none()) {
+        sp.remote = blend(sp.remote, remote_work / rep.remote.as_secs_f64());
     }
-    if rep.layers < rep.n_layer && n >= 64 && rep.local > Duration::ZERO {
-        sp.local = blend(sp.local, new_work * (1.0 - f) / rep.local.as_secs_f64());
-        // How much the two sides overlapped: total = max + min · (share + (1 - share)(1 - overlap)), with share
-        // the one chunk that cannot overlap. Only a prompt of several chunks tells.
+    if partial && n >= 64 && rep.local > Duration::ZERO {
+        let local_work = new_work * (1.0 - f);
+        if sp.local.is_none() {
+            sp.local = Some(local_work / rep.local.as_secs_f64());
+        }
+        // How much the two sides really overlapped, judged against their speeds alone: total = max + min · (share +
+        // (1 - share)(1 - overlap)), share being the one chunk that cannot overlap. Only several chunks tell.
         let chunks = if rep.chunk > 0 { n.div_ceil(rep.chunk) } else { 0 };
-        let (r, l) = (rep.remote.as_secs_f64(), rep.local.as_secs_f64());
-        if chunks >= 2 && r > 0.0 {
+        if let (Some(rs), Some(ls), true) = (sp.remote, sp.local, chunks >= 2) {
+            let (r, l) = (remote_work / rs, local_work / ls);
             let share = 1.0 / chunks as f64;
-            let x = (rep.total.as_secs_f64() - r.max(l)) / r.min(l);
-            let ov = (1.0 - (x - share) / (1.0 - share)).clamp(0.0, 1.0);
+            let serial = (rep.total.as_secs_f64() - r.max(l)) / r.min(l).max(1e-9);
+            let ov = (1.0 - (serial - share) / (1.0 - share)).clamp(0.0, 1.0);
             sp.overlap = blend(sp.overlap, ov);
         }
     }

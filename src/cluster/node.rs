@@ -6,13 +6,16 @@
 //! layer range) live in the node, not in the connection, so a coordinator that reconnects finds its KV again, and
 //! the prefix hash carried by every request tells whether that KV is the one it needs.
 
+use super::PrefixHash;
 use super::auth;
 use super::disagg::{Pulled, Speeds, serve_pull};
 use super::handoff::{NodeOpts, PrefillNode};
 use super::handshake::Timeouts;
-use super::stage::{SamplingParams, StageCore, StageOut};
-use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WireError};
+use super::stage::{Prepared, SamplingParams, StageCore, StageOut};
+use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WantOut, WireError};
+use crate::engine::batch::Batch;
 use crate::engine::snapshot::KvDtype;
+use crate::engine::{Input, Session};
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -22,7 +25,8 @@ use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug)]
@@ -45,6 +49,9 @@ pub struct NodeConfig {
     pub io_timeout: Duration,
     /// A connection silent for this long is closed.
     pub idle_timeout: Duration,
+    /// Decode steps of different sessions that arrive together run as one batched forward (see
+    /// `State::decode_step`); off: one session per forward.
+    pub batch: bool,
 }
 
 impl NodeConfig {
@@ -58,6 +65,7 @@ impl NodeConfig {
             max_ctx: 4096,
             max_batch: 512,
             max_sessions: 4,
+            batch: true,
             io_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(300),
         }
@@ -92,6 +100,23 @@ struct State {
     compute: Mutex<()>,
     /// The `auto` planner's measurements per prefill node this node pulled from (shared by its sessions).
     speeds: Mutex<HashMap<String, Speeds>>,
+    /// Decode steps waiting for the next forward pass (see [`State::decode_step`]).
+    pending: Mutex<Vec<PendingStep>>,
+    /// Scratch of batched steps, made on first use.
+    batch: Mutex<Option<Batch>>,
+    /// Batched forward passes run and the rows they carried (rows / steps is the mean batch size).
+    batched_steps: AtomicU64,
+    batched_rows: AtomicU64,
+}
+
+/// One session's single-token decode step, waiting for a forward pass; its connection thread waits on `reply`.
+struct PendingStep {
+    slot: SharedSlot,
+    pos: usize,
+    prefix: PrefixHash,
+    token: u32,
+    want: WantOut,
+    reply: mpsc::Sender<Result<(StageOut, u64)>>,
 }
 
 /// Prefill nodes a session may keep links to; beyond it the links are dropped (they reconnect on demand).
@@ -132,6 +157,10 @@ impl Node {
             sessions: Mutex::new(HashMap::new()),
             compute: Mutex::new(()),
             speeds: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Vec::new()),
+            batch: Mutex::new(None),
+            batched_steps: AtomicU64::new(0),
+            batched_rows: AtomicU64::new(0),
             listen: addr,
             cfg,
             file,
@@ -210,6 +239,151 @@ fn sampling_of(open: &Open) -> SamplingParams {
 }
 
 impl State {
+    /// A decode step of a full-model session: queued, then run by whichever waiting thread takes the compute lock
+    /// first, together with every step queued by then (one batched forward, `engine::batch`). While a forward runs,
+    /// the steps of other sessions gather; a session decoding alone steps exactly as without batching.
+    fn decode_step(
+        &self,
+        slot: &SharedSlot,
+        pos: usize,
+        prefix: PrefixHash,
+        token: u32,
+        want: WantOut,
+    ) -> Result<(StageOut, u64)> {
+        let (reply, rx) = mpsc::channel();
+        lock(&self.pending).push(PendingStep {
+            slot: slot.clone(),
+            pos,
+            prefix,
+            token,
+            want,
+            reply,
+        });
+        {
+            let _c = lock(&self.compute);
+            let steps = std::mem::take(&mut *lock(&self.pending));
+            if !steps.is_empty() {
+                self.run_steps(steps);
+            }
+        }
+        rx.recv()
+            .unwrap_or_else(|_| Err(anyhow!("the batched decode step was lost")))
+    }
+
+    /// Runs queued decode steps (the caller holds the compute lock) and answers each.
+    fn run_steps(&self, steps: Vec<PendingStep>) {
+        // Two steps of one session (two connections sharing it) cannot share a forward: the later ones run after.
+        let (mut now, mut later) = (Vec::<PendingStep>::new(), Vec::new());
+        for p in steps {
+            let taken = now.iter().any(|q| Arc::ptr_eq(&q.slot, &p.slot));
+            if now.len() < self.cfg.max_sessions.max(1) && !taken {
+                now.push(p);
+            } else {
+                later.push(p);
+            }
+        }
+        let slots: Vec<SharedSlot> = now.iter().map(|p| p.slot.clone()).collect();
+        let rows: Vec<(PendingStep, MutexGuard<'_, Slot>)> =
+            now.into_iter().zip(slots.iter().map(|s| lock(s))).collect();
+        // Check each request as a lone forward would; refusals are answered at once.
+        let mut ready = Vec::new();
+        for (p, mut g) in rows {
+            g.last_used = Instant::now();
+            match g.core.prepare(p.pos, &p.prefix, &[p.token], None, p.want) {
+                Ok(Ok(prep)) => ready.push((p, g, prep)),
+                Ok(Err(mismatch)) => {
+                    let _ = p.reply.send(Ok((mismatch, 0)));
+                }
+                Err(e) => {
+                    let _ = p.reply.send(Err(e));
+                }
+            }
+        }
+        let model = ready.first().map(|(_, g, _)| g.core.session.model.clone());
+        let one_model = |m: &Arc<Model>| ready.iter().all(|(_, g, _)| Arc::ptr_eq(&g.core.session.model, m));
+        match model {
+            Some(m) if ready.len() > 1 && one_model(&m) => self.step_together(m, ready),
+            _ => {
+                for (p, mut g, prep) in ready {
+                    let t0 = Instant::now();
+                    let out = g
+                        .core
+                        .session
+                        .forward(Input::Tokens(&[p.token]), prep.engine_want)
+                        .map(|o| o.to_vec());
+                    let us = t0.elapsed().as_micros() as u64;
+                    let r = match out {
+                        Ok(o) => Ok((g.core.finish(&prep, &[p.token], &o), us)),
+                        Err(e) => {
+                            g.core.session.rewind(prep.pos);
+                            Err(e)
+                        }
+                    };
+                    let _ = p.reply.send(r);
+                }
+            }
+        }
+        if !later.is_empty() {
+            self.run_steps(later);
+        }
+    }
+
+    /// One forward pass over the next token of several sessions of `model`, each answered with its own output.
+    fn step_together(&self, model: Arc<Model>, mut ready: Vec<(PendingStep, MutexGuard<'_, Slot>, Prepared)>) {
+        let mut batch = lock(&self.batch);
+        if batch.as_ref().is_none_or(|b| !b.serves(&model)) {
+            match Batch::new(
+                model.clone(),
+                self.pool.clone(),
+                self.cfg.max_sessions.max(2),
+                self.cfg.max_ctx,
+            ) {
+                Ok(b) => *batch = Some(b),
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    for (p, _, _) in ready {
+                        let _ = p.reply.send(Err(anyhow!("{msg}")));
+                    }
+                    return;
+                }
+            }
+        }
+        let b = batch.as_mut().expect("made above");
+        let tokens: Vec<u32> = ready.iter().map(|(p, _, _)| p.token).collect();
+        let t0 = Instant::now();
+        let logits = {
+            let mut sessions: Vec<&mut Session> = ready.iter_mut().map(|(_, g, _)| &mut g.core.session).collect();
+            b.step(&mut sessions, &tokens).map(|l| l.to_vec())
+        };
+        let us = t0.elapsed().as_micros() as u64;
+        self.batched_steps.fetch_add(1, Ordering::Relaxed);
+        self.batched_rows.fetch_add(ready.len() as u64, Ordering::Relaxed);
+        let nv = model.hp.n_vocab;
+        match logits {
+            Ok(l) => {
+                for (i, (p, mut g, prep)) in ready.into_iter().enumerate() {
+                    let out = g.core.finish(&prep, &[p.token], &l[i * nv..(i + 1) * nv]);
+                    let _ = p.reply.send(Ok((out, us)));
+                }
+            }
+            Err(e) => {
+                // A failed step changes no session.
+                let msg = format!("{e:#}");
+                for (p, _, _) in ready {
+                    let _ = p.reply.send(Err(anyhow!("batched decode step: {msg}")));
+                }
+            }
+        }
+    }
+
+    /// `(steps, rows)` of the batched decode so far.
+    fn batched(&self) -> (u64, u64) {
+        (
+            self.batched_steps.load(Ordering::Relaxed),
+            self.batched_rows.load(Ordering::Relaxed),
+        )
+    }
+
     /// Whether `addr` (`host:port`) reaches this node's own listening socket: same port, and the same IP or, when
     /// listening on every interface, an IP of this machine (binding to it succeeds only if it is local).
     fn names_this_node(&self, addr: &str) -> bool {
@@ -519,7 +693,13 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
             Ok(m) => {
                 return Err(refuse(&mut s, format!("expected FORWARD, got {}", m.name())));
             }
-            Err(WireError::Closed) => return Ok(()),
+            Err(WireError::Closed) => {
+                let (steps, rows) = st.batched();
+                if steps > 0 {
+                    eprintln!("baton node: {peer} closed; batched decode so far: {rows} rows in {steps} steps");
+                }
+                return Ok(());
+            }
             Err(WireError::Timeout) => {
                 return Err(anyhow!("idle or stalled for longer than the timeout"));
             }
@@ -541,7 +721,10 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
             continue;
         }
         let hidden = f.hidden.as_ref().map(Hidden::decode);
-        let res = {
+        let decode = n == 1 && hidden.is_none() && matches!(f.want, WantOut::Sample | WantOut::LastLogits);
+        let res = if st.cfg.batch && decode && range.start == 0 && range.end == st.hp.n_layer {
+            st.decode_step(&slot, f.pos as usize, f.prefix, f.tokens[0], f.want)
+        } else {
             let _c = lock(&st.compute);
             let mut g = lock(&slot);
             g.last_used = Instant::now();

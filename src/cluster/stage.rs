@@ -182,6 +182,42 @@ impl StageCore {
         hidden: Option<&[f32]>,
         want: WantOut,
     ) -> Result<(StageOut, u64)> {
+        let prep = match self.prepare(pos, prefix, tokens, hidden, want)? {
+            Ok(p) => p,
+            Err(mismatch) => return Ok((mismatch, 0)),
+        };
+        let input = match hidden {
+            Some(h) => Input::Hidden(h),
+            None => Input::Tokens(tokens),
+        };
+        let t0 = Instant::now();
+        let out = self.session.forward(input, prep.engine_want);
+        let us = t0.elapsed().as_micros() as u64;
+        match out {
+            Ok(o) => {
+                let o = o.to_vec();
+                Ok((self.finish(&prep, tokens, &o), us))
+            }
+            Err(e) => {
+                // The cache may hold part of the batch; forget it.
+                self.session.rewind(pos);
+                Err(e)
+            }
+        }
+    }
+
+    /// Everything [`StageCore::run`] does before the forward pass: checks the request, checks the prefix (a
+    /// mismatch comes back as `Ok(Err(StageOut::Mismatch))`), rewinds to `pos` and notes the penalty window. The
+    /// caller then feeds `tokens` to the session (alone, or one row of a batched step) and calls
+    /// [`StageCore::finish`] with its output.
+    pub fn prepare(
+        &mut self,
+        pos: usize,
+        prefix: &PrefixHash,
+        tokens: &[u32],
+        hidden: Option<&[f32]>,
+        want: WantOut,
+    ) -> Result<std::result::Result<Prepared, StageOut>> {
         let model = self.session.model.clone();
         let e = model.hp.n_embd;
         if tokens.is_empty() {
@@ -204,9 +240,9 @@ impl StageCore {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= model.hp.n_vocab) {
             bail!("token id {t} is outside the vocabulary of {}", model.hp.n_vocab);
         }
-        let input = match (model.is_first(), hidden) {
-            (true, None) => Input::Tokens(tokens),
-            (false, Some(h)) if h.len() == tokens.len() * e => Input::Hidden(h),
+        match (model.is_first(), hidden) {
+            (true, None) => {}
+            (false, Some(h)) if h.len() == tokens.len() * e => {}
             (false, Some(h)) => bail!(
                 "hidden state of {} values for {} tokens of width {e}",
                 h.len(),
@@ -221,7 +257,7 @@ impl StageCore {
                 model.range,
                 model.range.start
             ),
-        };
+        }
         let last = model.is_last();
         let engine_want = match want {
             WantOut::Hidden | WantOut::Ack => Want::Hidden,
@@ -234,7 +270,7 @@ impl StageCore {
         };
         // The prefix check: hold exactly the prefix the request builds on, or refuse.
         if pos >= self.hashes.len() || self.hashes[pos] != *prefix {
-            return Ok((StageOut::Mismatch(self.n_past()), 0));
+            return Ok(Err(StageOut::Mismatch(self.n_past())));
         }
         self.session.rewind(pos);
         self.hashes.truncate(pos + 1);
@@ -248,33 +284,40 @@ impl StageCore {
             );
             history.extend_from_slice(tokens);
         }
-        let t0 = Instant::now();
-        let out = self.session.forward(input, engine_want);
-        let us = t0.elapsed().as_micros() as u64;
-        let out = match out {
-            Ok(o) => o,
-            Err(e) => {
-                // The cache may hold part of the batch; forget it.
-                self.session.rewind(pos);
-                return Err(e);
-            }
-        };
-        let result = match want {
+        Ok(Ok(Prepared {
+            pos,
+            want,
+            engine_want,
+            history,
+        }))
+    }
+
+    /// Everything [`StageCore::run`] does after the forward pass that appended `tokens` and produced `out`.
+    pub fn finish(&mut self, prep: &Prepared, tokens: &[u32], out: &[f32]) -> StageOut {
+        let result = match prep.want {
             WantOut::Ack => StageOut::Ack,
             WantOut::Hidden => StageOut::Hidden(out.to_vec()),
             WantOut::LastLogits | WantOut::AllLogits => StageOut::Logits(out.to_vec()),
-            WantOut::Sample => StageOut::Sample(sample(out, &mut self.sampler, &history, self.top_k)),
+            WantOut::Sample => StageOut::Sample(sample(out, &mut self.sampler, &prep.history, self.top_k)),
         };
-        if !model.is_first() {
-            self.session.note_tokens(pos, tokens);
+        if !self.session.model.is_first() {
+            self.session.note_tokens(prep.pos, tokens);
         }
         let mut h = *self.hashes.last().unwrap();
         for &t in tokens {
             h = prefix_next(&h, t);
             self.hashes.push(h);
         }
-        Ok((result, us))
+        result
     }
+}
+
+/// A request checked by [`StageCore::prepare`], waiting for its forward pass.
+pub struct Prepared {
+    pub pos: usize,
+    pub want: WantOut,
+    pub engine_want: Want,
+    history: Vec<u32>,
 }
 
 #[cfg(test)]

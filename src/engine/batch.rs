@@ -82,6 +82,11 @@ impl Batch {
         self.max_rows
     }
 
+    /// Whether this scratch steps sessions of `model` (the same loaded model).
+    pub fn serves(&self, model: &Arc<Model>) -> bool {
+        Arc::ptr_eq(&self.model, model)
+    }
+
     /// Feeds `tokens[t]` to `sessions[t]` at its next position, all in one forward pass, and returns the logits,
     /// `[sessions.len(), n_vocab]`, row `t` for session `t`. Nothing changes when an error is returned.
     pub fn step<S: DerefMut<Target = Session> + Sync>(&mut self, sessions: &mut [S], tokens: &[u32]) -> Result<&[f32]> {
