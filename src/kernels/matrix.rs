@@ -76,7 +76,7 @@ impl Matrix {
         if !super::x16::available() {
             return;
         }
-        let packed = super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / 32);
+        let packed = super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / self.ty.block_size());
         if let Bytes::Mapped { file, offset, len } = &self.data {
             file.release(*offset, *len);
         }
@@ -109,7 +109,7 @@ impl Matrix {
         let grouped = self.rows / super::x16::ROWS * super::x16::ROWS;
         if self.layout == Layout::X16 && r < grouped {
             // Slow path (tests, inspection): gather the row's blocks out of its group.
-            let nb = self.cols / 32;
+            let nb = self.cols / self.ty.block_size();
             let gbb = super::x16::group_block(self.ty);
             let g = &self.bytes()[(r / super::x16::ROWS) * nb * gbb..];
             let row: Vec<u8> = (0..nb)
@@ -117,7 +117,13 @@ impl Matrix {
                 .collect();
             return super::dequantize_row(self.ty, &row, out);
         }
-        super::dequantize_row(self.ty, &self.bytes()[r * rb..(r + 1) * rb], out);
+        let off = if self.layout == Layout::X16 {
+            grouped / super::x16::ROWS * (self.cols / self.ty.block_size()) * super::x16::group_block(self.ty)
+                + (r - grouped) * rb
+        } else {
+            r * rb
+        };
+        super::dequantize_row(self.ty, &self.bytes()[off..off + rb], out);
     }
 
     /// The whole matrix as f32 (small tensors: norms, tests).

@@ -16,6 +16,7 @@ pub mod pool;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod x16;
+pub mod x16k;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
@@ -349,7 +350,7 @@ pub fn matmul_with(
 /// [`matmul_with`] for weights repacked in groups of 16 rows: threads take groups; each group's weights (a few KB) stay
 /// in L1 while every token, four at a time, goes past them. Rows after the last group are row-major.
 fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize, yp: SyncPtr<f32>, dot: DotFn) {
-    let (rows, nb) = (w.rows, w.cols / 32);
+    let (rows, nb) = (w.rows, w.cols / w.ty.block_size());
     let groups = rows / x16::ROWS;
     let gbytes = nb * x16::group_block(w.ty);
     let data = w.bytes();
@@ -381,9 +382,11 @@ fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize
             }
         }
     });
+    // Rows past the last group follow the groups, row-major (a group may take more bytes than its 16 rows did).
     let rb = w.row_bytes();
     for r in groups * x16::ROWS..rows {
-        let wr = &data[r * rb..(r + 1) * rb];
+        let off = groups * gbytes + (r - groups * x16::ROWS) * rb;
+        let wr = &data[off..off + rb];
         for t in 0..n_tok {
             // SAFETY: tail rows are written here only, after the pool job.
             unsafe { *yp.get().add(t * rows + r) = dot(nb, wr, &xq[t * xrb..(t + 1) * xrb]) };

@@ -29,7 +29,7 @@ pub const ROWS: usize = 16;
 
 /// Whether `ty` has an interleaved kernel.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4K)
 }
 
 /// Bytes of one block of `ty` and of its f16 header.
@@ -44,11 +44,17 @@ fn block_shape(ty: GgmlType) -> (usize, usize) {
 
 /// Bytes of one block column of one group.
 pub fn group_block(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q4K {
+        return super::x16k::GROUP_BLOCK;
+    }
     ROWS * block_shape(ty).0
 }
 
 /// Repacks row-major data of `ty` (`rows` rows of `nb` blocks) into the interleaved layout.
 pub fn repack(ty: GgmlType, src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
+    if ty == GgmlType::Q4K {
+        return super::x16k::repack(src, rows, nb);
+    }
     let (bb, hdr) = block_shape(ty);
     let (rb, gbb) = (nb * bb, ROWS * bb);
     assert_eq!(src.len(), rows * rb, "{ty} data does not match its shape");
@@ -90,6 +96,9 @@ fn scatter(gb: &mut [u8], blk: &[u8], r: usize, hdr: usize) {
 
 /// Row `r`'s block of an interleaved group block, back in the file's block form (references, row lookups).
 pub fn unpack_block(ty: GgmlType, gb: &[u8], r: usize) -> Vec<u8> {
+    if ty == GgmlType::Q4K {
+        return super::x16k::unpack_block(gb, r);
+    }
     let (bb, hdr) = block_shape(ty);
     let mut blk: Vec<u8> = (0..bb).map(|i| gb[position(i, r, hdr)]).collect();
     if ty == GgmlType::Q5_0 {
@@ -129,12 +138,16 @@ fn qh_to_masks(qh: &mut [u8]) {
 fn act_block(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_1 => Q8_1_BYTES,
+        GgmlType::Q4K => super::kquants::Q8_K_BYTES,
         _ => Q8_0_BYTES,
     }
 }
 
 /// Scalar reference: the 16 dots of one group (`nb` group blocks at `w`) with one activation row.
 pub fn dot_group_scalar(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], out: &mut [f32; ROWS]) {
+    if ty == GgmlType::Q4K {
+        return super::x16k::dot_group_scalar(nb, w, x, out);
+    }
     let gbb = group_block(ty);
     for (r, o) in out.iter_mut().enumerate() {
         let row: Vec<u8> = (0..nb)
@@ -373,6 +386,10 @@ pub fn dot_group(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], xs: usize, n: usiz
             match ty {
                 GgmlType::Q4_1 => go!(q4_1_group_avx512),
                 GgmlType::Q5_0 => go!(q5_0_group_avx512),
+                GgmlType::Q4K => {
+                    use super::x16k::dot_group_avx512 as q4_k_group_avx512;
+                    go!(q4_k_group_avx512)
+                }
                 _ => go!(q8_0_group_avx512),
             }
         }
