@@ -102,6 +102,8 @@ struct State {
     speeds: Mutex<HashMap<String, Speeds>>,
     /// Decode steps waiting for the next forward pass (see [`State::decode_step`]).
     pending: Mutex<Vec<PendingStep>>,
+    /// When each session (by slot address) last asked for a decode step: the sessions decoding now.
+    decoding: Mutex<HashMap<usize, Instant>>,
     /// Scratch of batched steps, made on first use.
     batch: Mutex<Option<Batch>>,
     /// Batched forward passes run and the rows they carried (rows / steps is the mean batch size).
@@ -118,6 +120,11 @@ struct PendingStep {
     want: WantOut,
     reply: mpsc::Sender<Result<(StageOut, u64)>>,
 }
+
+/// A session that asked for a decode step this recently counts as decoding (waited for by a batched step).
+const DECODING_RECENT: Duration = Duration::from_millis(30);
+/// Longest a batched step waits for the decoding sessions' next requests.
+const GATHER_WAIT: Duration = Duration::from_millis(2);
 
 /// Prefill nodes a session may keep links to; beyond it the links are dropped (they reconnect on demand).
 const MAX_LINKS: usize = 8;
@@ -158,6 +165,7 @@ impl Node {
             compute: Mutex::new(()),
             speeds: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
+            decoding: Mutex::new(HashMap::new()),
             batch: Mutex::new(None),
             batched_steps: AtomicU64::new(0),
             batched_rows: AtomicU64::new(0),
@@ -251,6 +259,7 @@ impl State {
         want: WantOut,
     ) -> Result<(StageOut, u64)> {
         let (reply, rx) = mpsc::channel();
+        lock(&self.decoding).insert(Arc::as_ptr(slot) as usize, Instant::now());
         lock(&self.pending).push(PendingStep {
             slot: slot.clone(),
             pos,
@@ -261,8 +270,20 @@ impl State {
         });
         {
             let _c = lock(&self.compute);
-            let steps = std::mem::take(&mut *lock(&self.pending));
+            let mut steps = std::mem::take(&mut *lock(&self.pending));
             if !steps.is_empty() {
+                // Sessions that decoded a moment ago will ask again within a round trip: wait for them a little
+                // (never for a session in prefill or gone quiet), so their steps share this forward.
+                let decoding = {
+                    let mut d = lock(&self.decoding);
+                    d.retain(|_, t| t.elapsed() < DECODING_RECENT);
+                    d.len()
+                };
+                let t0 = Instant::now();
+                while steps.len() < decoding && t0.elapsed() < GATHER_WAIT {
+                    std::thread::sleep(Duration::from_micros(100));
+                    steps.append(&mut lock(&self.pending));
+                }
                 self.run_steps(steps);
             }
         }
