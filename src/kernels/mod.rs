@@ -357,7 +357,7 @@ fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize
     let per_item = groups.div_ceil(8 * pool.n_threads()).max(1);
     let next = AtomicUsize::new(0);
     pool.run(|_, _| {
-        let mut out = [[0.0f32; x16::ROWS]; 4];
+        let mut out = [[0.0f32; x16::ROWS]; x16::TILE];
         loop {
             let g0 = next.fetch_add(1, Ordering::Relaxed) * per_item;
             if g0 >= groups {
@@ -365,8 +365,8 @@ fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize
             }
             for g in g0..(g0 + per_item).min(groups) {
                 let wg = &data[g * gbytes..(g + 1) * gbytes];
-                for t in (0..n_tok).step_by(4) {
-                    let n = (n_tok - t).min(4);
+                for t in (0..n_tok).step_by(x16::TILE) {
+                    let n = (n_tok - t).min(x16::TILE);
                     x16::dot_group(w.ty, nb, wg, &xq[t * xrb..], xrb, n, &mut out);
                     for (j, o) in out[..n].iter().enumerate() {
                         // SAFETY: the rows of group g belong to this work item.

@@ -362,35 +362,54 @@ pub fn available() -> bool {
     }
 }
 
-/// The 16 dots of one group for `n` (1..=4) activation rows `xs` bytes apart, with the fastest kernel available.
-pub fn dot_group(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], xs: usize, n: usize, out: &mut [[f32; ROWS]; 4]) {
+/// Activation rows one call of [`dot_group`] takes: the prefill tile. The 4-bit kernels unpack a group's weights once
+/// for all of them (8 rows halve that work per token against 4); the Q8_0 and Q4_K kernels keep more registers per
+/// row and take them 4 at a time.
+pub const TILE: usize = 8;
+
+/// The 16 dots of one group for `n` (1..=[`TILE`]) activation rows `xs` bytes apart, with the fastest kernel
+/// available.
+pub fn dot_group(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], xs: usize, n: usize, out: &mut [[f32; ROWS]; TILE]) {
     assert!(
-        (1..=4).contains(&n) && w.len() >= nb * group_block(ty) && x.len() >= (n - 1) * xs + nb * act_block(ty),
+        (1..=TILE).contains(&n) && w.len() >= nb * group_block(ty) && x.len() >= (n - 1) * xs + nb * act_block(ty),
         "x16 dot: buffers too short"
     );
     #[cfg(target_arch = "x86_64")]
     if available() {
         let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        // SAFETY: AVX-512 checked; lengths asserted above.
+        // SAFETY: AVX-512 checked; lengths asserted above (each call below reads rows t0..t0 + m < n).
         unsafe {
             macro_rules! go {
-                ($f:ident) => {
-                    match n {
-                        1 => $f::<1>(nb, wp, xp, xs, (&mut out[..1]).try_into().unwrap()),
-                        2 => $f::<2>(nb, wp, xp, xs, (&mut out[..2]).try_into().unwrap()),
-                        3 => $f::<3>(nb, wp, xp, xs, (&mut out[..3]).try_into().unwrap()),
-                        _ => $f::<4>(nb, wp, xp, xs, out),
+                ($f:ident, $t0:expr, $m:expr) => {{
+                    let (o, xq) = (&mut out[$t0..$t0 + $m], xp.add($t0 * xs));
+                    match $m {
+                        1 => $f::<1>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        2 => $f::<2>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        3 => $f::<3>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        4 => $f::<4>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        5 => $f::<5>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        6 => $f::<6>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        7 => $f::<7>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        _ => $f::<8>(nb, wp, xq, xs, o.try_into().unwrap()),
                     }
-                };
+                }};
+            }
+            macro_rules! by4 {
+                ($f:ident) => {{
+                    go!($f, 0, n.min(4));
+                    if n > 4 {
+                        go!($f, 4, n - 4);
+                    }
+                }};
             }
             match ty {
-                GgmlType::Q4_1 => go!(q4_1_group_avx512),
-                GgmlType::Q5_0 => go!(q5_0_group_avx512),
+                GgmlType::Q4_1 => go!(q4_1_group_avx512, 0, n),
+                GgmlType::Q5_0 => go!(q5_0_group_avx512, 0, n),
                 GgmlType::Q4K => {
                     use super::x16k::dot_group_avx512 as q4_k_group_avx512;
-                    go!(q4_k_group_avx512)
+                    by4!(q4_k_group_avx512)
                 }
-                _ => go!(q8_0_group_avx512),
+                _ => by4!(q8_0_group_avx512),
             }
         }
         return;
@@ -436,16 +455,16 @@ mod tests {
                 let src = random_blocks(&mut rng, 16 * nb, bb, &offs);
                 let packed = repack(ty, &src, 16, nb);
                 let xs = nb * act_block(ty);
-                let mut xq = vec![0u8; 4 * xs];
-                for t in 0..4 {
+                let mut xq = vec![0u8; TILE * xs];
+                for t in 0..TILE {
                     let x: Vec<f32> = (0..nb * 32).map(|_| rng.normal()).collect();
                     match ty {
                         GgmlType::Q4_1 => quantize_row_q8_1(&x, &mut xq[t * xs..(t + 1) * xs]),
                         _ => quantize_row_q8_0(&x, &mut xq[t * xs..(t + 1) * xs]),
                     }
                 }
-                for n in 1..=4 {
-                    let mut out = [[0.0f32; ROWS]; 4];
+                for n in 1..=TILE {
+                    let mut out = [[0.0f32; ROWS]; TILE];
                     dot_group(ty, nb, &packed, &xq, xs, n, &mut out);
                     for t in 0..n {
                         let mut want = [0.0f32; ROWS];

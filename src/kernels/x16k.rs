@@ -186,13 +186,13 @@ mod tests {
             let src = random_blocks(&mut rng, 16 * nb, Q4_K_BYTES, &[0, 2]);
             let packed = repack(&src, 16, nb);
             let xs = nb * Q8_K_BYTES;
-            let mut xq = vec![0u8; 4 * xs];
-            for t in 0..4 {
+            let mut xq = vec![0u8; super::super::x16::TILE * xs];
+            for t in 0..super::super::x16::TILE {
                 let x: Vec<f32> = (0..nb * 256).map(|_| rng.normal()).collect();
                 quantize_row_q8_k(&x, &mut xq[t * xs..(t + 1) * xs]);
             }
-            for n in 1..=4 {
-                let mut out = [[0.0f32; ROWS]; 4];
+            for n in 1..=super::super::x16::TILE {
+                let mut out = [[0.0f32; ROWS]; super::super::x16::TILE];
                 super::super::x16::dot_group(crate::gguf::GgmlType::Q4K, nb, &packed, &xq, xs, n, &mut out);
                 for t in 0..n {
                     let mut want = [0.0f32; ROWS];
