@@ -764,29 +764,29 @@ pub fn serve_pull(
     }
     let mut tokens = core.session.tokens().to_vec();
     tokens.extend_from_slice(&p.tokens);
-    let Some(link) = link else {
-        let (logits, rep) =
-            prefill_with_fallback(&mut core.session, None, &tokens, 0).inspect_err(|_| core.rewind(pos))?;
-        core.record(&p.tokens);
-        let sample = core.sample_next(&logits);
-        return Ok(Pulled::Done {
-            report: rep.to_wire(p.req, "the prefill node named is this node: prefilled here"),
-            sample,
-            compute_us: rep.total.as_micros() as u64,
-        });
-    };
-    link.opts.kv = kv_dtype_of(p.kv);
-    link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
-    let job = job_for(&core.session, &tokens, link.opts.kv);
-    let (k, why) = if p.offload == OFFLOAD_AUTO {
-        if speeds.local.is_none() {
-            speeds.local = Some(probe_local_speed(&model, pool.clone(), core.session.n_batch())?);
+    let (link, k, why) = match link {
+        // This node was named as its own prefill node: it prefills here.
+        None => (
+            None,
+            0,
+            "the prefill node named is this node: prefilled here".to_string(),
+        ),
+        Some(link) => {
+            link.opts.kv = kv_dtype_of(p.kv);
+            link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
+            let job = job_for(&core.session, &tokens, link.opts.kv);
+            let (k, why) = if p.offload == OFFLOAD_AUTO {
+                if speeds.local.is_none() {
+                    speeds.local = Some(probe_local_speed(&model, pool.clone(), core.session.n_batch())?);
+                }
+                plan(Offload::Auto, speeds, &job)
+            } else {
+                plan(Offload::Layers(p.offload as usize), speeds, &job)
+            };
+            (Some(link), k, why)
         }
-        plan(Offload::Auto, speeds, &job)
-    } else {
-        plan(Offload::Layers(p.offload as usize), speeds, &job)
     };
-    let res = prefill_with_fallback(&mut core.session, Some(link), &tokens, k);
+    let res = prefill_with_fallback(&mut core.session, link, &tokens, k);
     let (logits, rep) = match res {
         Ok(r) => r,
         Err(e) => {

@@ -13,9 +13,9 @@ use super::handoff::{NodeOpts, PrefillNode};
 use super::handshake::Timeouts;
 use super::stage::{Prepared, SamplingParams, StageCore, StageOut};
 use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WantOut, WireError};
+use crate::engine::Session;
 use crate::engine::batch::Batch;
 use crate::engine::snapshot::KvDtype;
-use crate::engine::{Input, Session};
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -326,21 +326,7 @@ impl State {
             Some(m) if ready.len() > 1 && one_model(&m) => self.step_together(m, ready),
             _ => {
                 for (p, mut g, prep) in ready {
-                    let t0 = Instant::now();
-                    let out = g
-                        .core
-                        .session
-                        .forward(Input::Tokens(&[p.token]), prep.engine_want)
-                        .map(|o| o.to_vec());
-                    let us = t0.elapsed().as_micros() as u64;
-                    let r = match out {
-                        Ok(o) => Ok((g.core.finish(&prep, &[p.token], &o), us)),
-                        Err(e) => {
-                            g.core.session.rewind(prep.pos);
-                            Err(e)
-                        }
-                    };
-                    let _ = p.reply.send(r);
+                    let _ = p.reply.send(g.core.forward_prepared(&prep, &[p.token], None));
                 }
             }
         }

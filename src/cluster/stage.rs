@@ -182,10 +182,20 @@ impl StageCore {
         hidden: Option<&[f32]>,
         want: WantOut,
     ) -> Result<(StageOut, u64)> {
-        let prep = match self.prepare(pos, prefix, tokens, hidden, want)? {
-            Ok(p) => p,
-            Err(mismatch) => return Ok((mismatch, 0)),
-        };
+        match self.prepare(pos, prefix, tokens, hidden, want)? {
+            Ok(prep) => self.forward_prepared(&prep, tokens, hidden),
+            Err(mismatch) => Ok((mismatch, 0)),
+        }
+    }
+
+    /// The forward pass of a request [`StageCore::prepare`] accepted, alone, then [`StageCore::finish`]; returns the
+    /// output and the forward's time in microseconds.
+    pub fn forward_prepared(
+        &mut self,
+        prep: &Prepared,
+        tokens: &[u32],
+        hidden: Option<&[f32]>,
+    ) -> Result<(StageOut, u64)> {
         let input = match hidden {
             Some(h) => Input::Hidden(h),
             None => Input::Tokens(tokens),
@@ -196,11 +206,11 @@ impl StageCore {
         match out {
             Ok(o) => {
                 let o = o.to_vec();
-                Ok((self.finish(&prep, tokens, &o), us))
+                Ok((self.finish(prep, tokens, &o), us))
             }
             Err(e) => {
                 // The cache may hold part of the batch; forget it.
-                self.session.rewind(pos);
+                self.session.rewind(prep.pos);
                 Err(e)
             }
         }

@@ -42,15 +42,10 @@ pub fn attend(g: &Group, q: &[f32], k: &[f32], v: &[f32], scores: &mut [f32], ou
     attend_scalar(g, q, k, v, scores, out);
 }
 
+/// The kernel table's choice (`BATON_ISA` included), so attention runs at the same ISA as the matmuls.
 #[cfg(target_arch = "x86_64")]
 fn avx512() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::env::var("BATON_ISA").map_or(true, |v| v != "scalar" && v != "avx2") && {
-            is_x86_feature_detected!("avx512f")
-        }
-    })
+    super::kernels().isa == "avx512"
 }
 
 /// The portable reference.

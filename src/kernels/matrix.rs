@@ -118,12 +118,20 @@ impl Matrix {
             return super::dequantize_row(self.ty, &row, out);
         }
         let off = if self.layout == Layout::X16 {
-            grouped / super::x16::ROWS * (self.cols / self.ty.block_size()) * super::x16::group_block(self.ty)
-                + (r - grouped) * rb
+            self.x16_tail_offset(r)
         } else {
             r * rb
         };
         super::dequantize_row(self.ty, &self.bytes()[off..off + rb], out);
+    }
+
+    /// Where row `r` (one past the last whole group) starts in an interleaved matrix: the rows that do not fill a
+    /// group follow the groups row-major, and a group may take more bytes than its 16 rows did (Q4_K).
+    pub fn x16_tail_offset(&self, r: usize) -> usize {
+        let groups = self.rows / super::x16::ROWS;
+        debug_assert!(r >= groups * super::x16::ROWS);
+        let nb = self.cols / self.ty.block_size();
+        groups * nb * super::x16::group_block(self.ty) + (r - groups * super::x16::ROWS) * self.row_bytes()
     }
 
     /// The whole matrix as f32 (small tensors: norms, tests).

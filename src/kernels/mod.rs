@@ -385,7 +385,7 @@ fn matmul_x16(pool: &ThreadPool, w: &Matrix, xq: &[u8], xrb: usize, n_tok: usize
     // Rows past the last group follow the groups, row-major (a group may take more bytes than its 16 rows did).
     let rb = w.row_bytes();
     for r in groups * x16::ROWS..rows {
-        let off = groups * gbytes + (r - groups * x16::ROWS) * rb;
+        let off = w.x16_tail_offset(r);
         let wr = &data[off..off + rb];
         for t in 0..n_tok {
             // SAFETY: tail rows are written here only, after the pool job.

@@ -82,8 +82,9 @@ pub struct Scheduler {
 
 /// How a job ended, for the worker's bookkeeping.
 enum Ran {
-    /// The text the slot's KV now holds (affinity key).
-    Done(String),
+    /// The text the slot's KV now holds (affinity key), and the closing event. The worker sends that event only
+    /// after releasing the slot, so a client's next turn finds the slot free and holding its prefix.
+    Done(String, Event),
     /// Failed before any piece reached the client: may be retried elsewhere.
     FailedEarly(anyhow::Error),
     /// Failed after pieces were sent (the error event is already out) or was refused.
@@ -331,7 +332,10 @@ fn worker(
     for mut job in rx {
         let ran = run_job(&mut generator, &factory, &job, &sched.metrics);
         match ran {
-            Ran::Done(key) => sched.release(slot, key, None),
+            Ran::Done(key, last) => {
+                sched.release(slot, key, None);
+                let _ = job.tx.send(last);
+            }
             Ran::Over => sched.release(slot, String::new(), None),
             Ran::FailedEarly(e) => {
                 generator = None;
@@ -449,12 +453,12 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
             Metrics::add(&m.completion_tokens, outcome.completion_tokens);
             let stop_matched = filter.matched();
             let cancelled = gone || (outcome.finish == Finish::Stopped && !stop_matched);
-            let _ = tx.send(Event::Done { outcome, stop_matched });
+            let last = Event::Done { outcome, stop_matched };
             if cancelled {
                 // The KV holds the prompt and part of a reply nobody saw: keep the prompt as the key.
-                Ran::Done(job.key.clone())
+                Ran::Done(job.key.clone(), last)
             } else {
-                Ran::Done(format!("{}{generated}", job.key))
+                Ran::Done(format!("{}{generated}", job.key), last)
             }
         }
         Err(e) if sent == 0 => Ran::FailedEarly(e),
