@@ -76,29 +76,8 @@ pub fn attend_scalar(g: &Group, q: &[f32], k: &[f32], v: &[f32], scores: &mut [f
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::Group;
+    use crate::kernels::ops::x86::exp16;
     use std::arch::x86_64::*;
-
-    /// e^x for 16 lanes: x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for precision), e^r by the degree-6
-    /// polynomial of Cephes `expf`, then scaled by 2^n. Inputs below -87.3 flush to 0 (scores minus their max are
-    /// never positive).
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    pub fn exp16(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-            x,
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
-        ));
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let r2 = _mm512_mul_ps(r, r);
-        let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
-        _mm512_scalef_ps(y, n)
-    }
 
     /// Dot of `len` floats; `len` a multiple of 16 handled in vectors, the rest scalar.
     #[target_feature(enable = "avx512f")]
@@ -256,32 +235,6 @@ mod tests {
                     "{n_q}x{hdk} {lo}..{hi} [{i}]: {a} vs {b}"
                 );
             }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn exp16_is_within_two_ulp() {
-        if !is_x86_feature_detected!("avx512f") {
-            eprintln!("no AVX-512F here: exp16 not tested");
-            return;
-        }
-        use std::arch::x86_64::*;
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let xs: Vec<f32> = (0..16).map(|i| x + i as f32 * 0.0037).map(|v| v.min(0.0)).collect();
-            let mut ys = [0.0f32; 16];
-            // SAFETY: AVX-512F checked above.
-            unsafe { _mm512_storeu_ps(ys.as_mut_ptr(), x86::exp16(_mm512_loadu_ps(xs.as_ptr()))) };
-            for (&xi, &y) in xs.iter().zip(&ys) {
-                let want = (xi as f64).exp();
-                let ulp = (want as f32).abs() * f32::EPSILON;
-                assert!(
-                    ((y as f64) - want).abs() <= 2.0 * ulp as f64 + 1e-38,
-                    "exp({xi}) = {y}, want {want}"
-                );
-            }
-            x += 0.05;
         }
     }
 }

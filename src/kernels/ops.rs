@@ -36,20 +36,169 @@ pub fn scale_inplace(x: &mut [f32], s: f32) {
 
 /// SwiGLU: `g = silu(g) * u`.
 pub fn silu_mul(g: &mut [f32], u: &[f32]) {
+    assert_eq!(g.len(), u.len());
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels().isa == "avx512" {
+        // SAFETY: the kernel table picked AVX-512 only where the CPU has AVX-512F; the lengths are equal.
+        unsafe { x86::silu_mul(g, u) };
+        return;
+    }
+    silu_mul_scalar(g, u);
+}
+
+/// The portable reference of [`silu_mul`].
+pub fn silu_mul_scalar(g: &mut [f32], u: &[f32]) {
     for (a, &b) in g.iter_mut().zip(u) {
         let v = *a;
         *a = v / (1.0 + (-v).exp()) * b;
     }
 }
 
-/// GeGLU with the tanh approximation of GELU: `g = gelu(g) * u`.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_COEF_A: f32 = 0.044715;
+
+/// GeGLU with the tanh approximation of GELU: `g = gelu(g) * u`, computed as ggml computes it: GELU is read from
+/// a table over every f16 input (the input rounded to f16, the value stored as f16), 0 below -10 and the identity
+/// above 10. That costs at most an f16 rounding (5e-4 relative) next to the 8-bit quantization the result goes
+/// through before the down projection, and it follows llama.cpp's numbers rather than adding its own rounding;
+/// being a lookup, it also gives the same bits on every CPU.
 pub fn gelu_mul(g: &mut [f32], u: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const COEF_A: f32 = 0.044715;
+    assert_eq!(g.len(), u.len());
+    let table = gelu_table();
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels().isa == "avx512" {
+        // SAFETY: as in `silu_mul`; the table has an entry past the last f16 pattern for the 32-bit gathers.
+        unsafe { x86::gelu_mul(g, u, table) };
+        return;
+    }
+    gelu_mul_scalar(g, u, table);
+}
+
+/// The portable reference of [`gelu_mul`].
+pub fn gelu_mul_scalar(g: &mut [f32], u: &[f32], table: &[u16]) {
     for (a, &b) in g.iter_mut().zip(u) {
         let x = *a;
-        let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-        *a = gelu * b;
+        *a = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * b
+        } else {
+            half::f16::from_bits(table[half::f16::from_f32(x).to_bits() as usize]).to_f32() * b
+        };
+    }
+}
+
+/// GELU-tanh in f32, ggml's `ggml_gelu_f32`.
+fn gelu_f32(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+}
+
+/// GELU of every f16 bit pattern, as f16 bits, plus one zero entry so a 32-bit gather at the last index stays
+/// inside (128 KiB, built on first use).
+pub fn gelu_table() -> &'static [u16] {
+    static TABLE: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|t| half::f16::from_f32(gelu_f32(half::f16::from_bits(t).to_f32())).to_bits())
+            .chain([0])
+            .collect()
+    })
+}
+
+/// 16-lane math for the element-wise ops and attention.
+///
+/// Why by hand: GELU and SiLU called `tanhf`/`expf` once per feed-forward value, which the compiler cannot
+/// vectorise; Gemma 3's prefill ran at 590 tokens/s with them and at 900 with 16-lane versions.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use std::arch::x86_64::*;
+
+    /// e^x for 16 lanes: x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for precision), e^r by the degree-6
+    /// polynomial of Cephes `expf`, then scaled by 2^n; within 2 ulp. Inputs are clamped to [-87.3, 88]: below,
+    /// the result flushes to 0; above, it stays finite (1.65e38), so `1 + e^x` never becomes infinite.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3)), _mm512_set1_ps(88.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let r2 = _mm512_mul_ps(r, r);
+        let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+        _mm512_scalef_ps(y, n)
+    }
+
+    /// `g = silu(g) * u` as `x / (1 + e^-x)`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, and `u` must be as long as `g`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn silu_mul(g: &mut [f32], u: &[f32]) {
+        let n = g.len();
+        let (gp, up) = (g.as_mut_ptr(), u.as_ptr());
+        let one = _mm512_set1_ps(1.0);
+        let mut i = 0;
+        while i < n {
+            let m = mask(n - i);
+            // SAFETY: the mask keeps every access below n.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(m, gp.add(i));
+                let y = _mm512_maskz_loadu_ps(m, up.add(i));
+                let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+                let act = _mm512_div_ps(x, _mm512_add_ps(one, e));
+                _mm512_mask_storeu_ps(gp.add(i), m, _mm512_mul_ps(act, y));
+            }
+            i += 16;
+        }
+    }
+
+    /// [`super::gelu_mul_scalar`], 16 values at a time: round to f16, gather from the table, back to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, `u` must be as long as `g`, and `table` hold 65537 entries.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub unsafe fn gelu_mul(g: &mut [f32], u: &[f32], table: &[u16]) {
+        assert!(table.len() > u16::MAX as usize + 1);
+        let n = g.len();
+        let (gp, up, tp) = (g.as_mut_ptr(), u.as_ptr(), table.as_ptr() as *const u8);
+        let lo = _mm512_set1_ps(-10.0);
+        let hi = _mm512_set1_ps(10.0);
+        let mut i = 0;
+        while i < n {
+            let m = mask(n - i);
+            // SAFETY: the mask keeps every access below n; gather indices are f16 patterns, < 65536, and the
+            // table has one entry more, so each 4-byte read at `2 * index` stays inside.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(m, gp.add(i));
+                let y = _mm512_maskz_loadu_ps(m, up.add(i));
+                let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+                let idx = _mm512_cvtepu16_epi32(h);
+                let t = _mm512_i32gather_epi32::<2>(idx, tp as _);
+                let act = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t));
+                // x >= 10: the identity; x <= -10: zero.
+                let act = _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, hi), x);
+                let r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, lo), _mm512_mul_ps(act, y));
+                _mm512_mask_storeu_ps(gp.add(i), m, r);
+            }
+            i += 16;
+        }
+    }
+
+    /// The lanes of a 16-lane step that lie below `left` remaining values.
+    #[inline]
+    fn mask(left: usize) -> __mmask16 {
+        if left >= 16 {
+            0xffff
+        } else {
+            ((1u32 << left) - 1) as u16
+        }
     }
 }
 
@@ -195,10 +344,97 @@ mod tests {
     fn gelu_and_silu_known_values() {
         let mut g = [1.0f32, -1.0, 0.0];
         gelu_mul(&mut g, &[1.0, 1.0, 1.0]);
-        assert!((g[0] - 0.841192).abs() < 1e-5 && (g[1] + 0.158808).abs() < 1e-5 && g[2] == 0.0);
+        // GELU through its f16 table: within f16 rounding.
+        assert!((g[0] - 0.841192).abs() < 1e-3 && (g[1] + 0.158808).abs() < 2e-4 && g[2] == 0.0);
         let mut s = [1.0f32, 2.0];
         silu_mul(&mut s, &[1.0, 0.5]);
         assert!((s[0] - 0.731059).abs() < 1e-5 && (s[1] - 0.880797).abs() < 1e-5);
+    }
+
+    /// Random activations, mostly small, some beyond GELU's ±10 cut-offs.
+    fn activations(n: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        let mut rng = crate::kernels::testutil::Rng(seed);
+        let x = (0..n)
+            .map(|i| (if i % 7 == 0 { 40.0 } else { 8.0 }) * (rng.uniform() - 0.5))
+            .collect();
+        let y = (0..n).map(|_| 2.0 * rng.uniform() - 1.0).collect();
+        (x, y)
+    }
+
+    #[test]
+    fn dispatched_silu_is_within_a_few_ulp_on_ragged_lengths() {
+        for n in [1usize, 15, 16, 17, 100, 2048 + 5] {
+            let (x, y) = activations(n, n as u64);
+            let (mut fast, mut slow) = (x.clone(), x.clone());
+            silu_mul(&mut fast, &y);
+            silu_mul_scalar(&mut slow, &y);
+            for i in 0..n {
+                let xi = x[i] as f64;
+                let want = xi / (1.0 + (-xi).exp()) * y[i] as f64;
+                for (what, got) in [("dispatched", fast[i]), ("scalar", slow[i])] {
+                    assert!(
+                        (got as f64 - want).abs() <= 5e-7 * want.abs() + 1e-30,
+                        "{what} silu of {} (n={n}): {got} vs {want}",
+                        x[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dispatched_gelu_is_the_table_bit_for_bit_and_the_table_is_gelu() {
+        let table = gelu_table();
+        for n in [1usize, 15, 16, 17, 100, 2048 + 5] {
+            let (x, y) = activations(n, 100 + n as u64);
+            let (mut fast, mut slow) = (x.clone(), x.clone());
+            gelu_mul(&mut fast, &y);
+            gelu_mul_scalar(&mut slow, &y, table);
+            assert_eq!(
+                fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "n={n}"
+            );
+            for i in 0..n {
+                let xi = x[i] as f64;
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                let want = 0.5 * xi * (1.0 + (c * xi * (1.0 + 0.044715 * xi * xi)).tanh()) * y[i] as f64;
+                // The input and the value each rounded to f16, and nothing past the ±10 cut-offs.
+                let tol = 2e-3 * want.abs() + 1e-3 * (y[i] as f64).abs() * xi.abs().min(1.0) + 1e-6;
+                assert!(
+                    (slow[i] as f64 - want).abs() <= tol,
+                    "gelu of {} (n={n}): {} vs {want}",
+                    x[i],
+                    slow[i]
+                );
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp16_is_within_two_ulp() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512F here: exp16 not tested");
+            return;
+        }
+        use std::arch::x86_64::*;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let xs: Vec<f32> = (0..16).map(|i| (x + i as f32 * 0.0037).min(88.0)).collect();
+            let mut ys = [0.0f32; 16];
+            // SAFETY: AVX-512F checked above.
+            unsafe { _mm512_storeu_ps(ys.as_mut_ptr(), x86::exp16(_mm512_loadu_ps(xs.as_ptr()))) };
+            for (&xi, &y) in xs.iter().zip(&ys) {
+                let want = (xi as f64).exp();
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                assert!(
+                    ((y as f64) - want).abs() <= 2.0 * ulp as f64 + 1e-38,
+                    "exp({xi}) = {y}, want {want}"
+                );
+            }
+            x += 0.05;
+        }
     }
 
     #[test]
