@@ -496,7 +496,7 @@ pub fn vnni() -> bool {
 
 /// [`dot_group`] with the VNNI kernels or without them (tests run both).
 #[allow(clippy::too_many_arguments)]
-fn dot_group_with(
+pub(crate) fn dot_group_with(
     use_vnni: bool,
     ty: GgmlType,
     nb: usize,
@@ -547,9 +547,13 @@ fn dot_group_with(
                 (GgmlType::Q4_1, true) => go!(q4_1_group_vnni, 0, n),
                 (GgmlType::Q5_0, false) => go!(q5_0_group_avx512, 0, n),
                 (GgmlType::Q5_0, true) => go!(q5_0_group_vnni, 0, n),
-                (GgmlType::Q4K, _) => {
+                (GgmlType::Q4K, false) => {
                     use super::x16k::dot_group_avx512 as q4_k_group_avx512;
                     by4!(q4_k_group_avx512)
+                }
+                (GgmlType::Q4K, true) => {
+                    use super::x16k::dot_group_vnni as q4_k_group_vnni;
+                    by4!(q4_k_group_vnni)
                 }
                 (_, false) => by4!(q8_0_group_avx512),
                 (_, true) => by4!(q8_0_group_vnni),

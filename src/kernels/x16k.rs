@@ -92,6 +92,34 @@ pub unsafe fn dot_group_avx512<const N: usize>(
     xs: usize,
     out: &mut [[f32; ROWS]; N],
 ) {
+    unsafe { dot_group::<N, false>(nb, w, x, xs, out) }
+}
+
+/// [`dot_group_avx512`] with VNNI: the same integer sums.
+///
+/// # Safety
+/// As [`dot_group_avx512`], and the CPU must have AVX512-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn dot_group_vnni<const N: usize>(
+    nb: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [[f32; ROWS]; N],
+) {
+    unsafe { dot_group::<N, true>(nb, w, x, xs, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot_group<const N: usize, const VNNI: bool>(
+    nb: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [[f32; ROWS]; N],
+) {
     use std::arch::x86_64::*;
     unsafe {
         let m4 = _mm512_set1_epi8(0x0f);
@@ -118,15 +146,25 @@ pub unsafe fn dot_group_avx512<const N: usize>(
                     let y = x.add(t * xs + b * Q8_K_BYTES);
                     let yq = y.add(4 + 64 * j);
                     let quad = |o: usize| _mm512_set1_epi32(std::ptr::read_unaligned(yq.add(o) as *const i32));
-                    // Eight products pairs of ≤ 15·127 per i16 lane stay below 32767.
-                    let mut sl = _mm512_maddubs_epi16(lo[0], quad(0));
-                    let mut sh = _mm512_maddubs_epi16(hi[0], quad(32));
-                    for k in 1..8 {
-                        sl = _mm512_add_epi16(sl, _mm512_maddubs_epi16(lo[k], quad(4 * k)));
-                        sh = _mm512_add_epi16(sh, _mm512_maddubs_epi16(hi[k], quad(32 + 4 * k)));
-                    }
-                    let pl = _mm512_mullo_epi32(_mm512_madd_epi16(sl, ones), sc_lo);
-                    let ph = _mm512_mullo_epi32(_mm512_madd_epi16(sh, ones), sc_hi);
+                    let (sl, sh) = if VNNI {
+                        let (mut sl, mut sh) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                        for k in 0..8 {
+                            sl = _mm512_dpbusd_epi32(sl, lo[k], quad(4 * k));
+                            sh = _mm512_dpbusd_epi32(sh, hi[k], quad(32 + 4 * k));
+                        }
+                        (sl, sh)
+                    } else {
+                        // Eight products pairs of ≤ 15·127 per i16 lane stay below 32767.
+                        let mut sl = _mm512_maddubs_epi16(lo[0], quad(0));
+                        let mut sh = _mm512_maddubs_epi16(hi[0], quad(32));
+                        for k in 1..8 {
+                            sl = _mm512_add_epi16(sl, _mm512_maddubs_epi16(lo[k], quad(4 * k)));
+                            sh = _mm512_add_epi16(sh, _mm512_maddubs_epi16(hi[k], quad(32 + 4 * k)));
+                        }
+                        (_mm512_madd_epi16(sl, ones), _mm512_madd_epi16(sh, ones))
+                    };
+                    let pl = _mm512_mullo_epi32(sl, sc_lo);
+                    let ph = _mm512_mullo_epi32(sh, sc_hi);
                     isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(pl, ph));
                     let bs = y.add(260 + 8 * j) as *const i16;
                     let b_lo = std::ptr::read_unaligned(bs) as i32 + std::ptr::read_unaligned(bs.add(1)) as i32;
@@ -194,6 +232,16 @@ mod tests {
             for n in 1..=super::super::x16::TILE {
                 let mut out = [[0.0f32; ROWS]; super::super::x16::TILE];
                 super::super::x16::dot_group(crate::gguf::GgmlType::Q4K, nb, &packed, &xq, xs, n, &mut out);
+                for use_vnni in [false, true] {
+                    if use_vnni && !super::super::x16::vnni() {
+                        continue;
+                    }
+                    // With VNNI or without: the same integer sums, added in the same order.
+                    let mut other = [[0.0f32; ROWS]; super::super::x16::TILE];
+                    let ty = crate::gguf::GgmlType::Q4K;
+                    super::super::x16::dot_group_with(use_vnni, ty, nb, &packed, &xq, xs, n, &mut other);
+                    assert_eq!(other, out, "nb {nb} n {n} vnni {use_vnni}");
+                }
                 for t in 0..n {
                     let mut want = [0.0f32; ROWS];
                     dot_group_scalar(nb, &packed, &xq[t * xs..], &mut want);
