@@ -199,11 +199,18 @@ pub fn run(
     compare: Option<Compare>,
     report: impl FnMut(&Figure, Option<&Figure>),
 ) -> Result<Vec<Figure>> {
-    let max_depth = cfg.depths.iter().copied().max().unwrap_or(0);
-    let max_test = cfg.pp.iter().chain(&cfg.tg).copied().max().unwrap_or(0);
     let threads = pool.n_threads();
-    let mut s = Session::new(model, pool, max_depth + max_test + 1, cfg.n_batch)?;
+    let mut s = Session::new(model, pool, cfg.n_ctx(), cfg.n_batch)?;
     run_on(&mut s, name, threads, cfg, compare, report)
+}
+
+impl BenchConfig {
+    /// The context the bench session holds: the deepest test.
+    pub fn n_ctx(&self) -> usize {
+        let max_depth = self.depths.iter().copied().max().unwrap_or(0);
+        let max_test = self.pp.iter().chain(&self.tg).copied().max().unwrap_or(0);
+        max_depth + max_test + 1
+    }
 }
 
 /// A second engine measured in the same run, one repetition after each of Baton's (`--compare-llama-cpp`):

@@ -145,6 +145,8 @@ impl fmt::Display for GgmlType {
 /// A metadata value. Arrays keep their element type so an empty array still says what it would hold.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
+    /// A long top-level array (token texts, scores, merges), checked but left in the file: see [`LazyArray`].
+    Lazy(LazyArray),
     U8(u8),
     I8(i8),
     U16(u16),
@@ -159,6 +161,20 @@ pub enum Value {
     I64(i64),
     F64(f64),
 }
+
+/// Where a long array's elements lie in the mapped file. Parsed into `Value`s, Gemma 3's three tokenizer arrays of
+/// 262,144 items took about 30 MB of heap for as long as the model was loaded, although they are read once, to
+/// build the tokenizer; [`GgufFile::array`] parses them when asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LazyArray {
+    pub elem_ty: u32,
+    pub len: u64,
+    start: usize,
+    end: usize,
+}
+
+/// Top-level arrays longer than this stay in the file until asked for.
+const LAZY_MIN: u64 = 1024;
 
 impl Value {
     /// Any integer type as u64 (negative values refused).
@@ -227,6 +243,7 @@ impl Value {
                 }
             }
             Value::Array(a) if a.len() > 8 => format!("[{} items]", a.len()),
+            Value::Lazy(l) => format!("[{} items]", l.len),
             Value::Array(a) => {
                 format!("[{}]", a.iter().map(|v| v.summary()).collect::<Vec<_>>().join(", "))
             }
@@ -334,6 +351,44 @@ impl<'a> Cursor<'a> {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
+    /// Steps over one value with the checks [`Cursor::value`] makes, keeping nothing.
+    fn skip(&mut self, ty: u32, depth: u32) -> Result<()> {
+        match ty {
+            0 | 1 | 7 => _ = self.take(1, "u8")?,
+            2 | 3 => _ = self.take(2, "u16")?,
+            4..=6 => _ = self.take(4, "u32")?,
+            10..=12 => _ = self.take(8, "u64")?,
+            8 => {
+                let len = self.u64()?;
+                if len > self.remaining() as u64 {
+                    bail!(
+                        "truncated or corrupt GGUF: string value claims {len} bytes, {} remain",
+                        self.remaining()
+                    );
+                }
+                self.take(len as usize, "string value")?;
+            }
+            9 => {
+                if depth > 2 {
+                    bail!("corrupt GGUF: arrays nested too deeply");
+                }
+                let elem_ty = self.u32()?;
+                let n = self.u64()?;
+                if n > self.remaining() as u64 {
+                    bail!(
+                        "truncated or corrupt GGUF: array claims {n} elements, {} bytes remain",
+                        self.remaining()
+                    );
+                }
+                for _ in 0..n {
+                    self.skip(elem_ty, depth + 1)?;
+                }
+            }
+            other => bail!("corrupt GGUF: unknown metadata value type {other}"),
+        }
+        Ok(())
+    }
+
     fn value(&mut self, ty: u32, depth: u32) -> Result<Value> {
         Ok(match ty {
             0 => Value::U8(self.u8()?),
@@ -358,6 +413,18 @@ impl<'a> Cursor<'a> {
                         self.remaining()
                     );
                 }
+                if depth == 0 && n > LAZY_MIN {
+                    let start = self.pos;
+                    for _ in 0..n {
+                        self.skip(elem_ty, depth + 1)?;
+                    }
+                    return Ok(Value::Lazy(LazyArray {
+                        elem_ty,
+                        len: n,
+                        start,
+                        end: self.pos,
+                    }));
+                }
                 let mut items = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     items.push(self.value(elem_ty, depth + 1)?);
@@ -378,7 +445,39 @@ impl GgufFile {
         // SAFETY: the map is read-only; a model file changed underneath a running process is outside our contract
         // (as with every mmap-based loader).
         let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-        Self::parse(path, mmap).with_context(|| format!("{} is not a usable GGUF model", path.display()))
+        let g = Self::parse(path, mmap).with_context(|| format!("{} is not a usable GGUF model", path.display()))?;
+        // The header and metadata were read into owned values (or are re-read on demand): their pages can go.
+        g.release(0, g.data_offset);
+        Ok(g)
+    }
+
+    /// The array under `key`, parsed from the file if it was left there ([`LazyArray`]); `None` when the key is
+    /// absent. The pages a lazy array was parsed from are released again afterwards.
+    pub fn array(&self, key: &str) -> Result<Option<std::borrow::Cow<'_, [Value]>>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(std::borrow::Cow::Borrowed(a))),
+            Some(Value::Lazy(l)) => Ok(Some(std::borrow::Cow::Owned(self.parse_lazy(l)?))),
+            Some(_) => bail!("GGUF key {key} is not an array"),
+        }
+    }
+
+    /// `v` with a lazy array parsed (to copy metadata into another file).
+    pub fn owned_value(&self, v: &Value) -> Result<Value> {
+        match v {
+            Value::Lazy(l) => Ok(Value::Array(self.parse_lazy(l)?)),
+            other => Ok(other.clone()),
+        }
+    }
+
+    fn parse_lazy(&self, l: &LazyArray) -> Result<Vec<Value>> {
+        let mut c = Cursor {
+            buf: &self.mmap[..l.end],
+            pos: l.start,
+        };
+        let items = (0..l.len).map(|_| c.value(l.elem_ty, 1)).collect::<Result<Vec<_>>>()?;
+        self.release(l.start, l.end - l.start);
+        Ok(items)
     }
 
     fn parse(path: &Path, mmap: Mmap) -> Result<Self> {
@@ -565,7 +664,12 @@ impl GgufWriter {
         }
     }
 
+    /// Adds a metadata entry; a [`Value::Lazy`] must be parsed first ([`GgufFile::owned_value`]).
     pub fn meta(&mut self, key: &str, v: Value) {
+        assert!(
+            !matches!(v, Value::Lazy(_)),
+            "GGUF metadata {key:?}: parse lazy arrays before writing them"
+        );
         self.metadata.push((key.to_string(), v));
     }
 
@@ -587,6 +691,7 @@ impl GgufWriter {
                 out.extend_from_slice(&(s.len() as u64).to_le_bytes());
                 out.extend_from_slice(s.as_bytes());
             }
+            Value::Lazy(_) => unreachable!("GgufWriter::meta refuses lazy arrays"),
             Value::Array(items) => {
                 let elem_ty = items.first().map(Self::type_id).unwrap_or(4);
                 out.extend_from_slice(&elem_ty.to_le_bytes());
@@ -612,7 +717,7 @@ impl GgufWriter {
             Value::F32(_) => 6,
             Value::Bool(_) => 7,
             Value::Str(_) => 8,
-            Value::Array(_) => 9,
+            Value::Array(_) | Value::Lazy(_) => 9,
             Value::U64(_) => 10,
             Value::I64(_) => 11,
             Value::F64(_) => 12,

@@ -58,7 +58,7 @@ impl Batch {
         if max_rows == 0 || n_ctx == 0 {
             bail!("a batch needs at least one row and one position");
         }
-        if model.tok_embd.is_none() || !model.is_last() {
+        if model.embeddings().is_none() || !model.is_last() {
             bail!(
                 "batched decode needs the whole model (tokens in, logits out), not layers {:?}",
                 model.range

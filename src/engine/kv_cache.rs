@@ -97,4 +97,9 @@ impl KvCache {
     pub fn size_bytes(&self) -> usize {
         self.layers.len() * self.n_head_kv * self.n_ctx * (self.head_dim_k + self.head_dim_v) * 4
     }
+
+    /// Bytes a cache of `n_layers` layers of `hp` over `n_ctx` positions holds.
+    pub fn bytes_for(hp: &Hparams, n_layers: usize, n_ctx: usize) -> usize {
+        n_layers * hp.n_head_kv * n_ctx * (hp.head_dim_k + hp.head_dim_v) * 4
+    }
 }

@@ -307,7 +307,7 @@ pub(super) fn rope_of(tables: &[RopeTable], base: f32) -> &RopeTable {
 pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> {
     let hp = &model.hp;
     let e = hp.n_embd;
-    let Some(embd) = &model.tok_embd else {
+    let Some(embd) = model.embeddings() else {
         bail!(
             "this session holds layers {:?}, it takes hidden states, not tokens",
             model.range

@@ -108,14 +108,17 @@ impl Matrix {
         let rb = self.row_bytes();
         let grouped = self.rows / super::x16::ROWS * super::x16::ROWS;
         if self.layout == Layout::X16 && r < grouped {
-            // Slow path (tests, inspection): gather the row's blocks out of its group.
-            let nb = self.cols / self.ty.block_size();
+            // Gather the row's blocks out of its group, one at a time (the lookup of a tied output head's rows).
+            let bs = self.ty.block_size();
+            let nb = self.cols / bs;
             let gbb = super::x16::group_block(self.ty);
             let g = &self.bytes()[(r / super::x16::ROWS) * nb * gbb..];
-            let row: Vec<u8> = (0..nb)
-                .flat_map(|b| super::x16::unpack_block(self.ty, &g[b * gbb..], r % super::x16::ROWS))
-                .collect();
-            return super::dequantize_row(self.ty, &row, out);
+            let mut blk = [0u8; super::x16::MAX_BLOCK];
+            for (b, o) in out.chunks_exact_mut(bs).enumerate() {
+                let n = super::x16::unpack_block_into(self.ty, &g[b * gbb..], r % super::x16::ROWS, &mut blk);
+                super::dequantize_row(self.ty, &blk[..n], o);
+            }
+            return;
         }
         let off = if self.layout == Layout::X16 {
             self.x16_tail_offset(r)

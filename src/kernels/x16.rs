@@ -97,11 +97,24 @@ fn scatter(gb: &mut [u8], blk: &[u8], r: usize, hdr: usize) {
 
 /// Row `r`'s block of an interleaved group block, back in the file's block form (references, row lookups).
 pub fn unpack_block(ty: GgmlType, gb: &[u8], r: usize) -> Vec<u8> {
+    let mut blk = [0u8; MAX_BLOCK];
+    let n = unpack_block_into(ty, gb, r, &mut blk);
+    blk[..n].to_vec()
+}
+
+/// Bytes of the largest block with an interleaved layout (Q4_K).
+pub const MAX_BLOCK: usize = super::kquants::Q4_K_BYTES;
+
+/// [`unpack_block`] into `blk` (at least [`MAX_BLOCK`] bytes), without allocating: the embedding lookup of a tied
+/// output head reads its rows this way. Returns the block's length.
+pub fn unpack_block_into(ty: GgmlType, gb: &[u8], r: usize, blk: &mut [u8]) -> usize {
     if ty == GgmlType::Q4K {
-        return super::x16k::unpack_block(gb, r);
+        return super::x16k::unpack_block_into(gb, r, blk);
     }
     let (bb, hdr) = block_shape(ty);
-    let mut blk: Vec<u8> = (0..bb).map(|i| gb[position(i, r, hdr)]).collect();
+    for (i, b) in blk[..bb].iter_mut().enumerate() {
+        *b = gb[position(i, r, hdr)];
+    }
     if ty == GgmlType::Q5_0 {
         // Bytes 2..6 were scattered from the masks; rebuild the row's qh word from them.
         let mask = |m: usize| u64::from_le_bytes(gb[2 * ROWS + 8 * m..][..8].try_into().unwrap());
@@ -114,7 +127,7 @@ pub fn unpack_block(ty: GgmlType, gb: &[u8], r: usize) -> Vec<u8> {
         }
         blk[2..6].copy_from_slice(&qh.to_le_bytes());
     }
-    blk
+    bb
 }
 
 /// The 16 rows' `qh` words (row `r` at bytes `4r..4r+4`) rewritten as the eight masks described above.

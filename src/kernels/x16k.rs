@@ -53,6 +53,12 @@ pub fn repack(src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
 /// 6-bit scales and mins packed again exactly as `scale_min_k4` reads them.
 pub fn unpack_block(gb: &[u8], r: usize) -> Vec<u8> {
     let mut blk = vec![0u8; Q4_K_BYTES];
+    unpack_block_into(gb, r, &mut blk);
+    blk
+}
+
+/// [`unpack_block`] into `blk` (at least `Q4_K_BYTES`), without allocating. Returns the block's length.
+pub fn unpack_block_into(gb: &[u8], r: usize, blk: &mut [u8]) -> usize {
     blk[0..2].copy_from_slice(&gb[2 * r..2 * r + 2]);
     blk[2..4].copy_from_slice(&gb[32 + 2 * r..32 + 2 * r + 2]);
     let sc = |s: usize| gb[SC + s * ROWS + r];
@@ -66,7 +72,7 @@ pub fn unpack_block(gb: &[u8], r: usize) -> Vec<u8> {
     for k in 0..32 {
         blk[16 + 4 * k..16 + 4 * k + 4].copy_from_slice(&gb[QS + k * 4 * ROWS + 4 * r..][..4]);
     }
-    blk
+    Q4_K_BYTES
 }
 
 /// Scalar reference: the 16 dots of one group (`nb` group blocks at `w`) with one Q8_K activation row.

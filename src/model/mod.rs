@@ -46,8 +46,9 @@ pub struct Model {
     pub range: Range<usize>,
     /// `layers[i]` is global layer `range.start + i`.
     pub layers: Vec<LayerWeights>,
-    /// Present when the range starts at layer 0.
-    pub tok_embd: Option<Matrix>,
+    /// Present when the range starts at layer 0, unless the output head is the same tensor and this range holds
+    /// it too: then [`Model::embeddings`] reads the head's (repacked) rows, and the table is in memory once.
+    tok_embd: Option<Matrix>,
     /// Present when the range ends at the last layer.
     pub output_norm: Option<Vec<f32>>,
     pub output: Option<Matrix>,
@@ -160,17 +161,14 @@ impl Model {
 
         let first = range.start == 0;
         let last = range.end == hp.n_layer;
-        let tok_embd = if first {
+        let tied = !f.tensors.contains_key("output.weight");
+        let tok_embd = if first && !(tied && last) {
             Some(matrix("token_embd.weight", e, hp.n_vocab)?)
         } else {
             None
         };
         let (output_norm, output) = if last {
-            let head = if f.tensors.contains_key("output.weight") {
-                "output.weight"
-            } else {
-                "token_embd.weight"
-            };
+            let head = if tied { "token_embd.weight" } else { "output.weight" };
             (
                 Some(vector("output_norm.weight", e)?),
                 Some(weight(head, e, hp.n_vocab)?),
@@ -178,6 +176,10 @@ impl Model {
         } else {
             (None, None)
         };
+        // Loading read norms into vectors and repacked matrices into owned memory; the file pages that did (and,
+        // with transparent huge pages, their 2 MiB neighbourhoods) stay resident unless dropped. Matrices used in
+        // place fault their pages back in on first use.
+        file.release(0, file.bytes().len());
         Ok(Model {
             file,
             hp,
@@ -201,6 +203,15 @@ impl Model {
 
     pub fn is_first(&self) -> bool {
         self.range.start == 0
+    }
+
+    /// The token embedding table when this range starts at layer 0: `token_embd`, or the tied output head.
+    pub fn embeddings(&self) -> Option<&Matrix> {
+        match &self.tok_embd {
+            Some(m) => Some(m),
+            None if self.range.start == 0 => self.output.as_ref(),
+            None => None,
+        }
     }
 
     pub fn is_last(&self) -> bool {

@@ -55,7 +55,7 @@ pub fn quantize_file(
         if k == "general.file_type" {
             continue;
         }
-        w.meta(k, v.clone());
+        w.meta(k, file.owned_value(v)?);
     }
     let file_type = match target {
         GgmlType::F32 => 0,

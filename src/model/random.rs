@@ -76,7 +76,7 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
     }
     for (key, v) in &vocab_from.metadata {
         if key.starts_with("tokenizer.") {
-            w.meta(key, v.clone());
+            w.meta(key, vocab_from.owned_value(v)?);
         }
     }
 
