@@ -42,7 +42,7 @@ fn logits_split(path: &Path, toks: &[u32], split: Option<usize>) -> Vec<f32> {
             let n = a.hp.n_layer;
             let b = Arc::new(Model::load_range(path, Some(k..n)).unwrap());
             assert!(
-                a.output.is_none() && b.tok_embd.is_none(),
+                a.output.is_none() && b.embeddings().is_none(),
                 "a range loads only what it needs"
             );
             let mut sa = Session::new(a, pool(), 256, 64).unwrap();
