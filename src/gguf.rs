@@ -830,6 +830,39 @@ mod tests {
         }
     }
 
+    /// A top-level array longer than `LAZY_MIN` is checked at open but parsed only when asked for, to the same
+    /// values; it can be copied into another file; a cut through it is still an error at open.
+    #[test]
+    fn long_arrays_are_parsed_on_demand_to_the_same_values() {
+        let n = LAZY_MIN as usize + 5;
+        let texts: Vec<Value> = (0..n).map(|i| Value::Str(format!("tok{i}"))).collect();
+        let scores: Vec<Value> = (0..n).map(|i| Value::F32(i as f32 * 0.5)).collect();
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", Value::Str("llama".into()));
+        w.meta("tokenizer.ggml.tokens", Value::Array(texts.clone()));
+        w.meta("tokenizer.ggml.scores", Value::Array(scores.clone()));
+        w.tensor("t1", vec![32], GgmlType::Q8_0, vec![1u8; 34]);
+        let bytes = w.to_bytes();
+        let g = open_bytes(&bytes).unwrap();
+        let lazy = g.get("tokenizer.ggml.tokens").unwrap();
+        assert!(matches!(lazy, Value::Lazy(l) if l.len == n as u64), "{lazy:?}");
+        assert_eq!(lazy.summary(), format!("[{n} items]"));
+        assert_eq!(*g.array("tokenizer.ggml.tokens").unwrap().unwrap(), texts[..]);
+        assert_eq!(*g.array("tokenizer.ggml.scores").unwrap().unwrap(), scores[..]);
+        assert!(g.array("no.such.key").unwrap().is_none());
+        assert!(g.array("general.architecture").is_err());
+        // Copied into a new file through owned_value, it reads back the same.
+        let mut w2 = GgufWriter::new();
+        for (k, v) in &g.metadata {
+            w2.meta(k, g.owned_value(v).unwrap());
+        }
+        let g2 = open_bytes(&w2.to_bytes()).unwrap();
+        assert_eq!(*g2.array("tokenizer.ggml.tokens").unwrap().unwrap(), texts[..]);
+        // Cut inside the long array: refused at open, not when the array is read.
+        let e = format!("{:#}", open_bytes(&bytes[..bytes.len() / 2]).err().unwrap());
+        assert!(e.contains("truncated"), "{e}");
+    }
+
     #[test]
     fn bad_magic_and_version_are_named() {
         let mut b = sample();
