@@ -121,7 +121,7 @@ fn write_model_with(path: &Path, arch: &str, ty: GgmlType) {
     w.meta(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
     for (k, v) in &base.metadata {
         if k.starts_with("tokenizer.") {
-            w.meta(k, v.clone());
+            w.meta(k, base.owned_value(v).unwrap());
         }
     }
     w.tensor(
