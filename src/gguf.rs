@@ -338,7 +338,8 @@ impl<'a> Cursor<'a> {
     fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.take(8, "u64")?.try_into().unwrap()))
     }
-    fn string(&mut self, what: &str) -> Result<String> {
+    /// A length-prefixed string's bytes, the length checked against what remains.
+    fn string_bytes(&mut self, what: &str) -> Result<&'a [u8]> {
         let len = self.u64()?;
         if len > self.remaining() as u64 {
             bail!(
@@ -346,9 +347,28 @@ impl<'a> Cursor<'a> {
                 self.remaining()
             );
         }
-        let bytes = self.take(len as usize, what)?;
+        self.take(len as usize, what)
+    }
+    fn string(&mut self, what: &str) -> Result<String> {
+        let bytes = self.string_bytes(what)?;
         // Token texts may hold invalid UTF-8 in some converters; keep them lossily rather than fail the load.
         Ok(String::from_utf8_lossy(bytes).into_owned())
+    }
+    /// An array's element type and count, checked: not nested too deeply, and no more elements than bytes remain
+    /// (every element takes at least one byte, so a larger count is a lie).
+    fn array_header(&mut self, depth: u32) -> Result<(u32, u64)> {
+        if depth > 2 {
+            bail!("corrupt GGUF: arrays nested too deeply");
+        }
+        let elem_ty = self.u32()?;
+        let n = self.u64()?;
+        if n > self.remaining() as u64 {
+            bail!(
+                "truncated or corrupt GGUF: array claims {n} elements, {} bytes remain",
+                self.remaining()
+            );
+        }
+        Ok((elem_ty, n))
     }
 
     /// Steps over one value with the checks [`Cursor::value`] makes, keeping nothing.
@@ -358,28 +378,9 @@ impl<'a> Cursor<'a> {
             2 | 3 => _ = self.take(2, "u16")?,
             4..=6 => _ = self.take(4, "u32")?,
             10..=12 => _ = self.take(8, "u64")?,
-            8 => {
-                let len = self.u64()?;
-                if len > self.remaining() as u64 {
-                    bail!(
-                        "truncated or corrupt GGUF: string value claims {len} bytes, {} remain",
-                        self.remaining()
-                    );
-                }
-                self.take(len as usize, "string value")?;
-            }
+            8 => _ = self.string_bytes("string value")?,
             9 => {
-                if depth > 2 {
-                    bail!("corrupt GGUF: arrays nested too deeply");
-                }
-                let elem_ty = self.u32()?;
-                let n = self.u64()?;
-                if n > self.remaining() as u64 {
-                    bail!(
-                        "truncated or corrupt GGUF: array claims {n} elements, {} bytes remain",
-                        self.remaining()
-                    );
-                }
+                let (elem_ty, n) = self.array_header(depth)?;
                 for _ in 0..n {
                     self.skip(elem_ty, depth + 1)?;
                 }
@@ -401,18 +402,7 @@ impl<'a> Cursor<'a> {
             7 => Value::Bool(self.u8()? != 0),
             8 => Value::Str(self.string("string value")?),
             9 => {
-                if depth > 2 {
-                    bail!("corrupt GGUF: arrays nested too deeply");
-                }
-                let elem_ty = self.u32()?;
-                let n = self.u64()?;
-                // Every element takes at least one byte: a count beyond the remaining bytes is a lie.
-                if n > self.remaining() as u64 {
-                    bail!(
-                        "truncated or corrupt GGUF: array claims {n} elements, {} bytes remain",
-                        self.remaining()
-                    );
-                }
+                let (elem_ty, n) = self.array_header(depth)?;
                 if depth == 0 && n > LAZY_MIN {
                     let start = self.pos;
                     for _ in 0..n {
