@@ -264,7 +264,7 @@ pub fn run_on(
 
 /// One repetition of llama.cpp's speed on `model`, from the `tools/llama-ref` binary (llama.cpp built from the
 /// crates.io package `llama-cpp-sys-2`; never part of the default build). It runs one warm-up and one timed run and
-/// prints a JSON line. Only depth 0 is supported there.
+/// prints a JSON line; `depth` filler tokens are decoded untimed first, as [`run_pp`]/[`run_tg`] do.
 pub fn llama_cpp_once(
     bin: &std::path::Path,
     model: &std::path::Path,
@@ -274,9 +274,6 @@ pub fn llama_cpp_once(
     n_batch: usize,
 ) -> Result<Option<f64>> {
     use anyhow::Context;
-    if depth != 0 {
-        return Ok(None);
-    }
     let (pp, tg) = match (test.strip_prefix("pp"), test.strip_prefix("tg")) {
         (Some(n), _) => (n, "0"),
         (_, Some(n)) => ("0", n),
@@ -297,6 +294,8 @@ pub fn llama_cpp_once(
             &threads.to_string(),
             "-b",
             &n_batch.to_string(),
+            "-d",
+            &depth.to_string(),
         ])
         .output()
         .with_context(|| format!("cannot run {}", bin.display()))?;

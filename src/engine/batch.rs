@@ -11,6 +11,7 @@ use crate::kernels::ops::RopeTable;
 use crate::model::Model;
 use crate::model::blocks::{Buffers, LayerKv, RowsKv, Step};
 use anyhow::{Result, bail};
+use half::f16;
 use std::ops::DerefMut;
 use std::sync::Arc;
 
@@ -41,7 +42,7 @@ impl<S: DerefMut<Target = Session> + Sync> RowsKv for EachKv<'_, S> {
         self.sessions[t].n_past()
     }
 
-    fn read(&self, t: usize) -> (&[f32], &[f32], usize) {
+    fn read(&self, t: usize) -> (&[f16], &[f16], usize) {
         let kv = &self.sessions[t].kv;
         let (k, v) = kv.layer(self.il);
         (k, v, kv.n_ctx)

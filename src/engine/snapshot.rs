@@ -165,8 +165,8 @@ impl KvBlock {
             let mut kr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_k);
             let mut vr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_v);
             for h in 0..kv.n_head_kv {
-                kr.extend_from_slice(kv.k_rows(il, h, pos.clone()));
-                vr.extend_from_slice(kv.v_rows(il, h, pos.clone()));
+                kv.read_k_rows(il, h, pos.clone(), &mut kr);
+                kv.read_v_rows(il, h, pos.clone(), &mut vr);
             }
             k.push(kr);
             v.push(vr);
@@ -196,10 +196,18 @@ impl KvBlock {
         let (dk, dv) = (kv.head_dim_k, kv.head_dim_v);
         for (i, il) in self.layers.clone().enumerate() {
             for h in 0..kv.n_head_kv {
-                kv.k_rows_mut(il, h, self.pos.clone())
-                    .copy_from_slice(&self.k[i][h * n_pos * dk..(h + 1) * n_pos * dk]);
-                kv.v_rows_mut(il, h, self.pos.clone())
-                    .copy_from_slice(&self.v[i][h * n_pos * dv..(h + 1) * n_pos * dv]);
+                kv.write_k_rows(
+                    il,
+                    h,
+                    self.pos.clone(),
+                    &self.k[i][h * n_pos * dk..(h + 1) * n_pos * dk],
+                );
+                kv.write_v_rows(
+                    il,
+                    h,
+                    self.pos.clone(),
+                    &self.v[i][h * n_pos * dv..(h + 1) * n_pos * dv],
+                );
             }
         }
         Ok(())

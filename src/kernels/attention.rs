@@ -1,11 +1,26 @@
-//! Causal attention of the query heads that share one KV head (GQA group) over a run of cached positions.
+//! Causal attention of the query heads that share one KV head (GQA group) over a run of cached positions, reading
+//! K and V as stored in the cache: f16, as llama.cpp keeps them (half the bytes of f32 to read per decoded token at
+//! a long context).
 //!
-//! Why a kernel of its own: attention is the part of a forward pass that grows with the context. Done one query
-//! head at a time with the portable element loops, it read every cached K and V row once per head, called the
-//! scalar `exp` per score and ran on SSE2; at a 1536-token depth SmolLM2's prefill fell from 425 to 95 tokens/s. Here
-//! each K and V row is loaded once for the whole group, the dot products and the weighted sum of V use 512-bit
-//! FMAs, and the exponentials are computed 16 at a time (the range reduction and polynomial of the Cephes `expf`,
-//! about 1 ulp), on CPUs with AVX-512F. The scalar version is the reference the SIMD one is tested against.
+//! Positions are taken in fixed chunks of [`CHUNK`] counted from the first attended position. Each chunk gives a
+//! partial result per head (its score maximum, its sum of exponentials and its unnormalised weighted sum of V), and
+//! the partials are folded in chunk order, as in flash decoding. A row's result therefore has the same bits whether
+//! one thread walks its chunks ([`attend`], prefill) or the chunks are spread over the threads and folded after
+//! ([`partial`] + [`fold`] + [`finish`], decode: one row with Gemma 3's single KV head would otherwise run on one
+//! thread), and the scratch is one chunk of scores, however long the context.
+//!
+//! Why a kernel of its own: done one query head at a time with the portable element loops, attention read every
+//! cached row once per head, called the scalar `exp` per score and ran on SSE2. Here each K and V row is loaded once
+//! for the whole group, the dot products and the weighted sum of V use 512-bit FMAs over f16 rows widened in
+//! registers, and the exponentials are computed 16 at a time (the Cephes `expf` reduction and polynomial, about
+//! 1 ulp), on CPUs with AVX-512F. The scalar version is the reference the SIMD one is tested against.
+
+use half::f16;
+use std::ops::Range;
+
+/// Positions per chunk: small enough that a decode step at a few thousand positions splits over the threads, large
+/// enough that folding partials costs nothing next to the dot products.
+pub const CHUNK: usize = 256;
 
 /// Shapes of one call: `n_q` query heads of `hdk` values each (contiguous), K rows of `hdk` and V rows of `hdv`
 /// values, one per cached position, and the positions `lo..hi` every query attends to.
@@ -20,26 +35,107 @@ pub struct Group {
 }
 
 impl Group {
-    /// Scratch floats [`attend`] needs (one row of scores per query head).
+    pub fn n_chunks(&self) -> usize {
+        (self.hi - self.lo).div_ceil(CHUNK)
+    }
+
+    /// Positions of chunk `c`.
+    pub fn chunk(&self, c: usize) -> Range<usize> {
+        let a = self.lo + c * CHUNK;
+        a..(a + CHUNK).min(self.hi)
+    }
+
+    /// Floats of one partial result: every head's unnormalised output (`n_q × hdv`), then the heads' score maxima,
+    /// then their sums of exponentials.
+    pub fn partial_len(&self) -> usize {
+        partial_len(self.n_q, self.hdv)
+    }
+
+    /// Scratch floats [`attend`] needs.
     pub fn scratch_len(&self) -> usize {
-        self.n_q * (self.hi - self.lo)
+        scratch_len(self.n_q, self.hdv)
     }
 }
 
-/// `out[g] = softmax(scale · q[g] · Kᵀ) · V` over positions `lo..hi`, for each query head `g` of the group.
-/// `k` and `v` hold the KV head's rows from position 0; `scores` has at least [`Group::scratch_len`] floats.
-pub fn attend(g: &Group, q: &[f32], k: &[f32], v: &[f32], scores: &mut [f32], out: &mut [f32]) {
+/// [`Group::partial_len`] for a group of `n_q` heads with V rows of `hdv`.
+pub fn partial_len(n_q: usize, hdv: usize) -> usize {
+    n_q * (hdv + 2)
+}
+
+/// Scratch floats of one [`attend`] call for a group of `n_q` heads: one chunk of scores and two partials.
+pub fn scratch_len(n_q: usize, hdv: usize) -> usize {
+    n_q * CHUNK + 2 * partial_len(n_q, hdv)
+}
+
+/// Scratch floats of one [`partial`] call: one chunk of scores.
+pub fn scores_len(n_q: usize) -> usize {
+    n_q * CHUNK
+}
+
+/// `out[g] = softmax(scale · q[g] · Kᵀ) · V` over positions `lo..hi`, for each query head `g` of the group, chunk
+/// by chunk. `k` and `v` hold the KV head's rows from position 0; `scratch` has at least [`Group::scratch_len`]
+/// floats.
+pub fn attend(g: &Group, q: &[f32], k: &[f16], v: &[f16], scratch: &mut [f32], out: &mut [f32]) {
+    let pl = g.partial_len();
+    assert!(scratch.len() >= g.scratch_len());
+    let (sc, rest) = scratch.split_at_mut(scores_len(g.n_q));
+    let (acc, rest) = rest.split_at_mut(pl);
+    let tmp = &mut rest[..pl];
+    partial(g, 0, q, k, v, sc, acc);
+    for c in 1..g.n_chunks() {
+        partial(g, c, q, k, v, sc, tmp);
+        fold(g, acc, tmp);
+    }
+    finish(g, acc, out);
+}
+
+/// The partial result of chunk `c` (layout of [`Group::partial_len`]) into `part`; `scores` has at least
+/// [`scores_len`] floats.
+pub fn partial(g: &Group, c: usize, q: &[f32], k: &[f16], v: &[f16], scores: &mut [f32], part: &mut [f32]) {
     assert!(g.lo < g.hi, "attention over no positions");
-    assert!(q.len() >= g.n_q * g.hdk && out.len() >= g.n_q * g.hdv);
+    assert!(c < g.n_chunks());
+    assert!(q.len() >= g.n_q * g.hdk);
     assert!(k.len() >= g.hi * g.hdk && v.len() >= g.hi * g.hdv);
-    assert!(scores.len() >= g.scratch_len());
+    assert!(scores.len() >= scores_len(g.n_q) && part.len() >= g.partial_len());
     #[cfg(target_arch = "x86_64")]
     if avx512() {
         // SAFETY: AVX-512F is present; the slice lengths were checked above.
-        unsafe { x86::attend(g, q, k, v, scores, out) };
+        unsafe { x86::partial(g, g.chunk(c), q, k, v, scores, part) };
         return;
     }
-    attend_scalar(g, q, k, v, scores, out);
+    partial_scalar(g, g.chunk(c), q, k, v, scores, part);
+}
+
+/// Folds the next chunk's partial `part` into the running `acc` (both [`Group::partial_len`]): the two are rescaled
+/// to their common maximum and added. Always done by this one function, in chunk order, so the result does not
+/// depend on who computed the partials.
+pub fn fold(g: &Group, acc: &mut [f32], part: &[f32]) {
+    let (n_q, hdv) = (g.n_q, g.hdv);
+    let (ms, ss) = (n_q * hdv, n_q * hdv + n_q);
+    for h in 0..n_q {
+        let (ma, mb) = (acc[ms + h], part[ms + h]);
+        let m = ma.max(mb);
+        let (fa, fb) = ((ma - m).exp(), (mb - m).exp());
+        acc[ms + h] = m;
+        acc[ss + h] = acc[ss + h] * fa + part[ss + h] * fb;
+        for (a, &b) in acc[h * hdv..(h + 1) * hdv]
+            .iter_mut()
+            .zip(&part[h * hdv..(h + 1) * hdv])
+        {
+            *a = *a * fa + b * fb;
+        }
+    }
+}
+
+/// The normalised output of every head from the folded partial.
+pub fn finish(g: &Group, acc: &[f32], out: &mut [f32]) {
+    let (n_q, hdv) = (g.n_q, g.hdv);
+    for h in 0..n_q {
+        let inv = 1.0 / acc[n_q * hdv + n_q + h];
+        for (o, &a) in out[h * hdv..(h + 1) * hdv].iter_mut().zip(&acc[h * hdv..(h + 1) * hdv]) {
+            *o = a * inv;
+        }
+    }
 }
 
 /// The kernel table's choice (`BATON_ISA` included), so attention runs at the same ISA as the matmuls.
@@ -48,15 +144,25 @@ fn avx512() -> bool {
     super::kernels().isa == "avx512"
 }
 
-/// The portable reference.
-pub fn attend_scalar(g: &Group, q: &[f32], k: &[f32], v: &[f32], scores: &mut [f32], out: &mut [f32]) {
-    let n = g.hi - g.lo;
-    for h in 0..g.n_q {
-        let qh = &q[h * g.hdk..(h + 1) * g.hdk];
+/// The portable reference of [`partial`] over the positions `pos`.
+pub fn partial_scalar(
+    g: &Group,
+    pos: Range<usize>,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    scores: &mut [f32],
+    part: &mut [f32],
+) {
+    let n = pos.len();
+    let (n_q, hdk, hdv) = (g.n_q, g.hdk, g.hdv);
+    for h in 0..n_q {
+        let qh = &q[h * hdk..(h + 1) * hdk];
         let sc = &mut scores[h * n..(h + 1) * n];
         let mut max = f32::NEG_INFINITY;
-        for (j, s) in (g.lo..g.hi).zip(sc.iter_mut()) {
-            *s = super::ops::dot(qh, &k[j * g.hdk..(j + 1) * g.hdk]) * g.scale;
+        for (j, s) in pos.clone().zip(sc.iter_mut()) {
+            let kr = &k[j * hdk..(j + 1) * hdk];
+            *s = qh.iter().zip(kr).map(|(a, b)| a * b.to_f32()).sum::<f32>() * g.scale;
             max = max.max(*s);
         }
         let mut sum = 0.0f32;
@@ -64,70 +170,81 @@ pub fn attend_scalar(g: &Group, q: &[f32], k: &[f32], v: &[f32], scores: &mut [f
             *s = (*s - max).exp();
             sum += *s;
         }
-        let o = &mut out[h * g.hdv..(h + 1) * g.hdv];
+        let o = &mut part[h * hdv..(h + 1) * hdv];
         o.fill(0.0);
-        let inv = 1.0 / sum;
-        for (j, &s) in (g.lo..g.hi).zip(sc.iter()) {
-            super::ops::axpy(o, s * inv, &v[j * g.hdv..(j + 1) * g.hdv]);
+        for (j, &s) in pos.clone().zip(sc.iter()) {
+            for (od, vd) in o.iter_mut().zip(&v[j * hdv..(j + 1) * hdv]) {
+                *od += s * vd.to_f32();
+            }
         }
+        part[n_q * hdv + h] = max;
+        part[n_q * hdv + n_q + h] = sum;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::Group;
+    use super::{Group, Range};
     use crate::kernels::ops::x86::exp16;
+    use half::f16;
     use std::arch::x86_64::*;
 
-    /// Dot of `len` floats; `len` a multiple of 16 handled in vectors, the rest scalar.
+    /// 16 f16 values at `p`, widened.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn dot(a: *const f32, b: *const f32, len: usize) -> f32 {
+    unsafe fn load16(p: *const f16) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+
+    /// Dot of `len` f32 (`a`) with `len` f16 (`b`); multiples of 16 in vectors, the rest scalar.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn dot(a: *const f32, b: *const f16, len: usize) -> f32 {
         unsafe {
             let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
             let mut d = 0;
             while d + 32 <= len {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(d)), _mm512_loadu_ps(b.add(d)), acc0);
-                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(d + 16)), _mm512_loadu_ps(b.add(d + 16)), acc1);
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(d)), load16(b.add(d)), acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(d + 16)), load16(b.add(d + 16)), acc1);
                 d += 32;
             }
             if d + 16 <= len {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(d)), _mm512_loadu_ps(b.add(d)), acc0);
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(d)), load16(b.add(d)), acc0);
                 d += 16;
             }
             let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
             while d < len {
-                s += *a.add(d) * *b.add(d);
+                s += *a.add(d) * (*b.add(d)).to_f32();
                 d += 1;
             }
             s
         }
     }
 
-    /// See [`super::attend`]; the caller checked the lengths.
+    /// See [`super::partial`]; the caller checked the lengths.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend(g: &Group, q: &[f32], k: &[f32], v: &[f32], scores: &mut [f32], out: &mut [f32]) {
-        let n = g.hi - g.lo;
-        let (hdk, hdv) = (g.hdk, g.hdv);
+    pub unsafe fn partial(
+        g: &Group,
+        pos: Range<usize>,
+        q: &[f32],
+        k: &[f16],
+        v: &[f16],
+        scores: &mut [f32],
+        part: &mut [f32],
+    ) {
+        let n = pos.len();
+        let (n_q, hdk, hdv) = (g.n_q, g.hdk, g.hdv);
         let (qp, kp, vp, sp) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), scores.as_mut_ptr());
         unsafe {
             // Scores: each K row once for every head of the group.
-            for (i, j) in (g.lo..g.hi).enumerate() {
+            for (i, j) in pos.clone().enumerate() {
                 let kr = kp.add(j * hdk);
-                for h in 0..g.n_q {
+                for h in 0..n_q {
                     *sp.add(h * n + i) = dot(qp.add(h * hdk), kr, hdk) * g.scale;
                 }
             }
-            // Softmax numerators, 16 scores at a time; each head's sum of them.
-            let mut inv = [0.0f32; 64];
-            let mut inv_heap = Vec::new();
-            let inv: &mut [f32] = if g.n_q <= 64 {
-                &mut inv[..g.n_q]
-            } else {
-                inv_heap.resize(g.n_q, 0.0);
-                &mut inv_heap
-            };
-            for (h, inv_h) in inv.iter_mut().enumerate() {
+            // Softmax numerators, 16 scores at a time; each head's maximum and sum of them.
+            for h in 0..n_q {
                 let row = sp.add(h * n);
                 let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
                 let mut i = 0;
@@ -155,42 +272,42 @@ mod x86 {
                     _mm512_mask_storeu_ps(row.add(i), mask, e);
                     vsum = _mm512_add_ps(vsum, e);
                 }
-                *inv_h = 1.0 / _mm512_reduce_add_ps(vsum);
+                part[n_q * hdv + h] = max;
+                part[n_q * hdv + n_q + h] = _mm512_reduce_add_ps(vsum);
             }
-            // Output: 64 values of a head at a time in four registers, over every V row.
-            for (h, &inv_h) in inv.iter().enumerate() {
+            // Unnormalised output: 64 values of a head at a time in four registers, over every V row of the chunk.
+            for h in 0..n_q {
                 let row = sp.add(h * n);
-                let o = out.as_mut_ptr().add(h * hdv);
+                let o = part.as_mut_ptr().add(h * hdv);
                 let mut d = 0;
                 while d + 64 <= hdv {
                     let mut acc = [_mm512_setzero_ps(); 4];
-                    for (i, j) in (g.lo..g.hi).enumerate() {
+                    for (i, j) in pos.clone().enumerate() {
                         let p = _mm512_set1_ps(*row.add(i));
                         let vr = vp.add(j * hdv + d);
                         for (c, a) in acc.iter_mut().enumerate() {
-                            *a = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr.add(16 * c)), *a);
+                            *a = _mm512_fmadd_ps(p, load16(vr.add(16 * c)), *a);
                         }
                     }
-                    let s = _mm512_set1_ps(inv_h);
                     for (c, a) in acc.iter().enumerate() {
-                        _mm512_storeu_ps(o.add(d + 16 * c), _mm512_mul_ps(*a, s));
+                        _mm512_storeu_ps(o.add(d + 16 * c), *a);
                     }
                     d += 64;
                 }
                 while d + 16 <= hdv {
                     let mut acc = _mm512_setzero_ps();
-                    for (i, j) in (g.lo..g.hi).enumerate() {
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(i)), _mm512_loadu_ps(vp.add(j * hdv + d)), acc);
+                    for (i, j) in pos.clone().enumerate() {
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*row.add(i)), load16(vp.add(j * hdv + d)), acc);
                     }
-                    _mm512_storeu_ps(o.add(d), _mm512_mul_ps(acc, _mm512_set1_ps(inv_h)));
+                    _mm512_storeu_ps(o.add(d), acc);
                     d += 16;
                 }
                 for dd in d..hdv {
                     let mut s = 0.0f32;
-                    for (i, j) in (g.lo..g.hi).enumerate() {
-                        s += *row.add(i) * *vp.add(j * hdv + dd);
+                    for (i, j) in pos.clone().enumerate() {
+                        s += *row.add(i) * (*vp.add(j * hdv + dd)).to_f32();
                     }
-                    *o.add(dd) = s * inv_h;
+                    *o.add(dd) = s;
                 }
             }
         }
@@ -202,32 +319,71 @@ mod tests {
     use super::*;
     use crate::kernels::testutil::Rng;
 
+    /// Softmax attention of one head in f64 over all positions at once: the mathematical definition.
+    fn reference(g: &Group, q: &[f32], k: &[f16], v: &[f16]) -> Vec<f32> {
+        let mut out = vec![0.0f32; g.n_q * g.hdv];
+        for h in 0..g.n_q {
+            let qh = &q[h * g.hdk..(h + 1) * g.hdk];
+            let s: Vec<f64> = (g.lo..g.hi)
+                .map(|j| {
+                    let kr = &k[j * g.hdk..(j + 1) * g.hdk];
+                    qh.iter().zip(kr).map(|(a, b)| *a as f64 * b.to_f64()).sum::<f64>() * g.scale as f64
+                })
+                .collect();
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for d in 0..g.hdv {
+                let o: f64 = (g.lo..g.hi).zip(&e).map(|(j, w)| w * v[j * g.hdv + d].to_f64()).sum();
+                out[h * g.hdv + d] = (o / sum) as f32;
+            }
+        }
+        out
+    }
+
+    fn case(
+        rng: &mut Rng,
+        n_q: usize,
+        hdk: usize,
+        hdv: usize,
+        lo: usize,
+        hi: usize,
+    ) -> (Group, Vec<f32>, Vec<f16>, Vec<f16>) {
+        let g = Group {
+            n_q,
+            hdk,
+            hdv,
+            lo,
+            hi,
+            scale: 1.0 / (hdk as f32).sqrt(),
+        };
+        let q: Vec<f32> = (0..n_q * hdk).map(|_| rng.normal() * 2.0).collect();
+        let k: Vec<f16> = (0..hi * hdk).map(|_| f16::from_f32(rng.normal())).collect();
+        let v: Vec<f16> = (0..hi * hdv).map(|_| f16::from_f32(rng.normal())).collect();
+        (g, q, k, v)
+    }
+
+    // (heads in the group, head dims, positions): SmolLM2 (3 × 64), Gemma 3 (4 × 256), one and several chunks,
+    // ragged chunk tails, odd head dims.
+    const SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+        (3, 64, 64, 0, 1),
+        (3, 64, 64, 0, 37),
+        (3, 64, 64, 100, 613),
+        (3, 64, 64, 0, 1024),
+        (4, 256, 256, 0, 530),
+        (4, 256, 256, 300, 812),
+        (1, 40, 24, 3, 20),
+        (2, 16, 80, 0, 16),
+    ];
+
     #[test]
-    fn simd_attention_matches_the_scalar_reference() {
+    fn chunked_attention_matches_the_definition() {
         let mut rng = Rng(11);
-        // (heads in the group, head dims, positions): SmolLM2 (3 × 64), Gemma 3 (4 × 256), odd shapes and tails.
-        for (n_q, hdk, hdv, lo, hi) in [
-            (3, 64, 64, 0, 1),
-            (3, 64, 64, 0, 37),
-            (3, 64, 64, 100, 613),
-            (4, 256, 256, 0, 530),
-            (1, 40, 24, 3, 20),
-            (2, 16, 80, 0, 16),
-        ] {
-            let g = Group {
-                n_q,
-                hdk,
-                hdv,
-                lo,
-                hi,
-                scale: 1.0 / (hdk as f32).sqrt(),
-            };
-            let q: Vec<f32> = (0..n_q * hdk).map(|_| rng.normal() * 2.0).collect();
-            let k: Vec<f32> = (0..hi * hdk).map(|_| rng.normal()).collect();
-            let v: Vec<f32> = (0..hi * hdv).map(|_| rng.normal()).collect();
+        for (n_q, hdk, hdv, lo, hi) in SHAPES {
+            let (g, q, k, v) = case(&mut rng, n_q, hdk, hdv, lo, hi);
+            let want = reference(&g, &q, &k, &v);
             let mut sc = vec![0.0; g.scratch_len()];
-            let (mut want, mut got) = (vec![0.0; n_q * hdv], vec![0.0; n_q * hdv]);
-            attend_scalar(&g, &q, &k, &v, &mut sc, &mut want);
+            let mut got = vec![0.0; n_q * hdv];
             attend(&g, &q, &k, &v, &mut sc, &mut got);
             for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                 assert!(
@@ -235,6 +391,53 @@ mod tests {
                     "{n_q}x{hdk} {lo}..{hi} [{i}]: {a} vs {b}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn simd_partials_match_the_scalar_reference() {
+        let mut rng = Rng(12);
+        for (n_q, hdk, hdv, lo, hi) in SHAPES {
+            let (g, q, k, v) = case(&mut rng, n_q, hdk, hdv, lo, hi);
+            let mut sc = vec![0.0; scores_len(n_q)];
+            for c in 0..g.n_chunks() {
+                let (mut want, mut got) = (vec![0.0; g.partial_len()], vec![0.0; g.partial_len()]);
+                partial_scalar(&g, g.chunk(c), &q, &k, &v, &mut sc, &mut want);
+                partial(&g, c, &q, &k, &v, &mut sc, &mut got);
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 2e-5 * (1.0 + a.abs()),
+                        "{n_q}x{hdk} {lo}..{hi} chunk {c} [{i}]: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Partials computed separately (as threads do at decode) and folded in order give [`attend`]'s bits.
+    #[test]
+    fn split_chunks_give_the_same_bits() {
+        let mut rng = Rng(13);
+        for (n_q, hdk, hdv, lo, hi) in SHAPES {
+            let (g, q, k, v) = case(&mut rng, n_q, hdk, hdv, lo, hi);
+            let mut sc = vec![0.0; g.scratch_len()];
+            let mut whole = vec![0.0; n_q * hdv];
+            attend(&g, &q, &k, &v, &mut sc, &mut whole);
+            let parts: Vec<Vec<f32>> = (0..g.n_chunks())
+                .rev()
+                .map(|c| {
+                    let mut p = vec![0.0; g.partial_len()];
+                    partial(&g, c, &q, &k, &v, &mut sc, &mut p);
+                    p
+                })
+                .collect();
+            let mut acc = parts[parts.len() - 1].clone();
+            for p in parts.iter().rev().skip(1) {
+                fold(&g, &mut acc, p);
+            }
+            let mut split = vec![0.0; n_q * hdv];
+            finish(&g, &acc, &mut split);
+            assert_eq!(whole, split, "{n_q}x{hdk} {lo}..{hi}");
         }
     }
 }

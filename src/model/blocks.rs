@@ -5,6 +5,8 @@
 use super::{Hparams, LayerWeights};
 use crate::kernels::ops::{self, RopeTable};
 use crate::kernels::{self, Matrix, ThreadPool, attention};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 /// Scratch space for a forward pass over up to `n_batch` tokens; allocated once per session so a decoded token
 /// allocates nothing.
@@ -25,8 +27,10 @@ pub struct Buffers {
     /// Feed-forward gate and up projections, `[n_tok, n_ff]`.
     pub g: Vec<f32>,
     pub u: Vec<f32>,
-    /// Attention scores: one row per query head of a GQA group, per thread.
+    /// Attention scratch of each thread: one chunk of scores per query head of a GQA group, and two partials.
     pub scores: Vec<f32>,
+    /// Partial attention results of the chunks of a decode step spread over the threads ([`attend`]).
+    pub parts: Vec<f32>,
     pub n_ctx: usize,
     pub mm: kernels::Scratch,
 }
@@ -43,7 +47,13 @@ impl Buffers {
             o: vec![0.0; n_batch * hp.n_embd],
             g: vec![0.0; n_batch * hp.n_ff],
             u: vec![0.0; n_batch * hp.n_ff],
-            scores: vec![0.0; n_threads * (hp.n_head / hp.n_head_kv) * n_ctx],
+            scores: vec![0.0; n_threads * attention::scratch_len(hp.n_head / hp.n_head_kv, hp.head_dim_v)],
+            parts: vec![
+                0.0;
+                split_rows(n_threads)
+                    * n_ctx.div_ceil(attention::CHUNK)
+                    * attention::partial_len(hp.n_head / hp.n_head_kv, hp.head_dim_v)
+            ],
             n_ctx,
             mm: kernels::Scratch::default(),
         }
@@ -53,8 +63,8 @@ impl Buffers {
 /// One layer's KV cache: K is `[n_head_kv, n_ctx, head_dim_k]`, V `[n_head_kv, n_ctx, head_dim_v]`, positions in
 /// order. K is stored after RoPE.
 pub struct LayerKv<'a> {
-    pub k: &'a mut [f32],
-    pub v: &'a mut [f32],
+    pub k: &'a mut [f16],
+    pub v: &'a mut [f16],
     pub n_ctx: usize,
 }
 
@@ -65,7 +75,7 @@ pub trait RowsKv: Sync {
     /// Position of row `t`.
     fn pos(&self, t: usize) -> usize;
     /// Row `t`'s cache of this layer to read: K, V and the positions each head's run holds.
-    fn read(&self, t: usize) -> (&[f32], &[f32], usize);
+    fn read(&self, t: usize) -> (&[f16], &[f16], usize);
     /// Row `t`'s cache of this layer to write.
     fn write(&mut self, t: usize) -> LayerKv<'_>;
 }
@@ -81,7 +91,7 @@ impl RowsKv for SeqKv<'_> {
         self.pos0 + t
     }
 
-    fn read(&self, _t: usize) -> (&[f32], &[f32], usize) {
+    fn read(&self, _t: usize) -> (&[f16], &[f16], usize) {
         (&*self.kv.k, &*self.kv.v, self.kv.n_ctx)
     }
 
@@ -183,56 +193,101 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
             let o = (t * hp.n_head_kv + h) * hdk;
             s.rope.apply(&mut b.k[o..o + hdk], pos, neox);
             let dst = (h * kv.n_ctx + pos) * hdk;
-            kv.k[dst..dst + hdk].copy_from_slice(&b.k[o..o + hdk]);
+            kv.k[dst..dst + hdk].convert_from_f32_slice(&b.k[o..o + hdk]);
             let ov = (t * hp.n_head_kv + h) * hdv;
             let dst = (h * kv.n_ctx + pos) * hdv;
-            kv.v[dst..dst + hdv].copy_from_slice(&b.v[ov..ov + hdv]);
+            kv.v[dst..dst + hdv].convert_from_f32_slice(&b.v[ov..ov + hdv]);
         }
     }
 }
 
+/// Up to how many (row, KV head) pairs a step spreads each pair's chunks of positions over the threads, rather than
+/// giving each pair to one thread: a decode step has one row, and Gemma 3 one KV head.
+fn split_rows(n_threads: usize) -> usize {
+    4 * n_threads
+}
+
 /// Causal attention of each row's query over its cache (positions `0..=pos` for a query at `pos`, or the last
-/// `window` of them on sliding-window layers), written to `b.att`. Parallel over (row, KV head): the query heads of
-/// one GQA group share the K and V rows they read (`kernels::attention`).
+/// `window` of them on sliding-window layers), written to `b.att`. The query heads of one GQA group share the K and
+/// V rows they read (`kernels::attention`). With many (row, KV head) pairs (prefill, large batches) each thread takes
+/// whole pairs; with few (decode) the pairs' chunks of positions are spread over the threads and folded after. A
+/// row gets the same bits either way.
 pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     let hp = s.hp;
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     let group = hp.n_head / hp.n_head_kv;
     let window = hp.window(s.il);
     let n_tasks = s.n_tok * hp.n_head_kv;
-    let per_thread = group * b.n_ctx;
+    let per_thread = attention::scratch_len(group, hdv);
     let q = &b.q;
     let att = SyncPtr(b.att.as_mut_ptr());
     let scores = SyncPtr(b.scores.as_mut_ptr());
     let scale = hp.attn_scale;
+    // Task `task` is row `t`, KV head `kvh`: its group of query heads, its slice of the cache and its output.
+    let task = |task: usize| {
+        let (t, kvh) = (task / hp.n_head_kv, task % hp.n_head_kv);
+        let pos = rows.pos(t);
+        let (kc, vc, kv_ctx) = rows.read(t);
+        let g = attention::Group {
+            n_q: group,
+            hdk,
+            hdv,
+            lo: window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+            hi: pos + 1,
+            scale,
+        };
+        let h0 = t * hp.n_head + kvh * group;
+        (
+            g,
+            &q[h0 * hdk..(h0 + group) * hdk],
+            &kc[kvh * kv_ctx * hdk..(kvh + 1) * kv_ctx * hdk],
+            &vc[kvh * kv_ctx * hdv..(kvh + 1) * kv_ctx * hdv],
+            h0 * hdv,
+        )
+    };
+
+    if n_tasks > split_rows(s.pool.n_threads()) {
+        s.pool.run(|ith, nth| {
+            // SAFETY: each thread owns its own scratch, and writes only the att rows of its own tasks.
+            let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * per_thread), per_thread) };
+            let mut i = ith;
+            while i < n_tasks {
+                let (g, qg, k, v, o) = task(i);
+                let out = unsafe { std::slice::from_raw_parts_mut(att.get().add(o), group * hdv) };
+                attention::attend(&g, qg, k, v, sc, out);
+                i += nth;
+            }
+        });
+        return;
+    }
+
+    // Few tasks: every chunk of every task is one work item, dealt round-robin; task `i`'s partials are at
+    // `parts[(i * max_chunks + c) * pl]`.
+    let pl = attention::partial_len(group, hdv);
+    let max_chunks = b.n_ctx.div_ceil(attention::CHUNK);
+    assert!(b.parts.len() >= n_tasks * max_chunks * pl);
+    let parts = SyncPtr(b.parts.as_mut_ptr());
     s.pool.run(|ith, nth| {
-        // SAFETY: each thread owns its own score rows, and writes only the att rows of its own tasks.
+        // SAFETY: each thread owns its own scratch and writes only the partials of its own work items.
         let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * per_thread), per_thread) };
-        let mut task = ith;
-        while task < n_tasks {
-            let (t, kvh) = (task / hp.n_head_kv, task % hp.n_head_kv);
-            let pos = rows.pos(t);
-            let (kc, vc, kv_ctx) = rows.read(t);
-            let g = attention::Group {
-                n_q: group,
-                hdk,
-                hdv,
-                lo: window.map_or(0, |w| (pos + 1).saturating_sub(w)),
-                hi: pos + 1,
-                scale,
-            };
-            let h0 = t * hp.n_head + kvh * group;
-            let qg = &q[h0 * hdk..(h0 + group) * hdk];
-            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add(h0 * hdv), group * hdv) };
-            attention::attend(
-                &g,
-                qg,
-                &kc[kvh * kv_ctx * hdk..(kvh + 1) * kv_ctx * hdk],
-                &vc[kvh * kv_ctx * hdv..(kvh + 1) * kv_ctx * hdv],
-                sc,
-                out,
-            );
-            task += nth;
+        let mut item = 0;
+        for i in 0..n_tasks {
+            let (g, qg, k, v, _) = task(i);
+            for c in 0..g.n_chunks() {
+                if item % nth == ith {
+                    let p = unsafe { std::slice::from_raw_parts_mut(parts.get().add((i * max_chunks + c) * pl), pl) };
+                    attention::partial(&g, c, qg, k, v, sc, p);
+                }
+                item += 1;
+            }
         }
     });
+    for i in 0..n_tasks {
+        let (g, _, _, _, o) = task(i);
+        let (acc, rest) = b.parts[i * max_chunks * pl..].split_at_mut(pl);
+        for c in 1..g.n_chunks() {
+            attention::fold(&g, acc, &rest[(c - 1) * pl..c * pl]);
+        }
+        attention::finish(&g, acc, &mut b.att[o..o + group * hdv]);
+    }
 }
