@@ -208,8 +208,8 @@ struct RunArgs {
     /// With --prefill-node: prefill exactly the first K layers remotely, the rest here (overrides --offload).
     #[arg(long = "offload-layers")]
     offload_layers: Option<usize>,
-    /// With --prefill-node: KV precision on the wire: 32, 16, bf16 or 8.
-    #[arg(long = "kv-bits", default_value = "32")]
+    /// With --prefill-node: KV precision on the wire: 16 (exact: the KV cache holds f16), 32, bf16 or 8.
+    #[arg(long = "kv-bits", default_value = "16")]
     kv_bits: String,
     /// With --prefill-node: seconds of silence before the prefill node is given up (the prompt is then prefilled
     /// here).
@@ -233,8 +233,8 @@ struct DemoArgs {
     prompt_tokens: usize,
     #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
     n_predict: usize,
-    /// KV precision on the wire: 32, 16, bf16 or 8.
-    #[arg(long = "kv-bits", default_value = "32")]
+    /// KV precision on the wire: 16 (exact: the KV cache holds f16), 32, bf16 or 8.
+    #[arg(long = "kv-bits", default_value = "16")]
     kv_bits: String,
 }
 
@@ -349,8 +349,8 @@ struct ServeArgs {
     /// With prefill nodes: auto, never, always, or a share of the layers such as 60%.
     #[arg(long, default_value = "auto")]
     offload: String,
-    /// With prefill nodes: KV precision on the wire: 32, 16, bf16 or 8.
-    #[arg(long = "kv-bits", default_value = "32")]
+    /// With prefill nodes: KV precision on the wire: 16 (exact: the KV cache holds f16), 32, bf16 or 8.
+    #[arg(long = "kv-bits", default_value = "16")]
     kv_bits: String,
     /// With prefill nodes: seconds of silence before a prefill node is given up (the prompt is then prefilled by
     /// the decode side).

@@ -311,7 +311,8 @@ fn stream_faults_fall_back_to_a_correct_local_prefill() {
 }
 
 /// KV at f16 / bf16 / 8 bits on the wire: the first 64 tokens of a real text are prefilled remotely at each precision,
-/// then the next 32 are scored locally on top of that KV. Reports the perplexity and logit deltas against f32.
+/// then the next 32 are scored locally on top of that KV. Reports the perplexity and logit deltas against f32. The
+/// cache holds f16, so f16 on the wire is exact and the narrower ones are not.
 #[test]
 fn narrower_kv_on_the_wire_stays_close() {
     let model = smollm2();
@@ -339,7 +340,7 @@ fn narrower_kv_on_the_wire_stays_close() {
         ((nll / (tail.len() - 1) as f64).exp(), out, rep.bytes)
     };
     let (ppl32, logits32, bytes32) = score(KvDtype::F32);
-    for (kv, max_rel) in [(KvDtype::F16, 0.01), (KvDtype::BF16, 0.03), (KvDtype::Q8, 0.05)] {
+    for (kv, max_rel) in [(KvDtype::F16, 0.0), (KvDtype::BF16, 0.03), (KvDtype::Q8, 0.05)] {
         let (ppl, logits, bytes) = score(kv);
         let d = max_abs_diff(&logits, &logits32);
         let rel = (ppl - ppl32) / ppl32;
@@ -348,7 +349,11 @@ fn narrower_kv_on_the_wire_stays_close() {
             kv.name(),
             rel * 100.0
         );
-        assert!(d > 0.0, "{kv:?} is lossy");
+        if kv == KvDtype::F16 {
+            assert_eq!(d, 0.0, "f16 on the wire carries the f16 cache exactly");
+        } else {
+            assert!(d > 0.0, "{kv:?} is lossy");
+        }
         assert!(rel.abs() <= max_rel, "{kv:?}: perplexity moved by {:.2}%", rel * 100.0);
         assert!(bytes < bytes32 * 6 / 10, "{kv:?}: {bytes} bytes vs {bytes32} at f32");
     }

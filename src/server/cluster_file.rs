@@ -5,7 +5,7 @@
 //! secret_file = "cluster.key"    # optional: shared secret for nodes beyond loopback
 //! wire_bits = "16"               # optional: hidden-state precision on the wire (32, 16, bf16, 8)
 //! offload = "auto"               # optional, with prefill nodes: auto, never, always, or a share such as 60%
-//! kv_bits = "32"                 # optional, with prefill nodes: KV precision from prefill to decode node
+//! kv_bits = "16"                 # optional, with prefill nodes: KV precision from prefill to decode node
 //! prefill_timeout = 10.0         # optional, with prefill nodes: seconds before a silent prefill node is given up
 //!
 //! [[node]]

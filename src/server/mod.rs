@@ -109,7 +109,7 @@ impl Default for ServeConfig {
             draft_tokens: "auto".into(),
             prefill_node: None,
             offload: "auto".into(),
-            kv_bits: "32".into(),
+            kv_bits: "16".into(),
             prefill_timeout: Duration::from_secs(10),
         }
     }
