@@ -75,7 +75,8 @@ fn serve_with_a_prefill_node_offloads_only_the_new_suffix() {
         "baton_wire_bytes_total{{peer=\"{}\",direction=\"received\"}}",
         p.addr
     ));
-    assert!(bytes1 > n1 * 40_000.0, "{bytes1} bytes of KV for {n1} tokens");
+    // SmolLM2's KV is 23 KB per token at f16 (the default --kv-bits 16).
+    assert!(bytes1 > n1 * 20_000.0, "{bytes1} bytes of KV for {n1} tokens");
 
     let turn2 = json!([user(q1), {"role": "assistant", "content": reply(&a)}, user("And two more?")]);
     let b = chat(&srv, turn2);
