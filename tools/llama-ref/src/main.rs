@@ -122,6 +122,10 @@ struct BenchArgs {
     /// Batch size for the pp test.
     #[arg(short = 'b', long, default_value_t = 2048)]
     n_batch: u32,
+    /// Context depth: this many filler tokens are decoded (untimed) before each timed run, as `baton bench
+    /// --ctx-depth` does, so pp/tg run with that much context already in the KV cache.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
 }
 
 #[derive(Args)]
@@ -692,7 +696,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
     let model = load_model(backend, &a.model)?;
     let n_vocab = model.vocab().n_tokens();
     let bos = model.vocab().bos();
-    let n_ctx = (a.n_prompt + a.n_gen).max(16) as u32;
+    let n_ctx = (a.depth + a.n_prompt.max(a.n_gen) + 1).max(16) as u32;
     let n_batch = a.n_batch.max(1);
     let mut ctx = new_context(backend, &model, n_ctx, n_batch, n_batch.min(512), a.threads)?;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -701,32 +705,49 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
         .file_name()
         .map(|f| f.to_string_lossy().into_owned());
 
-    let run_pp = |ctx: &mut LlamaContext, seed: &mut u64| -> Result<f64> {
-        let mut toks = random_tokens(a.n_prompt, n_vocab, seed);
-        toks[0] = bos;
-        ctx.clear_kv_cache();
-        let t = Instant::now();
+    // Decodes `toks` at positions `pos0..` in batches of `n_batch`, logits for the last token only.
+    let feed = |ctx: &mut LlamaContext, toks: &[LlamaToken], pos0: usize| -> Result<()> {
         for (ci, chunk) in toks.chunks(n_batch as usize).enumerate() {
             let mut batch = LlamaBatch::new(chunk.len(), 1);
-            let base = ci * n_batch as usize;
+            let base = pos0 + ci * n_batch as usize;
             for (i, &tok) in chunk.iter().enumerate() {
                 batch.add(tok, (base + i) as i32, &[0], i == chunk.len() - 1)?;
             }
             ctx.decode(&mut batch)
                 .map_err(|e| anyhow!("decode failed: {e}"))?;
         }
+        Ok(())
+    };
+    // Clears the cache and fills it with `depth` filler tokens (untimed), BOS first.
+    let fill = |ctx: &mut LlamaContext, seed: &mut u64| -> Result<()> {
+        ctx.clear_kv_cache();
+        if a.depth > 0 {
+            let mut toks = random_tokens(a.depth, n_vocab, seed);
+            toks[0] = bos;
+            feed(ctx, &toks, 0)?;
+        }
+        Ok(())
+    };
+    let run_pp = |ctx: &mut LlamaContext, seed: &mut u64| -> Result<f64> {
+        fill(ctx, seed)?;
+        let mut toks = random_tokens(a.n_prompt, n_vocab, seed);
+        if a.depth == 0 {
+            toks[0] = bos;
+        }
+        let t = Instant::now();
+        feed(ctx, &toks, a.depth)?;
         let _ = ctx.get_logits_ith(-1);
         Ok(t.elapsed().as_secs_f64())
     };
     let run_tg = |ctx: &mut LlamaContext, seed: &mut u64| -> Result<f64> {
-        ctx.clear_kv_cache();
+        fill(ctx, seed)?;
         let toks = random_tokens(a.n_gen, n_vocab, seed);
         let mut batch = LlamaBatch::new(1, 1);
         let t = Instant::now();
-        let mut tok = bos;
+        let mut tok = if a.depth == 0 { bos } else { toks[0] };
         for (i, &next) in toks.iter().enumerate() {
             batch.clear();
-            batch.add(tok, i as i32, &[0], true)?;
+            batch.add(tok, (a.depth + i) as i32, &[0], true)?;
             ctx.decode(&mut batch)
                 .map_err(|e| anyhow!("decode failed: {e}"))?;
             let _ = ctx.get_logits_ith(0);
@@ -767,7 +788,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
         };
         let line = json!({
             "engine": "llama.cpp", "llama_cpp": llama_cpp_version(), "model": file, "test": name,
-            "threads": a.threads, "n_batch": n_batch, "repetitions": a.repetitions,
+            "threads": a.threads, "n_batch": n_batch, "depth": a.depth, "repetitions": a.repetitions,
             "median_tokens_per_s": median, "all_tokens_per_s": rates,
         });
         println!("{line}");
