@@ -55,13 +55,21 @@ fn main() {
     let e = hp.n_embd;
     let mm = |w: &baton::kernels::Matrix, x: &[f32]| -> Vec<f32> {
         let mut y = vec![0.0; n_tok * w.rows];
-        ggml::matmul::matmul(&pool, w, x, n_tok, &mut y);
+        if ggml::matmul::supports(w.ty) {
+            ggml::matmul::matmul(&pool, w, x, n_tok, &mut y);
+        } else {
+            println!("  ({} matmul not reproduced: Baton's kernel)", w.ty);
+            baton::kernels::matmul(&pool, w, x, n_tok, &mut y, &mut Default::default());
+        }
         y
     };
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     for il in 0..n_layers {
         let lw = model.layer(il);
-        let inp = if il == 0 {
+        let gemma = hp.arch == baton::model::Arch::Gemma3;
+        let inp = if il == 0 && gemma {
+            load("inp_scaled")
+        } else if il == 0 {
             load("embd")
         } else {
             load(&format!("l_out-{}", il - 1))
@@ -80,12 +88,25 @@ fn main() {
         for (w, name) in [(&lw.wq, "Qcur"), (&lw.wk, "Kcur"), (&lw.wv, "Vcur")] {
             cmp(&format!("{name}-{il}"), &mm(w, &xn), &load(&format!("{name}-{il}")));
         }
+        let norm_heads = |x: &mut [f32], w: &[f32]| {
+            for hd in x.chunks_mut(w.len()) {
+                ggml::ops::rms_norm_inplace(hd, w, hp.rms_eps);
+            }
+        };
+        if gemma {
+            let mut q = load(&format!("Qcur-{il}#1"));
+            norm_heads(&mut q, lw.q_norm.as_deref().unwrap());
+            cmp(&format!("Qcur_normed-{il}"), &q, &load(&format!("Qcur_normed-{il}")));
+            let mut k = load(&format!("Kcur-{il}#1"));
+            norm_heads(&mut k, lw.k_norm.as_deref().unwrap());
+            cmp(&format!("Kcur_normed-{il}"), &k, &load(&format!("Kcur_normed-{il}")));
+        }
         // RoPE on llama.cpp's Q and K (the last dump of each name before attention is the rotated one).
         let rope = RopeTable::new(hp.rope_base_of(il), hp.n_rot, 1024);
         let neox = hp.rope_type == RopeType::Neox;
         for (name, nh) in [("Qcur", hp.n_head), ("Kcur", hp.n_head_kv)] {
-            let (src, dst) = if hp.arch == baton::model::Arch::Gemma3 {
-                (format!("{name}-{il}#2"), format!("{name}-{il}#3"))
+            let (src, dst) = if gemma {
+                (format!("{name}_normed-{il}"), format!("{name}-{il}#2"))
             } else {
                 (format!("{name}-{il}#1"), format!("{name}-{il}#2"))
             };
@@ -100,7 +121,7 @@ fn main() {
         }
         // Flash attention on llama.cpp's rotated Q and K and its V, K/V rounded to f16 as its cache holds them.
         let (qn, kn) = if hp.arch == baton::model::Arch::Gemma3 {
-            ("#3", "#3")
+            ("#2", "#2")
         } else {
             ("#2", "#2")
         };
@@ -142,12 +163,25 @@ fn main() {
         }
         cmp(&format!("flash_attn-{il}"), &att, &load(&fa_names[il]));
         let kqv = load(&format!("kqv_out-{il}"));
-        cmp(
-            &format!("attn_out-{il}"),
-            &mm(&lw.wo, &kqv),
-            &load(&format!("attn_out-{il}")),
-        );
-        let ffn_in = load(&format!("ffn_inp-{il}"));
+        let ffn_in = if gemma {
+            let mut o = mm(&lw.wo, &kqv);
+            for row in o.chunks_mut(e) {
+                ggml::ops::rms_norm_inplace(row, lw.post_attn_norm.as_deref().unwrap(), hp.rms_eps);
+            }
+            cmp(
+                &format!("attn_post_norm-{il}"),
+                &o,
+                &load(&format!("attn_post_norm-{il}")),
+            );
+            load(&format!("sa_out-{il}"))
+        } else {
+            cmp(
+                &format!("attn_out-{il}"),
+                &mm(&lw.wo, &kqv),
+                &load(&format!("attn_out-{il}")),
+            );
+            load(&format!("ffn_inp-{il}"))
+        };
         let mut xn = vec![0.0; ffn_in.len()];
         for t in 0..n_tok {
             ggml::ops::rms_norm(

@@ -296,6 +296,15 @@ pub fn swiglu(s: &Step, g: &mut [f32], u: &[f32]) {
     }
 }
 
+/// GeGLU `g = gelu(g) * u` over the batch's feed-forward rows.
+pub fn geglu(s: &Step, g: &mut [f32], u: &[f32]) {
+    if s.ggml() {
+        ggml::ops::geglu(g, u)
+    } else {
+        ops::gelu_mul(g, u)
+    }
+}
+
 /// Causal attention of each row's query over its cache (positions `0..=pos` for a query at `pos`, or the last
 /// `window` of them on sliding-window layers), written to `b.att`. Parallel over (row, KV head): the query heads of
 /// one GQA group share the K and V rows they read (`kernels::attention`).

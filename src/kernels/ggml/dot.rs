@@ -13,6 +13,7 @@ use super::{f16_to_f32, hsum8};
 pub const Q4_1: usize = 20;
 pub const Q8_0: usize = 34;
 pub const Q8_1: usize = 36;
+pub const Q5_0: usize = 22;
 
 #[inline]
 fn h(b: &[u8], o: usize) -> f32 {
@@ -58,6 +59,38 @@ pub fn dot_q8_0_q8_0_scalar(nb: usize, w: &[u8], x: &[u8]) -> f32 {
     hsum8(&acc)
 }
 
+/// Scalar reference of ggml's `ggml_vec_dot_q5_0_q8_0` (x86 AVX2 branch) and of each output of
+/// `tinyBLAS_Q0_AVX<block_q5_0>`: the weights `(nibble | high bit << 4) − 16`, else as Q8_0.
+pub fn dot_q5_0_q8_0_scalar(nb: usize, w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for b in 0..nb {
+        let (wb, xb) = (&w[b * Q5_0..(b + 1) * Q5_0], &x[b * Q8_0..(b + 1) * Q8_0]);
+        let d = h(wb, 0) * h(xb, 0);
+        let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
+        for (j, a) in acc.iter_mut().enumerate() {
+            let mut isum = 0i32;
+            for e in 4 * j..4 * j + 4 {
+                let nib = if e < 16 { wb[6 + e] & 15 } else { wb[6 + e - 16] >> 4 };
+                let q = (nib as i32 | ((qh >> e & 1) as i32) << 4) - 16;
+                isum += q * xb[2 + e] as i8 as i32;
+            }
+            *a = d.mul_add(isum as f32, *a);
+        }
+    }
+    hsum8(&acc)
+}
+
+/// [`dot_q5_0_q8_0_scalar`], with AVX2 and FMA when the CPU has them (same bits).
+pub fn dot_q5_0_q8_0(nb: usize, w: &[u8], x: &[u8]) -> f32 {
+    assert!(w.len() >= nb * Q5_0 && x.len() >= nb * Q8_0);
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        // SAFETY: as above.
+        return unsafe { x86::dot_q5_0_q8_0(nb, w, x) };
+    }
+    dot_q5_0_q8_0_scalar(nb, w, x)
+}
+
 /// [`dot_q4_1_q8_1_scalar`], with AVX2 and FMA when the CPU has them (same bits).
 pub fn dot_q4_1_q8_1(nb: usize, w: &[u8], x: &[u8]) -> f32 {
     assert!(w.len() >= nb * Q4_1 && x.len() >= nb * Q8_1);
@@ -82,7 +115,7 @@ pub fn dot_q8_0_q8_0(nb: usize, w: &[u8], x: &[u8]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Q4_1, Q8_0, Q8_1, h};
+    use super::{Q4_1, Q5_0, Q8_0, Q8_1, h};
     use crate::kernels::ggml::hsum8;
     use std::arch::x86_64::*;
 
@@ -118,6 +151,39 @@ mod x86 {
             acc = _mm256_fmadd_ps(d, xy, acc);
         }
         finish(acc) + summs
+    }
+
+    /// # Safety
+    /// AVX2 and FMA; `w` holds `nb` Q5_0 blocks and `x` `nb` Q8_0 blocks.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q5_0_q8_0(nb: usize, w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0f);
+        // Byte i of the broadcast qh word goes to lanes 8i..8i+8; each lane keeps its own bit.
+        let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        let bits = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+        for b in 0..nb {
+            let (wb, xb) = (&w[b * Q5_0..], &x[b * Q8_0..]);
+            let d = _mm256_set1_ps(h(wb, 0) * h(xb, 0));
+            let qh = i32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
+            // SAFETY: 16 and 32 bytes inside the blocks.
+            let (t, qy) = unsafe {
+                (
+                    _mm_loadu_si128(wb.as_ptr().add(6) as *const __m128i),
+                    _mm256_loadu_si256(xb.as_ptr().add(2) as *const __m256i),
+                )
+            };
+            let nib = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(t, 4), t));
+            let set = _mm256_cmpeq_epi8(
+                _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), shuf), bits),
+                _mm256_set1_epi64x(-1),
+            );
+            let qx = _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(0xF0u8 as i8)));
+            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, p)), acc);
+        }
+        finish(acc)
     }
 
     /// # Safety
@@ -182,6 +248,20 @@ mod tests {
             assert!(
                 (a as f64 - direct).abs() <= 2e-3 * mag + 1e-6,
                 "q4_1 nb={nb}: {a} vs {direct}"
+            );
+
+            let (w5, xf) = case(&mut rng, nb, Q5_0);
+            let mut xq = vec![0u8; nb * Q8_0];
+            quant::quantize_row_q8_0(&xf, &mut xq);
+            let (a, b) = (dot_q5_0_q8_0(nb, &w5, &xq), dot_q5_0_q8_0_scalar(nb, &w5, &xq));
+            assert_eq!(a.to_bits(), b.to_bits(), "q5_0 nb={nb}");
+            crate::kernels::dequantize_row(crate::gguf::GgmlType::Q5_0, &w5, &mut wf);
+            crate::kernels::dequantize_row(crate::gguf::GgmlType::Q8_0, &xq, &mut xd);
+            let direct: f64 = wf.iter().zip(&xd).map(|(p, q)| *p as f64 * *q as f64).sum();
+            let mag: f64 = wf.iter().zip(&xd).map(|(p, q)| (*p as f64 * *q as f64).abs()).sum();
+            assert!(
+                (a as f64 - direct).abs() <= 1e-5 * mag + 1e-6,
+                "q5_0 nb={nb}: {a} vs {direct}"
             );
 
             let (w8, xf) = case(&mut rng, nb, Q8_0);

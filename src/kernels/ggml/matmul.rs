@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Whether [`matmul`] reproduces llama.cpp for weights of type `ty`.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0)
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
 }
 
 /// Row `r` of `w` as ggml stores it (its blocks in order), gathered from an interleaved layout when repacked.
@@ -59,6 +59,7 @@ pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f
     let (xrb, quantize, vec_dot): (usize, fn(&[f32], &mut [u8]), fn(usize, &[u8], &[u8]) -> f32) = match w.ty {
         GgmlType::Q4_1 => (nb * dot::Q8_1, quant::quantize_row_q8_1, dot::dot_q4_1_q8_1),
         GgmlType::Q8_0 => (nb * dot::Q8_0, quant::quantize_row_q8_0, dot::dot_q8_0_q8_0),
+        GgmlType::Q5_0 => (nb * dot::Q8_0, quant::quantize_row_q8_0, dot::dot_q5_0_q8_0),
         ty => panic!("ggml numerics: no {ty} matmul"),
     };
     let mut xq = vec![0u8; n_tok * xrb];
