@@ -136,10 +136,12 @@ const FAST: Expect = Expect {
     min_agreement: 0.94,
 };
 
-/// llama.cpp's arithmetic reproduced (`kernels::ggml`), with llama.cpp's batch of 512.
+/// llama.cpp's arithmetic reproduced (`kernels::ggml`). llama.cpp evaluates each chunk as one batch of 512; every
+/// op it runs there computes each row on its own once a batch has 64 rows (the tiled flash attention's threshold),
+/// so batches of 256 give the same bits and skip the head for the unscored first half.
 const GGML: Expect = Expect {
     numerics: Numerics::Ggml,
-    batch: 512,
+    batch: 256,
     min_agreement: 0.98,
 };
 

@@ -115,9 +115,15 @@ pub fn dot_q8_0_q8_0(nb: usize, w: &[u8], x: &[u8]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Q4_1, Q5_0, Q8_0, Q8_1, h};
+    use super::{Q4_1, Q5_0, Q8_0, Q8_1};
     use crate::kernels::ggml::hsum8;
     use std::arch::x86_64::*;
+
+    /// An f16 at byte `o` of `b`, widened exactly (a table lookup: the same value as F16C's).
+    #[inline(always)]
+    fn f16(t: &[f32], b: &[u8], o: usize) -> f32 {
+        t[u16::from_le_bytes([b[o], b[o + 1]]) as usize]
+    }
 
     #[target_feature(enable = "avx2,fma")]
     fn finish(acc: __m256) -> f32 {
@@ -129,16 +135,17 @@ mod x86 {
 
     /// # Safety
     /// AVX2 and FMA; `w` holds `nb` Q4_1 blocks and `x` `nb` Q8_1 blocks.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_1_q8_1(nb: usize, w: &[u8], x: &[u8]) -> f32 {
+        let t = crate::kernels::ggml::f16_table();
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0.0f32;
         let ones = _mm256_set1_epi16(1);
         let low = _mm256_set1_epi8(0x0f);
         for b in 0..nb {
             let (wb, xb) = (&w[b * Q4_1..], &x[b * Q8_1..]);
-            summs = h(wb, 2).mul_add(h(xb, 2), summs);
-            let d = _mm256_set1_ps(h(wb, 0) * h(xb, 0));
+            summs = f16(t, wb, 2).mul_add(f16(t, xb, 2), summs);
+            let d = _mm256_set1_ps(f16(t, wb, 0) * f16(t, xb, 0));
             // SAFETY: 16 and 32 bytes inside the blocks.
             let (t, qy) = unsafe {
                 (
@@ -155,8 +162,9 @@ mod x86 {
 
     /// # Safety
     /// AVX2 and FMA; `w` holds `nb` Q5_0 blocks and `x` `nb` Q8_0 blocks.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_0_q8_0(nb: usize, w: &[u8], x: &[u8]) -> f32 {
+        let t = crate::kernels::ggml::f16_table();
         let mut acc = _mm256_setzero_ps();
         let ones = _mm256_set1_epi16(1);
         let low = _mm256_set1_epi8(0x0f);
@@ -165,7 +173,7 @@ mod x86 {
         let bits = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
         for b in 0..nb {
             let (wb, xb) = (&w[b * Q5_0..], &x[b * Q8_0..]);
-            let d = _mm256_set1_ps(h(wb, 0) * h(xb, 0));
+            let d = _mm256_set1_ps(f16(t, wb, 0) * f16(t, xb, 0));
             let qh = i32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
             // SAFETY: 16 and 32 bytes inside the blocks.
             let (t, qy) = unsafe {
@@ -188,13 +196,14 @@ mod x86 {
 
     /// # Safety
     /// AVX2 and FMA; `w` and `x` hold `nb` Q8_0 blocks.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0_q8_0(nb: usize, w: &[u8], x: &[u8]) -> f32 {
+        let t = crate::kernels::ggml::f16_table();
         let mut acc = _mm256_setzero_ps();
         let ones = _mm256_set1_epi16(1);
         for b in 0..nb {
             let (wb, xb) = (&w[b * Q8_0..], &x[b * Q8_0..]);
-            let d = _mm256_set1_ps(h(wb, 0) * h(xb, 0));
+            let d = _mm256_set1_ps(f16(t, wb, 0) * f16(t, xb, 0));
             // SAFETY: 32 bytes inside each block.
             let (qx, qy) = unsafe {
                 (

@@ -56,6 +56,12 @@ pub fn f32_to_f16(x: f32) -> u16 {
     half::f16::from_f32(x).to_bits()
 }
 
+/// Every f16 bit pattern widened to f32 (256 KiB, built on first use): the kernels' scale lookups.
+pub fn f16_table() -> &'static [f32] {
+    static T: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    T.get_or_init(|| (0..=u16::MAX).map(f16_to_f32).collect())
+}
+
 /// A value rounded to f16 and back (what storing into ggml's F16 KV cache does).
 #[inline]
 pub fn round_f16(x: f32) -> f32 {
@@ -80,12 +86,14 @@ pub fn reduce_add16(a: &[f32; 16]) -> f32 {
     (q[0] + q[2]) + (q[1] + q[3])
 }
 
-/// Whether this CPU runs the AVX2+FMA versions of the kernels here (else the scalar ones, same bits, slower).
+/// Whether this CPU runs the AVX2+FMA(+F16C) versions of the kernels here (else the scalar ones, same bits, slower).
 pub fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static H: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *H.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        *H.get_or_init(|| {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
