@@ -13,6 +13,7 @@ use std::path::Path;
 /// ggml's op number of GGML_OP_FLASH_ATTN_EXT in this ggml version (the dump's index records op numbers).
 const FLASH_ATTN_EXT: u32 = 74;
 
+#[allow(clippy::needless_range_loop)]
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let model = Model::load(Path::new(&args[1])).unwrap();
@@ -120,13 +121,9 @@ fn main() {
             cmp(&format!("rope {name}-{il}"), &x, &load(&dst));
         }
         // Flash attention on llama.cpp's rotated Q and K and its V, K/V rounded to f16 as its cache holds them.
-        let (qn, kn) = if hp.arch == baton::model::Arch::Gemma3 {
-            ("#2", "#2")
-        } else {
-            ("#2", "#2")
-        };
-        let q = load(&format!("Qcur-{il}{qn}"));
-        let k = load(&format!("Kcur-{il}{kn}"));
+        // (Gemma's Q is then scaled by 1/16 before attention, here by the attention scale: a power of two, exact.)
+        let q = load(&format!("Qcur-{il}#2"));
+        let k = load(&format!("Kcur-{il}#2"));
         let v = load(&format!("Vcur-{il}#1"));
         let (nh, nkv) = (hp.n_head, hp.n_head_kv);
         let mut kc = vec![0.0; nkv * n_tok * hdk];

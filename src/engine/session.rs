@@ -353,6 +353,7 @@ pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffer
 
 /// Final norm and output head for `rows` of the residual stream `x`, into `logits` (`[rows.len(), n_vocab]`);
 /// `head_in` and `logits` grow when too small.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn head(
     model: &Model,
     pool: &ThreadPool,

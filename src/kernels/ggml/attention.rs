@@ -32,6 +32,7 @@ impl Scratch {
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn attend_row_body(
     q: &[f32],
     k: &[f32],

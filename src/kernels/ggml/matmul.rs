@@ -56,7 +56,9 @@ pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f
     let (rows, cols) = (w.rows, w.cols);
     assert!(x.len() >= n_tok * cols && y.len() >= n_tok * rows);
     let nb = cols / 32;
-    let (xrb, quantize, vec_dot): (usize, fn(&[f32], &mut [u8]), fn(usize, &[u8], &[u8]) -> f32) = match w.ty {
+    type Quantize = fn(&[f32], &mut [u8]);
+    type VecDot = fn(usize, &[u8], &[u8]) -> f32;
+    let (xrb, quantize, vec_dot): (usize, Quantize, VecDot) = match w.ty {
         GgmlType::Q4_1 => (nb * dot::Q8_1, quant::quantize_row_q8_1, dot::dot_q4_1_q8_1),
         GgmlType::Q8_0 => (nb * dot::Q8_0, quant::quantize_row_q8_0, dot::dot_q8_0_q8_0),
         GgmlType::Q5_0 => (nb * dot::Q8_0, quant::quantize_row_q8_0, dot::dot_q5_0_q8_0),

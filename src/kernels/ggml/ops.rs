@@ -104,6 +104,41 @@ pub fn swiglu(g: &mut [f32], u: &[f32]) {
     swiglu_body(g, u)
 }
 
+/// ggml's `ggml_gelu_f32` as GCC compiles it: `0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x)))`
+/// with `GELU_COEF_A*x*x + 1.0f` contracted into one FMA.
+fn gelu_f32(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const GELU_COEF_A: f32 = 0.044715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (GELU_COEF_A * x).mul_add(x, 1.0)).tanh())
+}
+
+/// ggml's `ggml_table_gelu_f16` (built in `ggml_cpu_init`): GELU of every f16 pattern, rounded to f16.
+fn gelu_table() -> &'static [u16] {
+    static T: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|t| super::f32_to_f16(gelu_f32(super::f16_to_f32(t))))
+            .collect()
+    })
+}
+
+/// ggml's `ggml_vec_geglu_f32` (GGML_GELU_FP16 build): `g = gelu(g) · u` with GELU read from [`gelu_table`] at the
+/// input rounded to f16; 0 at or below −10, the identity at or above 10.
+pub fn geglu(g: &mut [f32], u: &[f32]) {
+    assert_eq!(g.len(), u.len());
+    let table = gelu_table();
+    for (a, &b) in g.iter_mut().zip(u) {
+        let x = *a;
+        *a = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * b
+        } else {
+            super::f16_to_f32(table[super::f32_to_f16(x) as usize]) * b
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,40 +182,5 @@ mod tests {
             let want = x / (1.0 + (-x).exp()) * u[i] as f64;
             assert!((g[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()), "{i}");
         }
-    }
-}
-
-/// ggml's `ggml_gelu_f32` as GCC compiles it: `0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x)))`
-/// with `GELU_COEF_A*x*x + 1.0f` contracted into one FMA.
-fn gelu_f32(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const GELU_COEF_A: f32 = 0.044715;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (GELU_COEF_A * x).mul_add(x, 1.0)).tanh())
-}
-
-/// ggml's `ggml_table_gelu_f16` (built in `ggml_cpu_init`): GELU of every f16 pattern, rounded to f16.
-fn gelu_table() -> &'static [u16] {
-    static T: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
-    T.get_or_init(|| {
-        (0..=u16::MAX)
-            .map(|t| super::f32_to_f16(gelu_f32(super::f16_to_f32(t))))
-            .collect()
-    })
-}
-
-/// ggml's `ggml_vec_geglu_f32` (GGML_GELU_FP16 build): `g = gelu(g) · u` with GELU read from [`gelu_table`] at the
-/// input rounded to f16; 0 at or below −10, the identity at or above 10.
-pub fn geglu(g: &mut [f32], u: &[f32]) {
-    assert_eq!(g.len(), u.len());
-    let table = gelu_table();
-    for (a, &b) in g.iter_mut().zip(u) {
-        let x = *a;
-        *a = if x <= -10.0 {
-            0.0
-        } else if x >= 10.0 {
-            x * b
-        } else {
-            super::f16_to_f32(table[super::f32_to_f16(x) as usize]) * b
-        };
     }
 }
