@@ -5,6 +5,7 @@ mod common;
 
 use baton::engine::{Input, Session, Want};
 use baton::kernels::ThreadPool;
+use baton::kernels::ggml::Numerics;
 use baton::kernels::ops::{argmax, log_sum_exp};
 use baton::model::Model;
 use baton::vocab::Vocab;
@@ -120,7 +121,35 @@ fn greedy_matches_llama_cpp_gemma3() {
     check_greedy("gemma3");
 }
 
+/// What a perplexity run must achieve against llama.cpp.
+struct Expect {
+    numerics: Numerics,
+    /// Tokens per forward pass (llama.cpp evaluates each 512-token chunk as one batch).
+    batch: usize,
+    min_agreement: f64,
+}
+
+/// Baton's own kernels: agreement is bounded by rounding noise (see the tolerances above).
+const FAST: Expect = Expect {
+    numerics: Numerics::Fast,
+    batch: 128,
+    min_agreement: 0.94,
+};
+
+/// llama.cpp's arithmetic reproduced (`kernels::ggml`). llama.cpp evaluates each chunk as one batch of 512; every
+/// op it runs there computes each row on its own once a batch has 64 rows (the tiled flash attention's threshold),
+/// so batches of 256 give the same bits and skip the head for the unscored first half.
+const GGML: Expect = Expect {
+    numerics: Numerics::Ggml,
+    batch: 256,
+    min_agreement: 0.98,
+};
+
 fn check_perplexity(model_name: &str) {
+    check_perplexity_with(model_name, &FAST)
+}
+
+fn check_perplexity_with(model_name: &str, x: &Expect) {
     let Some(g) = golden(&format!("perplexity-{model_name}.json")) else {
         return;
     };
@@ -142,7 +171,9 @@ fn check_perplexity(model_name: &str) {
     let n_ctx = 512;
     let first = n_ctx / 2;
     let n_vocab = model.hp.n_vocab;
-    let mut s = Session::new(model.clone(), Arc::new(ThreadPool::new(2)), n_ctx, 128).unwrap();
+    let nb = x.batch;
+    let mut s = Session::new(model.clone(), Arc::new(ThreadPool::new(2)), n_ctx, nb).unwrap();
+    s.set_numerics(x.numerics);
     let (mut nll, mut count, mut agree, mut top1) = (0.0f64, 0usize, 0usize, 0usize);
     for c in 0..tokens.len() / n_ctx {
         let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
@@ -150,8 +181,8 @@ fn check_perplexity(model_name: &str) {
             chunk[0] = vocab.bos().unwrap();
         }
         s.rewind(0);
-        for (b, toks) in chunk.chunks(128).enumerate() {
-            let start = b * 128;
+        for (b, toks) in chunk.chunks(nb).enumerate() {
+            let start = b * nb;
             let end = start + toks.len();
             let want = if end > first { Want::AllLogits } else { Want::Hidden };
             let out = s.forward(Input::Tokens(toks), want).unwrap();
@@ -175,8 +206,9 @@ fn check_perplexity(model_name: &str) {
     let rel = (ppl - ref_ppl).abs() / ref_ppl;
     let agreement = agree as f64 / count as f64;
     eprintln!(
-        "{model_name}: perplexity {ppl:.4} vs llama.cpp {ref_ppl:.4} ({:+.3}%), argmax agreement {:.2}% over {count} \
+        "{model_name} ({:?}): perplexity {ppl:.4} vs llama.cpp {ref_ppl:.4} ({:+.3}%), argmax agreement {:.2}% over {count} \
          positions, top1 {:.4}",
+        x.numerics,
         (ppl / ref_ppl - 1.0) * 100.0,
         agreement * 100.0,
         top1 as f64 / count as f64
@@ -186,7 +218,7 @@ fn check_perplexity(model_name: &str) {
         "{model_name}: perplexity {ppl} is not within 1% of llama.cpp's {ref_ppl}"
     );
     assert!(
-        agreement >= 0.94,
+        agreement >= x.min_agreement,
         "{model_name}: argmax agrees with llama.cpp at only {:.2}%",
         agreement * 100.0
     );
@@ -200,4 +232,24 @@ fn perplexity_matches_llama_cpp_smollm2() {
 #[test]
 fn perplexity_matches_llama_cpp_gemma3() {
     check_perplexity("gemma3");
+}
+
+/// Gemma 3 in the `ggml` mode: its Q4_K (repacked 8x8 in llama.cpp) and Q6_K matmuls still run Baton's kernels, so
+/// rounding noise remains (every other op is bit-identical, `examples/ggml_check.rs`): measured 95.62 %, no better
+/// than the fast mode, so the test is ignored by default (76 s on 2 busy cores) until those two are reproduced.
+const GGML_PARTIAL: Expect = Expect {
+    numerics: Numerics::Ggml,
+    batch: 256,
+    min_agreement: 0.94,
+};
+
+#[test]
+#[ignore]
+fn perplexity_ggml_numerics_matches_llama_cpp_gemma3() {
+    check_perplexity_with("gemma3", &GGML_PARTIAL);
+}
+
+#[test]
+fn perplexity_ggml_numerics_matches_llama_cpp_smollm2() {
+    check_perplexity_with("smollm2", &GGML);
 }

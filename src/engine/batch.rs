@@ -127,6 +127,7 @@ impl Batch {
                 rope: session::rope_of(&self.ropes, hp.rope_base_of(il)),
                 il,
                 n_tok: n,
+                numerics: crate::kernels::ggml::Numerics::from_env(),
             };
             let mut rows = EachKv {
                 sessions: &mut *sessions,
@@ -140,6 +141,7 @@ impl Batch {
         session::head(
             &model,
             &self.pool,
+            crate::kernels::ggml::Numerics::from_env(),
             &self.x,
             0..n,
             &mut self.head_in,

@@ -5,6 +5,7 @@
 //! handed over computes exactly the same operations as `0..n` at once, so the logits are bit-identical.
 
 use super::kv_cache::KvCache;
+use crate::kernels::ggml::{self, Numerics};
 use crate::kernels::ops::{self, RopeTable};
 use crate::kernels::{self, ThreadPool};
 use crate::model::blocks::{Buffers, RowsKv, SeqKv, Step};
@@ -46,6 +47,8 @@ pub struct Session {
     logits: Vec<f32>,
     /// Normalised hidden state feeding the output head.
     head_in: Vec<f32>,
+    /// Baton's kernels or llama.cpp's arithmetic (`BATON_NUMERICS`, [`Session::set_numerics`]).
+    numerics: Numerics,
 }
 
 impl Session {
@@ -67,7 +70,18 @@ impl Session {
             ropes,
             model,
             pool,
+            numerics: Numerics::from_env(),
         })
+    }
+
+    /// Chooses the arithmetic of the following forward passes (`fast` by default, or `BATON_NUMERICS`). Switch
+    /// only on an empty cache: the `ggml` mode keeps K/V at f16 precision.
+    pub fn set_numerics(&mut self, n: Numerics) {
+        self.numerics = n;
+    }
+
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -204,6 +218,7 @@ impl Session {
                 rope: rope_of(&self.ropes, hp.rope_base_of(il)),
                 il,
                 n_tok,
+                numerics: self.numerics,
             };
             layer(&step, &model, &mut self.x, &mut self.bufs, &mut rows);
             on_layer(il, &self.kv, pos0..pos0 + n_tok);
@@ -246,6 +261,7 @@ impl Session {
         head(
             model,
             pool,
+            self.numerics,
             &self.x,
             rows,
             &mut self.head_in,
@@ -337,9 +353,11 @@ pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffer
 
 /// Final norm and output head for `rows` of the residual stream `x`, into `logits` (`[rows.len(), n_vocab]`);
 /// `head_in` and `logits` grow when too small.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn head(
     model: &Model,
     pool: &ThreadPool,
+    numerics: Numerics,
     x: &[f32],
     rows: std::ops::Range<usize>,
     head_in: &mut Vec<f32>,
@@ -356,13 +374,22 @@ pub(super) fn head(
     if logits.len() < n * hp.n_vocab {
         logits.resize(n * hp.n_vocab, 0.0);
     }
+    let rms_norm = if numerics == Numerics::Ggml {
+        ggml::ops::rms_norm
+    } else {
+        ops::rms_norm
+    };
     for (i, t) in rows.enumerate() {
-        ops::rms_norm(
+        rms_norm(
             &x[t * e..(t + 1) * e],
             norm,
             hp.rms_eps,
             &mut head_in[i * e..(i + 1) * e],
         );
+    }
+    if numerics == Numerics::Ggml && ggml::matmul::supports(out.ty) {
+        ggml::matmul::matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab]);
+        return;
     }
     kernels::matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab], mm);
 }

@@ -236,7 +236,10 @@ mod x86 {
         let t3 = _mm256_hadd_ps(y[6], y[7]);
         let u0 = _mm256_hadd_ps(t0, t1);
         let u1 = _mm256_hadd_ps(t2, t3);
-        _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(u0, u1, 0x20),
+            _mm256_permute2f128_ps(u0, u1, 0x31),
+        )
     }
 
     /// See [`super::partial`]; the caller checked the lengths.

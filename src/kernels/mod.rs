@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod float;
+pub mod ggml;
 pub mod kquants;
 pub mod legacy;
 pub mod matrix;

@@ -274,6 +274,14 @@ impl RopeTable {
         self.cos.len() / self.half.max(1)
     }
 
+    /// The cosines and sines of position `pos`, one per rotated pair.
+    pub fn cos_sin(&self, pos: usize) -> (&[f32], &[f32]) {
+        (
+            &self.cos[pos * self.half..(pos + 1) * self.half],
+            &self.sin[pos * self.half..(pos + 1) * self.half],
+        )
+    }
+
     /// Rotates one head of `x` (length ≥ n_rot) at position `pos`.
     pub fn apply(&self, x: &mut [f32], pos: usize, neox: bool) {
         let c = &self.cos[pos * self.half..(pos + 1) * self.half];

@@ -3,6 +3,7 @@
 //! script calling these in its own order.
 
 use super::{Hparams, LayerWeights};
+use crate::kernels::ggml::{self, Numerics};
 use crate::kernels::ops::{self, RopeTable};
 use crate::kernels::{self, Matrix, ThreadPool, attention};
 use half::f16;
@@ -114,6 +115,14 @@ pub struct Step<'a> {
     pub il: usize,
     /// Rows of the batch (tokens of one session, or one token of each session).
     pub n_tok: usize,
+    /// Baton's kernels, or llama.cpp's arithmetic reproduced ([`ggml`]).
+    pub numerics: Numerics,
+}
+
+impl Step<'_> {
+    fn ggml(&self) -> bool {
+        self.numerics == Numerics::Ggml
+    }
 }
 
 /// A raw pointer that threads of the pool may share to write disjoint parts of one buffer.
@@ -131,6 +140,11 @@ impl SyncPtr {
 
 /// `y = x · Wᵀ` for the batch.
 pub fn project(s: &Step, w: &Matrix, x: &[f32], y: &mut [f32], mm: &mut kernels::Scratch) {
+    if s.ggml() && ggml::matmul::supports(w.ty) {
+        let n = s.n_tok;
+        ggml::matmul::matmul(s.pool, w, &x[..n * w.cols], n, &mut y[..n * w.rows]);
+        return;
+    }
     kernels::matmul(
         s.pool,
         w,
@@ -144,8 +158,9 @@ pub fn project(s: &Step, w: &Matrix, x: &[f32], y: &mut [f32], mm: &mut kernels:
 /// RMS-normalises each row of `x` (`[n_tok, width]`) into `out`.
 pub fn norm_rows(s: &Step, x: &[f32], w: &[f32], out: &mut [f32]) {
     let width = w.len();
+    let norm = if s.ggml() { ggml::ops::rms_norm } else { ops::rms_norm };
     for t in 0..s.n_tok {
-        ops::rms_norm(
+        norm(
             &x[t * width..(t + 1) * width],
             w,
             s.hp.rms_eps,
@@ -157,16 +172,26 @@ pub fn norm_rows(s: &Step, x: &[f32], w: &[f32], out: &mut [f32]) {
 /// RMS-normalises each row of `x` (`[n_tok, width]`) in place.
 pub fn norm_rows_inplace(s: &Step, x: &mut [f32], w: &[f32]) {
     let width = w.len();
+    let norm = if s.ggml() {
+        ggml::ops::rms_norm_inplace
+    } else {
+        ops::rms_norm_inplace
+    };
     for row in x[..s.n_tok * width].chunks_mut(width) {
-        ops::rms_norm_inplace(row, w, s.hp.rms_eps);
+        norm(row, w, s.hp.rms_eps);
     }
 }
 
 /// RMS-normalises, in place, every head of `x` (`[n_tok, n_heads, head_dim]`) with the per-head weight `w`.
 pub fn norm_heads(s: &Step, x: &mut [f32], w: &[f32], n_heads: usize) {
     let hd = w.len();
+    let norm = if s.ggml() {
+        ggml::ops::rms_norm_inplace
+    } else {
+        ops::rms_norm_inplace
+    };
     for head in x[..s.n_tok * n_heads * hd].chunks_mut(hd) {
-        ops::rms_norm_inplace(head, w, s.hp.rms_eps);
+        norm(head, w, s.hp.rms_eps);
     }
 }
 
@@ -179,6 +204,9 @@ pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
 
 /// Rotates Q and K by position and writes each row's K and V into its cache at its position.
 pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
+    if s.ggml() {
+        return ggml_rope_and_store(s, b, rows);
+    }
     let hp = s.hp;
     let neox = hp.rope_type == super::RopeType::Neox;
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
@@ -201,6 +229,88 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
     }
 }
 
+/// [`rope_and_store`] with ggml's arithmetic: its RoPE rotation (K and V enter the f16 cache rounded to nearest, as
+/// ggml's F16 cache rounds them).
+fn ggml_rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
+    let hp = s.hp;
+    let neox = hp.rope_type == super::RopeType::Neox;
+    let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
+    for t in 0..s.n_tok {
+        let pos = rows.pos(t);
+        let kv = rows.write(t);
+        let (cos, sin) = s.rope.cos_sin(pos);
+        for h in 0..hp.n_head {
+            let o = (t * hp.n_head + h) * hdk;
+            ggml::ops::rope(&mut b.q[o..o + hdk], cos, sin, neox);
+        }
+        for h in 0..hp.n_head_kv {
+            let o = (t * hp.n_head_kv + h) * hdk;
+            ggml::ops::rope(&mut b.k[o..o + hdk], cos, sin, neox);
+            let dst = (h * kv.n_ctx + pos) * hdk;
+            kv.k[dst..dst + hdk].convert_from_f32_slice(&b.k[o..o + hdk]);
+            let ov = (t * hp.n_head_kv + h) * hdv;
+            let dst = (h * kv.n_ctx + pos) * hdv;
+            kv.v[dst..dst + hdv].convert_from_f32_slice(&b.v[ov..ov + hdv]);
+        }
+    }
+}
+
+/// [`attend`] with ggml's flash attention ([`ggml::attention`]): parallel over (row, query head).
+fn ggml_attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
+    let hp = s.hp;
+    let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
+    let group = hp.n_head / hp.n_head_kv;
+    let window = hp.window(s.il);
+    let n_tasks = s.n_tok * hp.n_head;
+    let q = &b.q;
+    let att = SyncPtr(b.att.as_mut_ptr());
+    let scale = hp.attn_scale;
+    s.pool.run(|ith, nth| {
+        let mut sc = ggml::attention::Scratch::new(hdk);
+        let mut task = ith;
+        while task < n_tasks {
+            let (t, h) = (task / hp.n_head, task % hp.n_head);
+            let pos = rows.pos(t);
+            let (kc, vc, kv_ctx) = rows.read(t);
+            let kvh = h / group;
+            let o = (t * hp.n_head + h) * hdv;
+            // SAFETY: each task writes its own head's output.
+            let out = unsafe { std::slice::from_raw_parts_mut(att.get().add(o), hdv) };
+            ggml::attention::attend_row(
+                &q[(t * hp.n_head + h) * hdk..(t * hp.n_head + h + 1) * hdk],
+                &kc[kvh * kv_ctx * hdk..(kvh + 1) * kv_ctx * hdk],
+                &vc[kvh * kv_ctx * hdv..(kvh + 1) * kv_ctx * hdv],
+                hdk,
+                hdv,
+                window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+                pos + 1,
+                scale,
+                &mut sc,
+                out,
+            );
+            task += nth;
+        }
+    });
+}
+
+/// SwiGLU `g = silu(g) * u` over the batch's feed-forward rows.
+pub fn swiglu(s: &Step, g: &mut [f32], u: &[f32]) {
+    if s.ggml() {
+        ggml::ops::swiglu(g, u)
+    } else {
+        ops::silu_mul(g, u)
+    }
+}
+
+/// GeGLU `g = gelu(g) * u` over the batch's feed-forward rows.
+pub fn geglu(s: &Step, g: &mut [f32], u: &[f32]) {
+    if s.ggml() {
+        ggml::ops::geglu(g, u)
+    } else {
+        ops::gelu_mul(g, u)
+    }
+}
+
 /// Up to how many (row, KV head) pairs a step spreads each pair's chunks of positions over the threads, rather than
 /// giving each pair to one thread: a decode step has one row, and Gemma 3 one KV head.
 fn split_rows(n_threads: usize) -> usize {
@@ -213,6 +323,9 @@ fn split_rows(n_threads: usize) -> usize {
 /// whole pairs; with few (decode) the pairs' chunks of positions are spread over the threads and folded after. A
 /// row gets the same bits either way.
 pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
+    if s.ggml() {
+        return ggml_attend(s, b, rows);
+    }
     let hp = s.hp;
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     let group = hp.n_head / hp.n_head_kv;

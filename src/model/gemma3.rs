@@ -30,7 +30,7 @@ pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &m
     blocks::project(s, &lw.ffn_gate, &b.xn, &mut b.g, &mut b.mm);
     blocks::project(s, &lw.ffn_up, &b.xn, &mut b.u, &mut b.mm);
     let nf = s.n_tok * hp.n_ff;
-    ops::gelu_mul(&mut b.g[..nf], &b.u[..nf]);
+    blocks::geglu(s, &mut b.g[..nf], &b.u[..nf]);
     blocks::project(s, &lw.ffn_down, &b.g, &mut b.o, &mut b.mm);
     blocks::norm_rows_inplace(s, &mut b.o, lw.post_ffn_norm.as_deref().unwrap());
     ops::add_inplace(&mut x[..n], &b.o[..n]);

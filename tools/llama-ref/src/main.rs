@@ -3,6 +3,7 @@
 //!
 //! Every subcommand writes one JSON file (or JSON lines for `bench`) and prints a one-line summary.
 
+mod dump;
 mod json;
 
 use std::num::NonZeroU32;
@@ -42,6 +43,8 @@ enum Cmd {
     Bench(BenchArgs),
     /// Everything for both cached models: tokens, greedy and perplexity files into a golden dir.
     All(AllArgs),
+    /// Evaluates token ids in one batch and writes llama.cpp's intermediate f32 tensors (op-by-op debugging).
+    Dump(dump::DumpArgs),
 }
 
 #[derive(Args, Clone)]
@@ -168,6 +171,7 @@ fn run() -> Result<()> {
         ),
         Cmd::Bench(a) => bench_cmd(&backend, &a),
         Cmd::All(a) => all_cmd(&backend, &a),
+        Cmd::Dump(a) => dump::dump_cmd(&a),
     }
 }
 

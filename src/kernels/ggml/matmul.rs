@@ -1,0 +1,98 @@
+//! `ggml_compute_forward_mul_mat` as llama.cpp runs it on x86 for the weight types it supports here: the activation
+//! rows quantized by ggml's quantizer for the weight type's `vec_dot_type`, then each output one [`super::dot`]
+//! kernel in ggml's lane order. Each output's arithmetic does not depend on how ggml splits the work over threads or
+//! tiles (tinyBLAS and `vec_dot` accumulate every output on its own), so the split here is Baton's.
+
+use super::{dot, quant};
+use crate::gguf::GgmlType;
+use crate::kernels::matrix::{Layout, Matrix};
+use crate::kernels::{ThreadPool, pool::split_range, x16};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Whether [`matmul`] reproduces llama.cpp for weights of type `ty`.
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
+}
+
+/// Row `r` of `w` as ggml stores it (its blocks in order), gathered from an interleaved layout when repacked.
+pub fn row_bytes<'a>(w: &'a Matrix, r: usize, buf: &'a mut Vec<u8>) -> &'a [u8] {
+    let rb = w.row_bytes();
+    let grouped = w.rows / x16::ROWS * x16::ROWS;
+    match w.layout {
+        Layout::Rows => &w.bytes()[r * rb..(r + 1) * rb],
+        Layout::X16 if r >= grouped => {
+            let off = w.x16_tail_offset(r);
+            &w.bytes()[off..off + rb]
+        }
+        Layout::X16 => {
+            let nb = w.cols / w.ty.block_size();
+            let (bs, gbb) = (w.ty.type_size(), x16::group_block(w.ty));
+            buf.resize(rb, 0);
+            let g = &w.bytes()[(r / x16::ROWS) * nb * gbb..];
+            let mut blk = [0u8; x16::MAX_BLOCK];
+            for b in 0..nb {
+                let n = x16::unpack_block_into(w.ty, &g[b * gbb..], r % x16::ROWS, &mut blk);
+                buf[b * bs..b * bs + n].copy_from_slice(&blk[..n]);
+            }
+            &buf[..rb]
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: used for disjoint writes within one pool job.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `y[t * w.rows + r] = W[r] · x[t]` with llama.cpp's arithmetic (see the module). Panics for a weight type that
+/// [`supports`] rejects.
+pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert!(x.len() >= n_tok * cols && y.len() >= n_tok * rows);
+    let nb = cols / 32;
+    type Quantize = fn(&[f32], &mut [u8]);
+    type VecDot = fn(usize, &[u8], &[u8]) -> f32;
+    let (xrb, quantize, vec_dot): (usize, Quantize, VecDot) = match w.ty {
+        GgmlType::Q4_1 => (nb * dot::Q8_1, quant::quantize_row_q8_1, dot::dot_q4_1_q8_1),
+        GgmlType::Q8_0 => (nb * dot::Q8_0, quant::quantize_row_q8_0, dot::dot_q8_0_q8_0),
+        GgmlType::Q5_0 => (nb * dot::Q8_0, quant::quantize_row_q8_0, dot::dot_q5_0_q8_0),
+        ty => panic!("ggml numerics: no {ty} matmul"),
+    };
+    let mut xq = vec![0u8; n_tok * xrb];
+    {
+        let p = xq.as_mut_ptr() as usize;
+        pool.run(|i, n| {
+            for t in split_range(n_tok, i, n) {
+                // SAFETY: each thread quantizes its own token rows.
+                let out = unsafe { std::slice::from_raw_parts_mut((p as *mut u8).add(t * xrb), xrb) };
+                quantize(&x[t * cols..(t + 1) * cols], out);
+            }
+        });
+    }
+    let yp = SyncPtr(y.as_mut_ptr());
+    let next = AtomicUsize::new(0);
+    let chunk = 16;
+    pool.run(|_, _| {
+        let mut buf = Vec::new();
+        loop {
+            let r0 = next.fetch_add(1, Ordering::Relaxed) * chunk;
+            if r0 >= rows {
+                break;
+            }
+            for r in r0..(r0 + chunk).min(rows) {
+                let wr = row_bytes(w, r, &mut buf);
+                for t in 0..n_tok {
+                    let v = vec_dot(nb, wr, &xq[t * xrb..(t + 1) * xrb]);
+                    // SAFETY: output (t, r) belongs to the thread that took row r.
+                    unsafe { *yp.get().add(t * rows + r) = v };
+                }
+            }
+        }
+    });
+}
