@@ -28,6 +28,10 @@ use std::time::Instant;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Arithmetic of every forward pass: `fast` (Baton's kernels) or `ggml` (llama.cpp's CPU arithmetic reproduced
+    /// bit for bit: slower, for checking against llama.cpp). Same as the BATON_NUMERICS variable.
+    #[arg(long, global = true, value_parser = ["fast", "ggml"])]
+    numerics: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -427,6 +431,10 @@ struct BenchArgs {
 
 fn main() {
     let cli = Cli::parse();
+    if let Some(n) = &cli.numerics {
+        // SAFETY: set before this process starts any thread; sessions and child processes read it.
+        unsafe { std::env::set_var("BATON_NUMERICS", n) };
+    }
     let result = match cli.cmd {
         Cmd::Run(a) => cmd_run(*a),
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
