@@ -8,38 +8,100 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasher, Hasher};
 
-/// Merge ranks keyed by `"left right"` (the GGUF merge line with its first space from index 1 as the
-/// separator). Symbols of a byte-encoded word never contain a raw space, so the key is unambiguous, which is
-/// also what llama.cpp's `find_bpe_rank` asserts.
+/// Merge ranks. llama.cpp keys them by `"left right"` (the GGUF merge line, split at its first space from index 1);
+/// symbols of a byte-encoded word never contain a raw space, so a lookup key names its two sides unambiguously.
+/// Where both sides are vocabulary tokens (every merge of the usual vocabularies) the rank is keyed by the two
+/// token ids instead: 12 bytes a merge rather than a heap string and a 32-byte entry, and a lookup needs no string.
+/// Since token texts and ids map one to one, a pair of ids finds a rank exactly when its texts' line does.
 pub struct Merges {
-    ranks: HashMap<String, u32, super::FastHash>,
+    pairs: HashMap<(u32, u32), u32, PairHash>,
+    /// Lines with a side that is not a token, or without a separator (llama.cpp's empty pair, `" "`), keyed by
+    /// the line as llama.cpp does.
+    lines: HashMap<String, u32, super::FastHash>,
 }
 
 impl Merges {
-    pub fn new(lines: impl Iterator<Item = String>) -> Merges {
-        let mut ranks = HashMap::with_hasher(super::FastHash);
-        for (i, line) in lines.enumerate() {
+    /// `id` gives the token id of an exact vocabulary text.
+    pub fn new<'a>(lines: impl Iterator<Item = &'a str>, id: impl Fn(&str) -> Option<u32>) -> Merges {
+        let mut m = Merges {
+            pairs: HashMap::with_hasher(PairHash),
+            lines: HashMap::with_hasher(super::FastHash),
+        };
+        let lines = lines.enumerate();
+        m.pairs.reserve(lines.size_hint().0);
+        for (i, line) in lines {
+            let rank = i as u32;
             // llama.cpp splits at the first space at or after index 1, so "first second" is the line itself;
-            // a line without such a space becomes the empty pair.
-            let has_sep = line.as_bytes().iter().skip(1).any(|&b| b == b' ');
-            let key = if has_sep { line } else { " ".to_string() };
-            // `emplace` keeps the first rank when a pair repeats.
-            ranks.entry(key).or_insert(i as u32);
+            // a line without such a space becomes the empty pair. `emplace` keeps the first rank of a repeat.
+            let Some(sp) = line.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1) else {
+                m.lines.entry(" ".to_string()).or_insert(rank);
+                continue;
+            };
+            match (id(&line[..sp]), id(&line[sp + 1..])) {
+                (Some(l), Some(r)) => {
+                    m.pairs.entry((l, r)).or_insert(rank);
+                }
+                _ => {
+                    m.lines.entry(line.to_string()).or_insert(rank);
+                }
+            }
         }
-        Merges { ranks }
+        m.pairs.shrink_to_fit();
+        m
     }
 
     pub fn len(&self) -> usize {
-        self.ranks.len()
+        self.pairs.len() + self.lines.len()
     }
 
-    fn rank(&self, buf: &mut String, left: &str, right: &str) -> Option<u32> {
+    /// The rank of merging `left` and `right` (with their token ids, where they are tokens).
+    fn rank(&self, buf: &mut String, left: (&str, Option<u32>), right: (&str, Option<u32>)) -> Option<u32> {
+        if let (Some(l), Some(r)) = (left.1, right.1) {
+            return self.pairs.get(&(l, r)).copied();
+        }
+        if self.lines.is_empty() {
+            return None;
+        }
         buf.clear();
-        buf.push_str(left);
+        buf.push_str(left.0);
         buf.push(' ');
-        buf.push_str(right);
-        self.ranks.get(buf.as_str()).copied()
+        buf.push_str(right.0);
+        self.lines.get(buf.as_str()).copied()
+    }
+}
+
+/// Hashes a pair of token ids: the two words packed into one and mixed with MurmurHash3's finalizer, so every
+/// bit of both ids reaches the bits the table indexes with.
+#[derive(Clone, Copy, Default)]
+struct PairHash;
+
+struct PairHasher(u64);
+
+impl Hasher for PairHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.0 = (self.0 << 32) | v as u64;
+    }
+    fn finish(&self) -> u64 {
+        let mut k = self.0;
+        k ^= k >> 33;
+        k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        k ^= k >> 33;
+        k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        k ^ (k >> 33)
+    }
+}
+
+impl BuildHasher for PairHash {
+    type Hasher = PairHasher;
+    fn build_hasher(&self) -> PairHasher {
+        PairHasher(0)
     }
 }
 
@@ -47,17 +109,27 @@ impl Merges {
 struct Sym {
     start: usize,
     len: usize,
+    /// The token whose text the symbol is, if any.
+    id: Option<u32>,
     prev: Option<usize>,
     next: Option<usize>,
 }
 
-/// Runs the merges on `word` and returns the byte ranges of the final symbols, in order.
-pub fn merge_word(word: &str, merges: &Merges, out: &mut Vec<(usize, usize)>) {
+/// Runs the merges on `word` and appends the byte ranges of the final symbols, in order, each with its token id
+/// (`id` gives the id of an exact vocabulary text; `None` where the symbol is not a token).
+pub fn merge_word(
+    word: &str,
+    merges: &Merges,
+    id: impl Fn(&str) -> Option<u32>,
+    out: &mut Vec<(usize, usize, Option<u32>)>,
+) {
     let mut syms: Vec<Sym> = Vec::with_capacity(word.len());
     for (i, (start, c)) in word.char_indices().enumerate() {
+        let len = c.len_utf8();
         syms.push(Sym {
             start,
-            len: c.len_utf8(),
+            len,
+            id: id(&word[start..start + len]),
             prev: i.checked_sub(1),
             next: None,
         });
@@ -65,13 +137,13 @@ pub fn merge_word(word: &str, merges: &Merges, out: &mut Vec<(usize, usize)>) {
             syms[i - 1].next = Some(i);
         }
     }
-    let text = |s: &Sym| &word[s.start..s.start + s.len];
+    let side = |s: &Sym| (&word[s.start..s.start + s.len], s.id);
     let mut buf = String::new();
     // (rank, left, right, size): the min-heap pops the lowest rank, then the leftmost pair.
     let mut heap: BinaryHeap<Reverse<(u32, usize, usize, usize)>> = BinaryHeap::new();
     let mut add_bigram = |heap: &mut BinaryHeap<_>, syms: &[Sym], l: Option<usize>, r: Option<usize>| {
         let (Some(l), Some(r)) = (l, r) else { return };
-        if let Some(rank) = merges.rank(&mut buf, text(&syms[l]), text(&syms[r])) {
+        if let Some(rank) = merges.rank(&mut buf, side(&syms[l]), side(&syms[r])) {
             heap.push(Reverse((rank, l, r, syms[l].len + syms[r].len)));
         }
     };
@@ -85,6 +157,7 @@ pub fn merge_word(word: &str, merges: &Merges, out: &mut Vec<(usize, usize)>) {
             continue;
         }
         syms[l].len += syms[r].len;
+        syms[l].id = id(&word[syms[l].start..syms[l].start + syms[l].len]);
         syms[r].len = 0;
         syms[l].next = syms[r].next;
         if let Some(n) = syms[r].next {
@@ -94,18 +167,45 @@ pub fn merge_word(word: &str, merges: &Merges, out: &mut Vec<(usize, usize)>) {
         add_bigram(&mut heap, &syms, prev, Some(l));
         add_bigram(&mut heap, &syms, Some(l), next);
     }
-    out.extend(syms.iter().filter(|s| s.len > 0).map(|s| (s.start, s.start + s.len)));
+    out.extend(
+        syms.iter()
+            .filter(|s| s.len > 0)
+            .map(|s| (s.start, s.start + s.len, s.id)),
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn run(word: &str, merges: &[&str]) -> Vec<String> {
-        let m = Merges::new(merges.iter().map(|s| s.to_string()));
+    /// Merges `word` with `merges`; `tokens` are the vocabulary texts (ids by position), so the merges whose sides
+    /// are both tokens are keyed by ids and the others by their line.
+    fn run_with(word: &str, merges: &[&str], tokens: &[&str]) -> Vec<String> {
+        let id = |s: &str| tokens.iter().position(|t| *t == s).map(|i| i as u32);
+        let m = Merges::new(merges.iter().copied(), id);
         let mut out = Vec::new();
-        merge_word(word, &m, &mut out);
-        out.into_iter().map(|(a, b)| word[a..b].to_string()).collect()
+        merge_word(word, &m, id, &mut out);
+        for &(a, b, tok) in &out {
+            assert_eq!(tok, id(&word[a..b]));
+        }
+        out.into_iter().map(|(a, b, _)| word[a..b].to_string()).collect()
+    }
+
+    /// Runs `word` twice: with no vocabulary (every merge keyed by its line) and with every merge's sides and
+    /// result as tokens (every merge keyed by ids); both must give the same symbols.
+    fn run(word: &str, merges: &[&str]) -> Vec<String> {
+        let by_line = run_with(word, merges, &[]);
+        let mut tokens: Vec<String> = word.chars().map(String::from).collect();
+        for m in merges {
+            if let Some((l, r)) = m.split_once(' ') {
+                tokens.extend([l.to_string(), r.to_string(), format!("{l}{r}")]);
+            }
+        }
+        tokens.sort();
+        tokens.dedup();
+        let tokens: Vec<&str> = tokens.iter().map(String::as_str).collect();
+        assert_eq!(run_with(word, merges, &tokens), by_line, "{word:?} {merges:?}");
+        by_line
     }
 
     #[test]
@@ -131,12 +231,33 @@ mod tests {
     }
 
     #[test]
+    fn merges_with_a_side_outside_the_vocabulary() {
+        // "b c" has both sides as tokens (keyed by ids), "a bc" does not ("bc" is no token): merging "bc" gives a
+        // symbol without an id, whose pairs are looked up by their line.
+        assert_eq!(run_with("abc", &["b c", "a bc"], &["a", "b", "c"]), ["abc"]);
+        assert_eq!(
+            run_with("abcd", &["b c", "bc d", "a bcd"], &["a", "b", "c", "d", "bcd"]),
+            ["abcd"]
+        );
+        // Repeated pairs keep their first rank, whichever way they are keyed.
+        assert_eq!(run_with("abc", &["b c", "a b", "b c"], &["a", "b", "c"]), ["a", "bc"]);
+    }
+
+    #[test]
     fn merge_lines_split_at_first_space_after_index_one() {
-        let m = Merges::new(["Ġ t", "Ġt he", "i n"].iter().map(|s| s.to_string()));
-        assert_eq!(m.len(), 3);
+        let tokens = ["Ġ", "t", "Ġt", "he", "i", "n"];
+        let id = |s: &str| tokens.iter().position(|t| *t == s).map(|i| i as u32);
+        let m = Merges::new(["Ġ t", "Ġt he", "i n", "nospace", "Ġt he"].into_iter(), id);
+        // "nospace" is llama.cpp's empty pair; the repeated "Ġt he" is one key.
+        assert_eq!(m.len(), 4);
         let mut buf = String::new();
-        assert_eq!(m.rank(&mut buf, "Ġt", "he"), Some(1));
-        assert_eq!(m.rank(&mut buf, "i", "n"), Some(2));
-        assert_eq!(m.rank(&mut buf, "n", "i"), None);
+        let side = |s: &'static str| (s, id(s));
+        assert_eq!(m.rank(&mut buf, side("Ġt"), side("he")), Some(1));
+        assert_eq!(m.rank(&mut buf, side("i"), side("n")), Some(2));
+        assert_eq!(m.rank(&mut buf, side("n"), side("i")), None);
+        let m = Merges::new(["Ġ t", "Ġt he", "i n"].into_iter(), |_| None);
+        assert_eq!(m.len(), 3);
+        assert_eq!(m.rank(&mut buf, ("Ġt", None), ("he", None)), Some(1));
+        assert_eq!(m.rank(&mut buf, ("n", None), ("i", None)), None);
     }
 }

@@ -248,6 +248,7 @@ pub struct Vocab {
     split: Option<PreSplit>,
     ignore_merges: bool,
     table: TokenTable,
+    /// Empty when the vocabulary has none.
     scores: Vec<f32>,
     attrs: Vec<u16>,
     merges: Option<bpe::Merges>,
@@ -339,11 +340,9 @@ impl Vocab {
             get_u64: &|k| g.get_u64(k),
             get_bool: &|k| g.get_bool(k),
         };
-        let merges = merges_lines.map(|a| {
-            a.iter()
-                .map(|v| v.as_str().unwrap_or("").to_string())
-                .collect::<Vec<_>>()
-        });
+        let merges = merges_lines
+            .as_ref()
+            .map(|a| a.iter().map(|v| v.as_str().unwrap_or("")).collect::<Vec<_>>());
         Vocab::build(&model, &pre, texts, scores, token_types, merges, &md)
     }
 
@@ -354,7 +353,7 @@ impl Vocab {
         texts: Vec<Cow<str>>,
         scores: Option<Vec<f32>>,
         token_types: Option<Vec<i64>>,
-        merges: Option<Vec<String>>,
+        merges: Option<Vec<&str>>,
         md: &Metadata,
     ) -> Result<Vocab> {
         let n = texts.len();
@@ -376,10 +375,9 @@ impl Vocab {
         let mut add_space_prefix = kind == VocabKind::Spm;
         let mut ignore_merges = false;
         let mut split = None;
-        let mut merges_table = None;
+        let mut merge_lines = None;
         if kind == VocabKind::Bpe {
-            let lines = merges.context("BPE tokenizer without tokenizer.ggml.merges")?;
-            merges_table = Some(bpe::Merges::new(lines.into_iter()));
+            merge_lines = Some(merges.context("BPE tokenizer without tokenizer.ggml.merges")?);
             split = Some(match pre {
                 "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => {
                     PreSplit::DigitsThenGpt2
@@ -425,12 +423,14 @@ impl Vocab {
                 }
                 s[..n].to_vec()
             }
-            None => vec![0.0; n],
+            // No scores (byte-level BPE vocabularies): every score reads as 0 (`token_score`, `score`).
+            None => Vec::new(),
         };
 
         let table = TokenTable::new(&texts)?;
         drop(texts);
         let ids = &table;
+        let merges_table = merge_lines.map(|lines| bpe::Merges::new(lines.into_iter(), |t| ids.get(t)));
 
         // Special ids from metadata; a default out of range is disabled, a metadata id out of range ignored.
         let pick = |default: Option<u32>, key: &str| -> Option<u32> {
@@ -850,14 +850,16 @@ impl Vocab {
             enc.clear();
             enc.extend(text.as_bytes()[a..b].iter().map(|&byte| table[byte as usize]));
             syms.clear();
-            if self.ignore_merges && self.table.get(&enc).is_some() {
-                syms.push((0, enc.len()));
+            if self.ignore_merges
+                && let Some(id) = self.table.get(&enc)
+            {
+                syms.push((0, enc.len(), Some(id)));
             } else {
-                bpe::merge_word(&enc, merges, &mut syms);
+                bpe::merge_word(&enc, merges, |t| self.table.get(t), &mut syms);
             }
-            for &(s, e) in &syms {
+            for &(s, e, id) in &syms {
                 let piece = &enc[s..e];
-                match self.table.get(piece) {
+                match id {
                     Some(id) => out.push(id),
                     None => {
                         // llama.cpp looks each byte of the (encoded) symbol up as a one-byte token.
@@ -978,7 +980,7 @@ impl spm::SpmVocab for Vocab {
         self.table.get(text)
     }
     fn score(&self, id: u32) -> f32 {
-        self.scores[id as usize]
+        self.token_score(id)
     }
     fn byte_token(&self, b: u8) -> Option<u32> {
         // llama.cpp throws when a byte has no token; falling back to <unk> keeps going.

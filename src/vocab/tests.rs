@@ -24,16 +24,7 @@ fn bpe_vocab(pre: &str, extra: &[(&str, i64)], merges: &[&str], md: &Metadata) -
         texts.push(Cow::Owned(t.to_string()));
         types.push(*ty);
     }
-    Vocab::build(
-        "gpt2",
-        pre,
-        texts,
-        None,
-        Some(types),
-        Some(merges.iter().map(|s| s.to_string()).collect()),
-        md,
-    )
-    .expect("tiny BPE vocab builds")
+    Vocab::build("gpt2", pre, texts, None, Some(types), Some(merges.to_vec()), md).expect("tiny BPE vocab builds")
 }
 
 fn texts_of(v: &Vocab, ids: &[u32]) -> Vec<String> {
