@@ -145,7 +145,11 @@ fn matmul_k(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32
                     r6.unpack(wr, cols);
                 }
                 for t in 0..n_tok {
-                    let v = if q4 { kquant::dot_q4_k(&r4, xq, t) } else { kquant::dot_q6_k(&r6, xq, t) };
+                    let v = if q4 {
+                        kquant::dot_q4_k(&r4, xq, t)
+                    } else {
+                        kquant::dot_q6_k(&r6, xq, t)
+                    };
                     // SAFETY: output (t, r) belongs to the thread that took row r.
                     unsafe { *yp.get().add(t * rows + r) = v };
                 }
