@@ -163,10 +163,10 @@ impl RowQ6K {
             let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
             let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
             self.d[b] = t[u16::from_le_bytes([blk[208], blk[209]]) as usize];
-            for s in 0..16 {
-                self.sc[b * 16 + s] = sc[s] as i8 as i32;
+            for (s, &v) in sc.iter().enumerate() {
+                self.sc[b * 16 + s] = v as i8 as i32;
                 // 16 quants give 8 pair sums: 8 lanes per scale.
-                self.sc16[b * 128 + 8 * s..b * 128 + 8 * s + 8].fill(sc[s] as i8 as i16);
+                self.sc16[b * 128 + 8 * s..b * 128 + 8 * s + 8].fill(v as i8 as i16);
             }
             let q = &mut self.q[b * QK_K..(b + 1) * QK_K];
             for n in 0..2 {
