@@ -234,19 +234,11 @@ fn perplexity_matches_llama_cpp_gemma3() {
     check_perplexity("gemma3");
 }
 
-/// Gemma 3 in the `ggml` mode: its Q4_K (repacked 8x8 in llama.cpp) and Q6_K matmuls still run Baton's kernels, so
-/// rounding noise remains (every other op is bit-identical, `examples/ggml_check.rs`): measured 95.62 %, no better
-/// than the fast mode, so the test is ignored by default (76 s on 2 busy cores) until those two are reproduced.
-const GGML_PARTIAL: Expect = Expect {
-    numerics: Numerics::Ggml,
-    batch: 256,
-    min_agreement: 0.94,
-};
-
+/// Gemma 3 in the `ggml` mode: every op, including the Q4_K (llama.cpp's repacked 8x8 gemm) and Q6_K (its tiled
+/// K-quant matmul) matmuls, reproduces llama.cpp's bits (measured: 100 % agreement, identical perplexity).
 #[test]
-#[ignore]
 fn perplexity_ggml_numerics_matches_llama_cpp_gemma3() {
-    check_perplexity_with("gemma3", &GGML_PARTIAL);
+    check_perplexity_with("gemma3", &GGML);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! kernel in ggml's lane order. Each output's arithmetic does not depend on how ggml splits the work over threads or
 //! tiles (tinyBLAS and `vec_dot` accumulate every output on its own), so the split here is Baton's.
 
-use super::{dot, quant};
+use super::{dot, kquant, quant};
 use crate::gguf::GgmlType;
 use crate::kernels::matrix::{Layout, Matrix};
 use crate::kernels::{ThreadPool, pool::split_range, x16};
@@ -11,7 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Whether [`matmul`] reproduces llama.cpp for weights of type `ty`.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
+    matches!(
+        ty,
+        GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K
+    )
 }
 
 /// Row `r` of `w` as ggml stores it (its blocks in order), gathered from an interleaved layout when repacked.
@@ -55,6 +58,9 @@ impl SyncPtr {
 pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     assert!(x.len() >= n_tok * cols && y.len() >= n_tok * rows);
+    if matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K) {
+        return matmul_k(pool, w, x, n_tok, y);
+    }
     let nb = cols / 32;
     type Quantize = fn(&[f32], &mut [u8]);
     type VecDot = fn(usize, &[u8], &[u8]) -> f32;
@@ -95,4 +101,70 @@ pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f
             }
         }
     });
+}
+
+/// [`matmul`] for Q4_K and Q6_K weights ([`kquant`]): the activations quantized to Q8_K (Q4_K: whole groups of four
+/// rows as `ggml_quantize_mat_q8_K_4x8` does, the rest as `quantize_row_q8_K`), then each weight row unpacked once
+/// and dotted with every activation row.
+fn matmul_k(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let q4 = w.ty == GgmlType::Q4K;
+    let grouped = if q4 { n_tok / 4 * 4 } else { 0 };
+    let mut xq = kquant::Q8K::new(n_tok, cols);
+    {
+        let xp = SyncQ8K(&mut xq as *mut kquant::Q8K);
+        pool.run(|i, n| {
+            for t in split_range(n_tok, i, n) {
+                let block = if t < grouped {
+                    kquant::quantize_block_q8_k_4x8
+                } else {
+                    kquant::quantize_block_q8_k_ref
+                };
+                // SAFETY: each thread writes only its own token rows of the buffers.
+                kquant::quantize_row(&x[t * cols..(t + 1) * cols], unsafe { &mut *xp.get() }, t, block);
+            }
+        });
+    }
+    let yp = SyncPtr(y.as_mut_ptr());
+    let next = AtomicUsize::new(0);
+    let chunk = 8;
+    let xq = &xq;
+    pool.run(|_, _| {
+        let mut buf = Vec::new();
+        let (mut r4, mut r6) = (kquant::RowQ4K::default(), kquant::RowQ6K::default());
+        loop {
+            let r0 = next.fetch_add(1, Ordering::Relaxed) * chunk;
+            if r0 >= rows {
+                break;
+            }
+            for r in r0..(r0 + chunk).min(rows) {
+                let wr = row_bytes(w, r, &mut buf);
+                if q4 {
+                    r4.unpack(wr, cols);
+                } else {
+                    r6.unpack(wr, cols);
+                }
+                for t in 0..n_tok {
+                    let v = if q4 {
+                        kquant::dot_q4_k(&r4, xq, t)
+                    } else {
+                        kquant::dot_q6_k(&r6, xq, t)
+                    };
+                    // SAFETY: output (t, r) belongs to the thread that took row r.
+                    unsafe { *yp.get().add(t * rows + r) = v };
+                }
+            }
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SyncQ8K(*mut kquant::Q8K);
+// SAFETY: used for disjoint per-row writes within one pool job.
+unsafe impl Send for SyncQ8K {}
+unsafe impl Sync for SyncQ8K {}
+impl SyncQ8K {
+    fn get(self) -> *mut kquant::Q8K {
+        self.0
+    }
 }

@@ -12,6 +12,7 @@
 
 pub mod attention;
 pub mod dot;
+pub mod kquant;
 pub mod matmul;
 pub mod ops;
 pub mod quant;
