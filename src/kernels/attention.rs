@@ -384,6 +384,13 @@ mod tests {
         out
     }
 
+    /// Every value of `got` within 2e-5 (relative, plus absolute near 0) of `want`.
+    fn assert_close(want: &[f32], got: &[f32], what: &str) {
+        for (i, (a, b)) in want.iter().zip(got).enumerate() {
+            assert!((a - b).abs() <= 2e-5 * (1.0 + a.abs()), "{what} [{i}]: {a} vs {b}");
+        }
+    }
+
     fn case(
         rng: &mut Rng,
         n_q: usize,
@@ -428,12 +435,7 @@ mod tests {
             let mut sc = vec![0.0; g.scratch_len()];
             let mut got = vec![0.0; n_q * hdv];
             attend(&g, &q, &k, &v, &mut sc, &mut got);
-            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert!(
-                    (a - b).abs() <= 2e-5 * (1.0 + a.abs()),
-                    "{n_q}x{hdk} {lo}..{hi} [{i}]: {a} vs {b}"
-                );
-            }
+            assert_close(&want, &got, &format!("{n_q}x{hdk} {lo}..{hi}"));
         }
     }
 
@@ -447,12 +449,7 @@ mod tests {
                 let (mut want, mut got) = (vec![0.0; g.partial_len()], vec![0.0; g.partial_len()]);
                 partial_scalar(&g, g.chunk(c), &q, &k, &v, &mut sc, &mut want);
                 partial(&g, c, &q, &k, &v, &mut sc, &mut got);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    assert!(
-                        (a - b).abs() <= 2e-5 * (1.0 + a.abs()),
-                        "{n_q}x{hdk} {lo}..{hi} chunk {c} [{i}]: {a} vs {b}"
-                    );
-                }
+                assert_close(&want, &got, &format!("{n_q}x{hdk} {lo}..{hi} chunk {c}"));
             }
         }
     }

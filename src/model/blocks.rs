@@ -202,50 +202,31 @@ pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
     project(s, &lw.wv, &b.xn, &mut b.v, &mut b.mm);
 }
 
-/// Rotates Q and K by position and writes each row's K and V into its cache at its position.
+/// Rotates Q and K by position and writes each row's K and V into its cache at its position (rounded to f16, to
+/// nearest, as ggml's F16 cache rounds them). The ggml mode rotates with ggml's arithmetic.
 pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
-    if s.ggml() {
-        return ggml_rope_and_store(s, b, rows);
-    }
     let hp = s.hp;
     let neox = hp.rope_type == super::RopeType::Neox;
+    let ggml = s.ggml();
+    let rotate = |x: &mut [f32], pos: usize| {
+        if ggml {
+            let (cos, sin) = s.rope.cos_sin(pos);
+            ggml::ops::rope(x, cos, sin, neox);
+        } else {
+            s.rope.apply(x, pos, neox);
+        }
+    };
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     for t in 0..s.n_tok {
         let pos = rows.pos(t);
         let kv = rows.write(t);
         for h in 0..hp.n_head {
             let o = (t * hp.n_head + h) * hdk;
-            s.rope.apply(&mut b.q[o..o + hdk], pos, neox);
+            rotate(&mut b.q[o..o + hdk], pos);
         }
         for h in 0..hp.n_head_kv {
             let o = (t * hp.n_head_kv + h) * hdk;
-            s.rope.apply(&mut b.k[o..o + hdk], pos, neox);
-            let dst = (h * kv.n_ctx + pos) * hdk;
-            kv.k[dst..dst + hdk].convert_from_f32_slice(&b.k[o..o + hdk]);
-            let ov = (t * hp.n_head_kv + h) * hdv;
-            let dst = (h * kv.n_ctx + pos) * hdv;
-            kv.v[dst..dst + hdv].convert_from_f32_slice(&b.v[ov..ov + hdv]);
-        }
-    }
-}
-
-/// [`rope_and_store`] with ggml's arithmetic: its RoPE rotation (K and V enter the f16 cache rounded to nearest, as
-/// ggml's F16 cache rounds them).
-fn ggml_rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
-    let hp = s.hp;
-    let neox = hp.rope_type == super::RopeType::Neox;
-    let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
-    for t in 0..s.n_tok {
-        let pos = rows.pos(t);
-        let kv = rows.write(t);
-        let (cos, sin) = s.rope.cos_sin(pos);
-        for h in 0..hp.n_head {
-            let o = (t * hp.n_head + h) * hdk;
-            ggml::ops::rope(&mut b.q[o..o + hdk], cos, sin, neox);
-        }
-        for h in 0..hp.n_head_kv {
-            let o = (t * hp.n_head_kv + h) * hdk;
-            ggml::ops::rope(&mut b.k[o..o + hdk], cos, sin, neox);
+            rotate(&mut b.k[o..o + hdk], pos);
             let dst = (h * kv.n_ctx + pos) * hdk;
             kv.k[dst..dst + hdk].convert_from_f32_slice(&b.k[o..o + hdk]);
             let ov = (t * hp.n_head_kv + h) * hdv;

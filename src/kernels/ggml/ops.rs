@@ -126,17 +126,8 @@ fn gelu_table() -> &'static [u16] {
 /// input rounded to f16; 0 at or below −10, the identity at or above 10.
 pub fn geglu(g: &mut [f32], u: &[f32]) {
     assert_eq!(g.len(), u.len());
-    let table = gelu_table();
-    for (a, &b) in g.iter_mut().zip(u) {
-        let x = *a;
-        *a = if x <= -10.0 {
-            0.0
-        } else if x >= 10.0 {
-            x * b
-        } else {
-            super::f16_to_f32(table[super::f32_to_f16(x) as usize]) * b
-        };
-    }
+    // The fast mode's scalar GeGLU does exactly this lookup; only the table differs.
+    crate::kernels::ops::gelu_mul_scalar(g, u, gelu_table());
 }
 
 #[cfg(test)]
