@@ -5,29 +5,25 @@
 use super::{Hparams, LayerWeights};
 use crate::kernels::ggml::{self, Numerics};
 use crate::kernels::ops::{self, RopeTable};
-use crate::kernels::{self, Matrix, ThreadPool, attention};
+use crate::kernels::{self, Glu, Matrix, ThreadPool, attention};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 /// Scratch space for a forward pass over up to `n_batch` tokens; allocated once per session so a decoded token
-/// allocates nothing.
+/// allocates nothing. The attention's Q, K, V and output and the feed-forward's hidden activations are never live
+/// together, so they take turns in one working buffer (with the fused gate/up matmul this halves SmolLM2's prefill
+/// scratch, see docs/performance.md).
 pub struct Buffers {
     pub n_batch: usize,
-    /// Normalised input of the current sub-block, `[n_tok, n_embd]`.
+    /// Normalised input of the current sub-block, `[n_tok, n_embd]`. Once Q/K/V or gate/up are computed from it,
+    /// the sub-block's output projection is written back into it.
     pub xn: Vec<f32>,
-    /// `[n_tok, n_head * head_dim_k]`
-    pub q: Vec<f32>,
-    /// `[n_tok, n_head_kv * head_dim_k]`
-    pub k: Vec<f32>,
-    /// `[n_tok, n_head_kv * head_dim_v]`
-    pub v: Vec<f32>,
-    /// Attention output, `[n_tok, n_head * head_dim_v]`.
-    pub att: Vec<f32>,
-    /// Output of a projection back to the residual width, `[n_tok, n_embd]`.
-    pub o: Vec<f32>,
-    /// Feed-forward gate and up projections, `[n_tok, n_ff]`.
-    pub g: Vec<f32>,
-    pub u: Vec<f32>,
+    work: Vec<f32>,
+    /// Lengths of Q, K and V in `work` (the attention output follows them).
+    qkv_len: [usize; 3],
+    n_ff: usize,
+    /// The up projection, apart from the gate only in the `ggml` numerics mode (allocated on its first use).
+    up: Vec<f32>,
     /// Attention scratch of each thread: one chunk of scores per query head of a GQA group, and two partials.
     pub scores: Vec<f32>,
     /// Partial attention results of the chunks of a decode step spread over the threads ([`attend`]).
@@ -36,18 +32,29 @@ pub struct Buffers {
     pub mm: kernels::Scratch,
 }
 
+/// The attention's views of the working buffer.
+pub struct Attn<'a> {
+    /// `[n_tok, n_head * head_dim_k]`
+    pub q: &'a mut [f32],
+    /// `[n_tok, n_head_kv * head_dim_k]`
+    pub k: &'a mut [f32],
+    /// `[n_tok, n_head_kv * head_dim_v]`
+    pub v: &'a mut [f32],
+    /// Attention output, `[n_tok, n_head * head_dim_v]`.
+    pub att: &'a mut [f32],
+}
+
 impl Buffers {
     pub fn new(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> Buffers {
+        let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_batch * w);
+        let attn_len = qkv_len.iter().sum::<usize>() + n_batch * hp.n_head * hp.head_dim_v;
         Buffers {
             n_batch,
             xn: vec![0.0; n_batch * hp.n_embd],
-            q: vec![0.0; n_batch * hp.n_embd_q()],
-            k: vec![0.0; n_batch * hp.n_embd_k()],
-            v: vec![0.0; n_batch * hp.n_embd_v()],
-            att: vec![0.0; n_batch * hp.n_head * hp.head_dim_v],
-            o: vec![0.0; n_batch * hp.n_embd],
-            g: vec![0.0; n_batch * hp.n_ff],
-            u: vec![0.0; n_batch * hp.n_ff],
+            work: vec![0.0; attn_len.max(n_batch * hp.n_ff)],
+            qkv_len,
+            n_ff: hp.n_ff,
+            up: Vec::new(),
             scores: vec![0.0; n_threads * attention::scratch_len(hp.n_head / hp.n_head_kv, hp.head_dim_v)],
             parts: vec![
                 0.0;
@@ -58,6 +65,21 @@ impl Buffers {
             n_ctx,
             mm: kernels::Scratch::default(),
         }
+    }
+
+    /// Q, K, V and the attention output.
+    pub fn attn(&mut self) -> Attn<'_> {
+        Attn::split(&mut self.work, self.qkv_len)
+    }
+}
+
+impl<'a> Attn<'a> {
+    /// A function of the two fields, not a method of [`Buffers`], so the other fields stay free to borrow.
+    fn split(work: &'a mut [f32], [nq, nk, nv]: [usize; 3]) -> Attn<'a> {
+        let (q, rest) = work.split_at_mut(nq);
+        let (k, rest) = rest.split_at_mut(nk);
+        let (v, att) = rest.split_at_mut(nv);
+        Attn { q, k, v, att }
     }
 }
 
@@ -197,9 +219,38 @@ pub fn norm_heads(s: &Step, x: &mut [f32], w: &[f32], n_heads: usize) {
 
 /// Computes Q, K and V of the batch from the normalised input `b.xn`.
 pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
-    project(s, &lw.wq, &b.xn, &mut b.q, &mut b.mm);
-    project(s, &lw.wk, &b.xn, &mut b.k, &mut b.mm);
-    project(s, &lw.wv, &b.xn, &mut b.v, &mut b.mm);
+    let a = Attn::split(&mut b.work, b.qkv_len);
+    project(s, &lw.wq, &b.xn, a.q, &mut b.mm);
+    project(s, &lw.wk, &b.xn, a.k, &mut b.mm);
+    project(s, &lw.wv, &b.xn, a.v, &mut b.mm);
+}
+
+/// The attention's output projection, written to `b.xn` (the sub-block's input is no longer needed).
+pub fn attn_output(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
+    let a = Attn::split(&mut b.work, b.qkv_len);
+    project(s, &lw.wo, a.att, &mut b.xn, &mut b.mm);
+}
+
+/// The gated feed-forward of the normalised input: `b.xn = down(act(gate(b.xn)) · up(b.xn))`, gate and up fused
+/// ([`kernels::matmul_glu`]) except in the `ggml` mode, which reproduces llama.cpp's separate ops.
+pub fn ffn(s: &Step, lw: &LayerWeights, b: &mut Buffers, glu: Glu) {
+    let nf = s.n_tok * b.n_ff;
+    let h = &mut b.work[..nf];
+    if s.ggml() {
+        if b.up.len() < nf {
+            b.up.resize(b.n_batch * b.n_ff, 0.0);
+        }
+        project(s, &lw.ffn_gate, &b.xn, h, &mut b.mm);
+        project(s, &lw.ffn_up, &b.xn, &mut b.up, &mut b.mm);
+        match glu {
+            Glu::Silu => ggml::ops::swiglu(h, &b.up[..nf]),
+            Glu::Gelu => ggml::ops::geglu(h, &b.up[..nf]),
+        }
+    } else {
+        let x = &b.xn[..s.n_tok * lw.ffn_gate.cols];
+        kernels::matmul_glu(s.pool, &lw.ffn_gate, &lw.ffn_up, glu, x, s.n_tok, h, &mut b.mm);
+    }
+    project(s, &lw.ffn_down, h, &mut b.xn, &mut b.mm);
 }
 
 /// Rotates Q and K by position and writes each row's K and V into its cache at its position (rounded to f16, to
@@ -217,21 +268,22 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
         }
     };
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
+    let a = b.attn();
     for t in 0..s.n_tok {
         let pos = rows.pos(t);
         let kv = rows.write(t);
         for h in 0..hp.n_head {
             let o = (t * hp.n_head + h) * hdk;
-            rotate(&mut b.q[o..o + hdk], pos);
+            rotate(&mut a.q[o..o + hdk], pos);
         }
         for h in 0..hp.n_head_kv {
             let o = (t * hp.n_head_kv + h) * hdk;
-            rotate(&mut b.k[o..o + hdk], pos);
+            rotate(&mut a.k[o..o + hdk], pos);
             let dst = (h * kv.n_ctx + pos) * hdk;
-            kv.k[dst..dst + hdk].convert_from_f32_slice(&b.k[o..o + hdk]);
+            kv.k[dst..dst + hdk].convert_from_f32_slice(&a.k[o..o + hdk]);
             let ov = (t * hp.n_head_kv + h) * hdv;
             let dst = (h * kv.n_ctx + pos) * hdv;
-            kv.v[dst..dst + hdv].convert_from_f32_slice(&b.v[ov..ov + hdv]);
+            kv.v[dst..dst + hdv].convert_from_f32_slice(&a.v[ov..ov + hdv]);
         }
     }
 }
@@ -243,8 +295,9 @@ fn ggml_attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     let group = hp.n_head / hp.n_head_kv;
     let window = hp.window(s.il);
     let n_tasks = s.n_tok * hp.n_head;
-    let q = &b.q;
-    let att = SyncPtr(b.att.as_mut_ptr());
+    let a = Attn::split(&mut b.work, b.qkv_len);
+    let q = &*a.q;
+    let att = SyncPtr(a.att.as_mut_ptr());
     let scale = hp.attn_scale;
     s.pool.run(|ith, nth| {
         let mut sc = ggml::attention::Scratch::new(hdk);
@@ -274,24 +327,6 @@ fn ggml_attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     });
 }
 
-/// SwiGLU `g = silu(g) * u` over the batch's feed-forward rows.
-pub fn swiglu(s: &Step, g: &mut [f32], u: &[f32]) {
-    if s.ggml() {
-        ggml::ops::swiglu(g, u)
-    } else {
-        ops::silu_mul(g, u)
-    }
-}
-
-/// GeGLU `g = gelu(g) * u` over the batch's feed-forward rows.
-pub fn geglu(s: &Step, g: &mut [f32], u: &[f32]) {
-    if s.ggml() {
-        ggml::ops::geglu(g, u)
-    } else {
-        ops::gelu_mul(g, u)
-    }
-}
-
 /// Up to how many (row, KV head) pairs a step spreads each pair's chunks of positions over the threads, rather than
 /// giving each pair to one thread: a decode step has one row, and Gemma 3 one KV head.
 fn split_rows(n_threads: usize) -> usize {
@@ -299,7 +334,7 @@ fn split_rows(n_threads: usize) -> usize {
 }
 
 /// Causal attention of each row's query over its cache (positions `0..=pos` for a query at `pos`, or the last
-/// `window` of them on sliding-window layers), written to `b.att`. The query heads of one GQA group share the K and
+/// `window` of them on sliding-window layers), written to the attention output. The query heads of one GQA group share the K and
 /// V rows they read (`kernels::attention`). With many (row, KV head) pairs (prefill, large batches) each thread takes
 /// whole pairs; with few (decode) the pairs' chunks of positions are spread over the threads and folded after. A
 /// row gets the same bits either way.
@@ -313,8 +348,9 @@ pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     let window = hp.window(s.il);
     let n_tasks = s.n_tok * hp.n_head_kv;
     let per_thread = attention::scratch_len(group, hdv);
-    let q = &b.q;
-    let att = SyncPtr(b.att.as_mut_ptr());
+    let a = Attn::split(&mut b.work, b.qkv_len);
+    let q = &*a.q;
+    let att = SyncPtr(a.att.as_mut_ptr());
     let scores = SyncPtr(b.scores.as_mut_ptr());
     let scale = hp.attn_scale;
     // Task `task` is row `t`, KV head `kvh`: its group of query heads, its slice of the cache and its output.
@@ -382,6 +418,6 @@ pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
         for c in 1..g.n_chunks() {
             attention::fold(&g, acc, &rest[(c - 1) * pl..c * pl]);
         }
-        attention::finish(&g, acc, &mut b.att[o..o + group * hdv]);
+        attention::finish(&g, acc, &mut a.att[o..o + group * hdv]);
     }
 }

@@ -5,7 +5,7 @@
 
 use super::LayerWeights;
 use super::blocks::{self, Buffers, RowsKv, Step};
-use crate::kernels::ops;
+use crate::kernels::{Glu, ops};
 
 /// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
 /// row keeps its KV.
@@ -17,21 +17,18 @@ pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &m
     // Attention, with per-head Q/K norms before RoPE and a norm on its output before the residual add.
     blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
     blocks::qkv(s, lw, b);
-    blocks::norm_heads(s, &mut b.q, q_norm, hp.n_head);
-    blocks::norm_heads(s, &mut b.k, k_norm, hp.n_head_kv);
+    let a = b.attn();
+    blocks::norm_heads(s, a.q, q_norm, hp.n_head);
+    blocks::norm_heads(s, a.k, k_norm, hp.n_head_kv);
     blocks::rope_and_store(s, b, kv);
     blocks::attend(s, b, kv);
-    blocks::project(s, &lw.wo, &b.att, &mut b.o, &mut b.mm);
-    blocks::norm_rows_inplace(s, &mut b.o, lw.post_attn_norm.as_deref().unwrap());
-    ops::add_inplace(&mut x[..n], &b.o[..n]);
+    blocks::attn_output(s, lw, b);
+    blocks::norm_rows_inplace(s, &mut b.xn, lw.post_attn_norm.as_deref().unwrap());
+    ops::add_inplace(&mut x[..n], &b.xn[..n]);
 
     // Feed-forward: down(gelu(gate(x)) * up(x)), normalised before the residual add.
     blocks::norm_rows(s, x, &lw.ffn_norm, &mut b.xn);
-    blocks::project(s, &lw.ffn_gate, &b.xn, &mut b.g, &mut b.mm);
-    blocks::project(s, &lw.ffn_up, &b.xn, &mut b.u, &mut b.mm);
-    let nf = s.n_tok * hp.n_ff;
-    blocks::geglu(s, &mut b.g[..nf], &b.u[..nf]);
-    blocks::project(s, &lw.ffn_down, &b.g, &mut b.o, &mut b.mm);
-    blocks::norm_rows_inplace(s, &mut b.o, lw.post_ffn_norm.as_deref().unwrap());
-    ops::add_inplace(&mut x[..n], &b.o[..n]);
+    blocks::ffn(s, lw, b, Glu::Gelu);
+    blocks::norm_rows_inplace(s, &mut b.xn, lw.post_ffn_norm.as_deref().unwrap());
+    ops::add_inplace(&mut x[..n], &b.xn[..n]);
 }
