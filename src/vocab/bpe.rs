@@ -8,15 +8,19 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::hash::{BuildHasher, Hasher};
 
 /// Merge ranks. llama.cpp keys them by `"left right"` (the GGUF merge line, split at its first space from index 1);
 /// symbols of a byte-encoded word never contain a raw space, so a lookup key names its two sides unambiguously.
 /// Where both sides are vocabulary tokens (every merge of the usual vocabularies) the rank is keyed by the two
-/// token ids instead: 12 bytes a merge rather than a heap string and a 32-byte entry, and a lookup needs no string.
-/// Since token texts and ids map one to one, a pair of ids finds a rank exactly when its texts' line does.
+/// token ids instead, grouped by left id like a sparse matrix in CSR form: 8 bytes a merge plus 4 a token
+/// (SmolLM2: 0.57 MiB, against 0.83 for a hash map of id pairs and several MiB for one of strings), and a lookup
+/// is a binary search among the few merges of one left token. Since token texts and ids map one to one, a pair of
+/// ids finds a rank exactly when its texts' line does.
 pub struct Merges {
-    pairs: HashMap<(u32, u32), u32, PairHash>,
+    /// The merges with left token `l` are `by_left[first[l]..first[l + 1]]`, as (right token, rank) sorted by
+    /// right token.
+    first: Vec<u32>,
+    by_left: Vec<(u32, u32)>,
     /// Lines with a side that is not a token, or without a separator (llama.cpp's empty pair, `" "`), keyed by
     /// the line as llama.cpp does.
     lines: HashMap<String, u32, super::FastHash>,
@@ -26,11 +30,12 @@ impl Merges {
     /// `id` gives the token id of an exact vocabulary text.
     pub fn new<'a>(lines: impl Iterator<Item = &'a str>, id: impl Fn(&str) -> Option<u32>) -> Merges {
         let mut m = Merges {
-            pairs: HashMap::with_hasher(PairHash),
+            first: Vec::new(),
+            by_left: Vec::new(),
             lines: HashMap::with_hasher(super::FastHash),
         };
         let lines = lines.enumerate();
-        m.pairs.reserve(lines.size_hint().0);
+        let mut pairs: Vec<(u32, u32, u32)> = Vec::with_capacity(lines.size_hint().0);
         for (i, line) in lines {
             let rank = i as u32;
             // llama.cpp splits at the first space at or after index 1, so "first second" is the line itself;
@@ -40,26 +45,38 @@ impl Merges {
                 continue;
             };
             match (id(&line[..sp]), id(&line[sp + 1..])) {
-                (Some(l), Some(r)) => {
-                    m.pairs.entry((l, r)).or_insert(rank);
-                }
+                (Some(l), Some(r)) => pairs.push((l, r, rank)),
                 _ => {
                     m.lines.entry(line.to_string()).or_insert(rank);
                 }
             }
         }
-        m.pairs.shrink_to_fit();
+        // Sorted by (left, right, rank), a repeated pair keeps its first (lowest) rank.
+        pairs.sort_unstable();
+        pairs.dedup_by_key(|p| (p.0, p.1));
+        let n_left = pairs.last().map_or(0, |p| p.0 as usize + 1);
+        m.first = Vec::with_capacity(n_left + 1);
+        m.by_left = Vec::with_capacity(pairs.len());
+        for (i, &(l, r, rank)) in pairs.iter().enumerate() {
+            while m.first.len() <= l as usize {
+                m.first.push(i as u32);
+            }
+            m.by_left.push((r, rank));
+        }
+        m.first.push(pairs.len() as u32);
         m
     }
 
     pub fn len(&self) -> usize {
-        self.pairs.len() + self.lines.len()
+        self.by_left.len() + self.lines.len()
     }
 
     /// The rank of merging `left` and `right` (with their token ids, where they are tokens).
     fn rank(&self, buf: &mut String, left: (&str, Option<u32>), right: (&str, Option<u32>)) -> Option<u32> {
         if let (Some(l), Some(r)) = (left.1, right.1) {
-            return self.pairs.get(&(l, r)).copied();
+            let (a, b) = (*self.first.get(l as usize)?, *self.first.get(l as usize + 1)?);
+            let row = &self.by_left[a as usize..b as usize];
+            return row.binary_search_by_key(&r, |e| e.0).ok().map(|k| row[k].1);
         }
         if self.lines.is_empty() {
             return None;
@@ -69,39 +86,6 @@ impl Merges {
         buf.push(' ');
         buf.push_str(right.0);
         self.lines.get(buf.as_str()).copied()
-    }
-}
-
-/// Hashes a pair of token ids: the two words packed into one and mixed with MurmurHash3's finalizer, so every
-/// bit of both ids reaches the bits the table indexes with.
-#[derive(Clone, Copy, Default)]
-struct PairHash;
-
-struct PairHasher(u64);
-
-impl Hasher for PairHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | b as u64;
-        }
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.0 = (self.0 << 32) | v as u64;
-    }
-    fn finish(&self) -> u64 {
-        let mut k = self.0;
-        k ^= k >> 33;
-        k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        k ^= k >> 33;
-        k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        k ^ (k >> 33)
-    }
-}
-
-impl BuildHasher for PairHash {
-    type Hasher = PairHasher;
-    fn build_hasher(&self) -> PairHasher {
-        PairHasher(0)
     }
 }
 

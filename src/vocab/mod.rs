@@ -109,7 +109,7 @@ struct TokenTable {
     blob: String,
     /// `offs[id]..offs[id + 1]` is the text of `id`.
     offs: Vec<u32>,
-    /// id + 1 per slot, 0 for empty; the length is a power of two at least twice the token count.
+    /// id + 1 per slot, 0 for empty; the length is a power of two, at most 3/4 full.
     slots: Vec<u32>,
 }
 
@@ -135,7 +135,7 @@ impl TokenTable {
             blob.push_str(t.as_ref());
             offs.push(blob.len() as u32);
         }
-        let cap = (texts.len() * 2).next_power_of_two().max(16);
+        let cap = (texts.len() * 4).div_ceil(3).next_power_of_two().max(16);
         let mut table = TokenTable {
             blob,
             offs,
