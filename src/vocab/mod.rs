@@ -50,6 +50,8 @@ const ATTR_NORMAL: u16 = 1 << 2;
 const ATTR_CONTROL: u16 = 1 << 3;
 const ATTR_USER_DEFINED: u16 = 1 << 4;
 const ATTR_BYTE: u16 = 1 << 5;
+/// Baton's own mark, not llama.cpp's: the token's piece is its text, so it is not stored twice.
+const PIECE_IS_TEXT: u16 = 1 << 15;
 
 /// `tokenizer.ggml.token_type` values mapped to attributes, as llama.cpp does on load.
 fn attr_from_type(t: i64) -> u16 {
@@ -252,7 +254,8 @@ pub struct Vocab {
     scores: Vec<f32>,
     attrs: Vec<u16>,
     merges: Option<bpe::Merges>,
-    /// `token_to_piece(id, special = true)` for every token, concatenated; `piece_offs[id]..piece_offs[id+1]`.
+    /// `token_to_piece(id, special = true)` for every token whose piece is not its text ([`PIECE_IS_TEXT`]),
+    /// concatenated; `piece_offs[id]..piece_offs[id+1]`.
     pieces: Vec<u8>,
     piece_offs: Vec<u32>,
     bos: Option<u32>,
@@ -683,7 +686,8 @@ impl Vocab {
         Ok(v)
     }
 
-    /// Precomputes llama.cpp's `token_to_piece(id, special = true)` for every token.
+    /// Precomputes llama.cpp's `token_to_piece(id, special = true)` for every token, keeping only those that
+    /// differ from the token's text (about half: Gemma 3's pieces take 1.2 MiB instead of 2.2).
     fn build_pieces(&mut self) {
         let n = self.table.len();
         let mut pieces = Vec::with_capacity(self.table.blob.len());
@@ -692,6 +696,7 @@ impl Vocab {
         for i in 0..n {
             let text = self.table.text(i as u32);
             let attr = self.attrs[i];
+            let start = pieces.len();
             if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED) != 0 {
                 pieces.extend_from_slice(text.as_bytes());
             } else if attr & ATTR_NORMAL != 0 {
@@ -729,8 +734,13 @@ impl Vocab {
                 pieces.push(b);
             }
             // unused / undefined tokens render as nothing
+            if pieces.len() > start && &pieces[start..] == text.as_bytes() {
+                pieces.truncate(start);
+                self.attrs[i] |= PIECE_IS_TEXT;
+            }
             offs.push(pieces.len() as u32);
         }
+        pieces.shrink_to_fit();
         self.pieces = pieces;
         self.piece_offs = offs;
     }
@@ -879,6 +889,9 @@ impl Vocab {
         let i = id as usize;
         if i + 1 >= self.piece_offs.len() {
             return &[];
+        }
+        if self.attrs[i] & PIECE_IS_TEXT != 0 {
+            return self.table.text(id).as_bytes();
         }
         &self.pieces[self.piece_offs[i] as usize..self.piece_offs[i + 1] as usize]
     }
