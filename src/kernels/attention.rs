@@ -13,7 +13,8 @@
 //! cached row once per head, called the scalar `exp` per score and ran on SSE2. Here each K and V row is loaded once
 //! for the whole group, the dot products and the weighted sum of V use 512-bit FMAs over f16 rows widened in
 //! registers, and the exponentials are computed 16 at a time (the Cephes `expf` reduction and polynomial, about
-//! 1 ulp), on CPUs with AVX-512F. The scalar version is the reference the SIMD one is tested against.
+//! 1 ulp), on CPUs with AVX-512F; on AArch64 a NEON version does the same in 4-lane vectors. The scalar version is the
+//! reference the SIMD ones are tested against.
 
 use half::f16;
 use std::ops::Range;
@@ -101,6 +102,12 @@ pub fn partial(g: &Group, c: usize, q: &[f32], k: &[f16], v: &[f16], scores: &mu
     if avx512() {
         // SAFETY: AVX-512F is present; the slice lengths were checked above.
         unsafe { x86::partial(g, g.chunk(c), q, k, v, scores, part) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if super::kernels().isa != "scalar" {
+        // SAFETY: the slice lengths were checked above (NEON is part of the AArch64 baseline).
+        unsafe { neon::partial(g, g.chunk(c), q, k, v, scores, part) };
         return;
     }
     partial_scalar(g, g.chunk(c), q, k, v, scores, part);
@@ -357,6 +364,163 @@ mod x86 {
     }
 }
 
+/// The NEON version (AArch64): the x86 kernel's structure in 4-lane vectors, f16 widened with `fcvtl`.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{Group, Range};
+    use crate::kernels::ops::neon::exp4;
+    use half::f16;
+    use std::arch::aarch64::*;
+
+    /// 4 f16 values at `p`, widened.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn load4(p: *const f16) -> float32x4_t {
+        unsafe { vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p as *const u16))) }
+    }
+
+    /// Dot of `len` f32 (`a`) with `len` f16 (`b`); multiples of 4 in vectors, the rest scalar.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn dot(a: *const f32, b: *const f16, len: usize) -> f32 {
+        unsafe {
+            let (mut acc0, mut acc1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            let mut d = 0;
+            while d + 8 <= len {
+                acc0 = vfmaq_f32(acc0, vld1q_f32(a.add(d)), load4(b.add(d)));
+                acc1 = vfmaq_f32(acc1, vld1q_f32(a.add(d + 4)), load4(b.add(d + 4)));
+                d += 8;
+            }
+            if d + 4 <= len {
+                acc0 = vfmaq_f32(acc0, vld1q_f32(a.add(d)), load4(b.add(d)));
+                d += 4;
+            }
+            let mut s = vaddvq_f32(vaddq_f32(acc0, acc1));
+            while d < len {
+                s += *a.add(d) * (*b.add(d)).to_f32();
+                d += 1;
+            }
+            s
+        }
+    }
+
+    /// See [`super::partial`]; the caller checked the lengths.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn partial(
+        g: &Group,
+        pos: Range<usize>,
+        q: &[f32],
+        k: &[f16],
+        v: &[f16],
+        scores: &mut [f32],
+        part: &mut [f32],
+    ) {
+        let n = pos.len();
+        let (n_q, hdk, hdv) = (g.n_q, g.hdk, g.hdv);
+        let (qp, kp, vp, sp) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), scores.as_mut_ptr());
+        unsafe {
+            // Scores: four positions at a time per head, their sums reduced together by pairwise adds; the rest
+            // one at a time.
+            let mut i = 0;
+            if hdk % 4 == 0 {
+                while i + 4 <= n {
+                    let k0 = kp.add((pos.start + i) * hdk);
+                    for h in 0..n_q {
+                        let qh = qp.add(h * hdk);
+                        let mut acc = [vdupq_n_f32(0.0); 4];
+                        let mut d = 0;
+                        while d < hdk {
+                            let qv = vld1q_f32(qh.add(d));
+                            for (r, a) in acc.iter_mut().enumerate() {
+                                *a = vfmaq_f32(*a, qv, load4(k0.add(r * hdk + d)));
+                            }
+                            d += 4;
+                        }
+                        let s = vpaddq_f32(vpaddq_f32(acc[0], acc[1]), vpaddq_f32(acc[2], acc[3]));
+                        vst1q_f32(sp.add(h * n + i), vmulq_n_f32(s, g.scale));
+                    }
+                    i += 4;
+                }
+            }
+            for (i, j) in pos.clone().enumerate().skip(i) {
+                let kr = kp.add(j * hdk);
+                for h in 0..n_q {
+                    *sp.add(h * n + i) = dot(qp.add(h * hdk), kr, hdk) * g.scale;
+                }
+            }
+            // Softmax numerators, 4 scores at a time (the tail through a padded copy); each head's maximum and sum.
+            for h in 0..n_q {
+                let row = sp.add(h * n);
+                let mut vmax = vdupq_n_f32(f32::NEG_INFINITY);
+                let mut i = 0;
+                while i + 4 <= n {
+                    vmax = vmaxq_f32(vmax, vld1q_f32(row.add(i)));
+                    i += 4;
+                }
+                let mut max = vmaxvq_f32(vmax);
+                for t in i..n {
+                    max = max.max(*row.add(t));
+                }
+                let m = vdupq_n_f32(max);
+                let mut vsum = vdupq_n_f32(0.0);
+                let mut i = 0;
+                while i + 4 <= n {
+                    let e = exp4(vsubq_f32(vld1q_f32(row.add(i)), m));
+                    vst1q_f32(row.add(i), e);
+                    vsum = vaddq_f32(vsum, e);
+                    i += 4;
+                }
+                if i < n {
+                    // Padding with the maximum gives e^0 = 1 in the unused lanes, dropped before the sum.
+                    let mut t = [max; 4];
+                    std::ptr::copy_nonoverlapping(row.add(i), t.as_mut_ptr(), n - i);
+                    vst1q_f32(t.as_mut_ptr(), exp4(vsubq_f32(vld1q_f32(t.as_ptr()), m)));
+                    t[n - i..].fill(0.0);
+                    std::ptr::copy_nonoverlapping(t.as_ptr(), row.add(i), n - i);
+                    vsum = vaddq_f32(vsum, vld1q_f32(t.as_ptr()));
+                }
+                part[n_q * hdv + h] = max;
+                part[n_q * hdv + n_q + h] = vaddvq_f32(vsum);
+            }
+            // Unnormalised output: 16 values of a head at a time in four registers, over every V row of the chunk.
+            for h in 0..n_q {
+                let row = sp.add(h * n);
+                let o = part.as_mut_ptr().add(h * hdv);
+                let mut d = 0;
+                while d + 16 <= hdv {
+                    let mut acc = [vdupq_n_f32(0.0); 4];
+                    for (i, j) in pos.clone().enumerate() {
+                        let p = vdupq_n_f32(*row.add(i));
+                        let vr = vp.add(j * hdv + d);
+                        for (c, a) in acc.iter_mut().enumerate() {
+                            *a = vfmaq_f32(*a, p, load4(vr.add(4 * c)));
+                        }
+                    }
+                    for (c, a) in acc.iter().enumerate() {
+                        vst1q_f32(o.add(d + 4 * c), *a);
+                    }
+                    d += 16;
+                }
+                while d + 4 <= hdv {
+                    let mut acc = vdupq_n_f32(0.0);
+                    for (i, j) in pos.clone().enumerate() {
+                        acc = vfmaq_f32(acc, vdupq_n_f32(*row.add(i)), load4(vp.add(j * hdv + d)));
+                    }
+                    vst1q_f32(o.add(d), acc);
+                    d += 4;
+                }
+                for dd in d..hdv {
+                    let mut s = 0.0f32;
+                    for (i, j) in pos.clone().enumerate() {
+                        s += *row.add(i) * (*vp.add(j * hdv + dd)).to_f32();
+                    }
+                    *o.add(dd) = s;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,7 +579,7 @@ mod tests {
 
     // (heads in the group, head dims, positions): SmolLM2 (3 × 64), Gemma 3 (4 × 256), one and several chunks,
     // ragged chunk tails, odd head dims.
-    const SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+    const SHAPES: [(usize, usize, usize, usize, usize); 9] = [
         (3, 64, 64, 0, 1),
         (3, 64, 64, 0, 37),
         (3, 64, 64, 100, 613),
@@ -424,6 +588,7 @@ mod tests {
         (4, 256, 256, 300, 812),
         (1, 40, 24, 3, 20),
         (2, 16, 80, 0, 16),
+        (2, 18, 10, 1, 9),
     ];
 
     #[test]

@@ -43,6 +43,11 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
         unsafe { x86::silu_mul(g, u) };
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if super::kernels().isa != "scalar" {
+        neon::silu_mul(g, u);
+        return;
+    }
     silu_mul_scalar(g, u);
 }
 
@@ -69,6 +74,11 @@ pub fn gelu_mul(g: &mut [f32], u: &[f32]) {
     if super::kernels().isa == "avx512" {
         // SAFETY: as in `silu_mul`; the table has an entry past the last f16 pattern for the 32-bit gathers.
         unsafe { x86::gelu_mul(g, u, table) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if super::kernels().isa != "scalar" {
+        neon::gelu_mul(g, u, table);
         return;
     }
     gelu_mul_scalar(g, u, table);
@@ -199,6 +209,84 @@ pub(crate) mod x86 {
         } else {
             ((1u32 << left) - 1) as u16
         }
+    }
+}
+
+/// 4-lane NEON versions of the element-wise math (AArch64), for the same reason as the x86 ones: `expf` per value
+/// does not vectorise.
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod neon {
+    use std::arch::aarch64::*;
+
+    /// e^x for 4 lanes, the same reduction and polynomial as the x86 `exp16` (within 2 ulp): x = n·ln2 + r,
+    /// e^r by Cephes' degree-6 polynomial, times 2^n built in the exponent bits. Inputs are clamped to [-87.3, 88],
+    /// so n stays in -126..=127 and 2^n is a normal float.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    pub fn exp4(x: float32x4_t) -> float32x4_t {
+        let x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.3)), vdupq_n_f32(88.0));
+        let n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(std::f32::consts::LOG2_E)));
+        let r = vfmsq_f32(x, n, vdupq_n_f32(0.693_359_4));
+        let r = vfmsq_f32(r, n, vdupq_n_f32(-2.121_944_4e-4));
+        let mut p = vdupq_n_f32(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = vfmaq_f32(vdupq_n_f32(c), p, r);
+        }
+        let y = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.0));
+        let pow2 = vreinterpretq_f32_s32(vshlq_n_s32::<23>(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127))));
+        vmulq_f32(y, pow2)
+    }
+
+    /// Runs `f` over `g` and `u` four values at a time; a ragged tail goes through a zero-padded copy, so every
+    /// value is computed the same way.
+    #[inline(always)]
+    fn by4(g: &mut [f32], u: &[f32], f: impl Fn(float32x4_t, float32x4_t) -> float32x4_t) {
+        assert_eq!(g.len(), u.len());
+        let mut gc = g.chunks_exact_mut(4);
+        let mut uc = u.chunks_exact(4);
+        for (a, b) in (&mut gc).zip(&mut uc) {
+            // SAFETY: four floats in each chunk.
+            unsafe { vst1q_f32(a.as_mut_ptr(), f(vld1q_f32(a.as_ptr()), vld1q_f32(b.as_ptr()))) };
+        }
+        let (gt, ut) = (gc.into_remainder(), uc.remainder());
+        if !gt.is_empty() {
+            let (mut a, mut b) = ([0.0f32; 4], [0.0f32; 4]);
+            a[..gt.len()].copy_from_slice(gt);
+            b[..ut.len()].copy_from_slice(ut);
+            // SAFETY: four-float arrays.
+            unsafe { vst1q_f32(a.as_mut_ptr(), f(vld1q_f32(a.as_ptr()), vld1q_f32(b.as_ptr()))) };
+            gt.copy_from_slice(&a[..gt.len()]);
+        }
+    }
+
+    /// `g = silu(g) * u` as `x / (1 + e^-x)`.
+    pub fn silu_mul(g: &mut [f32], u: &[f32]) {
+        by4(g, u, |x, y| {
+            // SAFETY: NEON is part of the AArch64 baseline.
+            unsafe {
+                let e = exp4(vnegq_f32(x));
+                vmulq_f32(vdivq_f32(x, vaddq_f32(vdupq_n_f32(1.0), e)), y)
+            }
+        });
+    }
+
+    /// [`super::gelu_mul_scalar`], converting to and from f16 four values at a time (the table lookups are
+    /// scalar: NEON has no gather). `vcvt_f16_f32` rounds to nearest even, as `half::f16::from_f32`.
+    pub fn gelu_mul(g: &mut [f32], u: &[f32], table: &[u16]) {
+        assert!(table.len() > u16::MAX as usize);
+        by4(g, u, |x, y| {
+            // SAFETY: NEON is baseline; the indices are f16 patterns, all inside the table.
+            unsafe {
+                let mut idx = [0u16; 4];
+                vst1_u16(idx.as_mut_ptr(), vreinterpret_u16_f16(vcvt_f16_f32(x)));
+                let bits = idx.map(|i| *table.get_unchecked(i as usize));
+                let act = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(bits.as_ptr())));
+                // x >= 10: the identity; x <= -10: zero.
+                let act = vbslq_f32(vcgeq_f32(x, vdupq_n_f32(10.0)), x, act);
+                let keep = vcgtq_f32(x, vdupq_n_f32(-10.0));
+                vreinterpretq_f32_u32(vandq_u32(keep, vreinterpretq_u32_f32(vmulq_f32(act, y))))
+            }
+        });
     }
 }
 
@@ -433,6 +521,28 @@ mod tests {
             let mut ys = [0.0f32; 16];
             // SAFETY: AVX-512F checked above.
             unsafe { _mm512_storeu_ps(ys.as_mut_ptr(), x86::exp16(_mm512_loadu_ps(xs.as_ptr()))) };
+            for (&xi, &y) in xs.iter().zip(&ys) {
+                let want = (xi as f64).exp();
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                assert!(
+                    ((y as f64) - want).abs() <= 2.0 * ulp as f64 + 1e-38,
+                    "exp({xi}) = {y}, want {want}"
+                );
+            }
+            x += 0.05;
+        }
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn exp4_is_within_two_ulp() {
+        use std::arch::aarch64::*;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let xs: Vec<f32> = (0..4).map(|i| (x + i as f32 * 0.0037).min(88.0)).collect();
+            let mut ys = [0.0f32; 4];
+            // SAFETY: four floats each.
+            unsafe { vst1q_f32(ys.as_mut_ptr(), neon::exp4(vld1q_f32(xs.as_ptr()))) };
             for (&xi, &y) in xs.iter().zip(&ys) {
                 let want = (xi as f64).exp();
                 let ulp = (want as f32).abs() * f32::EPSILON;

@@ -11,7 +11,9 @@
 //! in its high ones) and each 4-byte quad `k` of it, `qs_r[32j + 4k..32j + 4k + 4]` for `r` in 0..16. Rows past the
 //! last whole group stay row-major after the groups.
 
-use super::kquants::{Q4_K_BYTES, Q8_K_BYTES, scale_min_k4};
+#[cfg(any(target_arch = "x86_64", test))]
+use super::kquants::Q8_K_BYTES;
+use super::kquants::{Q4_K_BYTES, scale_min_k4};
 use super::x16::ROWS;
 
 /// Bytes of one super-block column of one group.

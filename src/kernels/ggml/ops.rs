@@ -1,5 +1,6 @@
 //! Element-wise ggml ops (ggml-cpu/ops.cpp, vec.h, vec.cpp) with their exact arithmetic.
 
+#[cfg(target_arch = "x86_64")]
 use super::has_avx2_fma;
 
 /// ggml's `ggml_compute_forward_rms_norm_f32` fused with the following `ggml_mul` by the weight: the squares are
