@@ -442,7 +442,7 @@ impl GgufFile {
     }
 
     /// The array under `key`, parsed from the file if it was left there ([`LazyArray`]); `None` when the key is
-    /// absent. The pages a lazy array was parsed from are released again afterwards.
+    /// absent. The pages of the map are released again afterwards.
     pub fn array(&self, key: &str) -> Result<Option<std::borrow::Cow<'_, [Value]>>> {
         match self.metadata.get(key) {
             None => Ok(None),
@@ -466,7 +466,9 @@ impl GgufFile {
             pos: l.start,
         };
         let items = (0..l.len).map(|_| c.value(l.elem_ty, 1)).collect::<Result<Vec<_>>>()?;
-        self.release(l.start, l.end - l.start);
+        // Faulting the array in may have mapped whole page-cache folios around it, tensor data included (Linux maps
+        // large folios whole): drop every mapped page. Tensors read in place fault theirs back in on their next use.
+        self.release(0, self.mmap.len());
         Ok(items)
     }
 
@@ -583,7 +585,13 @@ impl GgufFile {
     pub fn release(&self, offset: usize, len: usize) {
         let page = 4096;
         let start = offset.next_multiple_of(page);
-        let end = (offset + len) / page * page;
+        // Only whole pages inside the range; the map's last page is the file's alone, however much of it is used
+        // (madvise rounds the length up to it).
+        let end = if offset + len >= self.mmap.len() {
+            self.mmap.len()
+        } else {
+            (offset + len) / page * page
+        };
         if end > start {
             // SAFETY: the mapping is read-only and file-backed: dropped pages are re-read from the file on access.
             let _ = unsafe {

@@ -117,6 +117,56 @@ fn batched_prefill_matches_token_by_token_and_window_holds_at_decode() {
 }
 
 #[test]
+fn layer_slices_give_the_bits_of_separate_batches() {
+    // A batch longer than a layer slice goes through each layer a slice at a time; each slice must see the KV the
+    // slices before it stored, exactly as separate forward passes of the same rows do.
+    let dir = tempfile::tempdir().unwrap();
+    let slice = baton::model::blocks::LAYER_SLICE;
+    let toks = prompt(2 * slice + 44);
+    for arch in [Arch::Llama, Arch::Gemma3] {
+        let m = Arc::new(Model::load(&random_model(arch, dir.path())).unwrap());
+        let mut whole = Session::new(m.clone(), pool(), 512, toks.len()).unwrap();
+        let one_pass = whole.forward(Input::Tokens(&toks), Want::AllLogits).unwrap().to_vec();
+        let mut parts = Session::new(m.clone(), pool(), 512, slice).unwrap();
+        let mut chunked = Vec::new();
+        for c in toks.chunks(slice) {
+            chunked.extend_from_slice(parts.forward(Input::Tokens(c), Want::AllLogits).unwrap());
+        }
+        assert!(one_pass == chunked, "{arch:?}: layer slices changed the logits");
+    }
+}
+
+/// How many pages of `bytes` (a mapping of this process) are mapped in memory now, from `/proc/self/pagemap`.
+fn mapped_pages(bytes: &[u8]) -> Vec<usize> {
+    use std::io::{Read, Seek, SeekFrom};
+    let (first, n) = (bytes.as_ptr() as usize / 4096, bytes.len().div_ceil(4096));
+    let mut pm = std::fs::File::open("/proc/self/pagemap").unwrap();
+    pm.seek(SeekFrom::Start(first as u64 * 8)).unwrap();
+    let mut entries = vec![0u8; n * 8];
+    pm.read_exact(&mut entries).unwrap();
+    let present = |p: usize| u64::from_le_bytes(entries[p * 8..p * 8 + 8].try_into().unwrap()) >> 63 == 1;
+    (0..n).filter(|&p| present(p)).collect()
+}
+
+#[test]
+fn repacked_models_leave_the_model_file_unmapped() {
+    // Where the kernels repack weights, every multiplied matrix is owned and the file's pages are dropped after
+    // loading; a file page mapped later counts twice towards the memory (see `Matrix::repack_for_kernels`).
+    if !baton::kernels::x16::available() {
+        eprintln!("SKIPPED: this CPU's kernels use the weights in place");
+        return;
+    }
+    for name in ["smollm2", "gemma3"] {
+        let m = Arc::new(Model::load(&common::model(name)).unwrap());
+        baton::vocab::Vocab::from_gguf(&m.file).unwrap();
+        let mut s = Session::new(m.clone(), pool(), 64, 16).unwrap();
+        s.forward(Input::Tokens(&prompt(16)), Want::LastLogits).unwrap();
+        let pages = mapped_pages(m.file.bytes());
+        assert!(pages.is_empty(), "{name}: file pages {pages:?} are mapped");
+    }
+}
+
+#[test]
 fn snapshot_restore_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     for name in ["smollm2", "gemma3"] {

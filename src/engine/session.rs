@@ -8,7 +8,7 @@ use super::kv_cache::KvCache;
 use crate::kernels::ggml::{self, Numerics};
 use crate::kernels::ops::{self, RopeTable};
 use crate::kernels::{self, ThreadPool};
-use crate::model::blocks::{Buffers, RowsKv, SeqKv, Step};
+use crate::model::blocks::{self, Buffers, RowsKv, SeqKv, Step};
 use crate::model::{Arch, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
@@ -38,6 +38,8 @@ pub struct Session {
     pub kv: KvCache,
     /// Token ids whose KV the cache holds, when known (always, for a range fed with tokens).
     tokens: Vec<u32>,
+    /// Most tokens one forward pass takes.
+    n_batch: usize,
     bufs: Buffers,
     /// One RoPE table per frequency base the range uses.
     ropes: Vec<RopeTable>,
@@ -63,6 +65,7 @@ impl Session {
         Ok(Session {
             kv: KvCache::new(hp, model.range.clone(), n_ctx),
             tokens: Vec::new(),
+            n_batch,
             x: vec![0.0; n_batch * hp.n_embd],
             logits: vec![0.0; if model.is_last() { hp.n_vocab } else { 0 }],
             head_in: vec![0.0; hp.n_embd],
@@ -89,7 +92,7 @@ impl Session {
     }
 
     pub fn n_batch(&self) -> usize {
-        self.bufs.n_batch
+        self.n_batch
     }
 
     /// Positions held in the cache.
@@ -345,10 +348,10 @@ pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> 
 /// Layer `step.il` of the model's architecture over the batch in `x`.
 pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffers, kv: &mut impl RowsKv) {
     let lw = model.layer(step.il);
-    match model.hp.arch {
-        Arch::Llama => llama::layer(step, lw, x, bufs, kv),
-        Arch::Gemma3 => gemma3::layer(step, lw, x, bufs, kv),
-    }
+    blocks::for_each_slice(step, x, bufs, kv, |s, x, b, kv| match model.hp.arch {
+        Arch::Llama => llama::layer(s, lw, x, b, kv),
+        Arch::Gemma3 => gemma3::layer(s, lw, x, b, kv),
+    });
 }
 
 /// Final norm and output head for `rows` of the residual stream `x`, into `logits` (`[rows.len(), n_vocab]`);

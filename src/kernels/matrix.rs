@@ -66,22 +66,30 @@ impl Matrix {
         })
     }
 
-    /// Rearranges the weights for the fastest kernel this CPU has, when that kernel wants another layout (Q4_1
-    /// on AVX-512). Such a matrix no longer gives out rows (`row`, embedding lookups): repack only matrices that
-    /// are multiplied. The mapped pages it leaves are dropped from memory.
+    /// Rearranges the weights for the fastest kernel this CPU has, when that kernel wants another layout (Q4_1,
+    /// Q5_0, Q8_0 and Q4_K on AVX-512). Such a matrix no longer gives out rows (`row`, embedding lookups): repack
+    /// only matrices that are multiplied. The mapped pages it leaves are dropped from memory.
+    ///
+    /// On such a CPU a mapped matrix of another type is copied out of the map as well. Linux (6.18 on ext4) maps a
+    /// whole large page-cache folio on a fault, so a matrix read in place would bring back the file pages of the
+    /// repacked matrices around it: Gemma 3's Q6_K matrices pulled in 8 MiB of their repacked neighbours, and how much
+    /// varied from run to run with the page cache. With every multiplied matrix owned, the file stays unmapped.
     pub fn repack_for_kernels(&mut self) {
-        if !super::x16::supports(self.ty) || self.layout != Layout::Rows || self.rows < super::x16::ROWS {
+        if self.layout != Layout::Rows || !super::x16::available() {
             return;
         }
-        if !super::x16::available() {
+        let owned = if super::x16::supports(self.ty) && self.rows >= super::x16::ROWS {
+            self.layout = Layout::X16;
+            super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / self.ty.block_size())
+        } else if matches!(self.data, Bytes::Mapped { .. }) {
+            self.bytes().to_vec()
+        } else {
             return;
-        }
-        let packed = super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / self.ty.block_size());
+        };
         if let Bytes::Mapped { file, offset, len } = &self.data {
             file.release(*offset, *len);
         }
-        self.data = Bytes::Owned(packed);
-        self.layout = Layout::X16;
+        self.data = Bytes::Owned(owned);
     }
 
     pub fn bytes(&self) -> &[u8] {

@@ -9,12 +9,20 @@ use crate::kernels::{self, Glu, Matrix, ThreadPool, attention};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-/// Scratch space for a forward pass over up to `n_batch` tokens; allocated once per session so a decoded token
-/// allocates nothing. The attention's Q, K, V and output and the feed-forward's hidden activations are never live
-/// together, so they take turns in one working buffer (with the fused gate/up matmul this halves SmolLM2's prefill
-/// scratch, see docs/performance.md).
+/// At most how many rows of a batch go through one layer together. A longer batch goes through each layer in
+/// slices of this many rows ([`for_each_slice`]): the per-layer scratch ([`Buffers`]) is then sized for a slice, and
+/// the layer's weights, read again for each slice, are still in the caches (unlike smaller batches, which read every
+/// layer's weights from memory again). A multiple of the matmuls' token blocks, so a slice gives the same bits as the
+/// whole batch in one pass.
+pub const LAYER_SLICE: usize = 128;
+
+/// Scratch space for one layer's pass over up to [`LAYER_SLICE`] rows; allocated once per session so a decoded
+/// token allocates nothing. The attention's Q, K, V and output and the feed-forward's hidden activations are never
+/// live together, so they take turns in one working buffer (with the fused gate/up matmul this halves SmolLM2's
+/// prefill scratch, see docs/performance.md).
 pub struct Buffers {
-    pub n_batch: usize,
+    /// Rows one pass takes: the batch size, at most [`LAYER_SLICE`].
+    pub n_rows: usize,
     /// Normalised input of the current sub-block, `[n_tok, n_embd]`. Once Q/K/V or gate/up are computed from it,
     /// the sub-block's output projection is written back into it.
     pub xn: Vec<f32>,
@@ -45,13 +53,15 @@ pub struct Attn<'a> {
 }
 
 impl Buffers {
+    /// Scratch for batches of up to `n_batch` rows.
     pub fn new(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> Buffers {
-        let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_batch * w);
-        let attn_len = qkv_len.iter().sum::<usize>() + n_batch * hp.n_head * hp.head_dim_v;
+        let n_rows = n_batch.min(LAYER_SLICE);
+        let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_rows * w);
+        let attn_len = qkv_len.iter().sum::<usize>() + n_rows * hp.n_head * hp.head_dim_v;
         Buffers {
-            n_batch,
-            xn: vec![0.0; n_batch * hp.n_embd],
-            work: vec![0.0; attn_len.max(n_batch * hp.n_ff)],
+            n_rows,
+            xn: vec![0.0; n_rows * hp.n_embd],
+            work: vec![0.0; attn_len.max(n_rows * hp.n_ff)],
             qkv_len,
             n_ff: hp.n_ff,
             up: Vec::new(),
@@ -124,6 +134,43 @@ impl RowsKv for SeqKv<'_> {
             v: &mut *self.kv.v,
             n_ctx: self.kv.n_ctx,
         }
+    }
+}
+
+/// Rows `t0..` of another batch's rows: one slice of a batch ([`for_each_slice`]).
+pub struct Slice<'a, R> {
+    rows: &'a mut R,
+    t0: usize,
+}
+
+impl<R: RowsKv> RowsKv for Slice<'_, R> {
+    fn pos(&self, t: usize) -> usize {
+        self.rows.pos(self.t0 + t)
+    }
+
+    fn read(&self, t: usize) -> (&[f16], &[f16], usize) {
+        self.rows.read(self.t0 + t)
+    }
+
+    fn write(&mut self, t: usize) -> LayerKv<'_> {
+        self.rows.write(self.t0 + t)
+    }
+}
+
+/// Runs one layer `f` over the batch `x` (`[s.n_tok, n_embd]`) a slice of at most `b.n_rows` rows at a time, in
+/// order: a row attends to the KV the slices before it stored in this layer, as in one pass.
+pub fn for_each_slice<R: RowsKv>(
+    s: &Step,
+    x: &mut [f32],
+    b: &mut Buffers,
+    rows: &mut R,
+    mut f: impl FnMut(&Step, &mut [f32], &mut Buffers, &mut Slice<'_, R>),
+) {
+    let e = s.hp.n_embd;
+    for t0 in (0..s.n_tok).step_by(b.n_rows) {
+        let n_tok = (s.n_tok - t0).min(b.n_rows);
+        let slice = Step { n_tok, ..*s };
+        f(&slice, &mut x[t0 * e..(t0 + n_tok) * e], b, &mut Slice { rows, t0 });
     }
 }
 
@@ -238,7 +285,7 @@ pub fn ffn(s: &Step, lw: &LayerWeights, b: &mut Buffers, glu: Glu) {
     let h = &mut b.work[..nf];
     if s.ggml() {
         if b.up.len() < nf {
-            b.up.resize(b.n_batch * b.n_ff, 0.0);
+            b.up.resize(b.n_rows * b.n_ff, 0.0);
         }
         project(s, &lw.ffn_gate, &b.xn, h, &mut b.mm);
         project(s, &lw.ffn_up, &b.xn, &mut b.up, &mut b.mm);
