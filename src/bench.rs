@@ -166,6 +166,11 @@ pub fn peak_rss() -> u64 {
     status_kb("VmHWM:")
 }
 
+/// Resets the peak RSS to the current RSS (Linux: `/proc/self/clear_refs`); false where that is not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// Resident set size now, in bytes. `baton bench` samples it after each figure: its peak RSS would include the
 /// bandwidth probe's 256 MiB buffer, which is freed before the tests run.
 pub fn current_rss() -> u64 {
@@ -331,6 +336,18 @@ mod tests {
     fn rss_and_bandwidth_are_measured() {
         assert!(peak_rss() > 0);
         assert!(current_rss() > 0 && current_rss() <= peak_rss());
+        // A 64 MiB buffer raises the peak; once it is freed, a reset brings the peak back below it.
+        let buf = vec![1u8; 64 << 20];
+        std::hint::black_box(&buf);
+        let high = peak_rss();
+        drop(buf);
+        if reset_peak_rss() {
+            assert!(
+                peak_rss() + (32 << 20) < high,
+                "peak {} after the reset, {high} before",
+                peak_rss()
+            );
+        }
         let bw = measure_bandwidth(&ThreadPool::new(2));
         assert!(bw > 1e8, "bandwidth {bw}");
     }

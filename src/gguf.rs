@@ -452,6 +452,68 @@ impl GgufFile {
         }
     }
 
+    /// The strings of the array under `key`, read straight from the map for an array left there: no value per
+    /// element is built (Gemma 3's 262,144 token texts as [`Value`]s took 10 MB more while the tokenizer was built).
+    /// Invalid UTF-8 is kept lossily, as at open. `None` when the key is absent. Borrowed strings keep their file
+    /// pages mapped: call [`GgufFile::release`] once they are no longer needed.
+    pub fn str_array(&self, key: &str) -> Result<Option<Vec<std::borrow::Cow<'_, str>>>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str()
+                        .map(std::borrow::Cow::Borrowed)
+                        .with_context(|| format!("{key}[{i}] is {}, not a string", v.summary()))
+                })
+                .collect::<Result<_>>()
+                .map(Some),
+            Some(Value::Lazy(l)) => {
+                if l.elem_ty != 8 {
+                    bail!("{key} is an array of metadata type {}, not of strings", l.elem_ty);
+                }
+                let mut c = Cursor {
+                    buf: &self.mmap[..l.end],
+                    pos: l.start,
+                };
+                (0..l.len)
+                    .map(|_| Ok(String::from_utf8_lossy(c.string_bytes("string value")?)))
+                    .collect::<Result<_>>()
+                    .map(Some)
+            }
+            Some(_) => bail!("GGUF key {key} is not an array"),
+        }
+    }
+
+    /// The numbers of the array under `key`, each converted by `conv` (`None`: not such a number); for an array left
+    /// in the file, one element at a time without keeping the [`Value`]s. `None` when the key is absent.
+    pub fn num_array<T>(&self, key: &str, conv: impl Fn(&Value) -> Option<T>) -> Result<Option<Vec<T>>> {
+        let one = |i: usize, v: &Value| conv(v).with_context(|| format!("{key}[{i}] is {}, not a number", v.summary()));
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| one(i, v))
+                .collect::<Result<_>>()
+                .map(Some),
+            Some(Value::Lazy(l)) => {
+                let mut c = Cursor {
+                    buf: &self.mmap[..l.end],
+                    pos: l.start,
+                };
+                let out = (0..l.len as usize)
+                    .map(|i| one(i, &c.value(l.elem_ty, 1)?))
+                    .collect::<Result<_>>()
+                    .map(Some);
+                self.release(l.start, l.end - l.start);
+                out
+            }
+            Some(_) => bail!("GGUF key {key} is not an array"),
+        }
+    }
+
     /// `v` with a lazy array parsed (to copy metadata into another file).
     pub fn owned_value(&self, v: &Value) -> Result<Value> {
         match v {
@@ -849,6 +911,27 @@ mod tests {
         assert_eq!(*g.array("tokenizer.ggml.scores").unwrap().unwrap(), scores[..]);
         assert!(g.array("no.such.key").unwrap().is_none());
         assert!(g.array("general.architecture").is_err());
+        // The typed readers give the same, lazy or not, and name a wrong element type.
+        let strs: Vec<String> = texts.iter().map(|v| v.as_str().unwrap().to_string()).collect();
+        let nums: Vec<f32> = scores.iter().map(|v| v.as_f32().unwrap()).collect();
+        assert_eq!(g.str_array("tokenizer.ggml.tokens").unwrap().unwrap(), strs);
+        assert_eq!(
+            g.num_array("tokenizer.ggml.scores", Value::as_f32).unwrap().unwrap(),
+            nums
+        );
+        assert!(g.str_array("no.such.key").unwrap().is_none());
+        let e = format!("{:#}", g.str_array("tokenizer.ggml.scores").unwrap_err());
+        assert!(e.contains("not of strings"), "{e}");
+        let e = format!("{:#}", g.num_array("tokenizer.ggml.tokens", Value::as_f32).unwrap_err());
+        assert!(e.contains("tokenizer.ggml.tokens[0] is \"tok0\", not a number"), "{e}");
+        let mut w3 = GgufWriter::new();
+        w3.meta("short.strs", Value::Array(texts[..3].to_vec()));
+        w3.meta("short.nums", Value::Array(vec![Value::U8(1), Value::U8(2)]));
+        let g3 = open_bytes(&w3.to_bytes()).unwrap();
+        assert_eq!(g3.str_array("short.strs").unwrap().unwrap(), strs[..3]);
+        assert_eq!(g3.num_array("short.nums", Value::as_i64).unwrap().unwrap(), [1, 2]);
+        let e = format!("{:#}", g3.str_array("short.nums").unwrap_err());
+        assert!(e.contains("short.nums[0] is 1, not a string"), "{e}");
         // Copied into a new file through owned_value, it reads back the same.
         let mut w2 = GgufWriter::new();
         for (k, v) in &g.metadata {

@@ -469,22 +469,26 @@ fn default_threads() -> usize {
 }
 
 /// Loads model, vocabulary and a thread pool.
-fn load(model: &str, threads: Option<usize>) -> Result<(Arc<Model>, Vocab, Arc<ThreadPool>)> {
+/// The thread pool of `-t` (default: every core).
+fn thread_pool(threads: Option<usize>) -> Arc<ThreadPool> {
+    Arc::new(ThreadPool::new(threads.unwrap_or_else(default_threads)))
+}
+
+/// Loads a whole model (name or path) for `pool`'s threads. The tokenizer is built by whoever needs it, once.
+fn load(model: &str, pool: &ThreadPool) -> Result<Arc<Model>> {
     let path = fetch::resolve(model)?;
     let t0 = Instant::now();
     let model = Arc::new(Model::load(&path)?);
-    let vocab = Vocab::from_gguf(&model.file)?;
-    let pool = Arc::new(ThreadPool::new(threads.unwrap_or_else(default_threads)));
     eprintln!(
-        "loaded {} ({}, {} layers, {}) in {:.2} s, {} threads",
+        "loaded {} ({}, {} layers, {} tokens) in {:.2} s, {} threads",
         path.display(),
         model.hp.arch.name(),
         model.hp.n_layer,
-        vocab.describe(),
+        model.hp.n_vocab,
         t0.elapsed().as_secs_f64(),
         pool.n_threads()
     );
-    Ok((model, vocab, pool))
+    Ok(model)
 }
 
 fn cmd_run(a: RunArgs) -> Result<()> {
@@ -638,7 +642,8 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         }
         return Ok(Box::new(g));
     }
-    let (model, _vocab, pool) = load(&c.model, c.threads)?;
+    let pool = thread_pool(c.threads);
+    let model = load(&c.model, &pool)?;
     if let Some(d) = &a.mix.draft {
         if a.prefill_node.is_some() {
             bail!("--draft and --prefill-node cannot be combined yet");
@@ -790,7 +795,10 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         let file = &a.file;
         return ensemble_cli::perplexity(spec, &combine, file, a.ctx, a.threads.unwrap_or_else(default_threads));
     }
-    let (model, vocab, pool) = load(&a.model, a.threads)?;
+    let pool = thread_pool(a.threads);
+    let model = load(&a.model, &pool)?;
+    let vocab = Vocab::from_gguf(&model.file)?;
+    eprintln!("tokenizer: {}", vocab.describe());
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let n_ctx = a.ctx;
     if n_ctx < 8 {
@@ -858,11 +866,17 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if a.pipeline.is_some() {
         return bench_pipeline(a);
     }
-    let (model, _vocab, pool) = load(&a.model, a.threads)?;
+    let pool = thread_pool(a.threads);
+    // The bandwidth probe's 256 MiB buffer comes and goes before the model is loaded, and the peak is reset after
+    // it: the peak RSS reported is then loading's and the tests'.
+    let bw = baton::bench::measure_bandwidth(&pool);
+    let peak_from_load = baton::bench::reset_peak_rss();
+    let model = load(&a.model, &pool)?;
+    // Held as every serving process holds its tokenizer, so that the memory figure is theirs.
+    let _vocab = Vocab::from_gguf(&model.file)?;
     let name = std::path::Path::new(&model.file.path)
         .file_name()
         .map_or(a.model.clone(), |f| f.to_string_lossy().into());
-    let bw = baton::bench::measure_bandwidth(&pool);
     let wbytes = model.weight_bytes_per_token();
     eprintln!(
         "memory read bandwidth: {:.1} GB/s ({} threads); weights read per token: {:.1} MB",
@@ -941,9 +955,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     })?;
     let mib = |b: u64| b as f64 / 1048576.0;
     let budget = file_bytes + kv_bytes;
+    let (what, rss) = if peak_from_load {
+        ("peak RSS of loading and the tests", baton::bench::peak_rss())
+    } else {
+        ("RSS after the tests (this system cannot reset the peak)", rss)
+    };
     eprintln!(
-        "RSS during the tests: {:.1} MiB = {:.2}x of model file {:.1} MiB + KV cache {:.1} MiB ({}; the process \
-         peak {:.1} MiB includes the 256 MiB bandwidth probe)",
+        "{what}: {:.1} MiB = {:.2}x of model file {:.1} MiB + KV cache {:.1} MiB ({})",
         mib(rss),
         rss as f64 / budget as f64,
         mib(file_bytes),
@@ -953,7 +971,6 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         } else {
             "more than 10% over"
         },
-        mib(baton::bench::peak_rss())
     );
     Ok(())
 }

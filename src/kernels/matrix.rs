@@ -5,6 +5,9 @@ use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 use anyhow::{Result, bail};
 use std::sync::Arc;
 
+/// How much of a matrix [`Matrix::repack_for_kernels`] takes out of the map at a time.
+pub const PIECE_BYTES: usize = 4 << 20;
+
 /// Where a matrix's bytes live.
 pub enum Bytes {
     /// A slice of the mapped model file: nothing is read until a kernel touches it.
@@ -74,22 +77,50 @@ impl Matrix {
     /// whole large page-cache folio on a fault, so a matrix read in place would bring back the file pages of the
     /// repacked matrices around it: Gemma 3's Q6_K matrices pulled in 8 MiB of their repacked neighbours, and how much
     /// varied from run to run with the page cache. With every multiplied matrix owned, the file stays unmapped.
+    ///
+    /// The work goes [`PIECE_BYTES`] at a time, each piece's file pages dropped as soon as it is done: a matrix
+    /// held twice, mapped and owned, would add its whole size to the peak memory of loading (170 MiB for Gemma 3's
+    /// embedding table, which is also its output head).
     pub fn repack_for_kernels(&mut self) {
         if self.layout != Layout::Rows || !super::x16::available() {
             return;
         }
-        let owned = if super::x16::supports(self.ty) && self.rows >= super::x16::ROWS {
-            self.layout = Layout::X16;
-            super::x16::repack(self.ty, self.bytes(), self.rows, self.cols / self.ty.block_size())
-        } else if matches!(self.data, Bytes::Mapped { .. }) {
-            self.bytes().to_vec()
-        } else {
+        let interleave = super::x16::supports(self.ty) && self.rows >= super::x16::ROWS;
+        if !interleave && !matches!(self.data, Bytes::Mapped { .. }) {
             return;
+        }
+        let (rb, nb) = (self.row_bytes(), self.cols / self.ty.block_size());
+        let len = if interleave {
+            super::x16::packed_len(self.ty, self.rows, nb)
+        } else {
+            self.rows * rb
         };
+        let mut owned = Vec::with_capacity(len);
+        // Whole groups of interleaved rows, so that the pieces' layouts join into the matrix's.
+        let piece = (PIECE_BYTES / rb)
+            .next_multiple_of(super::x16::ROWS)
+            .max(super::x16::ROWS);
+        for r0 in (0..self.rows).step_by(piece) {
+            let r1 = (r0 + piece).min(self.rows);
+            let src = &self.bytes()[r0 * rb..r1 * rb];
+            if interleave {
+                owned.extend_from_slice(&super::x16::repack(self.ty, src, r1 - r0, nb));
+            } else {
+                owned.extend_from_slice(src);
+            }
+            if let Bytes::Mapped { file, offset, .. } = &self.data {
+                file.release(offset + r0 * rb, (r1 - r0) * rb);
+            }
+        }
+        assert_eq!(owned.len(), len, "{} repacked to an unexpected length", self.ty);
         if let Bytes::Mapped { file, offset, len } = &self.data {
+            // The pages the pieces shared.
             file.release(*offset, *len);
         }
         self.data = Bytes::Owned(owned);
+        if interleave {
+            self.layout = Layout::X16;
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -163,4 +194,59 @@ impl Matrix {
 /// Weight types the matmul kernels compute with (Q8_1 and Q8_K only ever hold activations).
 pub fn supports(ty: GgmlType) -> bool {
     !matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufWriter;
+
+    /// Repacking in pieces gives the bytes of one whole repack, and copying gives the file's bytes, for matrices of
+    /// several pieces with ragged ends.
+    #[test]
+    fn repack_in_pieces_matches_the_whole() {
+        if !super::super::x16::available() {
+            eprintln!("SKIPPED: this CPU's kernels use the weights in place");
+            return;
+        }
+        let cols = 1024;
+        let mut rng = 7u32;
+        let mut bytes = |n: usize| -> Vec<u8> {
+            (0..n)
+                .map(|_| {
+                    rng = rng.wrapping_mul(1664525).wrapping_add(1013904223);
+                    // Keep every f16 scale finite: bits 10-14 of a byte pair never all set.
+                    (rng >> 24) as u8 & 0x3f
+                })
+                .collect()
+        };
+        let cases = [(GgmlType::Q8_0, true), (GgmlType::Q4K, true), (GgmlType::Q6K, false)];
+        let mut w = GgufWriter::new();
+        let mut datas = Vec::new();
+        for (i, &(ty, _)) in cases.iter().enumerate() {
+            let rb = ty.row_bytes(cols).unwrap();
+            let rows = 2 * (PIECE_BYTES / rb).next_multiple_of(super::super::x16::ROWS) + 21;
+            let data = bytes(rows * rb);
+            w.tensor(&format!("m{i}"), vec![cols as u64, rows as u64], ty, data.clone());
+            datas.push((rows, data));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        w.write(&path).unwrap();
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        for (i, &(ty, interleaved)) in cases.iter().enumerate() {
+            let mut m = Matrix::mapped(&file, file.tensor_info(&format!("m{i}")).unwrap()).unwrap();
+            m.repack_for_kernels();
+            let (rows, data) = &datas[i];
+            assert!(matches!(m.data, Bytes::Owned(_)), "{ty} still mapped");
+            if interleaved {
+                assert_eq!(m.layout, Layout::X16);
+                let whole = super::super::x16::repack(ty, data, *rows, cols / ty.block_size());
+                assert!(m.bytes() == &whole[..], "{ty}: pieces differ from one repack");
+            } else {
+                assert_eq!(m.layout, Layout::Rows);
+                assert!(m.bytes() == &data[..], "{ty}: copy differs from the file");
+            }
+        }
+    }
 }

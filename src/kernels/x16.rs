@@ -51,6 +51,12 @@ pub fn group_block(ty: GgmlType) -> usize {
     ROWS * block_shape(ty).0
 }
 
+/// Bytes of `rows` rows of `nb` blocks of `ty` in the interleaved layout: whole groups, then the rest row-major.
+pub fn packed_len(ty: GgmlType, rows: usize, nb: usize) -> usize {
+    let groups = rows / ROWS;
+    groups * nb * group_block(ty) + (rows - groups * ROWS) * ty.row_bytes(nb * ty.block_size()).expect("whole blocks")
+}
+
 /// Repacks row-major data of `ty` (`rows` rows of `nb` blocks) into the interleaved layout.
 pub fn repack(ty: GgmlType, src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
     if ty == GgmlType::Q4K {

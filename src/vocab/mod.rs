@@ -274,17 +274,15 @@ pub struct Vocab {
     eog: Vec<u32>,
 }
 
-fn array<'a>(g: &'a GgufFile, key: &str) -> Result<Option<std::borrow::Cow<'a, [Value]>>> {
-    g.array(key)
-}
-
 impl Vocab {
     /// Builds the tokenizer from the `tokenizer.ggml.*` metadata, with llama.cpp's defaults and fix-ups.
     pub fn from_gguf(g: &GgufFile) -> Result<Vocab> {
         let vocab = Self::from_metadata(g);
-        // Building parsed the token arrays into short-lived values (30 MB for Gemma 3's 262k tokens). glibc keeps
-        // freed pages in the middle of its heap resident; hand them back so they do not count for the life of
-        // the process.
+        // The token texts and merges were read in place from the map; their pages (and the page-cache folios
+        // mapped around them) are not needed any more.
+        g.release(0, g.bytes().len());
+        // Building made short-lived values (the texts' table, the merge pairs). glibc keeps freed pages in the
+        // middle of its heap resident; hand them back so they do not count for the life of the process.
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
         // SAFETY: malloc_trim only returns free memory to the kernel.
         unsafe {
@@ -299,53 +297,25 @@ impl Vocab {
             .context("GGUF has no tokenizer.ggml.model")?
             .to_string();
         let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("").to_string();
-        let tokens = array(g, "tokenizer.ggml.tokens")?.context("GGUF has no tokenizer.ggml.tokens")?;
-        let mut texts: Vec<Cow<str>> = Vec::with_capacity(tokens.len());
-        for (i, t) in tokens.iter().enumerate() {
-            let s = t
-                .as_str()
-                .with_context(|| format!("tokenizer.ggml.tokens[{i}] is not a string"))?;
+        let mut texts = g
+            .str_array("tokenizer.ggml.tokens")?
+            .context("GGUF has no tokenizer.ggml.tokens")?;
+        for (i, t) in texts.iter_mut().enumerate() {
             // llama.cpp renames empty pieces so that every text is unique and non-empty.
-            texts.push(if s.is_empty() {
-                Cow::Owned(format!("[EMPTY_{i}]"))
-            } else {
-                Cow::Borrowed(s)
-            });
+            if t.is_empty() {
+                *t = Cow::Owned(format!("[EMPTY_{i}]"));
+            }
         }
-        let merges_lines = array(g, "tokenizer.ggml.merges")?;
-        let scores_v = array(g, "tokenizer.ggml.scores")?;
-        let types_v = array(g, "tokenizer.ggml.token_type")?;
-        let token_types: Option<Vec<i64>> = match types_v {
-            Some(a) => Some(
-                a.iter()
-                    .enumerate()
-                    .map(|(i, v)| {
-                        v.as_i64()
-                            .with_context(|| format!("tokenizer.ggml.token_type[{i}] is not an integer"))
-                    })
-                    .collect::<Result<_>>()?,
-            ),
-            None => None,
-        };
-        let scores: Option<Vec<f32>> = match scores_v {
-            Some(a) => Some(
-                a.iter()
-                    .enumerate()
-                    .map(|(i, v)| {
-                        v.as_f32()
-                            .with_context(|| format!("tokenizer.ggml.scores[{i}] is not a number"))
-                    })
-                    .collect::<Result<_>>()?,
-            ),
-            None => None,
-        };
+        let token_types = g.num_array("tokenizer.ggml.token_type", Value::as_i64)?;
+        let scores = g.num_array("tokenizer.ggml.scores", Value::as_f32)?;
         let md = Metadata {
             get_u64: &|k| g.get_u64(k),
             get_bool: &|k| g.get_bool(k),
         };
-        let merges = merges_lines
+        let merges = g.str_array("tokenizer.ggml.merges")?;
+        let merges = merges
             .as_ref()
-            .map(|a| a.iter().map(|v| v.as_str().unwrap_or("")).collect::<Vec<_>>());
+            .map(|m| m.iter().map(|s| s.as_ref()).collect::<Vec<&str>>());
         Vocab::build(&model, &pre, texts, scores, token_types, merges, &md)
     }
 
