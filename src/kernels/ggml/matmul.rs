@@ -82,22 +82,29 @@ pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f
         });
     }
     let yp = SyncPtr(y.as_mut_ptr());
+    for_each_row(pool, rows, 16, |r, buf: &mut Vec<u8>| {
+        let wr = row_bytes(w, r, buf);
+        for t in 0..n_tok {
+            let v = vec_dot(nb, wr, &xq[t * xrb..(t + 1) * xrb]);
+            // SAFETY: output (t, r) belongs to the thread that took row r.
+            unsafe { *yp.get().add(t * rows + r) = v };
+        }
+    });
+}
+
+/// Deals the weight rows to the pool's threads `chunk` at a time, in order; `row(r, state)` computes row `r`'s output
+/// for every token, with a per-thread `state` (unpacked-row buffers) kept from row to row.
+fn for_each_row<S: Default>(pool: &ThreadPool, rows: usize, chunk: usize, row: impl Fn(usize, &mut S) + Sync) {
     let next = AtomicUsize::new(0);
-    let chunk = 16;
     pool.run(|_, _| {
-        let mut buf = Vec::new();
+        let mut state = S::default();
         loop {
             let r0 = next.fetch_add(1, Ordering::Relaxed) * chunk;
             if r0 >= rows {
                 break;
             }
             for r in r0..(r0 + chunk).min(rows) {
-                let wr = row_bytes(w, r, &mut buf);
-                for t in 0..n_tok {
-                    let v = vec_dot(nb, wr, &xq[t * xrb..(t + 1) * xrb]);
-                    // SAFETY: output (t, r) belongs to the thread that took row r.
-                    unsafe { *yp.get().add(t * rows + r) = v };
-                }
+                row(r, &mut state);
             }
         }
     });
@@ -126,34 +133,23 @@ fn matmul_k(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32
         });
     }
     let yp = SyncPtr(y.as_mut_ptr());
-    let next = AtomicUsize::new(0);
-    let chunk = 8;
     let xq = &xq;
-    pool.run(|_, _| {
-        let mut buf = Vec::new();
-        let (mut r4, mut r6) = (kquant::RowQ4K::default(), kquant::RowQ6K::default());
-        loop {
-            let r0 = next.fetch_add(1, Ordering::Relaxed) * chunk;
-            if r0 >= rows {
-                break;
-            }
-            for r in r0..(r0 + chunk).min(rows) {
-                let wr = row_bytes(w, r, &mut buf);
-                if q4 {
-                    r4.unpack(wr, cols);
-                } else {
-                    r6.unpack(wr, cols);
-                }
-                for t in 0..n_tok {
-                    let v = if q4 {
-                        kquant::dot_q4_k(&r4, xq, t)
-                    } else {
-                        kquant::dot_q6_k(&r6, xq, t)
-                    };
-                    // SAFETY: output (t, r) belongs to the thread that took row r.
-                    unsafe { *yp.get().add(t * rows + r) = v };
-                }
-            }
+    type State = (Vec<u8>, kquant::RowQ4K, kquant::RowQ6K);
+    for_each_row(pool, rows, 8, |r, (buf, r4, r6): &mut State| {
+        let wr = row_bytes(w, r, buf);
+        if q4 {
+            r4.unpack(wr, cols);
+        } else {
+            r6.unpack(wr, cols);
+        }
+        for t in 0..n_tok {
+            let v = if q4 {
+                kquant::dot_q4_k(r4, xq, t)
+            } else {
+                kquant::dot_q6_k(r6, xq, t)
+            };
+            // SAFETY: output (t, r) belongs to the thread that took row r.
+            unsafe { *yp.get().add(t * rows + r) = v };
         }
     });
 }
