@@ -171,8 +171,8 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// Resident set size now, in bytes. `baton bench` samples it after each figure: its peak RSS would include the
-/// bandwidth probe's 256 MiB buffer, which is freed before the tests run.
+/// Resident set size now, in bytes. `baton bench` samples it after each figure where it cannot reset the peak
+/// ([`reset_peak_rss`]), which would then include the bandwidth probe's 256 MiB buffer.
 pub fn current_rss() -> u64 {
     status_kb("VmRSS:")
 }
@@ -336,7 +336,8 @@ mod tests {
     fn rss_and_bandwidth_are_measured() {
         assert!(peak_rss() > 0);
         assert!(current_rss() > 0 && current_rss() <= peak_rss());
-        // A 64 MiB buffer raises the peak; once it is freed, a reset brings the peak back below it.
+        // A 64 MiB buffer raises the peak; once it is freed, a reset brings the peak back below it. (The peak is the
+        // process's: nextest runs this test alone in its own.)
         let buf = vec![1u8; 64 << 20];
         std::hint::black_box(&buf);
         let high = peak_rss();

@@ -173,6 +173,9 @@ pub struct LazyArray {
     end: usize,
 }
 
+/// The largest page-cache folio Linux maps whole on a fault: one PMD, 2 MiB on x86-64 and on AArch64 with 4 KiB pages.
+const FOLIO_MAX: usize = 2 << 20;
+
 /// Top-level arrays longer than this stay in the file until asked for.
 const LAZY_MIN: u64 = 1024;
 
@@ -437,12 +440,12 @@ impl GgufFile {
         let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
         let g = Self::parse(path, mmap).with_context(|| format!("{} is not a usable GGUF model", path.display()))?;
         // The header and metadata were read into owned values (or are re-read on demand): their pages can go.
-        g.release(0, g.data_offset);
+        g.release_around(0, g.data_offset);
         Ok(g)
     }
 
     /// The array under `key`, parsed from the file if it was left there ([`LazyArray`]); `None` when the key is
-    /// absent. The pages of the map are released again afterwards.
+    /// absent. The pages an array left in the file was parsed from are released again afterwards.
     pub fn array(&self, key: &str) -> Result<Option<std::borrow::Cow<'_, [Value]>>> {
         match self.metadata.get(key) {
             None => Ok(None),
@@ -507,7 +510,7 @@ impl GgufFile {
                     .map(|i| one(i, &c.value(l.elem_ty, 1)?))
                     .collect::<Result<_>>()
                     .map(Some);
-                self.release(l.start, l.end - l.start);
+                self.release_around(l.start, l.end);
                 out
             }
             Some(_) => bail!("GGUF key {key} is not an array"),
@@ -528,9 +531,7 @@ impl GgufFile {
             pos: l.start,
         };
         let items = (0..l.len).map(|_| c.value(l.elem_ty, 1)).collect::<Result<Vec<_>>>()?;
-        // Faulting the array in may have mapped whole page-cache folios around it, tensor data included (Linux maps
-        // large folios whole): drop every mapped page. Tensors read in place fault theirs back in on their next use.
-        self.release(0, self.mmap.len());
+        self.release_around(l.start, l.end);
         Ok(items)
     }
 
@@ -640,7 +641,25 @@ impl GgufFile {
         })
     }
 
-    /// The whole mapped file.
+    /// Drops the pages the array under `key` was read from, when it was left in the file ([`GgufFile::str_array`]
+    /// borrows them), and the page-cache folios around them ([`GgufFile::release_around`]).
+    pub fn release_array(&self, key: &str) {
+        if let Some(Value::Lazy(l)) = self.metadata.get(key) {
+            self.release_around(l.start, l.end);
+        }
+    }
+
+    /// [`GgufFile::release`] of `start..end` widened to [`FOLIO_MAX`] boundaries. Linux maps a whole large page-cache
+    /// folio on a fault, so reading metadata in place may have mapped the tensor data next to it too; a tensor read in
+    /// place there faults its pages back in on its next use.
+    fn release_around(&self, start: usize, end: usize) {
+        let lo = start / FOLIO_MAX * FOLIO_MAX;
+        let hi = end.next_multiple_of(FOLIO_MAX).min(self.mmap.len());
+        if hi > lo {
+            self.release(lo, hi - lo);
+        }
+    }
+
     /// Tells the kernel this process no longer needs the mapped pages inside `offset..offset + len` (a tensor that
     /// was copied into another layout), so they stop counting towards its memory. A later read would fault them in
     /// again from the file; nothing is lost.
@@ -663,6 +682,7 @@ impl GgufFile {
         }
     }
 
+    /// The whole mapped file.
     pub fn bytes(&self) -> &[u8] {
         &self.mmap
     }

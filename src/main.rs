@@ -468,7 +468,6 @@ fn default_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
-/// Loads model, vocabulary and a thread pool.
 /// The thread pool of `-t` (default: every core).
 fn thread_pool(threads: Option<usize>) -> Arc<ThreadPool> {
     Arc::new(ThreadPool::new(threads.unwrap_or_else(default_threads)))

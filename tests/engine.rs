@@ -137,6 +137,7 @@ fn layer_slices_give_the_bits_of_separate_batches() {
 }
 
 /// How many pages of `bytes` (a mapping of this process) are mapped in memory now, from `/proc/self/pagemap`.
+#[cfg(target_os = "linux")]
 fn mapped_pages(bytes: &[u8]) -> Vec<usize> {
     use std::io::{Read, Seek, SeekFrom};
     let (first, n) = (bytes.as_ptr() as usize / 4096, bytes.len().div_ceil(4096));
@@ -149,6 +150,7 @@ fn mapped_pages(bytes: &[u8]) -> Vec<usize> {
 }
 
 #[test]
+#[cfg(target_os = "linux")]
 fn repacked_models_leave_the_model_file_unmapped() {
     // Where the kernels repack weights, every multiplied matrix is owned and the file's pages are dropped after
     // loading; a file page mapped later counts twice towards the memory (see `Matrix::repack_for_kernels`).

@@ -69,27 +69,42 @@ impl Matrix {
         })
     }
 
-    /// Rearranges the weights for the fastest kernel this CPU has, when that kernel wants another layout (Q4_1,
-    /// Q5_0, Q8_0 and Q4_K on AVX-512). Such a matrix no longer gives out rows (`row`, embedding lookups): repack
-    /// only matrices that are multiplied. The mapped pages it leaves are dropped from memory.
-    ///
-    /// On such a CPU a mapped matrix of another type is copied out of the map as well. Linux (6.18 on ext4) maps a
-    /// whole large page-cache folio on a fault, so a matrix read in place would bring back the file pages of the
-    /// repacked matrices around it: Gemma 3's Q6_K matrices pulled in 8 MiB of their repacked neighbours, and how much
-    /// varied from run to run with the page cache. With every multiplied matrix owned, the file stays unmapped.
-    ///
-    /// The work goes [`PIECE_BYTES`] at a time, each piece's file pages dropped as soon as it is done: a matrix
-    /// held twice, mapped and owned, would add its whole size to the peak memory of loading (170 MiB for Gemma 3's
-    /// embedding table, which is also its output head).
+    /// Whether [`Matrix::repack_for_kernels`] rearranges this matrix: the fastest kernel of this CPU wants another
+    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX-512).
+    pub fn repacks(&self) -> bool {
+        self.layout == Layout::Rows
+            && super::x16::available()
+            && super::x16::supports(self.ty)
+            && self.rows >= super::x16::ROWS
+    }
+
+    /// Rearranges the weights for the fastest kernel this CPU has where it wants another layout ([`Matrix::repacks`]).
+    /// Such a matrix no longer gives out rows (`row`, embedding lookups): repack only matrices that are multiplied.
+    /// The mapped pages it leaves are dropped from memory.
     pub fn repack_for_kernels(&mut self) {
-        if self.layout != Layout::Rows || !super::x16::available() {
-            return;
+        if self.repacks() {
+            self.make_owned(true);
         }
-        let interleave = super::x16::supports(self.ty) && self.rows >= super::x16::ROWS;
-        if !interleave && !matches!(self.data, Bytes::Mapped { .. }) {
-            return;
+    }
+
+    /// Copies a mapped matrix into owned memory and drops its file pages. A model with repacked matrices does this
+    /// to the others it multiplies: Linux (6.18 on ext4) maps a whole large page-cache folio on a fault, so a matrix
+    /// read in place brings back the file pages of the repacked matrices around it. Gemma 3's Q6_K matrices pulled
+    /// in 8 MiB of their repacked neighbours, and how much varied from run to run with the page cache.
+    pub fn copy_out_of_map(&mut self) {
+        if matches!(self.data, Bytes::Mapped { .. }) {
+            self.make_owned(false);
         }
+    }
+
+    /// The matrix in owned memory, interleaved or as it is. The work goes [`PIECE_BYTES`] at a time, each piece's
+    /// file pages dropped as soon as it is done: a matrix held twice, mapped and owned, would add its whole size to
+    /// the peak memory of loading (170 MiB for Gemma 3's embedding table, which is also its output head).
+    fn make_owned(&mut self, interleave: bool) {
         let (rb, nb) = (self.row_bytes(), self.cols / self.ty.block_size());
+        if rb == 0 || self.rows == 0 {
+            return;
+        }
         let len = if interleave {
             super::x16::packed_len(self.ty, self.rows, nb)
         } else {
@@ -202,7 +217,7 @@ mod tests {
     use crate::gguf::GgufWriter;
 
     /// Repacking in pieces gives the bytes of one whole repack, and copying gives the file's bytes, for matrices of
-    /// several pieces with ragged ends.
+    /// several pieces with ragged ends; an empty matrix is left as it is.
     #[test]
     fn repack_in_pieces_matches_the_whole() {
         if !super::super::x16::available() {
@@ -230,13 +245,16 @@ mod tests {
             w.tensor(&format!("m{i}"), vec![cols as u64, rows as u64], ty, data.clone());
             datas.push((rows, data));
         }
+        w.tensor("empty", vec![0, 32], GgmlType::F32, Vec::new());
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.gguf");
         w.write(&path).unwrap();
         let file = Arc::new(GgufFile::open(&path).unwrap());
         for (i, &(ty, interleaved)) in cases.iter().enumerate() {
             let mut m = Matrix::mapped(&file, file.tensor_info(&format!("m{i}")).unwrap()).unwrap();
+            assert_eq!(m.repacks(), interleaved, "{ty}");
             m.repack_for_kernels();
+            m.copy_out_of_map();
             let (rows, data) = &datas[i];
             assert!(matches!(m.data, Bytes::Owned(_)), "{ty} still mapped");
             if interleaved {
@@ -248,5 +266,9 @@ mod tests {
                 assert!(m.bytes() == &data[..], "{ty}: copy differs from the file");
             }
         }
+        let mut empty = Matrix::mapped(&file, file.tensor_info("empty").unwrap()).unwrap();
+        empty.repack_for_kernels();
+        empty.copy_out_of_map();
+        assert!(empty.bytes().is_empty());
     }
 }

@@ -39,6 +39,21 @@ pub struct LayerWeights {
     pub post_ffn_norm: Option<Vec<f32>>,
 }
 
+impl LayerWeights {
+    /// The matrices the layer multiplies by.
+    pub fn matrices_mut(&mut self) -> [&mut Matrix; 7] {
+        [
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.ffn_gate,
+            &mut self.ffn_up,
+            &mut self.ffn_down,
+        ]
+    }
+}
+
 pub struct Model {
     pub file: Arc<GgufFile>,
     pub hp: Hparams,
@@ -107,12 +122,6 @@ impl Model {
             }
             Ok(m)
         };
-        // Matrices that are only multiplied may be rearranged for the kernels (embedding lookups need rows).
-        let weight = |name: &str, cols: usize, rows: usize| -> Result<Matrix> {
-            let mut m = matrix(name, cols, rows)?;
-            m.repack_for_kernels();
-            Ok(m)
-        };
         let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
@@ -135,17 +144,17 @@ impl Model {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,
-                wq: weight(&p("attn_q"), e, hp.n_embd_q())?,
-                wk: weight(&p("attn_k"), e, hp.n_embd_k())?,
-                wv: weight(&p("attn_v"), e, hp.n_embd_v())?,
-                wo: weight(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
+                wq: matrix(&p("attn_q"), e, hp.n_embd_q())?,
+                wk: matrix(&p("attn_k"), e, hp.n_embd_k())?,
+                wv: matrix(&p("attn_v"), e, hp.n_embd_v())?,
+                wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
                 q_norm: opt_vector(&p("attn_q_norm"), hp.head_dim_k)?,
                 k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
                 post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
                 ffn_norm: vector(&p("ffn_norm"), e)?,
-                ffn_gate: weight(&p("ffn_gate"), e, hp.n_ff)?,
-                ffn_up: weight(&p("ffn_up"), e, hp.n_ff)?,
-                ffn_down: weight(&p("ffn_down"), hp.n_ff, e)?,
+                ffn_gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
+                ffn_up: matrix(&p("ffn_up"), e, hp.n_ff)?,
+                ffn_down: matrix(&p("ffn_down"), hp.n_ff, e)?,
                 post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
             };
             if hp.arch == Arch::Gemma3
@@ -167,15 +176,30 @@ impl Model {
         } else {
             None
         };
-        let (output_norm, output) = if last {
+        let (output_norm, mut output) = if last {
             let head = if tied { "token_embd.weight" } else { "output.weight" };
             (
                 Some(vector("output_norm.weight", e)?),
-                Some(weight(head, e, hp.n_vocab)?),
+                Some(matrix(head, e, hp.n_vocab)?),
             )
         } else {
             (None, None)
         };
+        // Matrices that are only multiplied may be rearranged for the kernels (embedding lookups need rows). Where
+        // some are, the others are copied out of the map as well ([`Matrix::copy_out_of_map`] says why).
+        let mut multiplied: Vec<&mut Matrix> = layers
+            .iter_mut()
+            .flat_map(LayerWeights::matrices_mut)
+            .chain(output.as_mut())
+            .collect();
+        let repacking = multiplied.iter().any(|m| m.repacks());
+        for m in multiplied.iter_mut() {
+            if m.repacks() {
+                m.repack_for_kernels();
+            } else if repacking {
+                m.copy_out_of_map();
+            }
+        }
         // Loading read norms into vectors and repacked matrices into owned memory; the file pages that did (and,
         // with transparent huge pages, their 2 MiB neighbourhoods) stay resident unless dropped. Matrices used in
         // place fault their pages back in on first use.

@@ -280,7 +280,8 @@ impl Vocab {
         let vocab = Self::from_metadata(g);
         // The token texts and merges were read in place from the map; their pages (and the page-cache folios
         // mapped around them) are not needed any more.
-        g.release(0, g.bytes().len());
+        g.release_array("tokenizer.ggml.tokens");
+        g.release_array("tokenizer.ggml.merges");
         // Building made short-lived values (the texts' table, the merge pairs). glibc keeps freed pages in the
         // middle of its heap resident; hand them back so they do not count for the life of the process.
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
