@@ -164,7 +164,7 @@ pub enum Value {
 
 /// Where a long array's elements lie in the mapped file. Parsed into `Value`s, Gemma 3's three tokenizer arrays of
 /// 262,144 items took about 30 MB of heap for as long as the model was loaded, although they are read once, to
-/// build the tokenizer; [`GgufFile::array`] parses them when asked.
+/// build the tokenizer; [`GgufFile::str_array`] and [`GgufFile::num_array`] read them when asked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LazyArray {
     pub elem_ty: u32,
@@ -444,21 +444,10 @@ impl GgufFile {
         Ok(g)
     }
 
-    /// The array under `key`, parsed from the file if it was left there ([`LazyArray`]); `None` when the key is
-    /// absent. The pages an array left in the file was parsed from are released again afterwards.
-    pub fn array(&self, key: &str) -> Result<Option<std::borrow::Cow<'_, [Value]>>> {
-        match self.metadata.get(key) {
-            None => Ok(None),
-            Some(Value::Array(a)) => Ok(Some(std::borrow::Cow::Borrowed(a))),
-            Some(Value::Lazy(l)) => Ok(Some(std::borrow::Cow::Owned(self.parse_lazy(l)?))),
-            Some(_) => bail!("GGUF key {key} is not an array"),
-        }
-    }
-
     /// The strings of the array under `key`, read straight from the map for an array left there: no value per
     /// element is built (Gemma 3's 262,144 token texts as [`Value`]s took 10 MB more while the tokenizer was built).
     /// Invalid UTF-8 is kept lossily, as at open. `None` when the key is absent. Borrowed strings keep their file
-    /// pages mapped: call [`GgufFile::release`] once they are no longer needed.
+    /// pages mapped: call [`GgufFile::release_array`] once they are no longer needed.
     pub fn str_array(&self, key: &str) -> Result<Option<Vec<std::borrow::Cow<'_, str>>>> {
         match self.metadata.get(key) {
             None => Ok(None),
@@ -476,10 +465,7 @@ impl GgufFile {
                 if l.elem_ty != 8 {
                     bail!("{key} is an array of metadata type {}, not of strings", l.elem_ty);
                 }
-                let mut c = Cursor {
-                    buf: &self.mmap[..l.end],
-                    pos: l.start,
-                };
+                let mut c = self.cursor(l);
                 (0..l.len)
                     .map(|_| Ok(String::from_utf8_lossy(c.string_bytes("string value")?)))
                     .collect::<Result<_>>()
@@ -502,10 +488,7 @@ impl GgufFile {
                 .collect::<Result<_>>()
                 .map(Some),
             Some(Value::Lazy(l)) => {
-                let mut c = Cursor {
-                    buf: &self.mmap[..l.end],
-                    pos: l.start,
-                };
+                let mut c = self.cursor(l);
                 let out = (0..l.len as usize)
                     .map(|i| one(i, &c.value(l.elem_ty, 1)?))
                     .collect::<Result<_>>()
@@ -514,6 +497,14 @@ impl GgufFile {
                 out
             }
             Some(_) => bail!("GGUF key {key} is not an array"),
+        }
+    }
+
+    /// A cursor at the first element of an array left in the file (bounds were checked at open).
+    fn cursor(&self, l: &LazyArray) -> Cursor<'_> {
+        Cursor {
+            buf: &self.mmap[..l.end],
+            pos: l.start,
         }
     }
 
@@ -526,10 +517,7 @@ impl GgufFile {
     }
 
     fn parse_lazy(&self, l: &LazyArray) -> Result<Vec<Value>> {
-        let mut c = Cursor {
-            buf: &self.mmap[..l.end],
-            pos: l.start,
-        };
+        let mut c = self.cursor(l);
         let items = (0..l.len).map(|_| c.value(l.elem_ty, 1)).collect::<Result<Vec<_>>>()?;
         self.release_around(l.start, l.end);
         Ok(items)
@@ -927,10 +915,12 @@ mod tests {
         let lazy = g.get("tokenizer.ggml.tokens").unwrap();
         assert!(matches!(lazy, Value::Lazy(l) if l.len == n as u64), "{lazy:?}");
         assert_eq!(lazy.summary(), format!("[{n} items]"));
-        assert_eq!(*g.array("tokenizer.ggml.tokens").unwrap().unwrap(), texts[..]);
-        assert_eq!(*g.array("tokenizer.ggml.scores").unwrap().unwrap(), scores[..]);
-        assert!(g.array("no.such.key").unwrap().is_none());
-        assert!(g.array("general.architecture").is_err());
+        let parsed = |g: &GgufFile, key: &str| g.owned_value(g.get(key).unwrap()).unwrap();
+        assert_eq!(parsed(&g, "tokenizer.ggml.tokens"), Value::Array(texts.clone()));
+        assert_eq!(parsed(&g, "tokenizer.ggml.scores"), Value::Array(scores.clone()));
+        assert!(g.num_array("no.such.key", Value::as_f32).unwrap().is_none());
+        assert!(g.str_array("general.architecture").is_err());
+        assert!(g.num_array("general.architecture", Value::as_f32).is_err());
         // The typed readers give the same, lazy or not, and name a wrong element type.
         let strs: Vec<String> = texts.iter().map(|v| v.as_str().unwrap().to_string()).collect();
         let nums: Vec<f32> = scores.iter().map(|v| v.as_f32().unwrap()).collect();
@@ -958,7 +948,7 @@ mod tests {
             w2.meta(k, g.owned_value(v).unwrap());
         }
         let g2 = open_bytes(&w2.to_bytes()).unwrap();
-        assert_eq!(*g2.array("tokenizer.ggml.tokens").unwrap().unwrap(), texts[..]);
+        assert_eq!(parsed(&g2, "tokenizer.ggml.tokens"), Value::Array(texts.clone()));
         // Cut inside the long array: refused at open, not when the array is read.
         let e = format!("{:#}", open_bytes(&bytes[..bytes.len() / 2]).err().unwrap());
         assert!(e.contains("truncated"), "{e}");
