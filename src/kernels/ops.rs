@@ -43,6 +43,12 @@ pub fn silu_mul(g: &mut [f32], u: &[f32]) {
         unsafe { x86::silu_mul(g, u) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels().isa == "avx2" {
+        // SAFETY: the kernel table picked AVX2 only where the CPU has AVX2, FMA and F16C.
+        unsafe { x86::silu_mul_avx2(g, u) };
+        return;
+    }
     #[cfg(target_arch = "aarch64")]
     if super::kernels().isa != "scalar" {
         neon::silu_mul(g, u);
@@ -74,6 +80,12 @@ pub fn gelu_mul(g: &mut [f32], u: &[f32]) {
     if super::kernels().isa == "avx512" {
         // SAFETY: as in `silu_mul`; the table has an entry past the last f16 pattern for the 32-bit gathers.
         unsafe { x86::gelu_mul(g, u, table) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels().isa == "avx2" {
+        // SAFETY: as above, for AVX2/FMA/F16C.
+        unsafe { x86::gelu_mul_avx2(g, u, table) };
         return;
     }
     #[cfg(target_arch = "aarch64")]
@@ -199,6 +211,97 @@ pub(crate) mod x86 {
             }
             i += 16;
         }
+    }
+
+    /// e^x for 8 lanes (AVX2+FMA): [`exp16`]'s reduction and polynomial, with 2^n built in the exponent bits (AVX2
+    /// has no `scalef`). The clamp keeps n in -126..=127, so 2^n is a normal float; within 2 ulp.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+    }
+
+    /// Runs `f` over `g` and `u` eight values at a time; a ragged tail goes through a zero-padded copy, so every
+    /// value is computed the same way whatever the slicing.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn by8(g: &mut [f32], u: &[f32], f: impl Fn(__m256, __m256) -> __m256) {
+        assert_eq!(g.len(), u.len());
+        let mut gc = g.chunks_exact_mut(8);
+        let mut uc = u.chunks_exact(8);
+        for (a, b) in (&mut gc).zip(&mut uc) {
+            // SAFETY: eight floats in each chunk.
+            unsafe {
+                _mm256_storeu_ps(
+                    a.as_mut_ptr(),
+                    f(_mm256_loadu_ps(a.as_ptr()), _mm256_loadu_ps(b.as_ptr())),
+                )
+            };
+        }
+        let (gt, ut) = (gc.into_remainder(), uc.remainder());
+        if !gt.is_empty() {
+            let (mut a, mut b) = ([0.0f32; 8], [0.0f32; 8]);
+            a[..gt.len()].copy_from_slice(gt);
+            b[..ut.len()].copy_from_slice(ut);
+            // SAFETY: eight-float arrays.
+            unsafe {
+                _mm256_storeu_ps(
+                    a.as_mut_ptr(),
+                    f(_mm256_loadu_ps(a.as_ptr()), _mm256_loadu_ps(b.as_ptr())),
+                )
+            };
+            gt.copy_from_slice(&a[..gt.len()]);
+        }
+    }
+
+    /// [`silu_mul`] in 8 lanes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) {
+        by8(g, u, |x, y| {
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e)), y)
+        });
+    }
+
+    /// [`gelu_mul`] in 8 lanes: round to f16, gather from the table, back to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C, and `table` hold 65537 entries.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn gelu_mul_avx2(g: &mut [f32], u: &[f32], table: &[u16]) {
+        assert!(table.len() > u16::MAX as usize + 1);
+        let tp = table.as_ptr() as *const i32;
+        by8(g, u, |x, y| {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+            let idx = _mm256_cvtepu16_epi32(h);
+            // SAFETY: indices are f16 patterns (< 65536) and the table has one entry more, so each 4-byte read at
+            // byte `2 * index` stays inside.
+            let t = unsafe { _mm256_i32gather_epi32::<2>(tp, idx) };
+            // The low 16 bits of each lane are the entry: pack them to 8 u16 and widen.
+            let t = _mm256_and_si256(t, _mm256_set1_epi32(0xffff));
+            let packed = _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+            let act = _mm256_cvtph_ps(packed);
+            // x >= 10: the identity; x <= -10: zero.
+            let act = _mm256_blendv_ps(act, x, _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(10.0)));
+            let keep = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(-10.0));
+            _mm256_and_ps(keep, _mm256_mul_ps(act, y))
+        });
     }
 
     /// The lanes of a 16-lane step that lie below `left` remaining values.
@@ -519,6 +622,53 @@ mod tests {
             // SAFETY: AVX-512F checked above; 16 floats each.
             unsafe { _mm512_storeu_ps(ys.as_mut_ptr(), x86::exp16(_mm512_loadu_ps(xs.as_ptr()))) }
         });
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp8_is_within_two_ulp() {
+        if !super::super::x86::has_avx2() {
+            eprintln!("SKIPPED: no AVX2 here, exp8 not tested");
+            return;
+        }
+        use std::arch::x86_64::*;
+        assert_exp_within_two_ulp(8, |xs, ys| {
+            // SAFETY: AVX2/FMA checked above; 8 floats each.
+            unsafe { _mm256_storeu_ps(ys.as_mut_ptr(), x86::exp8(_mm256_loadu_ps(xs.as_ptr()))) }
+        });
+    }
+
+    /// The AVX2 SiLU and GELU against the scalar references, whatever level the dispatch picked on this machine:
+    /// SiLU within a few ulp, GELU bit for bit (a table lookup), on ragged lengths.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_silu_and_gelu_match_scalar() {
+        if !super::super::x86::has_avx2() {
+            eprintln!("SKIPPED: no AVX2 here, the AVX2 activations not tested");
+            return;
+        }
+        let table = gelu_table();
+        for n in [1usize, 7, 8, 9, 100, 2048 + 5] {
+            let (x, y) = activations(n, 300 + n as u64);
+            let (mut fast, mut slow) = (x.clone(), x.clone());
+            // SAFETY: AVX2/FMA/F16C checked above; equal lengths; the table's extra entry.
+            unsafe { x86::silu_mul_avx2(&mut fast, &y) };
+            silu_mul_scalar(&mut slow, &y);
+            for i in 0..n {
+                let tol = 4.0 * f32::EPSILON * slow[i].abs() + 1e-30;
+                assert!(
+                    (fast[i] - slow[i]).abs() <= tol,
+                    "silu n={n} [{i}]: {} vs {}",
+                    fast[i],
+                    slow[i]
+                );
+            }
+            let (mut fast, mut slow) = (x.clone(), x.clone());
+            unsafe { x86::gelu_mul_avx2(&mut fast, &y, table) };
+            gelu_mul_scalar(&mut slow, &y, table);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&slow), "gelu n={n}");
+        }
     }
 
     #[cfg(target_arch = "aarch64")]
