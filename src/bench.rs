@@ -277,7 +277,7 @@ pub fn llama_cpp_once(
     depth: usize,
     threads: usize,
     n_batch: usize,
-) -> Result<Option<f64>> {
+) -> Result<Option<LlamaFigure>> {
     use anyhow::Context;
     let (pp, tg) = match (test.strip_prefix("pp"), test.strip_prefix("tg")) {
         (Some(n), _) => (n, "0"),
@@ -317,7 +317,17 @@ pub fn llama_cpp_once(
         .find(|l| l.starts_with('{'))
         .context("llama-ref printed no figure")?;
     let v: serde_json::Value = serde_json::from_str(line).context("llama-ref printed malformed JSON")?;
-    Ok(v["median_tokens_per_s"].as_f64())
+    Ok(v["median_tokens_per_s"].as_f64().map(|tps| LlamaFigure {
+        tps,
+        cpu: v["cpu"].as_str().map(str::to_string),
+    }))
+}
+
+/// One figure of [`llama_cpp_once`]: tokens/s, and the CPU features that llama.cpp build uses (older builds of the
+/// tool do not say).
+pub struct LlamaFigure {
+    pub tps: f64,
+    pub cpu: Option<String>,
 }
 
 #[cfg(test)]

@@ -901,8 +901,19 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let (threads, n_batch, model_path) = (pool.n_threads(), a.batch_size, model.file.path.clone());
-    let mut llama =
-        |test: &str, depth: usize| baton::bench::llama_cpp_once(&llama_bin, &model_path, test, depth, threads, n_batch);
+    // The CPU features of the llama.cpp build, as its tool reports them: an AVX-512 llama.cpp against Baton's
+    // AVX2 kernels compares unlike with unlike.
+    let llama_cpu = std::cell::RefCell::new(None::<String>);
+    let mut llama = |test: &str, depth: usize| {
+        let f = baton::bench::llama_cpp_once(&llama_bin, &model_path, test, depth, threads, n_batch)?;
+        Ok(f.map(|f| {
+            if llama_cpu.borrow().is_none() && f.cpu.is_some() {
+                eprintln!("llama.cpp build's CPU features: {}", f.cpu.as_deref().unwrap_or(""));
+            }
+            *llama_cpu.borrow_mut() = f.cpu.or(llama_cpu.take());
+            f.tps
+        }))
+    };
     let compare: Option<baton::bench::Compare> = if a.compare_llama_cpp { Some(&mut llama) } else { None };
     if !a.json {
         let extra = if a.compare_llama_cpp {
@@ -910,13 +921,14 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         } else {
             ""
         };
-        println!("| model | threads | test | depth | t/s median | min | max | bw bound |{extra}");
+        println!("| model | isa | threads | test | depth | t/s median | min | max | bw bound |{extra}");
         println!(
-            "|---|---:|---|---:|---:|---:|---:|---:|{}",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|{}",
             if a.compare_llama_cpp { "---:|---:|" } else { "" }
         );
     }
     let json = a.json;
+    let isa = baton::kernels::isa_label();
     let mut rss = 0u64;
     let file_bytes = std::fs::metadata(&model.file.path).map_or(0, |m| m.len());
     let kv_bytes = baton::engine::kv_cache::KvCache::bytes_for(&model.hp, model.range.len(), cfg.n_ctx()) as u64;
@@ -929,6 +941,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         };
         if json {
             let mut v = serde_json::to_value(f).unwrap();
+            v["isa"] = serde_json::json!(isa);
             v["bw_fraction"] = serde_json::json!(if f.test.starts_with("tg") {
                 wbytes as f64 * f.tps_median / bw
             } else {
@@ -938,6 +951,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 v["llama_cpp_tps_median"] = serde_json::json!(o.tps_median);
                 v["llama_cpp_samples"] = serde_json::json!(o.samples);
                 v["ratio_vs_llama_cpp"] = serde_json::json!(f.tps_median / o.tps_median);
+                v["llama_cpp_cpu"] = serde_json::json!(*llama_cpu.borrow());
             }
             println!("{v}");
         } else {
@@ -947,7 +961,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 None => String::new(),
             };
             println!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |{cmp}",
+                "| {} | {isa} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |{cmp}",
                 f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
             );
         }

@@ -209,7 +209,7 @@ fn info_describes_the_model() {
     }
 }
 
-/// `--compare-llama-cpp` interleaves the reference tool's repetitions with Baton's and prints the ratio; a stand-in
+/// `--compare-llama-cpp` interleaves the reference tool's repetitions with Baton's and prints the ratio and both ISAs; a stand-in
 /// script plays llama-ref here (the real one is a 50-minute build, never in CI). A missing tool is a clear error.
 #[test]
 fn bench_compares_with_the_llama_cpp_tool_in_the_same_run() {
@@ -220,7 +220,7 @@ fn bench_compares_with_the_llama_cpp_tool_in_the_same_run() {
     std::fs::write(
         &tool,
         format!(
-            "#!/bin/sh\necho \"$@\" >> {}\necho '{{\"engine\":\"llama.cpp\",\"median_tokens_per_s\":0.5}}'\n",
+            "#!/bin/sh\necho \"$@\" >> {}\necho '{{\"engine\":\"llama.cpp\",\"cpu\":\"AVX2 FMA\",\"median_tokens_per_s\":0.5}}'\n",
             log.display()
         ),
     )
@@ -230,6 +230,7 @@ fn bench_compares_with_the_llama_cpp_tool_in_the_same_run() {
     let run = |tool: &Path| {
         Command::new(common::baton_bin())
             .env("BATON_LLAMA_REF", tool)
+            .env("BATON_ISA", "scalar")
             .args([
                 "bench",
                 "-m",
@@ -256,6 +257,9 @@ fn bench_compares_with_the_llama_cpp_tool_in_the_same_run() {
     assert_eq!(figures.len(), 2);
     for f in &figures {
         assert_eq!(f["llama_cpp_tps_median"], 0.5);
+        // Both sides say what they ran: Baton's kernel level (forced here) and the llama.cpp build's features.
+        assert_eq!(f["isa"], "scalar");
+        assert_eq!(f["llama_cpp_cpu"], "AVX2 FMA");
         let ratio = f["ratio_vs_llama_cpp"].as_f64().unwrap();
         assert!((ratio - f["tps_median"].as_f64().unwrap() / 0.5).abs() < 1e-9);
     }

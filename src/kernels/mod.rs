@@ -196,6 +196,17 @@ pub fn kernels() -> &'static Kernels {
     K.get_or_init(Kernels::detect)
 }
 
+/// The kernel level in use, as benchmarks and logs name it: the table's ISA (`scalar`, `avx2`, `avx512`, `neon`,
+/// `neon-dotprod`), with `+vnni` where the AVX-512 kernels use VNNI.
+pub fn isa_label() -> String {
+    let isa = kernels().isa;
+    if x16::vnni() {
+        format!("{isa}+vnni")
+    } else {
+        isa.to_string()
+    }
+}
+
 /// Reusable buffers for [`matmul`] (quantized activations), so a decoded token allocates nothing.
 #[derive(Default)]
 pub struct Scratch {

@@ -261,7 +261,25 @@ fn model_info(model: &LlamaModel, name: &str, path: &Path) -> Value {
         "bos": vocab.bos().0,
         "eos": vocab.eos().0,
         "llama_cpp": llama_cpp_version(),
+        "llama_cpp_cpu": cpu_features(),
     })
+}
+
+/// The CPU features this llama.cpp build uses (those `llama_print_system_info` reports as 1, e.g.
+/// "AVX2 F16C FMA ... REPACK"), so a golden file or a speed figure says which ISA it came from: llama.cpp's AVX2
+/// and AVX-512 builds part ways after a few greedy tokens of a small model.
+fn cpu_features() -> String {
+    // SAFETY: returns a static NUL-terminated string owned by llama.cpp.
+    let info = unsafe { std::ffi::CStr::from_ptr(llama_cpp_sys_2::llama_print_system_info()) };
+    let info = info.to_string_lossy();
+    let cpu = info.split("CPU :").nth(1).unwrap_or(&info);
+    cpu.split('|')
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            (v.trim() == "1").then(|| k.trim().to_string())
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The vendored llama.cpp is identified by the sys crate version (which pins one llama.cpp commit).
@@ -787,7 +805,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
             (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
         };
         let line = json!({
-            "engine": "llama.cpp", "llama_cpp": llama_cpp_version(), "model": file, "test": name,
+            "engine": "llama.cpp", "llama_cpp": llama_cpp_version(), "cpu": cpu_features(), "model": file, "test": name,
             "threads": a.threads, "n_batch": n_batch, "depth": a.depth, "repetitions": a.repetitions,
             "median_tokens_per_s": median, "all_tokens_per_s": rates,
         });
