@@ -3,9 +3,11 @@ use baton::kernels::ThreadPool;
 use baton::model::Model;
 use std::sync::Arc;
 fn main() {
+    // cmp_logits MODEL [LEVEL]: LEVEL is the llama.cpp build of the golden (avx2, avx512; default avx512).
     let name = std::env::args().nth(1).unwrap();
-    let g: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("tests/golden/greedy-{name}.json")).unwrap()).unwrap();
+    let level = std::env::args().nth(2).unwrap_or_else(|| "avx512".into());
+    let path = format!("tests/golden/greedy-{name}-{level}.json");
+    let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let model = Arc::new(Model::load(&baton::fetch::resolve(&name).unwrap()).unwrap());
     for p in g["prompts"].as_array().unwrap() {
         let ids: Vec<u32> = p["prompt_ids"]

@@ -182,7 +182,24 @@ fn expand_home(p: &str) -> PathBuf {
     }
 }
 
+/// The x86 level of this llama.cpp build as golden file names carry it (`avx512`, `avx2`), or its architecture
+/// elsewhere: greedy continuations and perplexities depend on it, the tokenizer does not.
+fn build_level() -> &'static str {
+    let cpu = cpu_features();
+    let has = |f: &str| cpu.split(' ').any(|x| x == f);
+    if has("AVX512") {
+        "avx512"
+    } else if has("AVX2") {
+        "avx2"
+    } else if cfg!(target_arch = "aarch64") {
+        "neon"
+    } else {
+        "generic"
+    }
+}
+
 fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
+    let level = build_level();
     let texts = a.golden.join("tokenizer_texts.json");
     let ppl_text = a.golden.join("ppl-text.txt");
     for (name, path) in [("smollm2", &a.smollm2), ("gemma3", &a.gemma3)] {
@@ -202,7 +219,7 @@ fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
             &m,
             48,
             2048,
-            &a.golden.join(format!("greedy-{name}.json")),
+            &a.golden.join(format!("greedy-{name}-{level}.json")),
         )?;
         ppl_cmd(
             backend,
@@ -210,7 +227,7 @@ fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
             &ppl_text,
             512,
             1,
-            &a.golden.join(format!("perplexity-{name}.json")),
+            &a.golden.join(format!("perplexity-{name}-{level}.json")),
             None,
         )?;
     }
