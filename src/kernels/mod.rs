@@ -21,6 +21,8 @@ pub(crate) mod testutil;
 pub mod x16;
 pub mod x16k;
 #[cfg(target_arch = "x86_64")]
+pub mod x16avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod x86;
 
 pub use matrix::Matrix;
