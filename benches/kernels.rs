@@ -46,13 +46,16 @@ fn matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
             }
         }
     }
-    Matrix {
+    let mut m = Matrix {
         ty,
         rows,
         cols,
         data: Bytes::Owned(data),
         layout: baton::kernels::matrix::Layout::Rows,
-    }
+    };
+    // As a model's load does: interleaved where this CPU's kernels want it (`BATON_ISA=scalar` keeps rows).
+    m.repack_for_kernels();
+    m
 }
 
 /// Median seconds of `reps` timed runs after a warm-up.

@@ -33,7 +33,8 @@ impl Bytes {
 pub enum Layout {
     /// Row-major, each row `ty.row_bytes(cols)` bytes: the file's layout.
     Rows,
-    /// Q4_1 or Q8_0 in groups of 16 interleaved rows (see [`super::x16`]), rows past the last group row-major.
+    /// Q4_1, Q5_0, Q8_0 or Q4_K in groups of 16 interleaved rows (see [`super::x16`], [`super::x16k`]), rows past
+    /// the last group row-major.
     X16,
 }
 
@@ -70,7 +71,7 @@ impl Matrix {
     }
 
     /// Whether [`Matrix::repack_for_kernels`] rearranges this matrix: the fastest kernel of this CPU wants another
-    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX-512).
+    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX2 and AVX-512).
     pub fn repacks(&self) -> bool {
         self.layout == Layout::Rows
             && super::x16::available()

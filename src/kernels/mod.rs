@@ -21,6 +21,8 @@ pub(crate) mod testutil;
 pub mod x16;
 pub mod x16k;
 #[cfg(target_arch = "x86_64")]
+pub mod x16avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod x86;
 
 pub use matrix::Matrix;
@@ -384,7 +386,7 @@ fn matmul_impl(
     }
     let xq = &scratch.xq[..n_tok * xrb];
     if w.layout == matrix::Layout::X16 {
-        return matmul_x16(pool, w, up, xq, xrb, n_tok, yp, qk.dot);
+        return matmul_x16(pool, w, up, xq, xrb, n_tok, yp, qk.dot, x16::Level::of(k));
     }
 
     let chunk = row_chunk(rows, n_tok, pool.n_threads());
@@ -556,7 +558,8 @@ fn matmul_float(
 }
 
 /// [`matmul_impl`] for weights repacked in groups of 16 rows: threads take groups; each group's weights (a few KB)
-/// stay in L1 while every token, a tile at a time, goes past them. Rows after the last group are row-major.
+/// stay in L1 while every token, a tile at a time, goes past them. Rows after the last group are row-major. The group
+/// kernels are those of the table's level (`lvl`), like the tail rows' `dot`.
 #[allow(clippy::too_many_arguments)]
 fn matmul_x16<'a>(
     pool: &ThreadPool,
@@ -567,6 +570,7 @@ fn matmul_x16<'a>(
     n_tok: usize,
     yp: SyncPtr<f32>,
     dot: DotFn,
+    lvl: x16::Level,
 ) {
     let (rows, nb) = (w.rows, w.cols / w.ty.block_size());
     let groups = rows / x16::ROWS;
@@ -585,9 +589,9 @@ fn matmul_x16<'a>(
                 let group = |m: &'a Matrix| &m.bytes()[g * gbytes..(g + 1) * gbytes];
                 for t in (0..n_tok).step_by(x16::TILE) {
                     let n = (n_tok - t).min(x16::TILE);
-                    x16::dot_group(w.ty, nb, group(w), &xq[t * xrb..], xrb, n, &mut out);
+                    x16::dot_group_with(lvl, w.ty, nb, group(w), &xq[t * xrb..], xrb, n, &mut out);
                     if let Some((u, glu)) = up {
-                        x16::dot_group(u.ty, nb, group(u), &xq[t * xrb..], xrb, n, &mut out_up);
+                        x16::dot_group_with(lvl, u.ty, nb, group(u), &xq[t * xrb..], xrb, n, &mut out_up);
                         for (o, v) in out[..n].iter_mut().zip(&out_up) {
                             glu.apply(o, v);
                         }
@@ -721,9 +725,11 @@ mod tests {
     }
 
     /// Whole matmuls through each SIMD table agree with the scalar table: ragged row counts (not multiples of the
-    /// work chunk), one token and several (not multiples of the 4-token tile), one and many threads. Tables sum the
-    /// scaled block sums in different orders, so an output that cancels to near zero may differ by a few f32
-    /// roundings of its terms: besides a share of the largest output, a millionth of `Σ|w·x|` is allowed.
+    /// work chunk), one token and several (not multiples of the 4-token tile), one and many threads, the weights
+    /// row-major and (where this CPU has an interleaved kernel) repacked, each table then running its own group
+    /// kernels. Tables sum the scaled block sums in different orders, so an output that cancels to near zero may
+    /// differ by a few f32 roundings of its terms: besides a share of the largest output, a millionth of `Σ|w·x|` is
+    /// allowed.
     #[test]
     fn matmul_tables_agree() {
         use GgmlType::*;
@@ -733,8 +739,13 @@ mod tests {
             let pool = ThreadPool::new(threads);
             let mut scratch = Scratch::default();
             for ty in [F32, Q4_1, Q5_0, Q8_0, Q4K, Q6K] {
-                for (rows, cols, n_tok) in [(1, 256, 1), (61, 512, 1), (130, 256, 7), (5, 1024, 70)] {
+                for (rows, cols, n_tok) in [(1, 256, 1), (61, 512, 1), (130, 256, 7), (5, 1024, 70), (35, 512, 21)] {
                     let w = random_matrix(&mut rng, ty, rows, cols);
+                    let mut packed = Matrix {
+                        data: Bytes::Owned(w.bytes().to_vec()),
+                        ..w
+                    };
+                    packed.repack_for_kernels();
                     let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();
                     let mut want = vec![0.0; n_tok * rows];
                     matmul_with(&tables[0], &pool, &w, &x, n_tok, &mut want, &mut scratch);
@@ -750,16 +761,26 @@ mod tests {
                                 .sum()
                         })
                         .collect();
-                    for k in &tables[1..] {
-                        let mut got = vec![f32::NAN; n_tok * rows];
-                        matmul_with(k, &pool, &w, &x, n_tok, &mut got, &mut scratch);
-                        let mag = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
-                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                            assert!(
-                                (a - b).abs() <= 3e-5 * mag + 1e-6 * abs_dot[i],
-                                "{} {ty} {rows}x{cols}x{n_tok} [{i}]: {a} vs {b}",
-                                k.isa
-                            );
+                    for (ki, k) in tables.iter().enumerate() {
+                        for m in [&w, &packed] {
+                            if ki == 0 && m.layout == w.layout {
+                                continue;
+                            }
+                            let mut got = vec![f32::NAN; n_tok * rows];
+                            matmul_with(k, &pool, m, &x, n_tok, &mut got, &mut scratch);
+                            if ki == 0 {
+                                // The scalar group dot is the scalar row dot of the unpacked rows.
+                                assert_eq!(got, want, "scalar {ty} {rows}x{cols}x{n_tok} repacked");
+                            }
+                            let mag = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                                assert!(
+                                    (a - b).abs() <= 3e-5 * mag + 1e-6 * abs_dot[i],
+                                    "{} {ty} {rows}x{cols}x{n_tok} {:?} [{i}]: {a} vs {b}",
+                                    k.isa,
+                                    m.layout
+                                );
+                            }
                         }
                     }
                 }

@@ -477,16 +477,59 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     half::f16::from_bits(unsafe { std::ptr::read_unaligned(p as *const u16) }).to_f32()
 }
 
-/// Whether this CPU runs the interleaved kernel (repacking is pointless otherwise).
+/// Which group kernels run: those of a kernel table's instruction set ([`super::Kernels::isa`]), on AVX-512 with
+/// VNNI's where the CPU has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    /// [`dot_group_scalar`] (the scalar table, and CPUs without an interleaved kernel).
+    Scalar,
+    /// [`super::x16avx2`]: two 8-row halves per group.
+    Avx2,
+    /// The AVX-512 kernels with `maddubs` + `madd`.
+    Avx512,
+    /// The AVX-512 kernels with `vpdpbusd`.
+    Vnni,
+}
+
+impl Level {
+    /// The level of kernel table `k`. Tables are only built for CPUs that run them, so the level runs here too.
+    pub fn of(k: &super::Kernels) -> Level {
+        match k.isa {
+            #[cfg(target_arch = "x86_64")]
+            "avx512" if std::arch::is_x86_feature_detected!("avx512vnni") => Level::Vnni,
+            "avx512" => Level::Avx512,
+            "avx2" => Level::Avx2,
+            _ => Level::Scalar,
+        }
+    }
+
+    /// Whether this CPU runs the level's kernels.
+    pub fn runs_here(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Level::Scalar => true,
+                Level::Avx2 => super::x86::has_avx2(),
+                Level::Avx512 => super::x86::has_avx512(),
+                Level::Vnni => super::x86::has_avx512() && std::arch::is_x86_feature_detected!("avx512vnni"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Level::Scalar
+        }
+    }
+}
+
+/// The level of the dispatched kernel table ([`super::kernels`], which `BATON_ISA` can lower).
+pub fn level() -> Level {
+    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| Level::of(super::kernels()))
+}
+
+/// Whether this CPU runs an interleaved kernel (AVX2 or AVX-512; repacking is pointless otherwise).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::kernels().isa == "avx512"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    level() != Level::Scalar
 }
 
 /// Activation rows one call of [`dot_group`] takes: the prefill tile. The 4-bit kernels unpack a group's weights once
@@ -497,26 +540,20 @@ pub const TILE: usize = 8;
 /// The 16 dots of one group for `n` (1..=[`TILE`]) activation rows `xs` bytes apart, with the fastest kernel
 /// available.
 pub fn dot_group(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], xs: usize, n: usize, out: &mut [[f32; ROWS]; TILE]) {
-    dot_group_with(vnni(), ty, nb, w, x, xs, n, out)
+    dot_group_with(level(), ty, nb, w, x, xs, n, out)
 }
 
-/// Whether this CPU has AVX512-VNNI (and `BATON_ISA` does not ask for less than AVX-512).
+/// Whether the dispatched kernels are the VNNI ones (AVX512-VNNI, and `BATON_ISA` does not ask for less than
+/// AVX-512).
 pub fn vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *VNNI.get_or_init(|| available() && std::arch::is_x86_feature_detected!("avx512vnni"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    level() == Level::Vnni
 }
 
-/// [`dot_group`] with the VNNI kernels or without them (tests run both).
+/// [`dot_group`] with the kernels of level `lvl` (tests run every level the CPU has; a matmul with an explicit
+/// kernel table runs that table's).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dot_group_with(
-    use_vnni: bool,
+pub fn dot_group_with(
+    lvl: Level,
     ty: GgmlType,
     nb: usize,
     w: &[u8],
@@ -525,18 +562,16 @@ pub(crate) fn dot_group_with(
     n: usize,
     out: &mut [[f32; ROWS]; TILE],
 ) {
-    assert!(
-        !use_vnni || vnni(),
-        "x16 dot: VNNI kernels asked for on a CPU without them"
-    );
+    assert!(lvl.runs_here(), "x16 dot: {lvl:?} kernels asked for on a CPU without them");
     assert!(
         (1..=TILE).contains(&n) && w.len() >= nb * group_block(ty) && x.len() >= (n - 1) * xs + nb * act_block(ty),
         "x16 dot: buffers too short"
     );
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if lvl != Level::Scalar {
         let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        // SAFETY: AVX-512 checked; lengths asserted above (each call below reads rows t0..t0 + m < n).
+        // SAFETY: the level's CPU features checked above; lengths asserted above (each call below reads rows
+        // t0..t0 + m < n).
         unsafe {
             macro_rules! go {
                 ($f:ident, $t0:expr, $m:expr) => {{
@@ -553,29 +588,44 @@ pub(crate) fn dot_group_with(
                     }
                 }};
             }
-            macro_rules! by4 {
-                ($f:ident) => {{
-                    go!($f, 0, n.min(4));
-                    if n > 4 {
-                        go!($f, 4, n - 4);
+            // Kernels that take at most 4 rows per call.
+            macro_rules! go4 {
+                ($f:ident, $t0:expr, $m:expr) => {{
+                    let (o, xq) = (&mut out[$t0..$t0 + $m], xp.add($t0 * xs));
+                    match $m {
+                        1 => $f::<1>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        2 => $f::<2>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        3 => $f::<3>(nb, wp, xq, xs, o.try_into().unwrap()),
+                        _ => $f::<4>(nb, wp, xq, xs, o.try_into().unwrap()),
                     }
                 }};
             }
-            match (ty, use_vnni) {
-                (GgmlType::Q4_1, false) => go!(q4_1_group_avx512, 0, n),
-                (GgmlType::Q4_1, true) => go!(q4_1_group_vnni, 0, n),
-                (GgmlType::Q5_0, false) => go!(q5_0_group_avx512, 0, n),
-                (GgmlType::Q5_0, true) => go!(q5_0_group_vnni, 0, n),
-                (GgmlType::Q4K, false) => {
-                    use super::x16k::dot_group_avx512 as q4_k_group_avx512;
-                    by4!(q4_k_group_avx512)
-                }
-                (GgmlType::Q4K, true) => {
-                    use super::x16k::dot_group_vnni as q4_k_group_vnni;
-                    by4!(q4_k_group_vnni)
-                }
-                (_, false) => by4!(q8_0_group_avx512),
-                (_, true) => by4!(q8_0_group_vnni),
+            macro_rules! by4 {
+                ($f:ident) => {{
+                    go4!($f, 0, n.min(4));
+                    if n > 4 {
+                        go4!($f, 4, n - 4);
+                    }
+                }};
+            }
+            use super::x16avx2::{
+                q4_1_group as q4_1_group_avx2, q4_k_group as q4_k_group_avx2, q5_0_group as q5_0_group_avx2,
+                q8_0_group as q8_0_group_avx2,
+            };
+            use super::x16k::{dot_group_avx512 as q4_k_group_avx512, dot_group_vnni as q4_k_group_vnni};
+            match (ty, lvl) {
+                (GgmlType::Q4_1, Level::Avx2) => go!(q4_1_group_avx2, 0, n),
+                (GgmlType::Q4_1, Level::Avx512) => go!(q4_1_group_avx512, 0, n),
+                (GgmlType::Q4_1, _) => go!(q4_1_group_vnni, 0, n),
+                (GgmlType::Q5_0, Level::Avx2) => go!(q5_0_group_avx2, 0, n),
+                (GgmlType::Q5_0, Level::Avx512) => go!(q5_0_group_avx512, 0, n),
+                (GgmlType::Q5_0, _) => go!(q5_0_group_vnni, 0, n),
+                (GgmlType::Q4K, Level::Avx2) => by4!(q4_k_group_avx2),
+                (GgmlType::Q4K, Level::Avx512) => by4!(q4_k_group_avx512),
+                (GgmlType::Q4K, _) => by4!(q4_k_group_vnni),
+                (_, Level::Avx2) => by4!(q8_0_group_avx2),
+                (_, Level::Avx512) => by4!(q8_0_group_avx512),
+                (_, _) => by4!(q8_0_group_vnni),
             }
         }
         return;
@@ -583,6 +633,15 @@ pub(crate) fn dot_group_with(
     for t in 0..n {
         dot_group_scalar(ty, nb, w, &x[t * xs..], &mut out[t]);
     }
+}
+
+/// Every level this CPU runs, scalar first (tests).
+#[cfg(test)]
+pub(crate) fn levels() -> Vec<Level> {
+    [Level::Scalar, Level::Avx2, Level::Avx512, Level::Vnni]
+        .into_iter()
+        .filter(|l| l.runs_here())
+        .collect()
 }
 
 #[cfg(test)]
@@ -610,56 +669,67 @@ mod tests {
         }
     }
 
-    /// The SIMD group kernels against the row-major scalar dots, 1..=4 tokens, ragged block counts.
+    /// The group kernels of every level this CPU runs against the row-major scalar dots, 1..=8 tokens, ragged block
+    /// counts; the SIMD levels (AVX2, AVX-512, VNNI) do the same f32 operations per row in the same order, so they
+    /// give the same bits.
     #[test]
     fn group_kernels_match_the_row_dots() {
         let mut rng = Rng(8);
+        let levels = levels();
+        eprintln!("levels: {levels:?}");
         for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
             let (bb, hdr) = block_shape(ty);
             let offs: Vec<usize> = (0..hdr / 2).map(|i| 2 * i).collect();
-            for nb in [1, 2, 5, 18] {
-                let src = random_blocks(&mut rng, 16 * nb, bb, &offs);
+            // The extreme case: every weight at its largest magnitude (the i16 sums' bounds) against activations of
+            // ±127.
+            for (nb, extreme) in [(1, false), (2, false), (5, false), (18, false), (3, true)] {
+                let mut src = random_blocks(&mut rng, 16 * nb, bb, &offs);
+                if extreme {
+                    for blk in src.chunks_exact_mut(bb) {
+                        blk[hdr..].fill(if ty == GgmlType::Q8_0 { 0x80 } else { 0xff });
+                    }
+                }
                 let packed = repack(ty, &src, 16, nb);
                 let xs = nb * act_block(ty);
                 let mut xq = vec![0u8; TILE * xs];
                 for t in 0..TILE {
-                    let x: Vec<f32> = (0..nb * 32).map(|_| rng.normal()).collect();
+                    let sign = if t % 2 == 0 { 1.0 } else { -1.0 };
+                    let x: Vec<f32> = (0..nb * 32).map(|_| if extreme { sign } else { rng.normal() }).collect();
                     match ty {
                         GgmlType::Q4_1 => quantize_row_q8_1(&x, &mut xq[t * xs..(t + 1) * xs]),
                         _ => quantize_row_q8_0(&x, &mut xq[t * xs..(t + 1) * xs]),
                     }
                 }
-                for (n, use_vnni) in (1..=TILE).flat_map(|n| [(n, false), (n, true)]) {
-                    if use_vnni && !vnni() {
-                        continue;
-                    }
-                    let mut out = [[0.0f32; ROWS]; TILE];
-                    dot_group_with(use_vnni, ty, nb, &packed, &xq, xs, n, &mut out);
-                    if use_vnni {
-                        // The same integer sums, added in the same order: the same bits.
-                        let mut plain = [[0.0f32; ROWS]; TILE];
-                        dot_group_with(false, ty, nb, &packed, &xq, xs, n, &mut plain);
-                        assert_eq!(out, plain, "{ty} nb {nb} n {n}: VNNI differs");
-                    }
-                    for t in 0..n {
-                        let mut want = [0.0f32; ROWS];
-                        dot_group_scalar(ty, nb, &packed, &xq[t * xs..], &mut want);
-                        for r in 0..16 {
-                            let direct = match ty {
-                                GgmlType::Q4_1 => {
-                                    super::super::legacy::dot_q4_1_q8_1(nb, &src[r * nb * bb..], &xq[t * xs..])
+                for n in 1..=TILE {
+                    let mut simd: Option<(Level, [[f32; ROWS]; TILE])> = None;
+                    for &lvl in &levels {
+                        let mut out = [[0.0f32; ROWS]; TILE];
+                        dot_group_with(lvl, ty, nb, &packed, &xq, xs, n, &mut out);
+                        if lvl != Level::Scalar {
+                            match &simd {
+                                Some((first, bits)) => {
+                                    assert_eq!(&out, bits, "{ty} nb {nb} n {n}: {lvl:?} differs from {first:?}")
                                 }
-                                GgmlType::Q5_0 => {
-                                    super::super::legacy::dot_q5_0_q8_0(nb, &src[r * nb * bb..], &xq[t * xs..])
-                                }
-                                _ => super::super::legacy::dot_q8_0_q8_0(nb, &src[r * nb * bb..], &xq[t * xs..]),
-                            };
-                            assert_eq!(want[r], direct, "the reference reads the repacked rows");
-                            let got = out[t][r];
-                            assert!(
-                                (got - direct).abs() <= 1e-4 * direct.abs().max(1.0),
-                                "{ty} nb {nb} n {n} t {t} r {r} vnni {use_vnni}: {got} vs {direct}"
-                            );
+                                None => simd = Some((lvl, out)),
+                            }
+                        }
+                        for t in 0..n {
+                            let mut want = [0.0f32; ROWS];
+                            dot_group_scalar(ty, nb, &packed, &xq[t * xs..], &mut want);
+                            for r in 0..16 {
+                                let (row, xt) = (&src[r * nb * bb..], &xq[t * xs..]);
+                                let direct = match ty {
+                                    GgmlType::Q4_1 => super::super::legacy::dot_q4_1_q8_1(nb, row, xt),
+                                    GgmlType::Q5_0 => super::super::legacy::dot_q5_0_q8_0(nb, row, xt),
+                                    _ => super::super::legacy::dot_q8_0_q8_0(nb, row, xt),
+                                };
+                                assert_eq!(want[r], direct, "the reference reads the repacked rows");
+                                let got = out[t][r];
+                                assert!(
+                                    (got - direct).abs() <= 1e-4 * direct.abs().max(1.0),
+                                    "{ty} nb {nb} n {n} t {t} r {r} {lvl:?}: {got} vs {direct}"
+                                );
+                            }
                         }
                     }
                 }

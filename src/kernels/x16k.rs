@@ -18,9 +18,10 @@ use super::x16::ROWS;
 
 /// Bytes of one super-block column of one group.
 pub const GROUP_BLOCK: usize = 64 + 2 * 8 * ROWS + ROWS * 128;
-const SC: usize = 64;
-const MN: usize = SC + 8 * ROWS;
-const QS: usize = MN + 8 * ROWS;
+/// Offsets in a group block: the unpacked scales, the unpacked mins, the quants.
+pub(crate) const SC: usize = 64;
+pub(crate) const MN: usize = SC + 8 * ROWS;
+pub(crate) const QS: usize = MN + 8 * ROWS;
 
 /// Repacks `rows` rows of `nb` Q4_K super-blocks into the interleaved layout.
 pub fn repack(src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
@@ -225,42 +226,45 @@ mod tests {
         );
     }
 
+    /// The group kernels of every level this CPU runs against the row-major dot; the SIMD levels give the same
+    /// bits (the same integer sums, the same f32 operations per row in the same order).
     #[test]
     fn group_kernel_matches_the_row_dots() {
+        use super::super::x16::{Level, TILE, dot_group_with, levels};
+        let ty = crate::gguf::GgmlType::Q4K;
         let mut rng = Rng(22);
         for nb in [1, 3] {
             let src = random_blocks(&mut rng, 16 * nb, Q4_K_BYTES, &[0, 2]);
             let packed = repack(&src, 16, nb);
             let xs = nb * Q8_K_BYTES;
-            let mut xq = vec![0u8; super::super::x16::TILE * xs];
-            for t in 0..super::super::x16::TILE {
+            let mut xq = vec![0u8; TILE * xs];
+            for t in 0..TILE {
                 let x: Vec<f32> = (0..nb * 256).map(|_| rng.normal()).collect();
                 quantize_row_q8_k(&x, &mut xq[t * xs..(t + 1) * xs]);
             }
-            for n in 1..=super::super::x16::TILE {
-                let mut out = [[0.0f32; ROWS]; super::super::x16::TILE];
-                super::super::x16::dot_group(crate::gguf::GgmlType::Q4K, nb, &packed, &xq, xs, n, &mut out);
-                for use_vnni in [false, true] {
-                    if use_vnni && !super::super::x16::vnni() {
-                        continue;
+            for n in 1..=TILE {
+                let mut simd: Option<(Level, [[f32; ROWS]; TILE])> = None;
+                for lvl in levels() {
+                    let mut out = [[0.0f32; ROWS]; TILE];
+                    dot_group_with(lvl, ty, nb, &packed, &xq, xs, n, &mut out);
+                    if lvl != Level::Scalar {
+                        match &simd {
+                            Some((first, bits)) => assert_eq!(&out, bits, "nb {nb} n {n}: {lvl:?} differs from {first:?}"),
+                            None => simd = Some((lvl, out)),
+                        }
                     }
-                    // With VNNI or without: the same integer sums, added in the same order.
-                    let mut other = [[0.0f32; ROWS]; super::super::x16::TILE];
-                    let ty = crate::gguf::GgmlType::Q4K;
-                    super::super::x16::dot_group_with(use_vnni, ty, nb, &packed, &xq, xs, n, &mut other);
-                    assert_eq!(other, out, "nb {nb} n {n} vnni {use_vnni}");
-                }
-                for t in 0..n {
-                    let mut want = [0.0f32; ROWS];
-                    dot_group_scalar(nb, &packed, &xq[t * xs..], &mut want);
-                    for r in 0..16 {
-                        let direct = dot_q4_k_q8_k(nb, &src[r * nb * Q4_K_BYTES..], &xq[t * xs..]);
-                        assert_eq!(want[r], direct, "the reference reads the repacked rows");
-                        let got = out[t][r];
-                        assert!(
-                            (got - direct).abs() <= 1e-4 * direct.abs().max(1.0),
-                            "nb {nb} n {n} t {t} r {r}: {got} vs {direct}"
-                        );
+                    for t in 0..n {
+                        let mut want = [0.0f32; ROWS];
+                        dot_group_scalar(nb, &packed, &xq[t * xs..], &mut want);
+                        for r in 0..16 {
+                            let direct = dot_q4_k_q8_k(nb, &src[r * nb * Q4_K_BYTES..], &xq[t * xs..]);
+                            assert_eq!(want[r], direct, "the reference reads the repacked rows");
+                            let got = out[t][r];
+                            assert!(
+                                (got - direct).abs() <= 1e-4 * direct.abs().max(1.0),
+                                "nb {nb} n {n} t {t} r {r} {lvl:?}: {got} vs {direct}"
+                            );
+                        }
                     }
                 }
             }
