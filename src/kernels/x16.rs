@@ -532,9 +532,9 @@ pub fn available() -> bool {
     level() != Level::Scalar
 }
 
-/// Activation rows one call of [`dot_group`] takes: the prefill tile. The 4-bit kernels unpack a group's weights once
-/// for all of them (8 rows halve that work per token against 4); the Q8_0 and Q4_K kernels keep more registers per
-/// row and take them 4 at a time.
+/// Activation rows one call of [`dot_group`] takes: the prefill tile. The AVX-512 4-bit kernels unpack a group's
+/// weights once for all of them (8 rows halve that work per token against 4); the Q8_0 and Q4_K kernels keep more
+/// registers per row and take them 4 at a time, and so do the AVX2 kernels but Q5_0's (see [`super::x16avx2`]).
 pub const TILE: usize = 8;
 
 /// The 16 dots of one group for `n` (1..=[`TILE`]) activation rows `xs` bytes apart, with the fastest kernel
@@ -614,7 +614,7 @@ pub fn dot_group_with(
             };
             use super::x16k::{dot_group_avx512 as q4_k_group_avx512, dot_group_vnni as q4_k_group_vnni};
             match (ty, lvl) {
-                (GgmlType::Q4_1, Level::Avx2) => go!(q4_1_group_avx2, 0, n),
+                (GgmlType::Q4_1, Level::Avx2) => by4!(q4_1_group_avx2),
                 (GgmlType::Q4_1, Level::Avx512) => go!(q4_1_group_avx512, 0, n),
                 (GgmlType::Q4_1, _) => go!(q4_1_group_vnni, 0, n),
                 (GgmlType::Q5_0, Level::Avx2) => go!(q5_0_group_avx2, 0, n),
