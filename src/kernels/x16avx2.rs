@@ -161,7 +161,8 @@ pub unsafe fn q5_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
                 let y = |t: usize| x.add(t * xs + b * Q8_0_BYTES);
                 // Mask `m`'s bits of this half's 8 rows (bit 4r + i: row r, byte i) as 0x10 in the bytes they set.
                 let fifth = |m: usize| {
-                    let sel = _mm256_and_si256(_mm256_shuffle_epi8(quad(gb.add(2 * ROWS + 8 * m + 4 * h)), spread), bit);
+                    let sel =
+                        _mm256_and_si256(_mm256_shuffle_epi8(quad(gb.add(2 * ROWS + 8 * m + 4 * h)), spread), bit);
                     _mm256_and_si256(_mm256_cmpeq_epi8(sel, bit), b16)
                 };
                 // Each i16 lane of one sum: four pairs of products ≤ 31·127, 4 · 7874 = 31496 < 32767.
