@@ -19,9 +19,9 @@ pub mod pool;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod x16;
-pub mod x16k;
 #[cfg(target_arch = "x86_64")]
 pub mod x16avx2;
+pub mod x16k;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 

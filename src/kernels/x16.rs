@@ -1,12 +1,14 @@
-//! Q4_1, Q5_0 and Q8_0 weights repacked 16 rows at a time, for AVX-512 (with VNNI's `vpdpbusd` where the CPU has
-//! it: one instruction for what `maddubs` + `madd` do in two or three; Gemma 3 pp512 +8-12%).
+//! Q4_1, Q5_0 and Q8_0 weights repacked 16 rows at a time, for the SIMD group kernels: AVX-512 here (with VNNI's
+//! `vpdpbusd` where the CPU has it: one instruction for what `maddubs` + `madd` do in two or three; Gemma 3 pp512
+//! +8-12%), AVX2 in [`super::x16avx2`] (each group as two 8-row halves), chosen by [`Level`].
 //!
 //! Why: the row-major kernel spends most of its instructions per 32-weight block on things that are not
 //! multiply-adds — two scalar f16 conversions, a scale vector built from scalars, a horizontal sum per row. With 16
-//! rows interleaved, one 512-bit register holds the same 4 quants of 16 rows, so each multiply-add instruction
-//! serves 16 rows against one broadcast activation quad, the 16 scales convert in one instruction, and the 16 sums
-//! stay in one register until the end of the row: about 4× fewer instructions per weight, which is what decode on
-//! a few cores needs to reach the memory-bandwidth bound.
+//! rows interleaved, one 512-bit register holds the same 4 quants of 16 rows (a 256-bit one those of 8), so each
+//! multiply-add instruction serves 16 (8) rows against one broadcast activation quad, the scales convert in one
+//! instruction, and the sums stay in registers until the end of the row: about 4× fewer instructions per weight,
+//! which is what decode on a few cores needs to reach the memory-bandwidth bound, and 2-3× the prefill GEMM
+//! throughput of the row-major AVX2 kernels.
 //!
 //! Layout of one group of 16 rows, for each block column `b` (the same bytes as the 16 blocks, rearranged):
 //! each f16 header field for the 16 rows (Q4_1: `d[16]`, `m[16]`; Q8_0: `d[16]`), then for each 4-byte quad `k` of
@@ -532,9 +534,9 @@ pub fn available() -> bool {
     level() != Level::Scalar
 }
 
-/// Activation rows one call of [`dot_group`] takes: the prefill tile. The 4-bit kernels unpack a group's weights once
-/// for all of them (8 rows halve that work per token against 4); the Q8_0 and Q4_K kernels keep more registers per
-/// row and take them 4 at a time.
+/// Activation rows one call of [`dot_group`] takes: the prefill tile. The AVX-512 4-bit kernels unpack a group's
+/// weights once for all of them (8 rows halve that work per token against 4); the Q8_0 and Q4_K kernels keep more
+/// registers per row and take them 4 at a time, and so do the AVX2 kernels but Q5_0's (see [`super::x16avx2`]).
 pub const TILE: usize = 8;
 
 /// The 16 dots of one group for `n` (1..=[`TILE`]) activation rows `xs` bytes apart, with the fastest kernel
@@ -562,7 +564,10 @@ pub fn dot_group_with(
     n: usize,
     out: &mut [[f32; ROWS]; TILE],
 ) {
-    assert!(lvl.runs_here(), "x16 dot: {lvl:?} kernels asked for on a CPU without them");
+    assert!(
+        lvl.runs_here(),
+        "x16 dot: {lvl:?} kernels asked for on a CPU without them"
+    );
     assert!(
         (1..=TILE).contains(&n) && w.len() >= nb * group_block(ty) && x.len() >= (n - 1) * xs + nb * act_block(ty),
         "x16 dot: buffers too short"
@@ -614,7 +619,7 @@ pub fn dot_group_with(
             };
             use super::x16k::{dot_group_avx512 as q4_k_group_avx512, dot_group_vnni as q4_k_group_vnni};
             match (ty, lvl) {
-                (GgmlType::Q4_1, Level::Avx2) => go!(q4_1_group_avx2, 0, n),
+                (GgmlType::Q4_1, Level::Avx2) => by4!(q4_1_group_avx2),
                 (GgmlType::Q4_1, Level::Avx512) => go!(q4_1_group_avx512, 0, n),
                 (GgmlType::Q4_1, _) => go!(q4_1_group_vnni, 0, n),
                 (GgmlType::Q5_0, Level::Avx2) => go!(q5_0_group_avx2, 0, n),
@@ -694,7 +699,9 @@ mod tests {
                 let mut xq = vec![0u8; TILE * xs];
                 for t in 0..TILE {
                     let sign = if t % 2 == 0 { 1.0 } else { -1.0 };
-                    let x: Vec<f32> = (0..nb * 32).map(|_| if extreme { sign } else { rng.normal() }).collect();
+                    let x: Vec<f32> = (0..nb * 32)
+                        .map(|_| if extreme { sign } else { rng.normal() })
+                        .collect();
                     match ty {
                         GgmlType::Q4_1 => quantize_row_q8_1(&x, &mut xq[t * xs..(t + 1) * xs]),
                         _ => quantize_row_q8_0(&x, &mut xq[t * xs..(t + 1) * xs]),

@@ -1,9 +1,10 @@
-//! Q4_K weights repacked 16 rows at a time, for AVX-512 (the K-quant sibling of [`super::x16`]).
+//! Q4_K weights repacked 16 rows at a time, for the AVX-512 kernels here and the AVX2 one in [`super::x16avx2`] (the
+//! K-quant sibling of [`super::x16`]).
 //!
 //! Why: Gemma 3's Q4_K matrices went through the row-major kernel, one row against up to four tokens, unpacking
 //! each super-block's packed 6-bit scales per row and summing per row horizontally. Interleaved, one 512-bit
-//! multiply-add serves 16 rows, the 16 rows' scales of a sub-block are one byte vector, and the sums of the 16
-//! rows stay in one register to the end of the row.
+//! multiply-add serves 16 rows (a 256-bit one 8), the rows' scales of a sub-block are one byte vector, and the sums
+//! stay in registers to the end of the row.
 //!
 //! Layout of one group of 16 rows, per super-block column (256 weights; 2368 bytes against 16 × 144, +2.8%):
 //! `d[16]` and `dmin[16]` (f16), the 6-bit scales and mins unpacked to bytes as `sc[8][16]` and `m[8][16]`
@@ -249,7 +250,9 @@ mod tests {
                     dot_group_with(lvl, ty, nb, &packed, &xq, xs, n, &mut out);
                     if lvl != Level::Scalar {
                         match &simd {
-                            Some((first, bits)) => assert_eq!(&out, bits, "nb {nb} n {n}: {lvl:?} differs from {first:?}"),
+                            Some((first, bits)) => {
+                                assert_eq!(&out, bits, "nb {nb} n {n}: {lvl:?} differs from {first:?}")
+                            }
                             None => simd = Some((lvl, out)),
                         }
                     }
