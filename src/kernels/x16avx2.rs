@@ -20,6 +20,8 @@
 //! Q8_0 sums in llama.cpp's order (one accumulator per 4-value lane, then `hsum_float_8`), as the row-major AVX2
 //! kernel does; its result is the row-major kernel's bit for bit too.
 
+#![allow(clippy::needless_range_loop)] // index loops mirror the block layouts and the token tile
+
 use super::kquants::Q8_K_BYTES;
 use super::legacy::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use super::x16::ROWS;
