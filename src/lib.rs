@@ -20,5 +20,6 @@ pub mod kernels;
 pub mod model;
 pub mod server;
 pub mod speculative;
+pub mod topology;
 pub mod util;
 pub mod vocab;

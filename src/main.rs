@@ -5,11 +5,12 @@ use anyhow::{Context, Result, bail};
 use baton::chat::{ChatMessage, ChatTemplate};
 use baton::engine::sampler::SamplerParams;
 use baton::engine::{Input, Session, Want};
-use baton::generate::{GenParams, Generator, LocalGenerator, PipelineGenerator, Prompt};
+use baton::generate::{GenParams, Generator, LocalGenerator, Prompt};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
 use baton::kernels::ops;
 use baton::model::{Hparams, Model};
+use baton::topology::{DisaggGenerator, PipelineGenerator};
 use baton::vocab::Vocab;
 use baton::{fetch, fingerprint};
 use clap::{Args, Parser, Subcommand};
@@ -629,17 +630,19 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
             verbose: a.verbose,
             ..Default::default()
         };
-        let mut g = PipelineGenerator::connect(spec, &path, opts)?;
-        if let Some(list) = &a.prefill_node {
-            use baton::cluster::disagg::{PrefillPool, RemotePrefill};
-            g.remote_prefill = Some(RemotePrefill::new(
-                PrefillPool::from_list(list)?,
-                offload_arg(a)?,
-                baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
-                std::time::Duration::from_secs_f64(a.prefill_timeout),
-            ));
-        }
-        return Ok(Box::new(g));
+        let remote_prefill = match &a.prefill_node {
+            Some(list) => {
+                use baton::cluster::disagg::{PrefillPool, RemotePrefill};
+                Some(RemotePrefill::new(
+                    PrefillPool::from_list(list)?,
+                    offload_arg(a)?,
+                    baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
+                    std::time::Duration::from_secs_f64(a.prefill_timeout),
+                ))
+            }
+            None => None,
+        };
+        return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts, remote_prefill)?));
     }
     let pool = thread_pool(c.threads);
     let model = load(&c.model, &pool)?;
@@ -650,7 +653,7 @@ fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
         return open_speculative(a, d, model, pool);
     }
     if let Some(list) = &a.prefill_node {
-        use baton::cluster::disagg::{DisaggGenerator, PrefillPool};
+        use baton::cluster::disagg::PrefillPool;
         let node = baton::cluster::handoff::NodeOpts {
             addr: String::new(),
             secret: a

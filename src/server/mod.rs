@@ -18,15 +18,16 @@ pub mod router;
 pub mod routes;
 pub mod stop;
 
-use crate::cluster::disagg::{DisaggGenerator, Offload, PoolMember, PrefillPool, RemotePrefill};
+use crate::cluster::disagg::{Offload, PoolMember, PrefillPool, RemotePrefill};
 use crate::cluster::handoff::NodeOpts;
 use crate::cluster::handshake::Timeouts;
 use crate::cluster::{PipelineOpts, WireDtype};
 use crate::engine::batcher::Batcher;
 use crate::engine::snapshot::KvDtype;
-use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, PipelineGenerator, Prompt, TextModel};
+use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, Prompt, TextModel};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
+use crate::topology::{DisaggGenerator, PipelineGenerator};
 use anyhow::{Context, Result, bail};
 use cluster_file::{ClusterFile, NodeEntry, Topology};
 use metrics::Metrics;
@@ -294,7 +295,7 @@ fn build_nodes(
         Some(Topology::Pipeline(spec)) => {
             let opts = pipeline_opts(cfg, &wire_bits, secret.as_deref())?;
             // Fail at start on a bad spec or an unreachable stage.
-            PipelineGenerator::connect(&spec, path, opts.clone()).context("cannot open the pipeline")?;
+            PipelineGenerator::connect(&spec, path, opts.clone(), None).context("cannot open the pipeline")?;
             let factory = metered_pipeline(spec.clone(), path.to_path_buf(), opts, metrics.clone(), None);
             let node = NodeSpec {
                 label: "pipeline".into(),
@@ -482,8 +483,7 @@ fn metered_pipeline(
     remote: Option<RemotePrefill>,
 ) -> Factory {
     Arc::new(move || {
-        let mut inner = PipelineGenerator::connect(&spec, &path, opts.clone())?;
-        inner.remote_prefill = remote.clone();
+        let inner = PipelineGenerator::connect(&spec, &path, opts.clone(), remote.clone())?;
         Ok(Box::new(Metered {
             inner,
             metrics: metrics.clone(),
