@@ -5,11 +5,12 @@ use anyhow::{Context, Result, bail};
 use baton::chat::{ChatMessage, ChatTemplate};
 use baton::engine::sampler::SamplerParams;
 use baton::engine::{Input, Session, Want};
-use baton::generate::{GenParams, Generator, LocalGenerator, PipelineGenerator, Prompt};
+use baton::generate::{GenParams, Prompt};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
 use baton::kernels::ops;
-use baton::model::{Hparams, Model};
+use baton::model::Hparams;
+use baton::topology::{Builder, TopologyArgs, load};
 use baton::vocab::Vocab;
 use baton::{fetch, fingerprint};
 use clap::{Args, Parser, Subcommand};
@@ -473,23 +474,6 @@ fn thread_pool(threads: Option<usize>) -> Arc<ThreadPool> {
     Arc::new(ThreadPool::new(threads.unwrap_or_else(default_threads)))
 }
 
-/// Loads a whole model (name or path) for `pool`'s threads. The tokenizer is built by whoever needs it, once.
-fn load(model: &str, pool: &ThreadPool) -> Result<Arc<Model>> {
-    let path = fetch::resolve(model)?;
-    let t0 = Instant::now();
-    let model = Arc::new(Model::load(&path)?);
-    eprintln!(
-        "loaded {} ({}, {} layers, {} tokens) in {:.2} s, {} threads",
-        path.display(),
-        model.hp.arch.name(),
-        model.hp.n_layer,
-        model.hp.n_vocab,
-        t0.elapsed().as_secs_f64(),
-        pool.n_threads()
-    );
-    Ok(model)
-}
-
 fn cmd_run(a: RunArgs) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
@@ -509,7 +493,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     } else {
         Prompt::Text(prompt)
     };
-    let mut generator = open_generator(&a)?;
+    let mut generator = Builder::new(topology_args(&a)).generator()?;
     let params = GenParams {
         max_tokens: if a.n_predict < 0 {
             usize::MAX
@@ -567,141 +551,40 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn sampler_params(a: &RunArgs) -> SamplerParams {
-    SamplerParams {
-        temp: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed: a.seed,
-    }
-}
-
-/// The generator `baton run`'s flags ask for: local, or layers spread over nodes.
-fn open_generator(a: &RunArgs) -> Result<Box<dyn Generator>> {
+/// `baton run`'s topology flags, for the library's one builder.
+fn topology_args(a: &RunArgs) -> TopologyArgs {
     let c = &a.common;
-    if let Some(spec) = &a.mix.ensemble {
-        if a.pipeline.is_some() || a.mix.draft.is_some() {
-            bail!("--ensemble cannot be combined with --pipeline or --draft");
-        }
-        let secret = a
-            .secret_file
-            .as_ref()
-            .map(|p| baton::cluster::auth::load_secret(p))
-            .transpose()?;
-        return ensemble_cli::open(
-            spec,
-            &a.mix.combine,
-            a.mix.ensemble_degrade,
-            c.ctx_size,
-            c.batch_size,
-            c.threads.unwrap_or_else(default_threads),
-            secret,
-            a.verbose,
-        );
+    TopologyArgs {
+        model: c.model.clone(),
+        threads: c.threads.unwrap_or_else(default_threads),
+        n_ctx: c.ctx_size,
+        n_batch: c.batch_size,
+        pipeline: a.pipeline.clone(),
+        wire_bits: a.wire_bits.clone(),
+        secret_file: a.secret_file.clone(),
+        node_timeout: None,
+        prefill_node: a.prefill_node.clone(),
+        decode_node: a.decode_node.clone(),
+        offload: a.offload.clone(),
+        offload_layers: a.offload_layers,
+        kv_bits: a.kv_bits.clone(),
+        prefill_timeout: std::time::Duration::from_secs_f64(a.prefill_timeout),
+        draft: a.mix.draft.clone(),
+        draft_tokens: a.mix.draft_tokens.clone(),
+        ensemble: a.mix.ensemble.clone(),
+        combine: a.mix.combine.clone(),
+        ensemble_degrade: a.mix.ensemble_degrade,
+        sampling: Some(SamplerParams {
+            temp: a.temp,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repeat_penalty: a.repeat_penalty,
+            repeat_last_n: a.repeat_last_n,
+            seed: a.seed,
+        }),
+        verbose: a.verbose,
     }
-    let decode_spec = a.decode_node.as_ref().map(|d| format!("{d}=0:end"));
-    if a.pipeline.is_some() && decode_spec.is_some() {
-        bail!("give either --pipeline or --decode-node, not both");
-    }
-    if a.pipeline.is_some() && a.prefill_node.is_some() {
-        bail!("--prefill-node pairs with a whole-model decode side: this process, or --decode-node HOST:PORT");
-    }
-    if let Some(spec) = a.pipeline.as_ref().or(decode_spec.as_ref()) {
-        if a.mix.draft.is_some() {
-            bail!("--draft runs the target on this machine; it cannot be combined with --pipeline yet");
-        }
-        use baton::cluster::{PipelineOpts, SamplingParams, WireDtype};
-        let path = fetch::resolve(&c.model)?;
-        let opts = PipelineOpts {
-            n_ctx: c.ctx_size,
-            chunk: c.batch_size.min(512),
-            wire: WireDtype::parse(&a.wire_bits)?,
-            secret: a
-                .secret_file
-                .as_ref()
-                .map(|p| baton::cluster::auth::load_secret(p))
-                .transpose()?,
-            threads: c.threads.unwrap_or_else(default_threads),
-            sampling: SamplingParams::from_sampler(&sampler_params(a)),
-            verbose: a.verbose,
-            ..Default::default()
-        };
-        let mut g = PipelineGenerator::connect(spec, &path, opts)?;
-        if let Some(list) = &a.prefill_node {
-            use baton::cluster::disagg::{PrefillPool, RemotePrefill};
-            g.remote_prefill = Some(RemotePrefill::new(
-                PrefillPool::from_list(list)?,
-                offload_arg(a)?,
-                baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
-                std::time::Duration::from_secs_f64(a.prefill_timeout),
-            ));
-        }
-        return Ok(Box::new(g));
-    }
-    let pool = thread_pool(c.threads);
-    let model = load(&c.model, &pool)?;
-    if let Some(d) = &a.mix.draft {
-        if a.prefill_node.is_some() {
-            bail!("--draft and --prefill-node cannot be combined yet");
-        }
-        return open_speculative(a, d, model, pool);
-    }
-    if let Some(list) = &a.prefill_node {
-        use baton::cluster::disagg::{DisaggGenerator, PrefillPool};
-        let node = baton::cluster::handoff::NodeOpts {
-            addr: String::new(),
-            secret: a
-                .secret_file
-                .as_ref()
-                .map(|p| baton::cluster::auth::load_secret(p))
-                .transpose()?,
-            timeouts: baton::cluster::handshake::Timeouts {
-                connect: std::time::Duration::from_secs(5),
-                io: std::time::Duration::from_secs_f64(a.prefill_timeout),
-            },
-            kv: baton::engine::snapshot::KvDtype::parse(&a.kv_bits)?,
-        };
-        return Ok(Box::new(DisaggGenerator::new(
-            model,
-            pool,
-            c.ctx_size,
-            c.batch_size,
-            node,
-            PrefillPool::from_list(list)?,
-            offload_arg(a)?,
-        )?));
-    }
-    Ok(Box::new(LocalGenerator::new(model, pool, c.ctx_size, c.batch_size)?))
-}
-
-/// `--offload` / `--offload-layers`.
-fn offload_arg(a: &RunArgs) -> Result<baton::cluster::disagg::Offload> {
-    use baton::cluster::disagg::Offload;
-    Ok(match a.offload_layers {
-        Some(k) => Offload::Layers(k),
-        None => Offload::parse(&a.offload)?,
-    })
-}
-
-/// `baton run --draft`: the target here, the draft here or on a node.
-fn open_speculative(a: &RunArgs, draft: &str, model: Arc<Model>, pool: Arc<ThreadPool>) -> Result<Box<dyn Generator>> {
-    use baton::speculative::{DraftSpec, SpecGenerator, SpecOptions, parse_draft_tokens};
-    let opts = SpecOptions {
-        draft_tokens: parse_draft_tokens(&a.mix.draft_tokens)?,
-        n_ctx: a.common.ctx_size,
-        n_batch: a.common.batch_size,
-        secret: a
-            .secret_file
-            .as_ref()
-            .map(|p| baton::cluster::auth::load_secret(p))
-            .transpose()?,
-        ..Default::default()
-    };
-    let g = SpecGenerator::open(model, pool, &DraftSpec::parse(draft)?, opts)?;
-    Ok(Box::new(g))
 }
 
 fn chat_template(file: &GgufFile, vocab: &Vocab) -> Result<ChatTemplate> {
@@ -990,24 +873,22 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
 
 /// `baton bench --pipeline`: pp and tg through the stages (prefill chunked and overlapped, the last stage samples).
 fn bench_pipeline(a: BenchArgs) -> Result<()> {
-    use baton::cluster::{PipelineOpts, PipelineSession, WireDtype};
+    use baton::cluster::{PipelineSession, WireDtype};
     let spec = a.pipeline.as_deref().expect("checked by the caller");
     let path = fetch::resolve(&a.model)?;
     let max_depth = a.depths.iter().copied().max().unwrap_or(0);
     let max_test = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
     let threads = a.threads.unwrap_or_else(default_threads);
-    let opts = PipelineOpts {
-        n_ctx: max_depth + max_test + 1,
-        chunk: a.batch_size.min(512),
-        wire: WireDtype::parse(&a.wire_bits)?,
-        secret: a
-            .secret_file
-            .as_ref()
-            .map(|p| baton::cluster::auth::load_secret(p))
-            .transpose()?,
+    let opts = Builder::new(TopologyArgs {
+        model: a.model.clone(),
         threads,
+        n_ctx: max_depth + max_test + 1,
+        n_batch: a.batch_size,
+        wire_bits: a.wire_bits.clone(),
+        secret_file: a.secret_file.clone(),
         ..Default::default()
-    };
+    })
+    .pipeline_opts()?;
     let mut p = PipelineSession::connect(spec, &path, opts)?;
     let name = format!(
         "{} via {spec} ({} wire)",
@@ -1173,38 +1054,7 @@ fn cmd_ensemble(cmd: EnsembleCmd) -> Result<()> {
 mod ensemble_cli {
     use anyhow::{Context, Result};
     use baton::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, fit, parse_members};
-    use baton::generate::Generator;
     use std::path::Path;
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn open(
-        spec: &str,
-        combine: &str,
-        degrade: bool,
-        n_ctx: usize,
-        n_batch: usize,
-        threads: usize,
-        secret: Option<Vec<u8>>,
-        verbose: bool,
-    ) -> Result<Box<dyn Generator>> {
-        let mut member = MemberOpts {
-            n_ctx,
-            n_batch: n_batch.min(512),
-            threads,
-            ..Default::default()
-        };
-        member.pipeline.secret = secret;
-        member.pipeline.verbose = verbose;
-        let opts = EnsembleOpts {
-            members: parse_members(spec)?,
-            combine: Combine::parse(combine)?,
-            degrade,
-            member,
-            verbose: true,
-            retry_dropped: baton::ensemble::RETRY_DROPPED,
-        };
-        Ok(Box::new(Ensemble::open(&opts)?))
-    }
 
     fn open_scoring(spec: &str, ctx: usize, threads: usize) -> Result<Ensemble> {
         let opts = EnsembleOpts {

@@ -578,14 +578,15 @@ fn bench_command_measures_through_a_pipeline() {
 #[test]
 fn sampled_pipeline_output_equals_the_local_run_with_the_same_seed() {
     use baton::engine::sampler::SamplerParams;
-    use baton::generate::{GenParams, Generator, LocalGenerator, PipelineGenerator, Prompt};
+    use baton::generate::{GenParams, Generator, LocalGenerator, Prompt};
+    use baton::topology::PipelineGenerator;
     use std::sync::Arc;
     let node = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--threads", "1"]);
     let model = Arc::new(baton::model::Model::load(&smollm2()).unwrap());
     let pool = Arc::new(baton::kernels::ThreadPool::new(1));
     let mut local = LocalGenerator::new(model, pool, 512, 16).unwrap();
     let mut piped =
-        PipelineGenerator::connect(&format!("{}=0:12,local=12:end", node.addr), &smollm2(), opts()).unwrap();
+        PipelineGenerator::connect(&format!("{}=0:12,local=12:end", node.addr), &smollm2(), opts(), None).unwrap();
     let prompt = Prompt::Text("List some fruits: apple, banana,".into());
     let run = |g: &mut dyn Generator, sampler: SamplerParams| {
         let mut ids = Vec::new();

@@ -8,7 +8,8 @@
 //! - [`pipeline`]: the coordinator that carries a session across stages ([`pipeline::PipelineSession`]);
 //! - [`handoff`]: disaggregated prefill: the prefill node streams KV layer by layer, the decode side writes it into
 //!   its cache (and runs the remaining layers), with a local fallback;
-//! - [`disagg`]: the generator that uses it (`baton run --prefill-node`) and the `--offload auto` planner;
+//! - [`disagg`]: the `--offload auto` planner, the prefill pool, the remote-prefill client and the node side of PULL
+//!   (the generator that uses them is `topology::DisaggGenerator`);
 //! - [`demo`]: `baton demo`, a prefill node and a decode node on this machine;
 //! - [`topology`]: parsing `--pipeline ADDR=A:B,local=B:end` and checking that every layer is covered exactly once.
 

@@ -4,12 +4,12 @@
 
 use super::ServeConfig;
 use super::queue::{Factory, NodeSpec};
-use crate::cluster::PipelineOpts;
-use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, RETRY_DROPPED, parse_members};
+use crate::ensemble::{Ensemble, parse_members};
 use crate::generate::Generator;
 use crate::kernels::ThreadPool;
 use crate::model::ModelCache;
-use crate::speculative::{DraftSpec, SpecGenerator, SpecOptions, parse_draft_tokens};
+use crate::speculative::DraftSpec;
+use crate::topology::Builder;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -24,28 +24,14 @@ pub fn ensemble_id(spec: &str) -> Result<String> {
 }
 
 /// One ensemble per slot, its local members' models shared by all slots. A member that fails ends the request,
-/// unless `--ensemble-degrade`; a dropped member is tried again [`RETRY_DROPPED`] later.
+/// unless `--ensemble-degrade`; a dropped member is tried again [`crate::ensemble::RETRY_DROPPED`] later.
 pub fn ensemble_slots(
     cfg: &ServeConfig,
+    builder: &Builder,
     spec: &str,
-    pipeline: PipelineOpts,
     cache: Arc<ModelCache>,
 ) -> Result<(NodeSpec, String)> {
-    let opts = EnsembleOpts {
-        members: parse_members(spec)?,
-        combine: Combine::parse(&cfg.combine)?,
-        degrade: cfg.ensemble_degrade,
-        member: MemberOpts {
-            n_ctx: cfg.ctx_size,
-            n_batch: cfg.batch_size.min(512),
-            threads: cfg.threads,
-            pipeline,
-            models: Some(cache),
-            ..Default::default()
-        },
-        verbose: true,
-        retry_dropped: RETRY_DROPPED,
-    };
+    let opts = builder.ensemble_opts(spec, Some(cache))?;
     // Open one now: a bad spec, a missing model or an unreachable member fails the start, not the first request.
     let first = Ensemble::open(&opts).context("cannot open the ensemble")?;
     let describe = format!("{}, {} slots", first.describe(), cfg.parallel);
@@ -57,23 +43,18 @@ pub fn ensemble_slots(
 /// each slot connects to on its own.
 pub fn draft_slots(
     cfg: &ServeConfig,
+    builder: &Arc<Builder>,
     path: &Path,
     draft: &str,
-    secret: Option<Vec<u8>>,
     cache: Arc<ModelCache>,
 ) -> Result<(NodeSpec, String)> {
-    let spec = DraftSpec::parse(draft)?;
+    // A bad draft spec, --draft-tokens or secret fails here, before the target is loaded.
+    DraftSpec::parse(draft)?;
+    builder.spec_options(None)?;
     let target = cache.get(path)?;
-    let opts = SpecOptions {
-        draft_tokens: parse_draft_tokens(&cfg.draft_tokens)?,
-        n_ctx: cfg.ctx_size,
-        n_batch: cfg.batch_size,
-        secret,
-        models: Some(cache.clone()),
-        ..Default::default()
-    };
+    let (builder, draft) = (builder.clone(), draft.to_string());
     let open = move || -> Result<Box<dyn Generator>> {
-        let g = SpecGenerator::open(target.clone(), cache.pool().clone(), &spec, opts.clone())?;
+        let g = builder.speculative(target.clone(), cache.pool().clone(), &draft, Some(cache.clone()))?;
         Ok(Box::new(g))
     };
     let first = open().context("cannot open the draft")?;

@@ -18,15 +18,12 @@ pub mod router;
 pub mod routes;
 pub mod stop;
 
-use crate::cluster::disagg::{DisaggGenerator, Offload, PoolMember, PrefillPool, RemotePrefill};
-use crate::cluster::handoff::NodeOpts;
-use crate::cluster::handshake::Timeouts;
-use crate::cluster::{PipelineOpts, WireDtype};
+use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
 use crate::engine::batcher::Batcher;
-use crate::engine::snapshot::KvDtype;
-use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, PipelineGenerator, Prompt, TextModel};
+use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, Prompt, TextModel};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
+use crate::topology::{Builder, PipelineGenerator, TopologyArgs};
 use anyhow::{Context, Result, bail};
 use cluster_file::{ClusterFile, NodeEntry, Topology};
 use metrics::Metrics;
@@ -133,8 +130,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         if file.is_some() || cfg.pipeline.is_some() || cfg.draft.is_some() || cfg.prefill_node.is_some() {
             bail!("--ensemble cannot be combined with --cluster, --pipeline, --draft or --prefill-node");
         }
-        let opts = pipeline_opts(&cfg, &cfg.wire_bits, cfg.secret_file.as_deref())?;
-        let (node, describe) = mix::ensemble_slots(&cfg, spec, opts, mix::cache(&cfg))?;
+        let builder = Builder::new(topology_args(&cfg, None)?);
+        let (node, describe) = mix::ensemble_slots(&cfg, &builder, spec, mix::cache(&cfg))?;
         let id = cfg.served_name.clone().unwrap_or(mix::ensemble_id(spec)?);
         (id, vec!["ensemble".to_string(), spec.clone()], vec![node], describe)
     } else {
@@ -208,17 +205,39 @@ fn model_ids(cfg: &ServeConfig, arg: &str, path: &Path) -> (String, Vec<String>)
     (id, aliases)
 }
 
-fn pipeline_opts(cfg: &ServeConfig, wire_bits: &str, secret: Option<&Path>) -> Result<PipelineOpts> {
-    let mut opts = PipelineOpts {
-        n_ctx: cfg.ctx_size,
-        chunk: cfg.batch_size.min(512),
-        wire: WireDtype::parse(wire_bits)?,
-        secret: secret.map(crate::cluster::auth::load_secret).transpose()?,
+/// The topology flags with the cluster file's settings over them, for the library's one builder.
+fn topology_args(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<TopologyArgs> {
+    let pick = |f: Option<String>, c: &String| f.unwrap_or_else(|| c.clone());
+    let prefill_timeout = file
+        .and_then(|f| f.prefill_timeout)
+        .map_or(Ok(cfg.prefill_timeout), |s| {
+            Duration::try_from_secs_f64(s).map_err(|_| anyhow::anyhow!("prefill_timeout {s} is not a duration"))
+        })?;
+    Ok(TopologyArgs {
+        model: cfg.model.clone(),
         threads: cfg.threads,
-        ..Default::default()
-    };
-    opts.timeouts.io = cfg.node_timeout;
-    Ok(opts)
+        n_ctx: cfg.ctx_size,
+        n_batch: cfg.batch_size,
+        pipeline: cfg.pipeline.clone(),
+        wire_bits: pick(file.and_then(|f| f.wire_bits.clone()), &cfg.wire_bits),
+        secret_file: file
+            .and_then(|f| f.secret_file.clone())
+            .or_else(|| cfg.secret_file.clone()),
+        node_timeout: Some(cfg.node_timeout),
+        prefill_node: cfg.prefill_node.clone(),
+        decode_node: None,
+        offload: pick(file.and_then(|f| f.offload.clone()), &cfg.offload),
+        offload_layers: None,
+        kv_bits: pick(file.and_then(|f| f.kv_bits.clone()), &cfg.kv_bits),
+        prefill_timeout,
+        draft: cfg.draft.clone(),
+        draft_tokens: cfg.draft_tokens.clone(),
+        ensemble: cfg.ensemble.clone(),
+        combine: cfg.combine.clone(),
+        ensemble_degrade: cfg.ensemble_degrade,
+        sampling: None,
+        verbose: false,
+    })
 }
 
 /// The slots' nodes for the chosen topology, and a one-line description.
@@ -237,12 +256,8 @@ fn build_nodes(
         (None, None, Some(list)) => Some(cluster_file::local_decode(list)?),
         (None, None, None) => None,
     };
-    let wire_bits = file
-        .and_then(|f| f.wire_bits.clone())
-        .unwrap_or_else(|| cfg.wire_bits.clone());
-    let secret = file
-        .and_then(|f| f.secret_file.clone())
-        .or_else(|| cfg.secret_file.clone());
+    // One builder for every slot: the secret is read once, on the first link that needs it.
+    let builder = Arc::new(Builder::new(topology_args(cfg, file)?));
     let name = path
         .file_name()
         .map_or(String::new(), |f| f.to_string_lossy().into_owned());
@@ -252,8 +267,7 @@ fn build_nodes(
                 "--draft runs the target in this process; it cannot be combined with --cluster, --pipeline or --prefill-node"
             );
         }
-        let secret = secret.as_deref().map(crate::cluster::auth::load_secret).transpose()?;
-        let (node, describe) = mix::draft_slots(cfg, path, draft, secret, mix::cache(cfg))?;
+        let (node, describe) = mix::draft_slots(cfg, &builder, path, draft, mix::cache(cfg))?;
         return Ok((vec![node], format!("{name}, {describe}")));
     }
     match topology {
@@ -292,10 +306,12 @@ fn build_nodes(
             Ok((vec![node], format!("{name}, local, {} slots", cfg.parallel)))
         }
         Some(Topology::Pipeline(spec)) => {
-            let opts = pipeline_opts(cfg, &wire_bits, secret.as_deref())?;
-            // Fail at start on a bad spec or an unreachable stage.
-            PipelineGenerator::connect(&spec, path, opts.clone()).context("cannot open the pipeline")?;
-            let factory = metered_pipeline(spec.clone(), path.to_path_buf(), opts, metrics.clone(), None);
+            // Fail at start on bad flags, a bad spec or an unreachable stage.
+            builder.pipeline_opts()?;
+            builder
+                .pipeline(&spec, path, None)
+                .context("cannot open the pipeline")?;
+            let factory = metered_pipeline(&builder, spec.clone(), path.to_path_buf(), metrics.clone(), None);
             let node = NodeSpec {
                 label: "pipeline".into(),
                 addr: None,
@@ -305,22 +321,22 @@ fn build_nodes(
             Ok((vec![node], format!("{name}, pipeline {spec}, {} slots", cfg.parallel)))
         }
         Some(Topology::Decode { decode, prefill }) => {
-            let opts = pipeline_opts(cfg, &wire_bits, secret.as_deref())?;
+            builder.pipeline_opts()?;
             let pool = (!prefill.is_empty())
                 .then(|| prefill_pool(&prefill, metrics, cfg.health_every))
                 .transpose()?;
-            let dis = DisaggSettings::of(cfg, file)?;
+            let dis = DisaggSettings::of(&builder, file)?;
             let mut nodes = Vec::new();
             for d in &decode {
                 let factory = match &pool {
                     None => metered_pipeline(
+                        &builder,
                         format!("{}=0:end", d.addr),
                         path.to_path_buf(),
-                        opts.clone(),
                         metrics.clone(),
                         None,
                     ),
-                    Some(pool) => disagg_hook(pool, d, path, &opts, cfg, &dis, metrics)?,
+                    Some(pool) => disagg_hook(&builder, pool, d, path, &dis, metrics)?,
                 };
                 nodes.push(NodeSpec {
                     label: d.name.clone(),
@@ -343,12 +359,9 @@ fn build_nodes(
     }
 }
 
-/// How decode sides use prefill nodes: from the cluster file, else the flags.
+/// What the server adds to the builder's prefill settings: the cluster file's links and the offload as written.
 struct DisaggSettings {
-    offload: Offload,
     offload_text: String,
-    kv: KvDtype,
-    timeout: Duration,
     /// The cluster file's `[[link]]` entries (their `gbps` seed the planner's link rate).
     links: Vec<cluster_file::Link>,
 }
@@ -363,23 +376,12 @@ impl DisaggSettings {
             .map(|g| g * 1e9 / 8.0)
     }
 
-    fn of(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<DisaggSettings> {
-        let offload_text = file
-            .and_then(|f| f.offload.clone())
-            .unwrap_or_else(|| cfg.offload.clone());
-        let kv = file
-            .and_then(|f| f.kv_bits.clone())
-            .unwrap_or_else(|| cfg.kv_bits.clone());
-        let timeout = file
-            .and_then(|f| f.prefill_timeout)
-            .map_or(Ok(cfg.prefill_timeout), |s| {
-                Duration::try_from_secs_f64(s).map_err(|_| anyhow::anyhow!("prefill_timeout {s} is not a duration"))
-            })?;
+    /// Checks the offload and KV settings now, so a bad one fails the start rather than every slot.
+    fn of(builder: &Builder, file: Option<&ClusterFile>) -> Result<DisaggSettings> {
+        builder.offload()?;
+        builder.kv()?;
         Ok(DisaggSettings {
-            offload: Offload::parse(&offload_text)?,
-            offload_text,
-            kv: KvDtype::parse(&kv)?,
-            timeout,
+            offload_text: builder.args.offload.clone(),
             links: file.map(|f| f.links.clone()).unwrap_or_default(),
         })
     }
@@ -415,42 +417,32 @@ fn prefill_pool(prefill: &[NodeEntry], metrics: &Arc<Metrics>, every: Duration) 
 
 /// The generator factory of one decode node's slots when there are prefill nodes. Per request each slot leases the
 /// least-loaded healthy prefill node of `pool`. A local decode node (`addr = "local"`, or `--prefill-node` without a
-/// cluster file) is a [`DisaggGenerator`] per slot over one model loaded once; a remote one is a pipeline with a
-/// single full-model stage whose prompts the node prefills by pulling the KV from the prefill node (protocol 3,
-/// PULL; it authenticates to the prefill node with its own secret). A prefill node that fails costs the request
+/// cluster file) is a [`crate::topology::DisaggGenerator`] per slot over one model loaded once; a remote one is a
+/// pipeline with a single full-model stage whose prompts the node prefills by pulling the KV from the prefill node
+/// (protocol 3, PULL; it authenticates to the prefill node with its own secret). A prefill node that fails costs the request
 /// nothing but the offload (the decode side prefills itself) and is taken out until it answers again; a decode node
 /// that fails before the first token is retried on another one by the scheduler.
 fn disagg_hook(
+    builder: &Arc<Builder>,
     pool: &Arc<PrefillPool>,
     decode: &NodeEntry,
     path: &Path,
-    opts: &PipelineOpts,
-    cfg: &ServeConfig,
     dis: &DisaggSettings,
     metrics: &Arc<Metrics>,
 ) -> Result<Factory> {
-    let remote = RemotePrefill::new(pool.clone(), dis.offload, dis.kv, dis.timeout);
+    let remote = builder.remote_prefill(pool.clone())?;
     if decode.addr != "local" {
         return Ok(metered_pipeline(
+            builder,
             format!("{}=0:end", decode.addr),
             path.to_path_buf(),
-            opts.clone(),
             metrics.clone(),
             Some(remote),
         ));
     }
     let model = Arc::new(Model::load(path)?);
-    let threads = Arc::new(ThreadPool::new(cfg.threads));
-    let link = NodeOpts {
-        addr: String::new(),
-        secret: opts.secret.clone(),
-        timeouts: Timeouts {
-            connect: opts.timeouts.connect,
-            io: dis.timeout,
-        },
-        kv: dis.kv,
-    };
-    let (ctx, batch, offload, pool) = (cfg.ctx_size, cfg.batch_size, dis.offload, pool.clone());
+    let threads = Arc::new(ThreadPool::new(builder.args.threads));
+    let (builder, pool) = (builder.clone(), pool.clone());
     // A remote decode node measures its links itself; this server's own links may be given in the cluster file.
     let rates: Vec<Option<f64>> = pool
         .members
@@ -458,15 +450,7 @@ fn disagg_hook(
         .map(|m| dis.link_rate(&m.name, &decode.name))
         .collect();
     Ok(Arc::new(move || {
-        let mut g = DisaggGenerator::new(
-            model.clone(),
-            threads.clone(),
-            ctx,
-            batch,
-            link.clone(),
-            pool.clone(),
-            offload,
-        )?;
+        let mut g = builder.disagg(model.clone(), threads.clone(), pool.clone())?;
         g.seed_link_rates(&rates);
         Ok(Box::new(g) as Box<dyn Generator>)
     }))
@@ -475,15 +459,15 @@ fn disagg_hook(
 /// A pipeline generator whose wire bytes per stage are added to `/metrics` (with `remote`: its single full-model
 /// stage is a decode node that pulls prefills from prefill nodes).
 fn metered_pipeline(
+    builder: &Arc<Builder>,
     spec: String,
     path: PathBuf,
-    opts: PipelineOpts,
     metrics: Arc<Metrics>,
     remote: Option<RemotePrefill>,
 ) -> Factory {
+    let builder = builder.clone();
     Arc::new(move || {
-        let mut inner = PipelineGenerator::connect(&spec, &path, opts.clone())?;
-        inner.remote_prefill = remote.clone();
+        let inner = builder.pipeline(&spec, &path, remote.clone())?;
         Ok(Box::new(Metered {
             inner,
             metrics: metrics.clone(),
@@ -547,7 +531,8 @@ mod tests {
              [[node]]\nname='p2'\naddr='h:2'\nrole='prefill'\n[[link]]\na='me'\nb='p1'\ngbps=2.5\n",
         )
         .unwrap();
-        let dis = DisaggSettings::of(&ServeConfig::default(), Some(&file)).unwrap();
+        let builder = Builder::new(topology_args(&ServeConfig::default(), Some(&file)).unwrap());
+        let dis = DisaggSettings::of(&builder, Some(&file)).unwrap();
         assert_eq!(dis.link_rate("p1", "me"), Some(312.5e6), "either order");
         assert_eq!(dis.link_rate("me", "p1"), Some(312.5e6));
         assert_eq!(dis.link_rate("p2", "me"), None, "no link given");

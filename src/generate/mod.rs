@@ -1,20 +1,21 @@
 //! One interface for every way Baton produces text: a local session, a pipeline over nodes, a disaggregated
 //! prefill/decode pair, a speculative pair, an ensemble. `baton run` and `baton serve` drive any of them through
 //! [`Generator`], so a feature built for one topology works from both front ends.
+//!
+//! This module sits below `cluster`: it holds the trait, its data types and the decode loop the generators share,
+//! and the [`LocalGenerator`], which needs only the engine. Generators over nodes are in [`crate::topology`].
+
+mod local;
+
+pub use local::LocalGenerator;
 
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
-use crate::engine::batcher::{Batcher, Seat};
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
-use crate::engine::{Input, Session, Want};
 use crate::gguf::GgufFile;
-use crate::kernels::ThreadPool;
-use crate::model::Model;
 use crate::vocab::{StreamDecoder, Vocab};
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What to continue: raw text (used as given, BOS only where the model asks) or a conversation rendered with each
 /// model's own chat template.
@@ -261,209 +262,3 @@ pub fn decode_loop(
 
 /// A sampled token, its log-probability and the top alternatives as text (when asked for).
 pub type Next = (u32, Option<f32>, Vec<(String, f32)>);
-
-/// A model on this machine: one [`Session`] whose KV is kept between requests.
-pub struct LocalGenerator {
-    pub model: Arc<Model>,
-    pub text: TextModel,
-    /// Always here except while lent to the batcher for a step (gone only if the batcher died with it).
-    session: Option<Box<Session>>,
-    n_ctx: usize,
-    /// Decode steps shared with other sessions' in one batched forward (`baton serve`); `None`: each step alone.
-    seat: Option<Seat>,
-}
-
-impl LocalGenerator {
-    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<LocalGenerator> {
-        let text = TextModel::from_gguf(&model.file)?;
-        let n_ctx = n_ctx.min(model.hp.n_ctx_train.max(1));
-        let session = Session::new(model.clone(), pool, n_ctx, n_batch)?;
-        Ok(LocalGenerator {
-            model,
-            text,
-            session: Some(Box::new(session)),
-            n_ctx,
-            seat: None,
-        })
-    }
-
-    /// Decodes through `batcher`, together with the other sessions using it (prefill stays on this thread).
-    pub fn with_batcher(mut self, batcher: &Arc<Batcher>) -> LocalGenerator {
-        self.seat = Some(batcher.seat());
-        self
-    }
-
-    /// Tokens whose KV this generator holds (for routing requests to the cache that shares their prefix).
-    pub fn cached_tokens(&self) -> &[u32] {
-        self.session.as_deref().map_or(&[], |s| &s.tokens()[..s.n_past()])
-    }
-}
-
-fn session_mut(slot: &mut Option<Box<Session>>) -> Result<&mut Session> {
-    slot.as_deref_mut()
-        .ok_or_else(|| anyhow!("this generator's session was lost with the batcher"))
-}
-
-impl Generator for LocalGenerator {
-    fn text(&self) -> &TextModel {
-        &self.text
-    }
-
-    fn describe(&self) -> String {
-        format!("{}, local", self.text.name())
-    }
-
-    fn n_ctx(&self) -> usize {
-        self.n_ctx
-    }
-
-    fn generate(
-        &mut self,
-        prompt: &Prompt,
-        params: &GenParams,
-        sink: &mut dyn FnMut(&Piece) -> bool,
-    ) -> Result<Outcome> {
-        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
-        let t0 = Instant::now();
-        let mut sampler = Sampler::after_prompt(params.sampler.clone(), self.model.hp.n_vocab, &tokens);
-        let k = params.top_logprobs;
-        let text = &self.text;
-        let slot = &mut self.session;
-        let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, k);
-        let (cached, first) = {
-            let session = session_mut(slot)?;
-            let cached = session.reuse_prefix(&tokens);
-            let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
-            (cached, pick(&mut sampler, logits))
-        };
-        let t_prompt = t0.elapsed();
-        let t1 = Instant::now();
-        let mut seat = self.seat.as_mut();
-        let _decoding = seat.as_ref().map(|s| s.batcher().decoding());
-        let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
-            sampler.accept(tok);
-            let session = session_mut(slot)?;
-            if session.n_past() + 1 >= session.n_ctx() {
-                return Ok(None);
-            }
-            let logits = match seat.as_deref_mut() {
-                Some(seat) => seat.step(slot, tok)?,
-                None => session.forward(Input::Tokens(&[tok]), Want::LastLogits)?,
-            };
-            Ok(Some(pick(&mut sampler, logits)))
-        })?;
-        Ok(Outcome {
-            prompt_tokens: tokens.len(),
-            cached_tokens: cached,
-            completion_tokens: n_gen,
-            finish,
-            t_prompt,
-            t_gen: t1.elapsed(),
-            detail: Vec::new(),
-        })
-    }
-}
-
-/// A model whose layers are spread over nodes; the last stage samples, so only a token and its top-k
-/// log-probabilities come back per step.
-pub struct PipelineGenerator {
-    pub text: TextModel,
-    spec: String,
-    n_ctx: usize,
-    session: PipelineSession,
-    /// With a single remote full-model stage (a decode node): prompts are prefilled by a prefill node whose KV the
-    /// decode node pulls (`baton run --decode-node D --prefill-node P`).
-    pub remote_prefill: Option<crate::cluster::disagg::RemotePrefill>,
-}
-
-impl PipelineGenerator {
-    /// Connects to every stage of `spec` (see `baton run --pipeline`).
-    pub fn connect(spec: &str, model_path: &Path, opts: PipelineOpts) -> Result<PipelineGenerator> {
-        let text = TextModel::open(model_path)?;
-        let n_ctx = opts.n_ctx;
-        let session = PipelineSession::connect(spec, model_path, opts)?;
-        Ok(PipelineGenerator {
-            text,
-            spec: spec.to_string(),
-            n_ctx,
-            session,
-            remote_prefill: None,
-        })
-    }
-
-    pub fn session(&self) -> &PipelineSession {
-        &self.session
-    }
-}
-
-impl Generator for PipelineGenerator {
-    fn text(&self) -> &TextModel {
-        &self.text
-    }
-
-    fn describe(&self) -> String {
-        format!("{}, pipeline {}", self.text.name(), self.spec)
-    }
-
-    fn n_ctx(&self) -> usize {
-        self.n_ctx
-    }
-
-    fn generate(
-        &mut self,
-        prompt: &Prompt,
-        params: &GenParams,
-        sink: &mut dyn FnMut(&Piece) -> bool,
-    ) -> Result<Outcome> {
-        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
-        let t0 = Instant::now();
-        let k = params.top_logprobs;
-        let text = &self.text;
-        // A request without a seed gets a fresh one, as a local run does.
-        let p = &mut self.session;
-        p.set_sampling(SamplingParams::from_sampler(&params.sampler), params.top_logprobs);
-        let cached = p.reuse_prefix(&tokens);
-        p.reset_stats();
-        let conv = |s: crate::cluster::Sampled| -> Next {
-            let top = if k == 0 { Vec::new() } else { text.top_text(&s.top) };
-            (s.token, (k > 0).then_some(s.logprob), top)
-        };
-        let (first, mut detail) = match &mut self.remote_prefill {
-            Some(rp) => rp.eval(p, &tokens[cached..])?,
-            None => (p.eval(&tokens[cached..])?, Vec::new()),
-        };
-        let first = conv(first);
-        let t_prompt = t0.elapsed();
-        let t1 = Instant::now();
-        let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
-            if p.n_past() + 1 >= p.n_ctx() {
-                return Ok(None);
-            }
-            Ok(Some(conv(p.decode_step(tok)?)))
-        })?;
-        detail.extend(p.stats().iter().map(|st| {
-            format!(
-                "stage {} layers {:?}: {} requests, {} tokens, compute {:.2} s, wall {:.2} s, sent {} B, \
-                     received {} B, {} reconnects",
-                st.label,
-                st.layers,
-                st.requests,
-                st.tokens,
-                st.compute.as_secs_f64(),
-                st.wall.as_secs_f64(),
-                st.bytes_sent,
-                st.bytes_recv,
-                st.reconnects
-            )
-        }));
-        Ok(Outcome {
-            prompt_tokens: tokens.len(),
-            cached_tokens: cached,
-            completion_tokens: n_gen,
-            finish,
-            t_prompt,
-            t_gen: t1.elapsed(),
-            detail,
-        })
-    }
-}

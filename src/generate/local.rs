@@ -1,0 +1,113 @@
+//! A model on this machine: the generator of `baton run` without cluster flags and of `baton serve`'s local slots.
+
+use super::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, decode_loop};
+use crate::engine::batcher::{Batcher, Seat};
+use crate::engine::sampler::Sampler;
+use crate::engine::{Input, Session, Want};
+use crate::kernels::ThreadPool;
+use crate::model::Model;
+use anyhow::{Context, Result, anyhow};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A model on this machine: one [`Session`] whose KV is kept between requests.
+pub struct LocalGenerator {
+    pub model: Arc<Model>,
+    pub text: TextModel,
+    /// Always here except while lent to the batcher for a step (gone only if the batcher died with it).
+    session: Option<Box<Session>>,
+    n_ctx: usize,
+    /// Decode steps shared with other sessions' in one batched forward (`baton serve`); `None`: each step alone.
+    seat: Option<Seat>,
+}
+
+impl LocalGenerator {
+    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<LocalGenerator> {
+        let text = TextModel::from_gguf(&model.file)?;
+        let n_ctx = n_ctx.min(model.hp.n_ctx_train.max(1));
+        let session = Session::new(model.clone(), pool, n_ctx, n_batch)?;
+        Ok(LocalGenerator {
+            model,
+            text,
+            session: Some(Box::new(session)),
+            n_ctx,
+            seat: None,
+        })
+    }
+
+    /// Decodes through `batcher`, together with the other sessions using it (prefill stays on this thread).
+    pub fn with_batcher(mut self, batcher: &Arc<Batcher>) -> LocalGenerator {
+        self.seat = Some(batcher.seat());
+        self
+    }
+
+    /// Tokens whose KV this generator holds (for routing requests to the cache that shares their prefix).
+    pub fn cached_tokens(&self) -> &[u32] {
+        self.session.as_deref().map_or(&[], |s| &s.tokens()[..s.n_past()])
+    }
+}
+
+fn session_mut(slot: &mut Option<Box<Session>>) -> Result<&mut Session> {
+    slot.as_deref_mut()
+        .ok_or_else(|| anyhow!("this generator's session was lost with the batcher"))
+}
+
+impl Generator for LocalGenerator {
+    fn text(&self) -> &TextModel {
+        &self.text
+    }
+
+    fn describe(&self) -> String {
+        format!("{}, local", self.text.name())
+    }
+
+    fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    fn generate(
+        &mut self,
+        prompt: &Prompt,
+        params: &GenParams,
+        sink: &mut dyn FnMut(&Piece) -> bool,
+    ) -> Result<Outcome> {
+        let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
+        let t0 = Instant::now();
+        let mut sampler = Sampler::after_prompt(params.sampler.clone(), self.model.hp.n_vocab, &tokens);
+        let k = params.top_logprobs;
+        let text = &self.text;
+        let slot = &mut self.session;
+        let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, k);
+        let (cached, first) = {
+            let session = session_mut(slot)?;
+            let cached = session.reuse_prefix(&tokens);
+            let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
+            (cached, pick(&mut sampler, logits))
+        };
+        let t_prompt = t0.elapsed();
+        let t1 = Instant::now();
+        let mut seat = self.seat.as_mut();
+        let _decoding = seat.as_ref().map(|s| s.batcher().decoding());
+        let (n_gen, finish) = decode_loop(&text.vocab, first, params.max_tokens, sink, |tok| {
+            sampler.accept(tok);
+            let session = session_mut(slot)?;
+            if session.n_past() + 1 >= session.n_ctx() {
+                return Ok(None);
+            }
+            let logits = match seat.as_deref_mut() {
+                Some(seat) => seat.step(slot, tok)?,
+                None => session.forward(Input::Tokens(&[tok]), Want::LastLogits)?,
+            };
+            Ok(Some(pick(&mut sampler, logits)))
+        })?;
+        Ok(Outcome {
+            prompt_tokens: tokens.len(),
+            cached_tokens: cached,
+            completion_tokens: n_gen,
+            finish,
+            t_prompt,
+            t_gen: t1.elapsed(),
+            detail: Vec::new(),
+        })
+    }
+}
