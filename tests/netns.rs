@@ -1,6 +1,6 @@
 //! The pipeline over an emulated link: two network namespaces joined by a veth pair shaped with `tc tbf` (2.5 Gbit/s
 //! or 10 Gbit/s), the nodes in one, the coordinator (a thread that entered the other with setns) relaying through the
-//! link. Skipped with a message where not root or without `ip netns`. Namespaces are deleted on drop.
+//! link. Skipped (`SKIPPED: reason` on stderr) where not root or without `ip netns`. Namespaces are deleted on drop.
 
 mod cluster_util;
 
@@ -58,13 +58,13 @@ impl Link {
     /// `None` (after printing why) where the harness cannot run.
     fn new(rate: &str) -> Option<Link> {
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: network-namespace tests need root");
+            eprintln!("SKIPPED: network-namespace tests need root");
             return None;
         }
         match Self::try_new(rate) {
             Ok(l) => Some(l),
             Err(e) => {
-                eprintln!("skipped: cannot build network namespaces ({e})");
+                eprintln!("SKIPPED: cannot build network namespaces ({e})");
                 None
             }
         }

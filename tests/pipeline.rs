@@ -463,7 +463,7 @@ fn bench_loopback() {
 #[ignore]
 fn bench_perplexity() {
     let Some(path) = std::env::var_os("BENCH_TOKENS") else {
-        eprintln!("skipped: set BENCH_TOKENS to a file of token ids");
+        eprintln!("SKIPPED: set BENCH_TOKENS to a file of token ids");
         return;
     };
     let ctx: usize = std::env::var("BENCH_CTX")

@@ -1,5 +1,7 @@
 //! Tokenizer tests on the two real models against llama.cpp's ids (tests/golden/tokens-<model>.json, written by
-//! tools/llama-ref). Each test skips with a message when its model file or golden file is absent.
+//! tools/llama-ref). The models are fetched into the cache on first use; a missing model or golden file fails.
+
+mod common;
 
 use baton::gguf::GgufFile;
 use baton::vocab::{StreamDecoder, Vocab};
@@ -7,33 +9,19 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-fn models_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("BATON_MODELS") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    Path::new(&home).join(".cache/baton/models")
-}
+const SMOLLM2: &str = "smollm2";
+const GEMMA3: &str = "gemma3";
 
-const SMOLLM2: (&str, &str) = ("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf");
-const GEMMA3: (&str, &str) = ("gemma3", "gemma-3-270m-q4_k_m.gguf");
-
-fn load(model: (&str, &str)) -> Option<Vocab> {
-    let path = models_dir().join(model.1);
-    if !path.exists() {
-        eprintln!("SKIP: model file {} not found", path.display());
-        return None;
-    }
-    let g = GgufFile::open(&path).expect("model opens");
+fn load(model: &str) -> Vocab {
+    let g = GgufFile::open(&common::model(model)).expect("model opens");
     let t = Instant::now();
     let v = Vocab::from_gguf(&g).expect("vocab loads");
     eprintln!(
-        "{}: {} (vocab built in {:.1} ms)",
-        model.0,
+        "{model}: {} (vocab built in {:.1} ms)",
         v.describe(),
         t.elapsed().as_secs_f64() * 1e3
     );
-    Some(v)
+    v
 }
 
 fn golden_dir() -> PathBuf {
@@ -59,20 +47,15 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn compare_with_llama_cpp(model: (&str, &str)) {
-    let Some(vocab) = load(model) else { return };
+fn compare_with_llama_cpp(model: &str) {
+    let vocab = load(model);
     // BATON_TOKENS_DIR points the comparison at other llama-ref output (e.g. extra texts) without editing.
     let dir = std::env::var("BATON_TOKENS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| golden_dir());
-    let path = dir.join(format!("tokens-{}.json", model.0));
-    let Ok(raw) = std::fs::read_to_string(&path) else {
-        eprintln!(
-            "SKIP: golden file {} not found (written by tools/llama-ref)",
-            path.display()
-        );
-        return;
-    };
+    let path = dir.join(format!("tokens-{model}.json"));
+    let raw = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("golden file {} (written by tools/llama-ref): {e}", path.display()));
     let j: Value = serde_json::from_str(&raw).expect("golden json");
     if let Some(n) = j["n_vocab"].as_u64() {
         assert_eq!(vocab.n_tokens() as u64, n, "vocab size");
@@ -118,17 +101,17 @@ fn compare_with_llama_cpp(model: (&str, &str)) {
     }
     eprintln!(
         "{}: {} cases x 2 modes compared, {} mismatches",
-        model.0,
+        model,
         cases.len(),
         failures.len()
     );
     for f in &failures {
-        eprintln!("MISMATCH {}: {f}", model.0);
+        eprintln!("MISMATCH {}: {f}", model);
     }
     assert!(
         failures.is_empty(),
         "{} tokenization differs from llama.cpp in {} places",
-        model.0,
+        model,
         failures.len()
     );
 }
@@ -144,8 +127,8 @@ fn gemma3_matches_llama_cpp() {
 }
 
 /// Plain-mode ids decode back to exactly the input, through token_bytes and through the stream decoder.
-fn round_trip(model: (&str, &str)) {
-    let Some(vocab) = load(model) else { return };
+fn round_trip(model: &str) {
+    let vocab = load(model);
     for text in texts() {
         let ids = vocab.tokenize(&text, false, false);
         let bytes: Vec<u8> = ids.iter().flat_map(|&i| vocab.token_bytes(i).iter().copied()).collect();
@@ -153,7 +136,7 @@ fn round_trip(model: (&str, &str)) {
             String::from_utf8_lossy(&bytes),
             text,
             "{}: round trip of {text:?}",
-            model.0
+            model
         );
         assert_eq!(bytes, text.as_bytes());
         let mut dec = StreamDecoder::new();
@@ -162,7 +145,7 @@ fn round_trip(model: (&str, &str)) {
             streamed.push_str(&dec.push(&vocab, id));
         }
         streamed.push_str(&dec.flush());
-        assert_eq!(streamed, text, "{}: streamed decode of {text:?}", model.0);
+        assert_eq!(streamed, text, "{}: streamed decode of {text:?}", model);
     }
 }
 
@@ -178,7 +161,8 @@ fn gemma3_round_trips() {
 
 #[test]
 fn eog_and_special_ids() {
-    if let Some(v) = load(SMOLLM2) {
+    {
+        let v = load(SMOLLM2);
         assert!(!v.add_bos());
         assert_eq!(v.eos(), Some(2));
         assert!(v.is_eog(2)); // <|im_end|>
@@ -190,7 +174,8 @@ fn eog_and_special_ids() {
         assert_eq!(v.tokenize("<|im_start|>", false, true), [1]);
         assert_eq!(v.token_bytes(1), b"<|im_start|>");
     }
-    if let Some(v) = load(GEMMA3) {
+    {
+        let v = load(GEMMA3);
         assert!(v.add_bos());
         assert_eq!(v.bos(), Some(2));
         assert!(v.is_eog(1)); // <eos>
@@ -217,17 +202,12 @@ fn tokenizing_20kb_is_fast() {
         }
     }
     for model in [SMOLLM2, GEMMA3] {
-        let Some(vocab) = load(model) else { continue };
+        let vocab = load(model);
         let t = Instant::now();
         let ids = vocab.tokenize(&text, true, true);
         let ms = t.elapsed().as_secs_f64() * 1e3;
-        eprintln!(
-            "{}: {} bytes -> {} tokens in {ms:.1} ms",
-            model.0,
-            text.len(),
-            ids.len()
-        );
+        eprintln!("{}: {} bytes -> {} tokens in {ms:.1} ms", model, text.len(), ids.len());
         // Generous bound: the machine is shared; typical is a few ms.
-        assert!(ms < 1000.0, "{} took {ms:.0} ms", model.0);
+        assert!(ms < 1000.0, "{} took {ms:.0} ms", model);
     }
 }

@@ -237,9 +237,7 @@ mod tests {
     #[test]
     fn threads_decoding_through_the_batcher_match_alone() {
         let dir = tempfile::tempdir().unwrap();
-        let Some(m) = tiny(Arch::Gemma3, dir.path()) else {
-            return;
-        };
+        let m = tiny(Arch::Gemma3, dir.path());
         let pool = Arc::new(ThreadPool::new(2));
         let stats = Arc::new(BatchStats::default());
         let batcher = Batcher::start(m.clone(), pool.clone(), 3, 64, Duration::from_millis(50), stats.clone()).unwrap();
@@ -283,7 +281,7 @@ mod tests {
     #[test]
     fn the_window_is_paid_only_for_sessions_that_decode() {
         let dir = tempfile::tempdir().unwrap();
-        let Some(m) = tiny(Arch::Llama, dir.path()) else { return };
+        let m = tiny(Arch::Llama, dir.path());
         let pool = Arc::new(ThreadPool::new(1));
         let stats = Arc::new(BatchStats::default());
         let window = Duration::from_millis(400);
