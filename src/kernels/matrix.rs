@@ -33,8 +33,8 @@ impl Bytes {
 pub enum Layout {
     /// Row-major, each row `ty.row_bytes(cols)` bytes: the file's layout.
     Rows,
-    /// Q4_1, Q5_0, Q8_0 or Q4_K in groups of 16 interleaved rows (see [`super::x16`], [`super::x16k`]), rows past
-    /// the last group row-major.
+    /// Q4_1, Q5_0, Q8_0, Q4_K or Q6_K in groups of 16 interleaved rows (see [`super::x16`], [`super::x16k`],
+    /// [`super::x16q6k`]), rows past the last group row-major.
     X16,
 }
 
@@ -71,7 +71,7 @@ impl Matrix {
     }
 
     /// Whether [`Matrix::repack_for_kernels`] rearranges this matrix: the fastest kernel of this CPU wants another
-    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX2 and AVX-512).
+    /// layout for its type (Q4_1, Q5_0, Q8_0, Q4_K and Q6_K on AVX2 and AVX-512).
     pub fn repacks(&self) -> bool {
         self.layout == Layout::Rows
             && super::x16::available()
@@ -236,7 +236,12 @@ mod tests {
                 })
                 .collect()
         };
-        let cases = [(GgmlType::Q8_0, true), (GgmlType::Q4K, true), (GgmlType::Q6K, false)];
+        let cases = [
+            (GgmlType::Q8_0, true),
+            (GgmlType::Q4K, true),
+            (GgmlType::Q6K, true),
+            (GgmlType::Q5K, false),
+        ];
         let mut w = GgufWriter::new();
         let mut datas = Vec::new();
         for (i, &(ty, _)) in cases.iter().enumerate() {

@@ -22,6 +22,7 @@ pub mod x16;
 #[cfg(target_arch = "x86_64")]
 pub mod x16avx2;
 pub mod x16k;
+pub mod x16q6k;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 

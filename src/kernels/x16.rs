@@ -32,7 +32,10 @@ pub const ROWS: usize = 16;
 
 /// Whether `ty` has an interleaved kernel.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4K)
+    matches!(
+        ty,
+        GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K
+    )
 }
 
 /// Bytes of one block of `ty` and of its f16 header.
@@ -47,8 +50,10 @@ fn block_shape(ty: GgmlType) -> (usize, usize) {
 
 /// Bytes of one block column of one group.
 pub fn group_block(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q4K {
-        return super::x16k::GROUP_BLOCK;
+    match ty {
+        GgmlType::Q4K => return super::x16k::GROUP_BLOCK,
+        GgmlType::Q6K => return super::x16q6k::GROUP_BLOCK,
+        _ => {}
     }
     ROWS * block_shape(ty).0
 }
@@ -61,8 +66,10 @@ pub fn packed_len(ty: GgmlType, rows: usize, nb: usize) -> usize {
 
 /// Repacks row-major data of `ty` (`rows` rows of `nb` blocks) into the interleaved layout.
 pub fn repack(ty: GgmlType, src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
-    if ty == GgmlType::Q4K {
-        return super::x16k::repack(src, rows, nb);
+    match ty {
+        GgmlType::Q4K => return super::x16k::repack(src, rows, nb),
+        GgmlType::Q6K => return super::x16q6k::repack(src, rows, nb),
+        _ => {}
     }
     let (bb, hdr) = block_shape(ty);
     let (rb, gbb) = (nb * bb, ROWS * bb);
@@ -97,9 +104,14 @@ fn position(i: usize, r: usize, hdr: usize) -> usize {
     }
 }
 
+/// Row `r`'s block into its group block: the bytes [`position`] gives, copied a header field or a quad at a time
+/// (loading repacks every multiplied matrix; byte by byte took 0.6 s of CPU for Gemma 3).
 fn scatter(gb: &mut [u8], blk: &[u8], r: usize, hdr: usize) {
-    for (i, &v) in blk.iter().enumerate() {
-        gb[position(i, r, hdr)] = v;
+    for (f, v) in blk[..hdr].chunks_exact(2).enumerate() {
+        gb[f * 2 * ROWS + 2 * r..][..2].copy_from_slice(v);
+    }
+    for (k, q) in blk[hdr..].chunks_exact(4).enumerate() {
+        gb[hdr * ROWS + k * 4 * ROWS + 4 * r..][..4].copy_from_slice(q);
     }
 }
 
@@ -110,14 +122,16 @@ pub fn unpack_block(ty: GgmlType, gb: &[u8], r: usize) -> Vec<u8> {
     blk[..n].to_vec()
 }
 
-/// Bytes of the largest block with an interleaved layout (Q4_K).
-pub const MAX_BLOCK: usize = super::kquants::Q4_K_BYTES;
+/// Bytes of the largest block with an interleaved layout (Q6_K).
+pub const MAX_BLOCK: usize = super::kquants::Q6_K_BYTES;
 
 /// [`unpack_block`] into `blk` (at least [`MAX_BLOCK`] bytes), without allocating: the embedding lookup of a tied
 /// output head reads its rows this way. Returns the block's length.
 pub fn unpack_block_into(ty: GgmlType, gb: &[u8], r: usize, blk: &mut [u8]) -> usize {
-    if ty == GgmlType::Q4K {
-        return super::x16k::unpack_block_into(gb, r, blk);
+    match ty {
+        GgmlType::Q4K => return super::x16k::unpack_block_into(gb, r, blk),
+        GgmlType::Q6K => return super::x16q6k::unpack_block_into(gb, r, blk),
+        _ => {}
     }
     let (bb, hdr) = block_shape(ty);
     for (i, b) in blk[..bb].iter_mut().enumerate() {
@@ -160,15 +174,17 @@ fn qh_to_masks(qh: &mut [u8]) {
 fn act_block(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_1 => Q8_1_BYTES,
-        GgmlType::Q4K => super::kquants::Q8_K_BYTES,
+        GgmlType::Q4K | GgmlType::Q6K => super::kquants::Q8_K_BYTES,
         _ => Q8_0_BYTES,
     }
 }
 
 /// Scalar reference: the 16 dots of one group (`nb` group blocks at `w`) with one activation row.
 pub fn dot_group_scalar(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], out: &mut [f32; ROWS]) {
-    if ty == GgmlType::Q4K {
-        return super::x16k::dot_group_scalar(nb, w, x, out);
+    match ty {
+        GgmlType::Q4K => return super::x16k::dot_group_scalar(nb, w, x, out),
+        GgmlType::Q6K => return super::x16q6k::dot_group_scalar(nb, w, x, out),
+        _ => {}
     }
     let gbb = group_block(ty);
     for (r, o) in out.iter_mut().enumerate() {
@@ -536,7 +552,8 @@ pub fn available() -> bool {
 
 /// Activation rows one call of [`dot_group`] takes: the prefill tile. The AVX-512 4-bit kernels unpack a group's
 /// weights once for all of them (8 rows halve that work per token against 4); the Q8_0 and Q4_K kernels keep more
-/// registers per row and take them 4 at a time, and so do the AVX2 kernels but Q5_0's (see [`super::x16avx2`]).
+/// registers per row and take them 4 at a time, and so do the AVX2 kernels but Q5_0's and Q6_K's (see
+/// [`super::x16avx2`]).
 pub const TILE: usize = 8;
 
 /// The 16 dots of one group for `n` (1..=[`TILE`]) activation rows `xs` bytes apart, with the fastest kernel
@@ -615,7 +632,7 @@ pub fn dot_group_with(
             }
             use super::x16avx2::{
                 q4_1_group as q4_1_group_avx2, q4_k_group as q4_k_group_avx2, q5_0_group as q5_0_group_avx2,
-                q8_0_group as q8_0_group_avx2,
+                q6_k_group as q6_k_group_avx2, q8_0_group as q8_0_group_avx2,
             };
             use super::x16k::{dot_group_avx512 as q4_k_group_avx512, dot_group_vnni as q4_k_group_vnni};
             match (ty, lvl) {
@@ -628,6 +645,8 @@ pub fn dot_group_with(
                 (GgmlType::Q4K, Level::Avx2) => by4!(q4_k_group_avx2),
                 (GgmlType::Q4K, Level::Avx512) => by4!(q4_k_group_avx512),
                 (GgmlType::Q4K, _) => by4!(q4_k_group_vnni),
+                // AVX-512 CPUs have AVX2: no 512-bit Q6_K kernel yet.
+                (GgmlType::Q6K, _) => go!(q6_k_group_avx2, 0, n),
                 (_, Level::Avx2) => by4!(q8_0_group_avx2),
                 (_, Level::Avx512) => by4!(q8_0_group_avx512),
                 (_, _) => by4!(q8_0_group_vnni),

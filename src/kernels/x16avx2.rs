@@ -1,5 +1,5 @@
-//! AVX2 (+FMA, F16C) group kernels on the interleaved layouts of [`super::x16`] (Q4_1, Q5_0, Q8_0) and
-//! [`super::x16k`] (Q4_K), for CPUs without AVX-512.
+//! AVX2 (+FMA, F16C) group kernels on the interleaved layouts of [`super::x16`] (Q4_1, Q5_0, Q8_0),
+//! [`super::x16k`] (Q4_K) and [`super::x16q6k`] (Q6_K, which AVX-512 CPUs run here too), for CPUs without AVX-512.
 //!
 //! Why: the row-major AVX2 kernels (1 row × ≤ 4 tokens) spend most of their instructions per block on scalar scale
 //! conversions and a horizontal sum per row, as the AVX-512 ones did before the layouts existed. A 256-bit register
@@ -13,7 +13,8 @@
 //! (see below), 8 registers per token, which with one token (decode) stay in registers.
 //!
 //! Tokens per call (thread CPU time of each kernel on 8 groups × 64 tokens, AMD EPYC Zen 3): Q4_1 N = 4 and 8 within
-//! 3% (4 kept), Q5_0 8 (+10% over 4: its fifth-bit unpacking is dearer), Q4_K 4 (+15% over 8), Q8_0 either.
+//! 3% (4 kept), Q5_0 8 (+10% over 4: its fifth-bit unpacking is dearer), Q6_K 8 (+10%, the same reason), Q4_K 4
+//! (+15% over 8), Q8_0 either.
 //!
 //! Exactness: the integer sums are the row-major kernels' (the i16 bounds are argued at each `maddubs` chain), and
 //! every f32 operation per row is the AVX-512 group kernel's, in the same order, so both levels give the same bits.
@@ -26,6 +27,7 @@ use super::kquants::Q8_K_BYTES;
 use super::legacy::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use super::x16::ROWS;
 use super::x16k::{GROUP_BLOCK as Q4_K_GROUP, MN, QS, SC};
+use super::x16q6k::{GROUP_BLOCK as Q6_K_GROUP, QH as Q6_QH, QL as Q6_QL, SC as Q6_SC};
 use std::arch::x86_64::*;
 
 /// One f16 at `p` as f32 (exact, as `half`'s conversion is).
@@ -313,6 +315,90 @@ pub unsafe fn q4_k_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
                     let ydv = _mm256_set1_ps(yd[t]);
                     let a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(ydv, d), acc[t][h]);
                     acc[t][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(ydv, dmin), a);
+                }
+            }
+        }
+        for t in 0..N {
+            store(&mut out[t], acc[t][0], acc[t][1]);
+        }
+    }
+}
+
+/// The 16 dots of one Q6_K group ([`super::x16q6k`]) with `N` Q8_K activation rows `xs` bytes apart: `out[t][r]`.
+/// The 6-bit weights enter `maddubs` unsigned (0..63); their offset of 32 comes off once per super-block as
+/// 32 · Σ_s sc_s · bsum_s, the activation sums of each 16 values that Q8_K carries.
+///
+/// # Safety
+/// As [`q4_1_group`], with Q6_K group blocks and Q8_K activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q6_k_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [[f32; ROWS]; N]) {
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m30 = _mm256_set1_epi8(0x30);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..nb {
+            let gb = w.add(b * Q6_K_GROUP);
+            let mut yd = [0.0f32; N];
+            for t in 0..N {
+                yd[t] = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+            }
+            for h in 0..2 {
+                // Broadcast the quads again for this half (see `q4_1_group`).
+                let x = std::hint::black_box(x);
+                let y = |t: usize| x.add(t * xs + b * Q8_K_BYTES);
+                // The 8 rows' scales of sub-block s (i8).
+                let sc8 = |s: usize| _mm_loadl_epi64(gb.add(Q6_SC + s * ROWS + 8 * h) as *const __m128i);
+                let mut isum = [_mm256_setzero_si256(); N];
+                for n in 0..2 {
+                    for kp in 0..4 {
+                        // Quads 2kp and 2kp + 1 of the four 32-value runs of this 128-value half (values
+                        // 128n + 32j + 4·quad), as 6-bit bytes: wv[j][e].
+                        let mut wv = [[_mm256_setzero_si256(); 2]; 4];
+                        for e in 0..2 {
+                            let kq = 2 * kp + e;
+                            let ql = |q: usize| load(gb.add(Q6_QL + q * 4 * ROWS + 32 * h));
+                            let (qa, qb) = (ql(16 * n + kq), ql(16 * n + 8 + kq));
+                            let qh = load(gb.add(Q6_QH + (8 * n + kq) * 4 * ROWS + 32 * h));
+                            let hi = |v: __m256i| _mm256_and_si256(v, m30);
+                            wv[0][e] = _mm256_or_si256(_mm256_and_si256(qa, m4), hi(_mm256_slli_epi16(qh, 4)));
+                            wv[1][e] = _mm256_or_si256(_mm256_and_si256(qb, m4), hi(_mm256_slli_epi16(qh, 2)));
+                            wv[2][e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), hi(qh));
+                            wv[3][e] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                hi(_mm256_srli_epi16(qh, 2)),
+                            );
+                        }
+                        for j in 0..4 {
+                            // The scale of sub-block 8n + 2j + kp / 2, in both i16 halves of each row's lane.
+                            let s = sc8(8 * n + 2 * j + kp / 2);
+                            let sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
+                            for t in 0..N {
+                                let yq = y(t).add(4 + 128 * n + 32 * j + 8 * kp);
+                                // Each i16 lane: two pairs of products ≤ 63·127, 4 · 8001 = 32004 < 32767.
+                                let p = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(wv[j][0], quad(yq)),
+                                    _mm256_maddubs_epi16(wv[j][1], quad(yq.add(4))),
+                                );
+                                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, sc));
+                            }
+                        }
+                    }
+                }
+                let d = f16x8(gb.add(16 * h));
+                for t in 0..N {
+                    // Σ_s sc_s · bsum_s, two sub-blocks per `madd` (scales ≤ 128, sums ≤ 16 · 127 in magnitude).
+                    let bs = y(t).add(260);
+                    let mut off = _mm256_setzero_si256();
+                    for p in 0..8 {
+                        let scp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8(2 * p), sc8(2 * p + 1)));
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(scp, quad(bs.add(4 * p))));
+                    }
+                    let sum = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(off, 5));
+                    acc[t][h] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(sum),
+                        _mm256_mul_ps(_mm256_set1_ps(yd[t]), d),
+                        acc[t][h],
+                    );
                 }
             }
         }
