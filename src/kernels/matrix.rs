@@ -71,11 +71,10 @@ impl Matrix {
     }
 
     /// Whether [`Matrix::repack_for_kernels`] rearranges this matrix: the fastest kernel of this CPU wants another
-    /// layout for its type (Q4_1, Q5_0, Q8_0, Q4_K and Q6_K on AVX2 and AVX-512).
+    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX2 and AVX-512, Q6_K on AVX2: [`super::x16::wanted`]).
     pub fn repacks(&self) -> bool {
         self.layout == Layout::Rows
-            && super::x16::available()
-            && super::x16::supports(self.ty)
+            && super::x16::wanted(self.ty)
             && self.rows >= super::x16::ROWS
     }
 
@@ -239,7 +238,7 @@ mod tests {
         let cases = [
             (GgmlType::Q8_0, true),
             (GgmlType::Q4K, true),
-            (GgmlType::Q6K, true),
+            (GgmlType::Q6K, super::super::x16::wanted(GgmlType::Q6K)),
             (GgmlType::Q5K, false),
         ];
         let mut w = GgufWriter::new();

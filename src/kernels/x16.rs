@@ -38,6 +38,16 @@ pub fn supports(ty: GgmlType) -> bool {
     )
 }
 
+/// Whether this CPU's kernels want `ty` interleaved. Q6_K only at the AVX2 level: its group kernel is AVX2, and an
+/// AVX-512 CPU keeps the row-major AVX-512 dot whose sums its golden tests were recorded with.
+pub fn wanted(ty: GgmlType) -> bool {
+    match level() {
+        Level::Scalar => false,
+        Level::Avx2 => supports(ty),
+        _ => supports(ty) && ty != GgmlType::Q6K,
+    }
+}
+
 /// Bytes of one block of `ty` and of its f16 header.
 fn block_shape(ty: GgmlType) -> (usize, usize) {
     match ty {
@@ -645,7 +655,8 @@ pub fn dot_group_with(
                 (GgmlType::Q4K, Level::Avx2) => by4!(q4_k_group_avx2),
                 (GgmlType::Q4K, Level::Avx512) => by4!(q4_k_group_avx512),
                 (GgmlType::Q4K, _) => by4!(q4_k_group_vnni),
-                // AVX-512 CPUs have AVX2: no 512-bit Q6_K kernel yet.
+                // Every level that runs a Q6_K group has AVX2 (the matmul interleaves Q6_K at AVX2 only, see
+                // [`wanted`]; tests run this kernel at every level).
                 (GgmlType::Q6K, _) => go!(q6_k_group_avx2, 0, n),
                 (_, Level::Avx2) => by4!(q8_0_group_avx2),
                 (_, Level::Avx512) => by4!(q8_0_group_avx512),
