@@ -873,7 +873,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
 
 /// `baton bench --pipeline`: pp and tg through the stages (prefill chunked and overlapped, the last stage samples).
 fn bench_pipeline(a: BenchArgs) -> Result<()> {
-    use baton::cluster::{PipelineSession, WireDtype};
+    use baton::cluster::PipelineSession;
+    use baton::engine::snapshot::RowDtype;
     let spec = a.pipeline.as_deref().expect("checked by the caller");
     let path = fetch::resolve(&a.model)?;
     let max_depth = a.depths.iter().copied().max().unwrap_or(0);
@@ -893,7 +894,7 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
     let name = format!(
         "{} via {spec} ({} wire)",
         path.file_name().map_or(a.model.clone(), |f| f.to_string_lossy().into()),
-        WireDtype::parse(&a.wire_bits)?.name()
+        RowDtype::parse(&a.wire_bits)?.name()
     );
     let cfg = baton::bench::BenchConfig {
         pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),

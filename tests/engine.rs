@@ -3,7 +3,7 @@
 
 mod common;
 
-use baton::engine::snapshot::{self, KvDtype};
+use baton::engine::snapshot::{self, RowDtype};
 use baton::engine::{Input, Session, Want};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
@@ -182,7 +182,7 @@ fn snapshot_restore_continues_exactly() {
         let first = greedy(&mut b, &toks, 5);
         let file = dir.path().join(format!("{name}.kv"));
         let n = b.n_past();
-        snapshot::save(&b, &file, m.range.clone(), 0..n, KvDtype::F32).unwrap();
+        snapshot::save(&b, &file, m.range.clone(), 0..n, RowDtype::F32).unwrap();
         drop(b);
         let mut c = Session::new(m.clone(), pool(), 128, 32).unwrap();
         let info = snapshot::restore(&mut c, &file).unwrap();
@@ -207,7 +207,7 @@ fn snapshot_refuses_other_model_range_and_corruption() {
     let m = Arc::new(Model::load(&real).unwrap());
     let mut s = Session::new(m.clone(), pool(), 64, 32).unwrap();
     s.eval(&prompt(10)).unwrap();
-    let bytes = snapshot::save_bytes(&s, 0..30, 0..10, KvDtype::F16).unwrap();
+    let bytes = snapshot::save_bytes(&s, 0..30, 0..10, RowDtype::F16).unwrap();
 
     // Another model.
     let other = Arc::new(Model::load(&rand_path).unwrap());

@@ -7,7 +7,7 @@ mod cluster_util;
 use baton::cluster::handoff::{HandoffReport, NodeOpts, PrefillNode, prefill_with_fallback};
 use baton::cluster::handshake::Timeouts;
 use baton::engine::Session;
-use baton::engine::snapshot::KvDtype;
+use baton::engine::snapshot::RowDtype;
 use baton::kernels::ThreadPool;
 use baton::model::Model;
 use cluster_util::*;
@@ -30,7 +30,7 @@ fn session_b(model: &Path, n_batch: usize) -> Session {
     Session::new(m, Arc::new(ThreadPool::new(1)), N_CTX, n_batch).unwrap()
 }
 
-fn node_opts(addr: &str, kv: KvDtype, io: u64) -> NodeOpts {
+fn node_opts(addr: &str, kv: RowDtype, io: u64) -> NodeOpts {
     NodeOpts {
         addr: addr.to_string(),
         secret: None,
@@ -95,7 +95,7 @@ fn disagg_b(
 
 fn check_equivalence(model: &Path, n_layer: usize, partial: usize, lens: &[usize], n_batch: usize) {
     let node = NodeProc::spawn(model, "127.0.0.1:0", &[]);
-    let mut pn = PrefillNode::new(node_opts(&node.addr, KvDtype::F32, 120));
+    let mut pn = PrefillNode::new(node_opts(&node.addr, RowDtype::F32, 120));
     for &len in lens {
         let prompt = prompt(len);
         let (ref_logits, ref_toks) = local_b(model, &prompt, 8, n_batch);
@@ -145,7 +145,7 @@ fn long_prompts_match_local() {
 fn second_turn_offloads_only_the_new_suffix() {
     let model = smollm2();
     let node = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    let mut pn = PrefillNode::new(node_opts(&node.addr, KvDtype::F32, 60));
+    let mut pn = PrefillNode::new(node_opts(&node.addr, RowDtype::F32, 60));
     let mut s = session(&model);
     let turn1 = prompt(48);
     let (logits, rep1) = prefill_with_fallback(&mut s, Some(&mut pn), &turn1, 30).unwrap();
@@ -249,20 +249,20 @@ fn connection_faults_fall_back_to_a_correct_local_prefill() {
     let r = local(&model, &prompt, 6);
 
     // Nobody listening.
-    let mut pn = PrefillNode::new(node_opts(&format!("127.0.0.1:{}", free_port()), KvDtype::F32, 5));
+    let mut pn = PrefillNode::new(node_opts(&format!("127.0.0.1:{}", free_port()), RowDtype::F32, 5));
     let rep = assert_fallback(&model, &mut pn, &prompt, 30, "node down", &r);
     assert!(rep.fallback.unwrap().contains("connect"));
 
     // A node that refuses the layer range.
     let pinned = NodeProc::spawn(&model, "127.0.0.1:0", &["--layers", "0:10"]);
-    let mut pn = PrefillNode::new(node_opts(&pinned.addr, KvDtype::F32, 5));
+    let mut pn = PrefillNode::new(node_opts(&pinned.addr, RowDtype::F32, 5));
     let rep = assert_fallback(&model, &mut pn, &prompt, 30, "refused", &r);
     assert!(rep.fallback.unwrap().contains("serves only 0:10"));
     drop(pinned);
 
     // A stalled node (stopped): past the 2 s deadline the decode side prefills alone.
     let stalled = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    let mut pn = PrefillNode::new(node_opts(&stalled.addr, KvDtype::F32, 2));
+    let mut pn = PrefillNode::new(node_opts(&stalled.addr, RowDtype::F32, 2));
     stalled.signal(libc::SIGSTOP);
     let t0 = std::time::Instant::now();
     let rep = assert_fallback(&model, &mut pn, &prompt, 30, "stalled", &r);
@@ -287,7 +287,7 @@ fn stream_faults_fall_back_to_a_correct_local_prefill() {
         }
         true
     });
-    let mut pn = PrefillNode::new(node_opts(&corrupt, KvDtype::F32, 10));
+    let mut pn = PrefillNode::new(node_opts(&corrupt, RowDtype::F32, 10));
     let rep = assert_fallback(&model, &mut pn, &prompt, 30, "corrupt chunk", &r);
     let why = rep.fallback.unwrap();
     assert!(why.contains("checksum") || why.contains("malformed"), "{why}");
@@ -305,7 +305,7 @@ fn stream_faults_fall_back_to_a_correct_local_prefill() {
         }
         true
     });
-    let mut pn = PrefillNode::new(node_opts(&killer, KvDtype::F32, 10));
+    let mut pn = PrefillNode::new(node_opts(&killer, RowDtype::F32, 10));
     assert_fallback(&model, &mut pn, &prompt, 13, "node killed", &r);
     victim.kill();
 }
@@ -322,7 +322,7 @@ fn narrower_kv_on_the_wire_stays_close() {
     let toks = vocab.tokenize(&text, true, false);
     let (head, tail) = (&toks[..64], &toks[64..96]);
     let node = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    let score = |kv: KvDtype| -> (f64, Vec<f32>, u64) {
+    let score = |kv: RowDtype| -> (f64, Vec<f32>, u64) {
         let mut pn = PrefillNode::new(node_opts(&node.addr, kv, 60));
         let mut s = session(&model);
         let (_, rep) = prefill_with_fallback(&mut s, Some(&mut pn), head, 30).unwrap();
@@ -339,8 +339,8 @@ fn narrower_kv_on_the_wire_stays_close() {
         }
         ((nll / (tail.len() - 1) as f64).exp(), out, rep.bytes)
     };
-    let (ppl32, logits32, bytes32) = score(KvDtype::F32);
-    for (kv, max_rel) in [(KvDtype::F16, 0.0), (KvDtype::BF16, 0.03), (KvDtype::Q8, 0.05)] {
+    let (ppl32, logits32, bytes32) = score(RowDtype::F32);
+    for (kv, max_rel) in [(RowDtype::F16, 0.0), (RowDtype::BF16, 0.03), (RowDtype::Q8, 0.05)] {
         let (ppl, logits, bytes) = score(kv);
         let d = max_abs_diff(&logits, &logits32);
         let rel = (ppl - ppl32) / ppl32;
@@ -349,7 +349,7 @@ fn narrower_kv_on_the_wire_stays_close() {
             kv.name(),
             rel * 100.0
         );
-        if kv == KvDtype::F16 {
+        if kv == RowDtype::F16 {
             assert_eq!(d, 0.0, "f16 on the wire carries the f16 cache exactly");
         } else {
             assert!(d > 0.0, "{kv:?} is lossy");
@@ -388,7 +388,7 @@ fn bench_ttft_loopback() {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let run = |k: usize| -> HandoffReport {
             let mut s = new_session();
-            let mut pn = PrefillNode::new(node_opts(&node.addr, KvDtype::F32, 120));
+            let mut pn = PrefillNode::new(node_opts(&node.addr, RowDtype::F32, 120));
             let (_, rep) = prefill_with_fallback(&mut s, Some(&mut pn), &prompt, k).unwrap();
             assert!(rep.fallback.is_none(), "{rep:?}");
             rep

@@ -253,7 +253,7 @@ fn bench_handoff_shaped() {
     use baton::cluster::disagg::{Job, Offload, Speeds, learn, plan};
     use baton::cluster::handoff::{NodeOpts, PrefillNode, prefill_with_fallback};
     use baton::engine::Session;
-    use baton::engine::snapshot::KvDtype;
+    use baton::engine::snapshot::RowDtype;
     use baton::kernels::ThreadPool;
     use baton::model::Model;
     use std::sync::Arc;
@@ -277,11 +277,11 @@ fn bench_handoff_shaped() {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         for &pp in &lens {
             let prompt = prompt(pp);
-            let mut runs: Vec<(String, usize, KvDtype)> = vec![
-                ("local".into(), 0, KvDtype::F32),
-                ("full".into(), hp.n_layer, KvDtype::F32),
-                ("full".into(), hp.n_layer, KvDtype::Q8),
-                ("half".into(), hp.n_layer / 2, KvDtype::F32),
+            let mut runs: Vec<(String, usize, RowDtype)> = vec![
+                ("local".into(), 0, RowDtype::F32),
+                ("full".into(), hp.n_layer, RowDtype::F32),
+                ("full".into(), hp.n_layer, RowDtype::Q8),
+                ("half".into(), hp.n_layer / 2, RowDtype::F32),
             ];
             let mut i = 0;
             while i < runs.len() {
@@ -300,7 +300,7 @@ fn bench_handoff_shaped() {
                     prefill_with_fallback(&mut s, Some(&mut pn), &prompt, k).unwrap().1
                 });
                 assert!(rep.fallback.is_none(), "{rep:?}");
-                if kv == KvDtype::F32 {
+                if kv == RowDtype::F32 {
                     learn(&mut speeds, &rep);
                 }
                 println!(
@@ -325,7 +325,7 @@ fn bench_handoff_shaped() {
                     };
                     let (k, why) = plan(Offload::Auto, &speeds, &job);
                     println!("<!-- {rate} {pp}: {why} -->");
-                    runs.push(("auto".to_string(), k, KvDtype::F32));
+                    runs.push(("auto".to_string(), k, RowDtype::F32));
                 }
                 i += 1;
             }

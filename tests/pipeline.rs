@@ -5,7 +5,8 @@ mod cluster_util;
 
 use baton::cluster::handshake::Timeouts;
 use baton::cluster::wire::{self, Msg};
-use baton::cluster::{PipelineOpts, PipelineSession, WireDtype};
+use baton::cluster::{PipelineOpts, PipelineSession};
+use baton::engine::snapshot::RowDtype;
 use cluster_util::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -93,7 +94,7 @@ fn narrower_wire_stays_close() {
     let prompt = prompt(24);
     let (ref_logits, ref_toks) = local_reference(&model, &prompt, 4);
     let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
-    for (wire, tol) in [(WireDtype::F16, 2.0), (WireDtype::BF16, 4.0), (WireDtype::Q8, 4.0)] {
+    for (wire, tol) in [(RowDtype::F16, 2.0), (RowDtype::BF16, 4.0), (RowDtype::Q8, 4.0)] {
         let spec = format!("{}=0:15,local=15:end", a.addr);
         let (logits, toks, p) = pipeline_run(&spec, PipelineOpts { wire, ..opts() }, &prompt, 4);
         let d = max_abs_diff(&logits, &ref_logits);
@@ -438,7 +439,7 @@ fn bench_loopback() {
     println!();
     println!("| wire | decode bytes/token (2 remote stages, all frames) | hidden payload/boundary |");
     println!("|---|---|---|");
-    for wire in [WireDtype::F32, WireDtype::F16, WireDtype::BF16, WireDtype::Q8] {
+    for wire in [RowDtype::F32, RowDtype::F16, RowDtype::BF16, RowDtype::Q8] {
         let o = PipelineOpts {
             n_ctx: 2048,
             chunk: 128,
@@ -509,7 +510,7 @@ fn bench_perplexity() {
     println!("| wire | perplexity | delta vs local |");
     println!("|---|---|---|");
     let wires = std::env::var("BENCH_WIRES").unwrap_or("32,16,bf16,8".into());
-    for wire in wires.split(',').map(|w| WireDtype::parse(w).unwrap()) {
+    for wire in wires.split(',').map(|w| RowDtype::parse(w).unwrap()) {
         let o = PipelineOpts {
             n_ctx: ctx,
             chunk: 128,

@@ -3,11 +3,11 @@
 //! a remote node ([`RemotePrefill`] on the coordinator, [`serve_pull`] on the node: protocol 3's PULL). `--offload auto`
 //! picks `k` per request from measured speeds; a [`PrefillPool`] picks the least-loaded healthy prefill node.
 
-use super::handoff::{HandoffReport, PrefillNode, kv_dtype_of, prefill_with_fallback, wire_of_kv};
+use super::handoff::{HandoffReport, PrefillNode, prefill_with_fallback};
 use super::pipeline::{PipelineSession, PullSpec};
 use super::stage::{Sampled, StageCore};
 use super::wire::{OFFLOAD_AUTO, Pull, PullReport};
-use crate::engine::snapshot::KvDtype;
+use crate::engine::snapshot::RowDtype;
 use crate::engine::{Input, Session, Want};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
@@ -260,7 +260,7 @@ pub fn probe_local_speed(model: &Arc<Model>, pool: Arc<ThreadPool>, n_batch: usi
 
 /// The planner's view of prefilling `tokens` into `s`: the tokens not already held, the chunk size and the bytes per
 /// token that would cross the wire at `kv` precision.
-pub fn job_for(s: &Session, tokens: &[u32], kv: KvDtype) -> Job {
+pub fn job_for(s: &Session, tokens: &[u32], kv: RowDtype) -> Job {
     let hp = &s.model.hp;
     let held = s.tokens()[..s.tokens().len().min(s.n_past())]
         .iter()
@@ -269,8 +269,8 @@ pub fn job_for(s: &Session, tokens: &[u32], kv: KvDtype) -> Job {
         .count()
         .min(tokens.len().saturating_sub(1));
     let el = match kv {
-        KvDtype::F32 => 4.0,
-        KvDtype::Q8 => 1.0 + 8.0 / hp.head_dim_k as f64,
+        RowDtype::F32 => 4.0,
+        RowDtype::Q8 => 1.0 + 8.0 / hp.head_dim_k as f64,
         _ => 2.0,
     };
     Job {
@@ -483,14 +483,14 @@ pub fn offload_on_wire(offload: Offload, n_layer: usize) -> u32 {
 pub struct RemotePrefill {
     pub pool: Arc<PrefillPool>,
     pub offload: Offload,
-    pub kv: KvDtype,
+    pub kv: RowDtype,
     /// The decode node's deadline for each wait on the prefill node.
     pub timeout: Duration,
     last: Option<usize>,
 }
 
 impl RemotePrefill {
-    pub fn new(pool: Arc<PrefillPool>, offload: Offload, kv: KvDtype, timeout: Duration) -> RemotePrefill {
+    pub fn new(pool: Arc<PrefillPool>, offload: Offload, kv: RowDtype, timeout: Duration) -> RemotePrefill {
         RemotePrefill {
             pool,
             offload,
@@ -512,7 +512,7 @@ impl RemotePrefill {
         let spec = PullSpec {
             addr: member.addr.clone(),
             offload: offload_on_wire(self.offload, p.hparams().n_layer),
-            kv: wire_of_kv(self.kv),
+            kv: self.kv,
             timeout: self.timeout,
         };
         let (s, report) = p.eval_pulled(new, &spec)?;
@@ -597,7 +597,7 @@ pub fn serve_pull(
             "the prefill node named is this node: prefilled here".to_string(),
         ),
         Some(link) => {
-            link.opts.kv = kv_dtype_of(p.kv);
+            link.opts.kv = p.kv;
             link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
             let job = job_for(&core.session, &tokens, link.opts.kv);
             let (k, why) = if p.offload == OFFLOAD_AUTO {

@@ -8,9 +8,9 @@
 
 use super::handshake::{self, Conn, Timeouts};
 use super::stage::StageCore;
-use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, PullReport, WireDtype};
+use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, PullReport};
 use super::{PrefixHash, prefix_next, prefix_root};
-use crate::engine::snapshot::{self, KvBlock, KvDtype};
+use crate::engine::snapshot::{self, KvBlock, RowDtype};
 use crate::engine::{Input, Session, Want};
 use anyhow::{Context, Result, anyhow, bail};
 use sha2::{Digest, Sha256};
@@ -18,25 +18,6 @@ use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-/// KV element type on the wire, from the wire's type code (the same codes as hidden states).
-pub fn kv_dtype_of(w: WireDtype) -> KvDtype {
-    match w {
-        WireDtype::F32 => KvDtype::F32,
-        WireDtype::F16 => KvDtype::F16,
-        WireDtype::BF16 => KvDtype::BF16,
-        WireDtype::Q8 => KvDtype::Q8,
-    }
-}
-
-pub fn wire_of_kv(k: KvDtype) -> WireDtype {
-    match k {
-        KvDtype::F32 => WireDtype::F32,
-        KvDtype::F16 => WireDtype::F16,
-        KvDtype::BF16 => WireDtype::BF16,
-        KvDtype::Q8 => WireDtype::Q8,
-    }
-}
 
 fn checksum8(b: &[u8]) -> [u8; 8] {
     Sha256::digest(b)[..8].try_into().unwrap()
@@ -77,7 +58,7 @@ pub fn serve_prefill(
     core: &mut StageCore,
     p: &Prefill,
     queued: Duration,
-    hidden_wire: WireDtype,
+    hidden_wire: RowDtype,
 ) -> Result<Drain> {
     let model = core.session.model.clone();
     let hp = &model.hp;
@@ -112,7 +93,7 @@ pub fn serve_prefill(
         return Ok(Drain(None));
     }
     core.rewind(pos);
-    let kv_dt = kv_dtype_of(p.kv);
+    let kv_dt = p.kv;
     let fp = model.fingerprint()?.to_string();
     let e = hp.n_embd;
     let req = p.req;
@@ -358,7 +339,7 @@ pub struct NodeOpts {
     pub addr: String,
     pub secret: Option<Vec<u8>>,
     pub timeouts: Timeouts,
-    pub kv: KvDtype,
+    pub kv: RowDtype,
 }
 
 /// What the reader thread passes on, decoded and checked.
@@ -413,7 +394,7 @@ impl PrefillNode {
             layers: (0, k as u32),
             n_ctx: s.n_ctx() as u32,
             n_batch: s.n_batch() as u32,
-            wire: WireDtype::F32,
+            wire: RowDtype::F32,
             session: self.session_id,
             temperature: 0.0,
             top_p: 1.0,
@@ -482,7 +463,7 @@ impl PrefillNode {
                 pos: q as u32,
                 prefix: prefix_hash(&tokens[..q]),
                 send_from: held as u32,
-                kv: wire_of_kv(self.opts.kv),
+                kv: self.opts.kv,
                 hidden: if k < n_layer { HiddenRows::All } else { HiddenRows::Last },
                 tokens: tokens[q..].to_vec(),
             });

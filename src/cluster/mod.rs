@@ -28,7 +28,6 @@ pub use node::{NodeConfig, run as run_node};
 pub use pipeline::{PipelineOpts, PipelineSession, StageStats};
 pub use stage::{Sampled, SamplingParams};
 pub use topology::{StageSpec, parse_pipeline};
-pub use wire::WireDtype;
 
 use sha2::{Digest, Sha256};
 

@@ -15,7 +15,7 @@ use super::stage::{Prepared, SamplingParams, StageCore, StageOut};
 use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WantOut, WireError};
 use crate::engine::Session;
 use crate::engine::batch::Batch;
-use crate::engine::snapshot::KvDtype;
+use crate::engine::snapshot::RowDtype;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -654,7 +654,7 @@ fn serve_conn(mut s: TcpStream, st: &State, peer: &str) -> Result<()> {
                                 addr: p.prefill.clone(),
                                 secret: st.cfg.secret.clone(),
                                 timeouts: Timeouts::default(),
-                                kv: KvDtype::F32,
+                                kv: RowDtype::F32,
                             })
                         });
                         let mut speeds = lock(&st.speeds);

@@ -16,8 +16,9 @@
 use super::handshake::{self, Conn, Timeouts};
 use super::stage::{Sampled, SamplingParams, StageCore, StageOut};
 use super::topology::{StageSpec, parse_pipeline};
-use super::wire::{Body, Forward, Hidden, ModelInfo, Msg, Open, Pull, PullReport, ResultMsg, WantOut, WireDtype};
+use super::wire::{Body, Forward, Hidden, ModelInfo, Msg, Open, Pull, PullReport, ResultMsg, WantOut};
 use super::{PrefixHash, prefix_next, prefix_root};
+use crate::engine::snapshot::RowDtype;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -35,7 +36,7 @@ pub struct PipelineOpts {
     /// Tokens per prefill chunk (also the batch size every stage allocates for).
     pub chunk: usize,
     /// Hidden-state precision on the wire.
-    pub wire: WireDtype,
+    pub wire: RowDtype,
     /// Shared secret (required by nodes that listen beyond loopback).
     pub secret: Option<Vec<u8>>,
     /// Threads of the local stage.
@@ -53,7 +54,7 @@ impl Default for PipelineOpts {
         PipelineOpts {
             n_ctx: 4096,
             chunk: 128,
-            wire: WireDtype::F32,
+            wire: RowDtype::F32,
             secret: None,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             timeouts: Timeouts::default(),
@@ -70,7 +71,7 @@ impl Default for PipelineOpts {
 pub struct PullSpec {
     pub addr: String,
     pub offload: u32,
-    pub kv: WireDtype,
+    pub kv: RowDtype,
     pub timeout: Duration,
 }
 
@@ -152,7 +153,7 @@ struct Stage {
 struct PassCtx<'a> {
     n_embd: usize,
     n_vocab: usize,
-    wire: WireDtype,
+    wire: RowDtype,
     secret: Option<&'a [u8]>,
     timeouts: Timeouts,
     verbose: bool,

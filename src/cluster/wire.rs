@@ -5,7 +5,8 @@
 //! every field inside is bounds-checked against the bytes actually present, so a hostile peer can make us allocate
 //! at most one frame's worth of memory and never panic.
 
-use anyhow::{Result, bail};
+use crate::engine::snapshot::RowDtype;
+use anyhow::Result;
 use half::{bf16, f16};
 use std::io::{self, Read, Write};
 
@@ -67,58 +68,30 @@ fn malformed<T>(msg: impl Into<String>) -> Result<T, WireError> {
     Err(WireError::Malformed(msg.into()))
 }
 
-/// Hidden-state precision on the wire (`--wire-bits`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WireDtype {
-    F32 = 0,
-    F16 = 1,
-    BF16 = 2,
-    /// i8 with one f32 scale (absmax / 127) per row.
-    Q8 = 3,
+/// The wire's code for a row type (hidden states and KV chunks; docs/protocol.md).
+fn dtype_code(d: RowDtype) -> u8 {
+    match d {
+        RowDtype::F32 => 0,
+        RowDtype::F16 => 1,
+        RowDtype::BF16 => 2,
+        RowDtype::Q8 => 3,
+    }
 }
 
-impl WireDtype {
-    /// From `--wire-bits`: 32, 16 (f16), 8 (int8 with per-row scale); also accepts the names.
-    pub fn parse(s: &str) -> Result<WireDtype> {
-        Ok(match s {
-            "32" | "f32" => WireDtype::F32,
-            "16" | "f16" => WireDtype::F16,
-            "bf16" => WireDtype::BF16,
-            "8" | "q8" => WireDtype::Q8,
-            other => bail!("unknown wire precision {other:?} (32, 16, bf16 or 8)"),
-        })
-    }
-    fn from_code(c: u8) -> Result<WireDtype, WireError> {
-        Ok(match c {
-            0 => WireDtype::F32,
-            1 => WireDtype::F16,
-            2 => WireDtype::BF16,
-            3 => WireDtype::Q8,
-            _ => return malformed(format!("unknown hidden-state type {c}")),
-        })
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            WireDtype::F32 => "f32",
-            WireDtype::F16 => "f16",
-            WireDtype::BF16 => "bf16",
-            WireDtype::Q8 => "q8",
-        }
-    }
-    /// Bytes on the wire for one row of `width` values (including the Q8 scale).
-    pub fn row_bytes(self, width: usize) -> usize {
-        match self {
-            WireDtype::F32 => 4 * width,
-            WireDtype::F16 | WireDtype::BF16 => 2 * width,
-            WireDtype::Q8 => width + 4,
-        }
-    }
+fn dtype_from_code(c: u8) -> Result<RowDtype, WireError> {
+    Ok(match c {
+        0 => RowDtype::F32,
+        1 => RowDtype::F16,
+        2 => RowDtype::BF16,
+        3 => RowDtype::Q8,
+        _ => return malformed(format!("unknown hidden-state type {c}")),
+    })
 }
 
 /// A hidden state `[n_rows, width]` encoded for the wire.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Hidden {
-    pub dtype: WireDtype,
+    pub dtype: RowDtype,
     pub n_rows: u32,
     pub width: u32,
     /// Row-major values (f32/f16/bf16 little-endian, or i8); for Q8 followed by `n_rows` f32 scales.
@@ -126,18 +99,18 @@ pub struct Hidden {
 }
 
 impl Hidden {
-    pub fn encode(x: &[f32], width: usize, dtype: WireDtype) -> Hidden {
+    pub fn encode(x: &[f32], width: usize, dtype: RowDtype) -> Hidden {
         let n_rows = x.len() / width;
         let mut data = Vec::with_capacity(n_rows * dtype.row_bytes(width));
         match dtype {
-            WireDtype::F32 => x.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
-            WireDtype::F16 => x
+            RowDtype::F32 => x.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
+            RowDtype::F16 => x
                 .iter()
                 .for_each(|&v| data.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
-            WireDtype::BF16 => x
+            RowDtype::BF16 => x
                 .iter()
                 .for_each(|&v| data.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
-            WireDtype::Q8 => {
+            RowDtype::Q8 => {
                 let mut scales = Vec::with_capacity(n_rows);
                 for row in x.chunks(width) {
                     let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -162,19 +135,19 @@ impl Hidden {
         let (n, w) = (self.n_rows as usize, self.width as usize);
         let d = &self.data;
         match self.dtype {
-            WireDtype::F32 => d
+            RowDtype::F32 => d
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                 .collect(),
-            WireDtype::F16 => d
+            RowDtype::F16 => d
                 .chunks_exact(2)
                 .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            WireDtype::BF16 => d
+            RowDtype::BF16 => d
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            WireDtype::Q8 => {
+            RowDtype::Q8 => {
                 let (q, s) = d.split_at(n * w);
                 let mut out = Vec::with_capacity(n * w);
                 for (row, sc) in q.chunks_exact(w.max(1)).zip(s.chunks_exact(4)) {
@@ -276,7 +249,7 @@ pub struct Open {
     pub n_ctx: u32,
     pub n_batch: u32,
     /// Precision of the hidden states this stage sends back.
-    pub wire: WireDtype,
+    pub wire: RowDtype,
     pub session: u64,
     pub temperature: f32,
     pub top_p: f32,
@@ -336,7 +309,7 @@ pub struct Prefill {
     /// decode side holds them already.
     pub send_from: u32,
     /// Element type of the KV chunks (same codes as hidden states).
-    pub kv: WireDtype,
+    pub kv: RowDtype,
     pub hidden: HiddenRows,
     pub tokens: Vec<u32>,
 }
@@ -368,7 +341,7 @@ pub struct Pull {
     /// Layers to prefill remotely (0: locally), or [`OFFLOAD_AUTO`].
     pub offload: u32,
     /// Element type of the KV between the prefill and the decode node.
-    pub kv: WireDtype,
+    pub kv: RowDtype,
     /// The decode node's deadline for each wait on the prefill node, milliseconds.
     pub timeout_ms: u32,
 }
@@ -507,7 +480,7 @@ impl Msg {
                 e.u32(o.layers.1);
                 e.u32(o.n_ctx);
                 e.u32(o.n_batch);
-                e.u8(o.wire as u8);
+                e.u8(dtype_code(o.wire));
                 e.u64(o.session);
                 e.f32(o.temperature);
                 e.f32(o.top_p);
@@ -576,7 +549,7 @@ impl Msg {
                 e.u32(p.pos);
                 e.raw(&p.prefix);
                 e.u32(p.send_from);
-                e.u8(p.kv as u8);
+                e.u8(dtype_code(p.kv));
                 e.u8(p.hidden as u8);
                 e.u32(p.tokens.len() as u32);
                 p.tokens.iter().for_each(|&t| e.u32(t));
@@ -611,7 +584,7 @@ impl Msg {
                 p.tokens.iter().for_each(|&t| e.u32(t));
                 e.str(&p.prefill);
                 e.u32(p.offload);
-                e.u8(p.kv as u8);
+                e.u8(dtype_code(p.kv));
                 e.u32(p.timeout_ms);
             }
             Msg::PullReport(r) => {
@@ -659,7 +632,7 @@ impl Msg {
                 layers: (d.u32()?, d.u32()?),
                 n_ctx: d.u32()?,
                 n_batch: d.u32()?,
-                wire: WireDtype::from_code(d.u8()?)?,
+                wire: dtype_from_code(d.u8()?)?,
                 session: d.u64()?,
                 temperature: d.f32()?,
                 top_p: d.f32()?,
@@ -733,7 +706,7 @@ impl Msg {
                 let pos = d.u32()?;
                 let prefix = d.arr()?;
                 let send_from = d.u32()?;
-                let kv = WireDtype::from_code(d.u8()?)?;
+                let kv = dtype_from_code(d.u8()?)?;
                 let hidden = match d.u8()? {
                     0 => HiddenRows::None,
                     1 => HiddenRows::All,
@@ -785,7 +758,7 @@ impl Msg {
                     tokens,
                     prefill: d.str()?,
                     offload: d.u32()?,
-                    kv: WireDtype::from_code(d.u8()?)?,
+                    kv: dtype_from_code(d.u8()?)?,
                     timeout_ms: d.u32()?,
                 })
             }
@@ -947,7 +920,7 @@ impl Enc {
         }
     }
     fn hidden(&mut self, h: &Hidden) {
-        self.u8(h.dtype as u8);
+        self.u8(dtype_code(h.dtype));
         self.u32(h.n_rows);
         self.u32(h.width);
         self.u32(h.data.len() as u32);
@@ -1021,7 +994,7 @@ impl<'a> Dec<'a> {
         })
     }
     fn hidden(&mut self) -> Result<Hidden, WireError> {
-        let dtype = WireDtype::from_code(self.u8()?)?;
+        let dtype = dtype_from_code(self.u8()?)?;
         let n_rows = self.u32()?;
         let width = self.u32()?;
         let len = self.u32()? as usize;
@@ -1084,7 +1057,7 @@ mod tests {
             layers: (3, 17),
             n_ctx: 4096,
             n_batch: 128,
-            wire: WireDtype::Q8,
+            wire: RowDtype::Q8,
             session: 0xdead_beef,
             temperature: 0.7,
             top_p: 0.9,
@@ -1101,7 +1074,7 @@ mod tests {
             n_ctx: 512,
             n_past: 12,
         }));
-        let h = Hidden::encode(&[1.0, -2.0, 3.5, 0.25, 8.0, -1.0], 3, WireDtype::Q8);
+        let h = Hidden::encode(&[1.0, -2.0, 3.5, 0.25, 8.0, -1.0], 3, RowDtype::Q8);
         roundtrip(Msg::Forward(Forward {
             req: 5,
             pos: 10,
@@ -1148,7 +1121,7 @@ mod tests {
             pos: 4,
             prefix: [5; 16],
             send_from: 6,
-            kv: WireDtype::F16,
+            kv: RowDtype::F16,
             hidden: HiddenRows::Last,
             tokens: vec![1, 2, 3],
         }));
@@ -1160,7 +1133,7 @@ mod tests {
             req: 9,
             pos: 6,
             checksum: [1; 8],
-            hidden: Hidden::encode(&[1.0, 2.0], 2, WireDtype::F32),
+            hidden: Hidden::encode(&[1.0, 2.0], 2, RowDtype::F32),
         }));
         roundtrip(Msg::PrefillDone {
             req: 9,
@@ -1175,7 +1148,7 @@ mod tests {
             tokens: vec![4, 5, 6],
             prefill: "10.0.0.2:7070".into(),
             offload: OFFLOAD_AUTO,
-            kv: WireDtype::Q8,
+            kv: RowDtype::Q8,
             timeout_ms: 10_000,
         }));
         roundtrip(Msg::PullReport(PullReport {
@@ -1206,12 +1179,18 @@ mod tests {
     #[test]
     fn hidden_codecs_bound_their_error() {
         let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37).collect();
-        for (dt, tol) in [
-            (WireDtype::F32, 0.0),
-            (WireDtype::F16, 2e-3),
-            (WireDtype::BF16, 2e-2),
-            (WireDtype::Q8, 0.03),
-        ] {
+        for (code, (dt, tol)) in [
+            (RowDtype::F32, 0.0),
+            (RowDtype::F16, 2e-3),
+            (RowDtype::BF16, 2e-2),
+            (RowDtype::Q8, 0.03),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            // docs/protocol.md's dtype codes.
+            assert_eq!(dtype_code(dt), code as u8);
+            assert_eq!(dtype_from_code(code as u8).unwrap(), dt);
             let h = Hidden::encode(&x, 16, dt);
             assert_eq!(h.data.len(), 4 * dt.row_bytes(16));
             let y = h.decode();
@@ -1253,7 +1232,7 @@ mod tests {
         p.extend_from_slice(&1_000_000_000u32.to_le_bytes());
         assert!(Msg::decode(ty::FORWARD, &p).is_err());
         // A hidden state whose byte count disagrees with its shape.
-        let mut h = Hidden::encode(&[1.0; 8], 4, WireDtype::F16);
+        let mut h = Hidden::encode(&[1.0; 8], 4, RowDtype::F16);
         h.data.pop();
         let f = Msg::Forward(Forward {
             req: 1,
@@ -1274,7 +1253,7 @@ mod tests {
             layers: (0, 1),
             n_ctx: 1,
             n_batch: 1,
-            wire: WireDtype::F32,
+            wire: RowDtype::F32,
             session: 1,
             temperature: 0.0,
             top_p: 1.0,

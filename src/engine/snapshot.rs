@@ -19,9 +19,10 @@ use std::path::Path;
 pub const FORMAT: &str = "baton-kv";
 pub const VERSION: u32 = 1;
 
-/// Element type of KV in a snapshot or on the wire.
+/// Element type of f32 rows stored or sent: KV in snapshots (by name) and on the wire (by the wire's code), and
+/// hidden states on the wire (`--wire-bits`, `--kv-bits`). One type, so the two can never disagree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvDtype {
+pub enum RowDtype {
     F32,
     F16,
     BF16,
@@ -29,39 +30,48 @@ pub enum KvDtype {
     Q8,
 }
 
-impl KvDtype {
-    pub fn parse(s: &str) -> Result<KvDtype> {
+impl RowDtype {
+    /// From a flag or a snapshot header: 32, 16 (f16), bf16, 8 (int8 with a per-row scale), or the names.
+    pub fn parse(s: &str) -> Result<RowDtype> {
         Ok(match s {
-            "f32" | "32" => KvDtype::F32,
-            "f16" | "16" => KvDtype::F16,
-            "bf16" => KvDtype::BF16,
-            "q8" | "8" => KvDtype::Q8,
-            other => bail!("unknown KV type {other:?} (f32, f16, bf16, q8)"),
+            "f32" | "32" => RowDtype::F32,
+            "f16" | "16" => RowDtype::F16,
+            "bf16" => RowDtype::BF16,
+            "q8" | "8" => RowDtype::Q8,
+            other => bail!("unknown precision {other:?} (32 or f32, 16 or f16, bf16, 8 or q8)"),
         })
     }
     pub fn name(self) -> &'static str {
         match self {
-            KvDtype::F32 => "f32",
-            KvDtype::F16 => "f16",
-            KvDtype::BF16 => "bf16",
-            KvDtype::Q8 => "q8",
+            RowDtype::F32 => "f32",
+            RowDtype::F16 => "f16",
+            RowDtype::BF16 => "bf16",
+            RowDtype::Q8 => "q8",
+        }
+    }
+    /// Bytes of one row of `width` values, including the Q8 scale.
+    pub fn row_bytes(self, width: usize) -> usize {
+        match self {
+            RowDtype::F32 => 4 * width,
+            RowDtype::F16 | RowDtype::BF16 => 2 * width,
+            RowDtype::Q8 => width + 4,
         }
     }
 }
 
 /// Encodes rows of `width` f32 values; for Q8 also returns one scale per row.
-pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) {
+pub fn encode_rows(x: &[f32], width: usize, dt: RowDtype) -> (Vec<u8>, Vec<f32>) {
     match dt {
-        KvDtype::F32 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), Vec::new()),
-        KvDtype::F16 => (
+        RowDtype::F32 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), Vec::new()),
+        RowDtype::F16 => (
             x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
             Vec::new(),
         ),
-        KvDtype::BF16 => (
+        RowDtype::BF16 => (
             x.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
             Vec::new(),
         ),
-        KvDtype::Q8 => {
+        RowDtype::Q8 => {
             let mut out = Vec::with_capacity(x.len());
             let mut scales = Vec::with_capacity(x.len() / width);
             for row in x.chunks(width) {
@@ -77,33 +87,33 @@ pub fn encode_rows(x: &[f32], width: usize, dt: KvDtype) -> (Vec<u8>, Vec<f32>) 
 }
 
 /// Decodes rows written by [`encode_rows`] into `out` (`out.len()` values).
-pub fn decode_rows(bytes: &[u8], scales: &[f32], width: usize, dt: KvDtype, out: &mut [f32]) -> Result<()> {
+pub fn decode_rows(bytes: &[u8], scales: &[f32], width: usize, dt: RowDtype, out: &mut [f32]) -> Result<()> {
     let n = out.len();
     let need = match dt {
-        KvDtype::F32 => n * 4,
-        KvDtype::F16 | KvDtype::BF16 => n * 2,
-        KvDtype::Q8 => n,
+        RowDtype::F32 => n * 4,
+        RowDtype::F16 | RowDtype::BF16 => n * 2,
+        RowDtype::Q8 => n,
     };
     if bytes.len() != need {
         bail!("KV data is {} bytes, expected {need}", bytes.len());
     }
     match dt {
-        KvDtype::F32 => {
+        RowDtype::F32 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = f32::from_le_bytes(c.try_into().unwrap());
             }
         }
-        KvDtype::F16 => {
+        RowDtype::F16 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        KvDtype::BF16 => {
+        RowDtype::BF16 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        KvDtype::Q8 => {
+        RowDtype::Q8 => {
             if scales.len() * width != n {
                 bail!("KV scales cover {} rows, data has {}", scales.len(), n / width.max(1));
             }
@@ -216,7 +226,7 @@ impl KvBlock {
 
 /// Serialises a block in the snapshot format (safetensors, header with the model fields and every tensor's
 /// checksum).
-pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: KvDtype) -> Result<Vec<u8>> {
+pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: RowDtype) -> Result<Vec<u8>> {
     if b.layers.is_empty() || b.pos.is_empty() || b.k.len() != b.layers.len() || b.v.len() != b.layers.len() {
         bail!("empty or inconsistent KV block");
     }
@@ -249,13 +259,13 @@ pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: KvDtype) -
             }
             let (bytes, scales) = encode_rows(rows, hd, dt);
             let st_dtype = match dt {
-                KvDtype::F32 => Dtype::F32,
-                KvDtype::F16 => Dtype::F16,
-                KvDtype::BF16 => Dtype::BF16,
-                KvDtype::Q8 => Dtype::I8,
+                RowDtype::F32 => Dtype::F32,
+                RowDtype::F16 => Dtype::F16,
+                RowDtype::BF16 => Dtype::BF16,
+                RowDtype::Q8 => Dtype::I8,
             };
             tensors.push((format!("{name}.{il}"), st_dtype, vec![hp.n_head_kv, n_pos, hd], bytes));
-            if dt == KvDtype::Q8 {
+            if dt == RowDtype::Q8 {
                 let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
                 tensors.push((format!("{name}.{il}.scale"), Dtype::F32, vec![hp.n_head_kv, n_pos], sb));
             }
@@ -272,7 +282,7 @@ pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: KvDtype) -
 }
 
 /// Serialises layers `layers` and positions `pos` of the session's cache.
-pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<Vec<u8>> {
+pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: RowDtype) -> Result<Vec<u8>> {
     let kv = &s.kv;
     if layers.start < kv.layers.start || layers.end > kv.layers.end || layers.is_empty() {
         bail!(
@@ -294,7 +304,7 @@ pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: KvDt
     encode_block(&s.model.hp, s.model.fingerprint()?, &block, dt)
 }
 
-pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: KvDtype) -> Result<()> {
+pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: RowDtype) -> Result<()> {
     let bytes = save_bytes(s, layers, pos, dt)?;
     crate::util::write_atomic(path, &bytes)
 }
@@ -304,14 +314,14 @@ pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, d
 pub struct SnapshotInfo {
     pub layers: Range<usize>,
     pub pos: Range<usize>,
-    pub dtype: KvDtype,
+    pub dtype: RowDtype,
     pub tokens: Option<Vec<u32>>,
 }
 
 /// Parses a snapshot-format buffer: every header field must match the model (`hp`, `fingerprint`), every tensor its
 /// shape and checksum; positions must end within `n_ctx`. Returns the decoded block and its element type. Nothing is
 /// trusted before every check passed.
-pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8]) -> Result<(KvBlock, KvDtype)> {
+pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8]) -> Result<(KvBlock, RowDtype)> {
     let (_, header) = SafeTensors::read_metadata(bytes).context("not a safetensors KV snapshot")?;
     let meta = header.metadata().clone().unwrap_or_default();
     let get = |k: &str| {
@@ -352,7 +362,7 @@ pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8])
             pos.end
         );
     }
-    let dt = KvDtype::parse(get("dtype")?)?;
+    let dt = RowDtype::parse(get("dtype")?)?;
     let tokens = match meta.get("tokens") {
         Some(t) if !t.is_empty() => {
             let t = t
@@ -392,7 +402,7 @@ pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8])
             if checksum(t.data()) != get(&format!("checksum.{tname}"))? {
                 bail!("snapshot tensor {tname} fails its checksum: the data is corrupt");
             }
-            let scales: Vec<f32> = if dt == KvDtype::Q8 {
+            let scales: Vec<f32> = if dt == RowDtype::Q8 {
                 let sname = format!("{tname}.scale");
                 let st_ = st
                     .tensor(&sname)
@@ -477,10 +487,10 @@ mod tests {
     fn codecs_round_trip_within_their_precision() {
         let x: Vec<f32> = (0..256).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
         for (dt, tol) in [
-            (KvDtype::F32, 0.0),
-            (KvDtype::F16, 2e-3),
-            (KvDtype::BF16, 2e-2),
-            (KvDtype::Q8, 3.0 / 127.0),
+            (RowDtype::F32, 0.0),
+            (RowDtype::F16, 2e-3),
+            (RowDtype::BF16, 2e-2),
+            (RowDtype::Q8, 3.0 / 127.0),
         ] {
             let (b, s) = encode_rows(&x, 64, dt);
             let mut y = vec![0.0; x.len()];
@@ -493,7 +503,7 @@ mod tests {
     #[test]
     fn decode_refuses_wrong_lengths() {
         let mut y = vec![0.0; 8];
-        assert!(decode_rows(&[0; 31], &[], 8, KvDtype::F32, &mut y).is_err());
-        assert!(decode_rows(&[0; 8], &[1.0], 4, KvDtype::Q8, &mut y).is_err());
+        assert!(decode_rows(&[0; 31], &[], 8, RowDtype::F32, &mut y).is_err());
+        assert!(decode_rows(&[0; 8], &[1.0], 4, RowDtype::Q8, &mut y).is_err());
     }
 }

@@ -7,8 +7,9 @@
 //! proposal distribution `q` the acceptance rule needs is exactly the one the drafted token was drawn from.
 
 use crate::cluster::handshake::Timeouts;
-use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams, WireDtype};
+use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
 use crate::engine::Session;
+use crate::engine::snapshot::RowDtype;
 use crate::generate::TextModel;
 use crate::kernels::ThreadPool;
 use crate::model::Model;
@@ -68,7 +69,7 @@ impl Draft {
         let opts = PipelineOpts {
             n_ctx,
             chunk: 256,
-            wire: WireDtype::F32,
+            wire: RowDtype::F32,
             secret,
             threads: 1,
             timeouts: Timeouts {

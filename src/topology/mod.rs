@@ -15,9 +15,9 @@ pub use pipeline::PipelineGenerator;
 use crate::cluster::disagg::{Offload, PrefillPool, RemotePrefill};
 use crate::cluster::handoff::NodeOpts;
 use crate::cluster::handshake::Timeouts;
-use crate::cluster::{PipelineOpts, SamplingParams, WireDtype};
+use crate::cluster::{PipelineOpts, SamplingParams};
 use crate::engine::sampler::SamplerParams;
-use crate::engine::snapshot::KvDtype;
+use crate::engine::snapshot::RowDtype;
 use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, RETRY_DROPPED, parse_members};
 use crate::generate::{Generator, LocalGenerator};
 use crate::kernels::ThreadPool;
@@ -126,7 +126,7 @@ impl Builder {
         let mut opts = PipelineOpts {
             n_ctx: a.n_ctx,
             chunk: a.n_batch.min(512),
-            wire: WireDtype::parse(&a.wire_bits)?,
+            wire: RowDtype::parse(&a.wire_bits)?,
             secret: self.secret()?,
             threads: a.threads,
             verbose: a.verbose,
@@ -150,8 +150,8 @@ impl Builder {
     }
 
     /// KV precision between prefill and decode side (`--kv-bits`).
-    pub fn kv(&self) -> Result<KvDtype> {
-        KvDtype::parse(&self.args.kv_bits)
+    pub fn kv(&self) -> Result<RowDtype> {
+        RowDtype::parse(&self.args.kv_bits)
     }
 
     /// How this process's decode side reaches each prefill node (the address is filled in per member).
