@@ -627,7 +627,7 @@ fn sampled_pipeline_output_equals_the_local_run_with_the_same_seed() {
     .into_iter()
     .enumerate()
     {
-        let (want, _) = run(&mut local, sampler.clone());
+        let (want, _) = run(&mut local, sampler);
         let (got, cached) = run(&mut piped, sampler);
         assert_eq!(got, want, "settings #{i}");
         if i == 1 {

@@ -123,7 +123,7 @@ fn cross_vocabulary_sampling_with_a_seed_is_the_target_alone() {
 fn dist_after(s: &mut Session, prefix: &[u32], sp: &SamplerParams) -> Vec<(u32, f32)> {
     s.rewind(0);
     let logits = s.forward(Input::Tokens(prefix), Want::LastLogits).unwrap();
-    let mut sampler = Sampler::new(sp.clone(), logits.len());
+    let mut sampler = Sampler::new(*sp, logits.len());
     sampler.probs(logits)
 }
 
@@ -201,15 +201,7 @@ fn same_vocabulary_sampling_follows_the_target_distribution() {
     let draft_law = joint(&dp, &ids, &sp);
 
     // Warm-up: the first decode step of a generator runs the target alone (it measures its cost).
-    let p = |seed| {
-        params(
-            3,
-            SamplerParams {
-                seed: Some(seed),
-                ..sp.clone()
-            },
-        )
-    };
+    let p = |seed| params(3, SamplerParams { seed: Some(seed), ..sp });
     collect(&mut spec, &prompt, &p(0));
     let n = 700;
     let mut counts = std::collections::HashMap::new();

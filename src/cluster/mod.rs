@@ -26,7 +26,7 @@ pub mod wire;
 
 pub use node::{NodeConfig, run as run_node};
 pub use pipeline::{PipelineOpts, PipelineSession, StageStats};
-pub use stage::{Sampled, SamplingParams};
+pub use stage::Sampled;
 pub use topology::{StageSpec, parse_pipeline};
 
 use sha2::{Digest, Sha256};

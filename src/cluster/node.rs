@@ -11,7 +11,7 @@ use super::auth;
 use super::disagg::{Pulled, Speeds, serve_pull};
 use super::handoff::{NodeOpts, PrefillNode};
 use super::handshake::Timeouts;
-use super::stage::{Prepared, SamplingParams, StageCore, StageOut};
+use super::stage::{Prepared, StageCore, StageOut};
 use super::wire::{self, Body, Hidden, ModelInfo, Msg, Open, Ready, ResultMsg, WantOut, WireError};
 use crate::engine::Session;
 use crate::engine::batch::Batch;
@@ -233,19 +233,6 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
     node.serve()
 }
 
-/// The last stage's sampler settings as OPEN carries them.
-fn sampling_of(open: &Open) -> SamplingParams {
-    SamplingParams {
-        temperature: open.temperature,
-        top_p: open.top_p,
-        seed: open.seed,
-        top_k: open.sample_top_k as usize,
-        min_p: open.min_p,
-        repeat_penalty: open.repeat_penalty,
-        repeat_last_n: open.repeat_last_n as usize,
-    }
-}
-
 impl State {
     /// A decode step of a full-model session: queued, then run by whichever waiting thread takes the compute lock
     /// first, together with every step queued by then (one batched forward, `engine::batch`). While a forward runs,
@@ -424,7 +411,7 @@ impl State {
             let mut g = lock(s);
             if g.key == key {
                 g.last_used = Instant::now();
-                g.core.set_sampling(sampling_of(open), open.top_k as usize);
+                g.core.set_sampling(open.sampler(), open.top_k as usize);
                 drop(g);
                 return Ok(s.clone());
             }
@@ -448,7 +435,7 @@ impl State {
             self.pool.clone(),
             key.1,
             key.2,
-            sampling_of(open),
+            open.sampler(),
             open.top_k as usize,
         )?;
         let slot = Arc::new(Mutex::new(Slot {

@@ -14,10 +14,11 @@
 //! prefix from position 0 through every stage, once, and never uses KV it cannot vouch for.
 
 use super::handshake::{self, Conn, Timeouts};
-use super::stage::{Sampled, SamplingParams, StageCore, StageOut};
+use super::stage::{Sampled, StageCore, StageOut};
 use super::topology::{StageSpec, parse_pipeline};
 use super::wire::{Body, Forward, Hidden, ModelInfo, Msg, Open, Pull, PullReport, ResultMsg, WantOut};
 use super::{PrefixHash, prefix_next, prefix_root};
+use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
@@ -42,7 +43,8 @@ pub struct PipelineOpts {
     /// Threads of the local stage.
     pub threads: usize,
     pub timeouts: Timeouts,
-    pub sampling: SamplingParams,
+    /// The last stage's sampler (greedy by default).
+    pub sampling: SamplerParams,
     /// Top log-probabilities returned with each sampled token.
     pub top_k: usize,
     /// Log replays and reconnects to standard error.
@@ -58,7 +60,7 @@ impl Default for PipelineOpts {
             secret: None,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             timeouts: Timeouts::default(),
-            sampling: SamplingParams::default(),
+            sampling: SamplerParams::greedy(),
             top_k: 0,
             verbose: false,
         }
@@ -320,6 +322,15 @@ impl Stage {
     }
 }
 
+/// The last stage's sampler settings as every stage gets them: a missing seed becomes a fresh random one (as a local
+/// run draws; the nodes need a concrete one, and every request without a seed gets a new one), and a negative
+/// temperature 0 (greedy either way).
+fn resolved(mut p: SamplerParams) -> SamplerParams {
+    p.temp = p.temp.max(0.0);
+    p.seed.get_or_insert_with(rand::random);
+    p
+}
+
 /// A session whose layers run across a pipeline of stages; the same shape as a local session.
 pub struct PipelineSession {
     stages: Vec<Stage>,
@@ -338,7 +349,8 @@ impl PipelineSession {
     ///
     /// `spec` is `ADDR=A:B,...` with `local` for a range computed here; `model_path` is the coordinator's copy of
     /// the model (its fingerprint must match every node's).
-    pub fn connect(spec: &str, model_path: &Path, opts: PipelineOpts) -> Result<PipelineSession> {
+    pub fn connect(spec: &str, model_path: &Path, mut opts: PipelineOpts) -> Result<PipelineSession> {
+        opts.sampling = resolved(opts.sampling);
         let file = Arc::new(GgufFile::open(model_path)?);
         let hp = Hparams::from_gguf(&file)?;
         let specs = parse_pipeline(spec, hp.n_layer)?;
@@ -369,22 +381,23 @@ impl PipelineSession {
                     )?))
                 }
                 Some(addr) => {
-                    let open = Open {
+                    let mut open = Open {
                         model: info.clone(),
                         layers: (s.layers.start as u32, s.layers.end as u32),
                         n_ctx: opts.n_ctx as u32,
                         n_batch: opts.chunk as u32,
                         wire: opts.wire,
                         session: session_id,
-                        temperature: opts.sampling.temperature,
-                        top_p: opts.sampling.top_p,
-                        seed: opts.sampling.seed,
+                        temperature: 0.0,
+                        top_p: 1.0,
+                        seed: 0,
                         top_k: opts.top_k.min(1000) as u16,
-                        sample_top_k: opts.sampling.top_k.min(u32::MAX as usize) as u32,
-                        min_p: opts.sampling.min_p,
-                        repeat_penalty: opts.sampling.repeat_penalty,
-                        repeat_last_n: opts.sampling.repeat_last_n.min(opts.n_ctx) as u32,
+                        sample_top_k: 0,
+                        min_p: 0.0,
+                        repeat_penalty: 1.0,
+                        repeat_last_n: 0,
                     };
+                    open.set_sampler(&opts.sampling, opts.n_ctx);
                     let mut r = Remote {
                         addr: addr.clone(),
                         open,
@@ -461,7 +474,8 @@ impl PipelineSession {
 
     /// New sampling settings for the requests that follow, keeping every stage's KV: the last stage's sampler is
     /// replaced (a remote one is reopened on a fresh connection under the same session id, which keeps its cache).
-    pub fn set_sampling(&mut self, sampling: SamplingParams, top_k: usize) {
+    pub fn set_sampling(&mut self, sampling: SamplerParams, top_k: usize) {
+        let sampling = resolved(sampling);
         if self.opts.sampling == sampling && self.opts.top_k == top_k {
             return;
         }
@@ -472,15 +486,8 @@ impl PipelineSession {
             match &mut last.kind {
                 Kind::Local(core) => core.set_sampling(sampling, top_k),
                 Kind::Remote(r) => {
-                    let o = &mut r.open;
-                    o.temperature = sampling.temperature;
-                    o.top_p = sampling.top_p;
-                    o.seed = sampling.seed;
-                    o.top_k = top_k.min(1000) as u16;
-                    o.sample_top_k = sampling.top_k.min(u32::MAX as usize) as u32;
-                    o.min_p = sampling.min_p;
-                    o.repeat_penalty = sampling.repeat_penalty;
-                    o.repeat_last_n = sampling.repeat_last_n.min(n_ctx) as u32;
+                    r.open.set_sampler(&sampling, n_ctx);
+                    r.open.top_k = top_k.min(1000) as u16;
                     r.conn = None;
                     // A planned reopen, not a fault: not counted as a reconnect.
                     r.connected_once = false;

@@ -15,64 +15,6 @@ use anyhow::{Result, bail};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Sampling parameters, sent to the last stage when a session opens. The last stage runs the engine's own
-/// [`Sampler`] with them, so a pipelined run samples exactly as a local run with the same seed.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SamplingParams {
-    /// 0 = greedy.
-    pub temperature: f32,
-    pub top_p: f32,
-    pub seed: u64,
-    /// The sampler's top-k cut; 0 disables.
-    pub top_k: usize,
-    /// 0 disables.
-    pub min_p: f32,
-    /// 1 disables.
-    pub repeat_penalty: f32,
-    pub repeat_last_n: usize,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            top_k: 0,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-        }
-    }
-}
-
-impl SamplingParams {
-    /// From the engine's parameters; a missing seed becomes a random one (the nodes need a concrete one).
-    pub fn from_sampler(p: &SamplerParams) -> SamplingParams {
-        SamplingParams {
-            temperature: p.temp.max(0.0),
-            top_p: p.top_p,
-            seed: p.seed.unwrap_or_else(rand::random),
-            top_k: p.top_k,
-            min_p: p.min_p,
-            repeat_penalty: p.repeat_penalty,
-            repeat_last_n: p.repeat_last_n,
-        }
-    }
-
-    pub fn to_sampler(&self) -> SamplerParams {
-        SamplerParams {
-            temp: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repeat_penalty: self.repeat_penalty,
-            repeat_last_n: self.repeat_last_n,
-            seed: Some(self.seed),
-        }
-    }
-}
-
 /// A sampled token with its log-probability and the top-k alternatives (log-softmax of the raw logits).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
@@ -126,20 +68,20 @@ impl StageCore {
         pool: Arc<ThreadPool>,
         n_ctx: usize,
         n_batch: usize,
-        sampling: SamplingParams,
+        sampling: SamplerParams,
         top_k: usize,
     ) -> Result<StageCore> {
         Ok(StageCore {
             session: Session::new(model, pool, n_ctx, n_batch)?,
             hashes: vec![prefix_root()],
-            sampler: Sampler::new(sampling.to_sampler(), 0),
+            sampler: Sampler::new(sampling, 0),
             top_k,
         })
     }
 
     /// New sampling parameters (a reopened session); the RNG restarts from their seed.
-    pub fn set_sampling(&mut self, sampling: SamplingParams, top_k: usize) {
-        self.sampler = Sampler::new(sampling.to_sampler(), 0);
+    pub fn set_sampling(&mut self, sampling: SamplerParams, top_k: usize) {
+        self.sampler = Sampler::new(sampling, 0);
         self.top_k = top_k;
     }
 
@@ -334,14 +276,25 @@ pub struct Prepared {
 mod tests {
     use super::*;
 
-    fn sampler(p: SamplingParams) -> Sampler {
-        Sampler::new(p.to_sampler(), 0)
+    fn sampler(p: SamplerParams) -> Sampler {
+        Sampler::new(p, 0)
+    }
+
+    /// Greedy without the chain's cuts: what each test below starts from.
+    fn plain() -> SamplerParams {
+        SamplerParams {
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: Some(0),
+            ..SamplerParams::greedy()
+        }
     }
 
     #[test]
     fn greedy_picks_argmax_with_log_softmax() {
         let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
-        let s = sample(&logits, &mut sampler(SamplingParams::default()), &[], 3);
+        let s = sample(&logits, &mut sampler(plain()), &[], 3);
         assert_eq!(s.token, 1, "first maximum wins");
         let lse = logits.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln() as f32;
         assert!((s.logprob - (3.0 - lse)).abs() < 1e-6);
@@ -352,17 +305,17 @@ mod tests {
     #[test]
     fn top_p_keeps_only_the_nucleus() {
         let logits = [10.0f32, 0.0, 0.0, 9.0];
-        let p = SamplingParams {
-            temperature: 1.0,
+        let p = SamplerParams {
+            temp: 1.0,
             top_p: 0.5,
-            seed: 3,
-            ..Default::default()
+            seed: Some(3),
+            ..plain()
         };
         let mut s = sampler(p);
         for _ in 0..50 {
             assert_eq!(sample(&logits, &mut s, &[], 0).token, 0);
         }
-        let mut s = sampler(SamplingParams { top_p: 1.0, ..p });
+        let mut s = sampler(SamplerParams { top_p: 1.0, ..p });
         let seen: std::collections::HashSet<u32> = (0..400).map(|_| sample(&logits, &mut s, &[], 0).token).collect();
         assert!(seen.contains(&3));
     }
@@ -371,10 +324,10 @@ mod tests {
     fn the_penalty_window_comes_from_the_history_given() {
         // Token 0 leads slightly; a penalty on recently seen tokens hands greedy decoding to token 1.
         let logits = [2.0f32, 1.9, 0.0];
-        let p = SamplingParams {
+        let p = SamplerParams {
             repeat_penalty: 1.5,
             repeat_last_n: 4,
-            ..Default::default()
+            ..plain()
         };
         let mut s = sampler(p);
         assert_eq!(sample(&logits, &mut s, &[2, 2], 0).token, 0);
@@ -386,16 +339,16 @@ mod tests {
     #[test]
     fn same_seed_samples_as_the_engine_sampler() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let p = SamplingParams {
-            temperature: 0.9,
+        let p = SamplerParams {
+            temp: 0.9,
             top_p: 0.95,
-            seed: 7,
+            seed: Some(7),
             top_k: 20,
             min_p: 0.05,
-            ..Default::default()
+            ..plain()
         };
         let mut ours = sampler(p);
-        let mut engine = Sampler::new(p.to_sampler(), logits.len());
+        let mut engine = Sampler::new(p, logits.len());
         for _ in 0..20 {
             assert_eq!(sample(&logits, &mut ours, &[], 0).token, engine.sample(&logits));
         }

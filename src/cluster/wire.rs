@@ -5,6 +5,7 @@
 //! every field inside is bounds-checked against the bytes actually present, so a hostile peer can make us allocate
 //! at most one frame's worth of memory and never panic.
 
+use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 use anyhow::Result;
 use half::{bf16, f16};
@@ -261,6 +262,33 @@ pub struct Open {
     pub min_p: f32,
     pub repeat_penalty: f32,
     pub repeat_last_n: u32,
+}
+
+impl Open {
+    /// The last stage's sampler settings as OPEN carries them.
+    pub fn sampler(&self) -> SamplerParams {
+        SamplerParams {
+            temp: self.temperature,
+            top_k: self.sample_top_k as usize,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n as usize,
+            seed: Some(self.seed),
+        }
+    }
+
+    /// Puts `p` in OPEN's fields: the nodes need a concrete seed (a missing one sends 0; the coordinator resolves it
+    /// first), a temperature of at least 0, and a penalty window within `n_ctx`.
+    pub fn set_sampler(&mut self, p: &SamplerParams, n_ctx: usize) {
+        self.temperature = p.temp.max(0.0);
+        self.top_p = p.top_p;
+        self.seed = p.seed.unwrap_or(0);
+        self.sample_top_k = p.top_k.min(u32::MAX as usize) as u32;
+        self.min_p = p.min_p;
+        self.repeat_penalty = p.repeat_penalty;
+        self.repeat_last_n = p.repeat_last_n.min(n_ctx) as u32;
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -10,8 +10,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::VecDeque;
 
-/// Sampling parameters; [`Default`] gives llama.cpp's defaults.
-#[derive(Debug, Clone, PartialEq)]
+/// Sampling parameters, the one set for local runs, requests and pipeline stages (OPEN carries them to the last
+/// stage; see `cluster::wire::Open::sampler`); [`Default`] gives llama.cpp's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplerParams {
     /// Temperature; `<= 0` means greedy argmax.
     pub temp: f32,
@@ -538,7 +539,7 @@ mod tests {
         assert_eq!((d.temp, d.top_k, d.top_p, d.min_p), (0.8, 40, 0.95, 0.05));
         assert_eq!((d.repeat_penalty, d.repeat_last_n, d.seed), (1.0, 64, None));
         assert_ne!(
-            Sampler::new(d.clone(), 4).seed(),
+            Sampler::new(d, 4).seed(),
             Sampler::new(d, 4).seed(),
             "unseeded samplers differ"
         );
@@ -901,10 +902,10 @@ mod tests {
         };
         let top_p_only = params(0.8, 0, 0.95, 0.0, 1);
         for (name, logits, p) in [
-            ("default chain, zipf", &zipf, default.clone()),
+            ("default chain, zipf", &zipf, default),
             ("default chain, uniform in +-5", &uniform, default),
             ("greedy", &zipf, SamplerParams::greedy()),
-            ("top-p only, zipf", &zipf, top_p_only.clone()),
+            ("top-p only, zipf", &zipf, top_p_only),
             ("top-p only, uniform in +-5 (worst case)", &uniform, top_p_only),
             ("no truncation, zipf", &zipf, params(0.8, 0, 1.0, 0.0, 1)),
         ] {

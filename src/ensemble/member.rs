@@ -7,8 +7,9 @@
 //! the new bytes), rewinds to the longest common prefix with its old tokens and feeds the difference.
 
 use super::combine::{Key, View};
-use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
+use crate::cluster::{PipelineOpts, PipelineSession};
 use crate::engine::Session;
+use crate::engine::sampler::SamplerParams;
 use crate::engine::sampler::top_logprobs;
 use crate::generate::TextModel;
 use crate::gguf::GgufFile;
@@ -295,7 +296,7 @@ impl Member {
                 po.n_ctx = opts.n_ctx;
                 po.chunk = opts.n_batch;
                 po.top_k = opts.remote_k.max(opts.k);
-                po.sampling = SamplingParams::default();
+                po.sampling = SamplerParams::greedy();
                 let p = PipelineSession::connect(&format!("{addr}=0:end"), &path, po)
                     .with_context(|| format!("ensemble member {}", spec.name))?;
                 Backend::Remote(Box::new(p))

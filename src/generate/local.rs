@@ -73,7 +73,7 @@ impl Generator for LocalGenerator {
     ) -> Result<Outcome> {
         let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let t0 = Instant::now();
-        let mut sampler = Sampler::after_prompt(params.sampler.clone(), self.model.hp.n_vocab, &tokens);
+        let mut sampler = Sampler::after_prompt(params.sampler, self.model.hp.n_vocab, &tokens);
         let k = params.top_logprobs;
         let text = &self.text;
         let slot = &mut self.session;

@@ -163,7 +163,7 @@ impl Request {
     pub fn gen_params(&self, max_tokens: usize) -> GenParams {
         GenParams {
             max_tokens,
-            sampler: self.sampler.clone(),
+            sampler: self.sampler,
             top_logprobs: self.logprobs.unwrap_or(0),
         }
     }

@@ -7,8 +7,9 @@
 //! proposal distribution `q` the acceptance rule needs is exactly the one the drafted token was drawn from.
 
 use crate::cluster::handshake::Timeouts;
-use crate::cluster::{PipelineOpts, PipelineSession, SamplingParams};
+use crate::cluster::{PipelineOpts, PipelineSession};
 use crate::engine::Session;
+use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 use crate::generate::TextModel;
 use crate::kernels::ThreadPool;
@@ -77,7 +78,7 @@ impl Draft {
                 io: step_timeout.max(Duration::from_secs(5)),
             },
             // The node returns its argmax (cheap) and the top log-probabilities; the coordinator samples.
-            sampling: SamplingParams::default(),
+            sampling: SamplerParams::greedy(),
             top_k: REMOTE_TOP_K,
             verbose: false,
         };

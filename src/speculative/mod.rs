@@ -526,11 +526,11 @@ impl Generator for SpecGenerator {
             core.draft.text.tokenize(prompt)?
         };
         let t0 = Instant::now();
-        let mut sampler = Sampler::after_prompt(params.sampler.clone(), core.model.hp.n_vocab, &tokens);
+        let mut sampler = Sampler::after_prompt(params.sampler, core.model.hp.n_vocab, &tokens);
         // The draft samples with the same chain (without the penalty: any proposal is exact, this one is cheap).
         let draft_params = SamplerParams {
             repeat_penalty: 1.0,
-            ..params.sampler.clone()
+            ..params.sampler
         };
         let draft_sampler = Sampler::new(draft_params, core.draft.n_vocab());
         let n_prompt = tokens.len();

@@ -139,7 +139,7 @@ impl Generator for DisaggGenerator {
     ) -> Result<Outcome> {
         let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let t0 = Instant::now();
-        let mut sampler = Sampler::after_prompt(params.sampler.clone(), self.model.hp.n_vocab, &tokens);
+        let mut sampler = Sampler::after_prompt(params.sampler, self.model.hp.n_vocab, &tokens);
         let (logits, rep, why) = self.prefill(&tokens)?;
         let top_k = params.top_logprobs;
         let text = &self.text;

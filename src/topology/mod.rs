@@ -15,7 +15,7 @@ pub use pipeline::PipelineGenerator;
 use crate::cluster::disagg::{Offload, PrefillPool, RemotePrefill};
 use crate::cluster::handoff::NodeOpts;
 use crate::cluster::handshake::Timeouts;
-use crate::cluster::{PipelineOpts, SamplingParams};
+use crate::cluster::PipelineOpts;
 use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, RETRY_DROPPED, parse_members};
@@ -133,7 +133,7 @@ impl Builder {
             ..Default::default()
         };
         if let Some(s) = &a.sampling {
-            opts.sampling = SamplingParams::from_sampler(s);
+            opts.sampling = *s;
         }
         if let Some(io) = a.node_timeout {
             opts.timeouts.io = io;

@@ -2,7 +2,7 @@
 //! `--decode-node`, `baton serve --pipeline` and remote decode nodes of `--cluster`.
 
 use crate::cluster::disagg::RemotePrefill;
-use crate::cluster::{PipelineOpts, PipelineSession, Sampled, SamplingParams};
+use crate::cluster::{PipelineOpts, PipelineSession, Sampled};
 use crate::generate::{GenParams, Generator, Next, Outcome, Piece, Prompt, TextModel, decode_loop};
 use anyhow::Result;
 use std::path::Path;
@@ -71,7 +71,7 @@ impl Generator for PipelineGenerator {
         let text = &self.text;
         // A request without a seed gets a fresh one, as a local run does.
         let p = &mut self.session;
-        p.set_sampling(SamplingParams::from_sampler(&params.sampler), params.top_logprobs);
+        p.set_sampling(params.sampler, params.top_logprobs);
         let cached = p.reuse_prefix(&tokens);
         p.reset_stats();
         let conv = |s: Sampled| -> Next {
