@@ -133,7 +133,7 @@ struct CommonModelArgs {
     /// Threads (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
-    /// Context size in tokens.
+    /// Context size in tokens per session.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     ctx_size: usize,
     /// Largest batch of tokens run in one forward pass during prompt processing. 256 prefills as fast as 512 with
@@ -168,18 +168,19 @@ struct RunArgs {
     /// Print the prompt before the generated text.
     #[arg(long)]
     echo: bool,
+    // The sampling defaults are SamplerParams::default() (llama.cpp's), the one set.
     /// Temperature; 0 means greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = SamplerParams::default().temp)]
     temp: f32,
-    #[arg(long = "top-k", default_value_t = 40)]
+    #[arg(long = "top-k", default_value_t = SamplerParams::default().top_k)]
     top_k: usize,
-    #[arg(long = "top-p", default_value_t = 0.95)]
+    #[arg(long = "top-p", default_value_t = SamplerParams::default().top_p)]
     top_p: f32,
-    #[arg(long = "min-p", default_value_t = 0.05)]
+    #[arg(long = "min-p", default_value_t = SamplerParams::default().min_p)]
     min_p: f32,
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    #[arg(long = "repeat-penalty", default_value_t = SamplerParams::default().repeat_penalty)]
     repeat_penalty: f32,
-    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    #[arg(long = "repeat-last-n", default_value_t = SamplerParams::default().repeat_last_n)]
     repeat_last_n: usize,
     /// Random seed (default: random).
     #[arg(long)]
@@ -302,9 +303,8 @@ struct MixArgs {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
-    #[arg(short = 'm', long, default_value = "smollm2")]
-    model: String,
+    #[command(flatten)]
+    common: CommonModelArgs,
     /// Model id clients use (default: the --model argument, or the file stem of a path).
     #[arg(long = "served-name")]
     served_name: Option<String>,
@@ -323,13 +323,6 @@ struct ServeArgs {
     /// Local slots decode one session per forward, taking turns, instead of together in batched steps.
     #[arg(long = "no-batch")]
     no_batch: bool,
-    #[arg(short = 't', long)]
-    threads: Option<usize>,
-    /// Context size in tokens per session.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    ctx_size: usize,
-    #[arg(short = 'b', long = "batch-size", default_value_t = 256)]
-    batch_size: usize,
     /// Layers over nodes, like `baton run --pipeline`.
     #[arg(long)]
     pipeline: Option<String>,
@@ -500,15 +493,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         } else {
             a.n_predict as usize
         },
-        sampler: SamplerParams {
-            temp: a.temp,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repeat_penalty: a.repeat_penalty,
-            repeat_last_n: a.repeat_last_n,
-            seed: a.seed,
-        },
+        sampler: sampler_params(&a),
         top_logprobs: 0,
     };
     let mut out = std::io::stdout().lock();
@@ -963,17 +948,18 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
 }
 
 fn cmd_serve(a: ServeArgs) -> Result<()> {
+    let c = a.common;
     baton::server::serve(baton::server::ServeConfig {
-        model: a.model,
+        model: c.model,
         served_name: a.served_name,
         listen: a.listen,
         api_key: a.api_key,
         parallel: a.parallel,
         queue: a.queue,
         batch_decode: !a.no_batch,
-        threads: a.threads.unwrap_or_else(default_threads),
-        ctx_size: a.ctx_size,
-        batch_size: a.batch_size,
+        threads: c.threads.unwrap_or_else(default_threads),
+        ctx_size: c.ctx_size,
+        batch_size: c.batch_size,
         pipeline: a.pipeline,
         cluster: a.cluster,
         wire_bits: a.wire_bits,
