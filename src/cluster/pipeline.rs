@@ -322,9 +322,9 @@ impl Stage {
     }
 }
 
-/// The last stage's sampler settings as every stage gets them: a missing seed becomes a fresh random one (as a local
-/// run draws; the nodes need a concrete one, and every request without a seed gets a new one), and a negative
-/// temperature 0 (greedy either way).
+/// The last stage's sampler settings as the stages get them: a missing seed becomes a fresh random one (the nodes need
+/// a concrete one; like a local run, each request without a seed gets a new one), a negative temperature becomes 0
+/// (greedy either way).
 fn resolved(mut p: SamplerParams) -> SamplerParams {
     p.temp = p.temp.max(0.0);
     p.seed.get_or_insert_with(rand::random);
