@@ -536,6 +536,19 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// `baton run`'s sampling flags.
+fn sampler_params(a: &RunArgs) -> SamplerParams {
+    SamplerParams {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    }
+}
+
 /// `baton run`'s topology flags, for the library's one builder.
 fn topology_args(a: &RunArgs) -> TopologyArgs {
     let c = &a.common;
@@ -559,15 +572,7 @@ fn topology_args(a: &RunArgs) -> TopologyArgs {
         ensemble: a.mix.ensemble.clone(),
         combine: a.mix.combine.clone(),
         ensemble_degrade: a.mix.ensemble_degrade,
-        sampling: Some(SamplerParams {
-            temp: a.temp,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repeat_penalty: a.repeat_penalty,
-            repeat_last_n: a.repeat_last_n,
-            seed: a.seed,
-        }),
+        sampling: Some(sampler_params(a)),
         verbose: a.verbose,
     }
 }

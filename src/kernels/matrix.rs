@@ -73,9 +73,7 @@ impl Matrix {
     /// Whether [`Matrix::repack_for_kernels`] rearranges this matrix: the fastest kernel of this CPU wants another
     /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX2 and AVX-512, Q6_K on AVX2: [`super::x16::wanted`]).
     pub fn repacks(&self) -> bool {
-        self.layout == Layout::Rows
-            && super::x16::wanted(self.ty)
-            && self.rows >= super::x16::ROWS
+        self.layout == Layout::Rows && super::x16::wanted(self.ty) && self.rows >= super::x16::ROWS
     }
 
     /// Rearranges the weights for the fastest kernel this CPU has where it wants another layout ([`Matrix::repacks`]).

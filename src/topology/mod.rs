@@ -12,10 +12,10 @@ pub mod pipeline;
 pub use disagg::DisaggGenerator;
 pub use pipeline::PipelineGenerator;
 
+use crate::cluster::PipelineOpts;
 use crate::cluster::disagg::{Offload, PrefillPool, RemotePrefill};
 use crate::cluster::handoff::NodeOpts;
 use crate::cluster::handshake::Timeouts;
-use crate::cluster::PipelineOpts;
 use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, RETRY_DROPPED, parse_members};
