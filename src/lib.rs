@@ -3,6 +3,8 @@
 //! Layers of the code, dependencies pointing down only (see docs/architecture.md):
 //! 1. [`gguf`], [`vocab`], [`chat`], [`util`]: the file format, tokenizers, chat templates, small shared helpers;
 //! 2. [`kernels`]: the few coarse ops a forward pass needs, SIMD with runtime dispatch and scalar references;
+//!    [`backend`]: the seam between what a layer computes and where it runs (the CPU kernels, llama.cpp's
+//!    arithmetic; a GPU backend goes beside them), and the backend-neutral view of one layer's KV cache;
 //! 3. [`model`] (what a model is: hyperparameters, weights, per-architecture math), [`fingerprint`] (model
 //!    identity) and [`fetch`] (the downloader and model cache; model loading never sees it);
 //! 4. [`engine`]: a session on one node (KV cache, layer-range forward, batched decode, sampler, snapshots);
@@ -18,6 +20,7 @@
 //! asks the generator's step for the next token → `engine::Session::forward` (locally) or `cluster::pipeline`
 //! (over nodes, each `baton node` running `engine` on its layer range) → `engine::sampler` → the text sink.
 
+pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod cluster;

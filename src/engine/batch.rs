@@ -6,10 +6,11 @@
 //! each had been fed its token alone, so they go on with prefill, prefix reuse or single steps afterwards.
 
 use super::session::{self, Session};
+use crate::backend::{LayerKv, RowsKv};
 use crate::kernels::ThreadPool;
 use crate::kernels::ops::RopeTable;
 use crate::model::Model;
-use crate::model::blocks::{Buffers, LayerKv, RowsKv, Step};
+use crate::model::blocks::{Buffers, Step};
 use anyhow::{Result, bail};
 use half::f16;
 use std::ops::DerefMut;
@@ -119,6 +120,7 @@ impl Batch {
             }
         }
         session::embed(&model, tokens, &mut self.x)?;
+        let be = crate::backend::for_numerics(crate::kernels::ggml::Numerics::from_env());
 
         for il in model.range.clone() {
             let step = Step {
@@ -127,7 +129,7 @@ impl Batch {
                 rope: session::rope_of(&self.ropes, hp.rope_base_of(il)),
                 il,
                 n_tok: n,
-                numerics: crate::kernels::ggml::Numerics::from_env(),
+                be,
             };
             let mut rows = EachKv {
                 sessions: &mut *sessions,
@@ -141,12 +143,12 @@ impl Batch {
         session::head(
             &model,
             &self.pool,
-            crate::kernels::ggml::Numerics::from_env(),
+            be,
             &self.x,
             0..n,
             &mut self.head_in,
             &mut self.logits,
-            &mut self.bufs.mm,
+            &mut self.bufs.sc,
         );
         Ok(&self.logits[..n * hp.n_vocab])
     }

@@ -6,8 +6,8 @@
 //! cached row, so half the bytes is nearly half the time there, and half the memory. Snapshots and the wire carry
 //! them as f32, f16 (exact), bf16 or 8 bits ([`crate::engine::snapshot::KvBlock`] converts).
 
+use crate::backend::LayerKv;
 use crate::model::Hparams;
-use crate::model::blocks::LayerKv;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::ops::Range;

@@ -5,10 +5,11 @@
 //! handed over computes exactly the same operations as `0..n` at once, so the logits are bit-identical.
 
 use super::kv_cache::KvCache;
-use crate::kernels::ggml::{self, Numerics};
+use crate::backend::{self, Backend, RowsKv, Scratch};
+use crate::kernels::ThreadPool;
+use crate::kernels::ggml::Numerics;
 use crate::kernels::ops::{self, RopeTable};
-use crate::kernels::{self, ThreadPool};
-use crate::model::blocks::{self, Buffers, RowsKv, SeqKv, Step};
+use crate::model::blocks::{self, Buffers, SeqKv, Step};
 use crate::model::{Arch, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
@@ -221,7 +222,7 @@ impl Session {
                 rope: rope_of(&self.ropes, hp.rope_base_of(il)),
                 il,
                 n_tok,
-                numerics: self.numerics,
+                be: backend::for_numerics(self.numerics),
             };
             layer(&step, &model, &mut self.x, &mut self.bufs, &mut rows);
             on_layer(il, &self.kv, pos0..pos0 + n_tok);
@@ -264,12 +265,12 @@ impl Session {
         head(
             model,
             pool,
-            self.numerics,
+            backend::for_numerics(self.numerics),
             &self.x,
             rows,
             &mut self.head_in,
             &mut self.logits,
-            &mut self.bufs.mm,
+            &mut self.bufs.sc,
         );
         Ok(())
     }
@@ -360,12 +361,12 @@ pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffer
 pub(super) fn head(
     model: &Model,
     pool: &ThreadPool,
-    numerics: Numerics,
+    be: &dyn Backend,
     x: &[f32],
     rows: std::ops::Range<usize>,
     head_in: &mut Vec<f32>,
     logits: &mut Vec<f32>,
-    mm: &mut kernels::Scratch,
+    sc: &mut Scratch,
 ) {
     let hp = &model.hp;
     let (norm, out) = (model.output_norm.as_ref().unwrap(), model.output.as_ref().unwrap());
@@ -377,22 +378,11 @@ pub(super) fn head(
     if logits.len() < n * hp.n_vocab {
         logits.resize(n * hp.n_vocab, 0.0);
     }
-    let rms_norm = if numerics == Numerics::Ggml {
-        ggml::ops::rms_norm
-    } else {
-        ops::rms_norm
-    };
-    for (i, t) in rows.enumerate() {
-        rms_norm(
-            &x[t * e..(t + 1) * e],
-            norm,
-            hp.rms_eps,
-            &mut head_in[i * e..(i + 1) * e],
-        );
-    }
-    if numerics == Numerics::Ggml && ggml::matmul::supports(out.ty) {
-        ggml::matmul::matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab]);
-        return;
-    }
-    kernels::matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab], mm);
+    be.rms_norm(
+        &x[rows.start * e..rows.end * e],
+        norm,
+        hp.rms_eps,
+        &mut head_in[..n * e],
+    );
+    be.matmul(pool, out, &head_in[..n * e], n, &mut logits[..n * hp.n_vocab], sc);
 }

@@ -27,7 +27,7 @@ pub mod x16q6k;
 pub mod x86;
 
 pub use matrix::Matrix;
-pub use pool::ThreadPool;
+pub use pool::{SyncPtr, ThreadPool};
 
 use crate::gguf::GgmlType;
 use pool::split_range;
@@ -222,20 +222,6 @@ pub struct Scratch {
     up: Vec<f32>,
 }
 
-/// A pointer shared by the threads of one `run`, each writing disjoint elements.
-#[derive(Clone, Copy)]
-struct SyncPtr<T>(*mut T);
-// SAFETY: only used for disjoint writes within one pool job, which outlives no borrow.
-unsafe impl<T> Send for SyncPtr<T> {}
-unsafe impl<T> Sync for SyncPtr<T> {}
-
-impl<T> SyncPtr<T> {
-    /// A method, not a field access, so closures capture the whole (Sync) wrapper.
-    fn get(self) -> *mut T {
-        self.0
-    }
-}
-
 /// Tokens whose quantized activations are kept hot while a thread walks its weight rows.
 const TOKEN_BLOCK: usize = 64;
 
@@ -361,7 +347,7 @@ fn matmul_impl(
     if n_tok == 0 || rows == 0 {
         return;
     }
-    let yp = SyncPtr(y.as_mut_ptr());
+    let yp = SyncPtr::new(y.as_mut_ptr());
     let Some(qk) = k.for_type(w.ty) else {
         return matmul_float(k, pool, w, up, x, n_tok, yp, scratch);
     };
@@ -372,7 +358,7 @@ fn matmul_impl(
     }
     let quant = k.quant(qk.vec_dot_type);
     if n_tok >= 4 && pool.n_threads() > 1 {
-        let xq = SyncPtr(scratch.xq.as_mut_ptr());
+        let xq = SyncPtr::new(scratch.xq.as_mut_ptr());
         pool.run(|i, n| {
             for t in split_range(n_tok, i, n) {
                 // SAFETY: each thread quantizes its own token rows.
@@ -399,7 +385,7 @@ fn matmul_impl(
     if scratch.rows.len() < pool.n_threads() * tile_len {
         scratch.rows.resize(pool.n_threads() * tile_len, 0.0);
     }
-    let tiles = SyncPtr(scratch.rows.as_mut_ptr());
+    let tiles = SyncPtr::new(scratch.rows.as_mut_ptr());
     let next = AtomicUsize::new(0);
     let rows_of = |m| RowDots::new(m, xq, xrb, qk, n_tok == 1);
     let (gate, up) = (rows_of(w), up.map(|(u, glu)| (rows_of(u), glu)));
@@ -520,7 +506,7 @@ fn matmul_float(
     if scratch.rows.len() < nth * per {
         scratch.rows.resize(nth * per, 0.0);
     }
-    let bufs = SyncPtr(scratch.rows.as_mut_ptr());
+    let bufs = SyncPtr::new(scratch.rows.as_mut_ptr());
     let chunk = row_chunk(rows, n_tok, nth);
     let next = AtomicUsize::new(0);
     let dot = k.dot_f32;

@@ -19,6 +19,24 @@ thread_local! {
     static IN_JOB: Cell<bool> = const { Cell::new(false) };
 }
 
+/// A pointer the threads of one [`ThreadPool::run`] share, each writing disjoint elements of the buffer behind it.
+#[derive(Clone, Copy)]
+pub struct SyncPtr<T>(*mut T);
+// SAFETY: only used for disjoint writes within one pool job, which outlives no borrow.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    pub fn new(p: *mut T) -> SyncPtr<T> {
+        SyncPtr(p)
+    }
+
+    /// A method, not a field access, so closures capture the whole (Sync) wrapper.
+    pub fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 type Job = *const (dyn Fn(usize, usize) + Sync + 'static);
 
 struct Shared {

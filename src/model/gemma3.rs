@@ -4,14 +4,14 @@
 //! [`blocks::attend`] from [`super::Hparams::window`], at prefill and decode alike.
 
 use super::LayerWeights;
-use super::blocks::{self, Buffers, RowsKv, Step};
-use crate::kernels::{Glu, ops};
+use super::blocks::{self, Buffers, Step};
+use crate::backend::RowsKv;
+use crate::kernels::Glu;
 
 /// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
 /// row keeps its KV.
 pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
     let hp = s.hp;
-    let n = s.n_tok * hp.n_embd;
     let (q_norm, k_norm) = (lw.q_norm.as_deref().unwrap(), lw.k_norm.as_deref().unwrap());
 
     // Attention, with per-head Q/K norms before RoPE and a norm on its output before the residual add.
@@ -24,11 +24,11 @@ pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &m
     blocks::attend(s, b, kv);
     blocks::attn_output(s, lw, b);
     blocks::norm_rows_inplace(s, &mut b.xn, lw.post_attn_norm.as_deref().unwrap());
-    ops::add_inplace(&mut x[..n], &b.xn[..n]);
+    blocks::add(s, x, &b.xn);
 
     // Feed-forward: down(gelu(gate(x)) * up(x)), normalised before the residual add.
     blocks::norm_rows(s, x, &lw.ffn_norm, &mut b.xn);
     blocks::ffn(s, lw, b, Glu::Gelu);
     blocks::norm_rows_inplace(s, &mut b.xn, lw.post_ffn_norm.as_deref().unwrap());
-    ops::add_inplace(&mut x[..n], &b.xn[..n]);
+    blocks::add(s, x, &b.xn);
 }

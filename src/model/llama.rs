@@ -2,24 +2,23 @@
 //! adjacent pairs, and a SwiGLU feed-forward.
 
 use super::LayerWeights;
-use super::blocks::{self, Buffers, RowsKv, Step};
-use crate::kernels::{Glu, ops};
+use super::blocks::{self, Buffers, Step};
+use crate::backend::RowsKv;
+use crate::kernels::Glu;
 
 /// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
 /// row keeps its KV.
 pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
-    let n = s.n_tok * s.hp.n_embd;
-
     // Attention.
     blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
     blocks::qkv(s, lw, b);
     blocks::rope_and_store(s, b, kv);
     blocks::attend(s, b, kv);
     blocks::attn_output(s, lw, b);
-    ops::add_inplace(&mut x[..n], &b.xn[..n]);
+    blocks::add(s, x, &b.xn);
 
     // Feed-forward: down(silu(gate(x)) * up(x)).
     blocks::norm_rows(s, x, &lw.ffn_norm, &mut b.xn);
     blocks::ffn(s, lw, b, Glu::Silu);
-    ops::add_inplace(&mut x[..n], &b.xn[..n]);
+    blocks::add(s, x, &b.xn);
 }

@@ -6,7 +6,7 @@
 use super::{dot, kquant, quant};
 use crate::gguf::GgmlType;
 use crate::kernels::matrix::{Layout, Matrix};
-use crate::kernels::{ThreadPool, pool::split_range, x16};
+use crate::kernels::{SyncPtr, ThreadPool, pool::split_range, x16};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Whether [`matmul`] reproduces llama.cpp for weights of type `ty`.
@@ -42,17 +42,6 @@ pub fn row_bytes<'a>(w: &'a Matrix, r: usize, buf: &'a mut Vec<u8>) -> &'a [u8] 
     }
 }
 
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: used for disjoint writes within one pool job.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// `y[t * w.rows + r] = W[r] · x[t]` with llama.cpp's arithmetic (see the module). Panics for a weight type that
 /// [`supports`] rejects.
 pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32]) {
@@ -81,7 +70,7 @@ pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f
             }
         });
     }
-    let yp = SyncPtr(y.as_mut_ptr());
+    let yp = SyncPtr::new(y.as_mut_ptr());
     for_each_row(pool, rows, 16, |r, buf: &mut Vec<u8>| {
         let wr = row_bytes(w, r, buf);
         for t in 0..n_tok {
@@ -132,7 +121,7 @@ fn matmul_k(pool: &ThreadPool, w: &Matrix, x: &[f32], n_tok: usize, y: &mut [f32
             }
         });
     }
-    let yp = SyncPtr(y.as_mut_ptr());
+    let yp = SyncPtr::new(y.as_mut_ptr());
     let xq = &xq;
     type State = (Vec<u8>, kquant::RowQ4K, kquant::RowQ6K);
     for_each_row(pool, rows, 8, |r, (buf, r4, r6): &mut State| {

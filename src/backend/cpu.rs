@@ -1,0 +1,147 @@
+//! Baton's CPU kernels (`crate::kernels`): the default backend.
+
+use super::{AttnShape, Backend, RowsKv, Scratch};
+use crate::kernels::ops::{self, RopeTable};
+use crate::kernels::{self, Glu, Matrix, SyncPtr, ThreadPool, attention};
+
+/// Baton's own kernels: fastest, results within rounding noise of llama.cpp (docs/correctness.md).
+pub struct Cpu;
+
+/// Up to how many (row, KV head) pairs an attention op spreads each pair's chunks of positions over the threads,
+/// rather than giving each pair to one thread: a decode step has one row, and Gemma 3 one KV head.
+pub(super) fn split_rows(n_threads: usize) -> usize {
+    4 * n_threads
+}
+
+impl Backend for Cpu {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn matmul(&self, pool: &ThreadPool, w: &Matrix, x: &[f32], n: usize, y: &mut [f32], sc: &mut Scratch) {
+        kernels::matmul(pool, w, x, n, y, &mut sc.mm);
+    }
+
+    fn matmul_glu(
+        &self,
+        pool: &ThreadPool,
+        gate: &Matrix,
+        up: &Matrix,
+        glu: Glu,
+        x: &[f32],
+        n: usize,
+        h: &mut [f32],
+        sc: &mut Scratch,
+    ) {
+        kernels::matmul_glu(pool, gate, up, glu, x, n, h, &mut sc.mm);
+    }
+
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        for (x, out) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+            ops::rms_norm(x, w, eps, out);
+        }
+    }
+
+    fn rms_norm_inplace(&self, x: &mut [f32], w: &[f32], eps: f32) {
+        for row in x.chunks_exact_mut(w.len()) {
+            ops::rms_norm_inplace(row, w, eps);
+        }
+    }
+
+    fn rope(&self, table: &RopeTable, x: &mut [f32], head_dim: usize, pos: usize, neox: bool) {
+        for head in x.chunks_exact_mut(head_dim) {
+            table.apply(head, pos, neox);
+        }
+    }
+
+    /// The query heads of one GQA group share the K and V rows they read (`kernels::attention`). With many (row, KV
+    /// head) pairs (prefill, large batches) each thread takes whole pairs; with few (decode) the pairs' chunks of
+    /// positions are spread over the threads and folded after. A row gets the same bits either way.
+    fn attend(
+        &self,
+        pool: &ThreadPool,
+        a: &AttnShape,
+        q: &[f32],
+        rows: &dyn RowsKv,
+        out: &mut [f32],
+        sc: &mut Scratch,
+    ) {
+        let (hdk, hdv, group) = (a.hdk, a.hdv, a.group());
+        let n_tasks = a.n_tok * a.n_head_kv;
+        let per_thread = attention::scratch_len(group, hdv);
+        let att = SyncPtr::new(out.as_mut_ptr());
+        let scores = SyncPtr::new(sc.scores.as_mut_ptr());
+        // Task `task` is row `t`, KV head `kvh`: its group of query heads, its slice of the cache and its output.
+        let task = |task: usize| {
+            let (t, kvh) = (task / a.n_head_kv, task % a.n_head_kv);
+            let pos = rows.pos(t);
+            let (kc, vc, kv_ctx) = rows.read(t);
+            let g = attention::Group {
+                n_q: group,
+                hdk,
+                hdv,
+                lo: a.lo(pos),
+                hi: pos + 1,
+                scale: a.scale,
+            };
+            let h0 = t * a.n_head + kvh * group;
+            (
+                g,
+                &q[h0 * hdk..(h0 + group) * hdk],
+                &kc[kvh * kv_ctx * hdk..(kvh + 1) * kv_ctx * hdk],
+                &vc[kvh * kv_ctx * hdv..(kvh + 1) * kv_ctx * hdv],
+                h0 * hdv,
+            )
+        };
+
+        if n_tasks > split_rows(pool.n_threads()) {
+            pool.run(|ith, nth| {
+                // SAFETY: each thread owns its own scratch, and writes only the att rows of its own tasks.
+                let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * per_thread), per_thread) };
+                let mut i = ith;
+                while i < n_tasks {
+                    let (g, qg, k, v, o) = task(i);
+                    let out = unsafe { std::slice::from_raw_parts_mut(att.get().add(o), group * hdv) };
+                    attention::attend(&g, qg, k, v, sc, out);
+                    i += nth;
+                }
+            });
+            return;
+        }
+
+        // Few tasks: every chunk of every task is one work item, dealt round-robin; task `i`'s partials are at
+        // `parts[(i * max_chunks + c) * pl]`.
+        let pl = attention::partial_len(group, hdv);
+        let max_chunks = sc.n_ctx.div_ceil(attention::CHUNK);
+        assert!(sc.parts.len() >= n_tasks * max_chunks * pl);
+        let parts = SyncPtr::new(sc.parts.as_mut_ptr());
+        pool.run(|ith, nth| {
+            // SAFETY: each thread owns its own scratch and writes only the partials of its own work items.
+            let sc = unsafe { std::slice::from_raw_parts_mut(scores.get().add(ith * per_thread), per_thread) };
+            let mut item = 0;
+            for i in 0..n_tasks {
+                let (g, qg, k, v, _) = task(i);
+                for c in 0..g.n_chunks() {
+                    if item % nth == ith {
+                        let p =
+                            unsafe { std::slice::from_raw_parts_mut(parts.get().add((i * max_chunks + c) * pl), pl) };
+                        attention::partial(&g, c, qg, k, v, sc, p);
+                    }
+                    item += 1;
+                }
+            }
+        });
+        for i in 0..n_tasks {
+            let (g, _, _, _, o) = task(i);
+            let (acc, rest) = sc.parts[i * max_chunks * pl..].split_at_mut(pl);
+            for c in 1..g.n_chunks() {
+                attention::fold(&g, acc, &rest[(c - 1) * pl..c * pl]);
+            }
+            attention::finish(&g, acc, &mut out[o..o + group * hdv]);
+        }
+    }
+
+    fn add(&self, x: &mut [f32], y: &[f32]) {
+        ops::add_inplace(x, y);
+    }
+}
