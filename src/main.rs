@@ -3,12 +3,11 @@
 
 use anyhow::{Context, Result, bail};
 use baton::chat::{ChatMessage, ChatTemplate};
+use baton::engine::Session;
 use baton::engine::sampler::SamplerParams;
-use baton::engine::{Input, Session, Want};
 use baton::generate::{GenParams, Prompt};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
-use baton::kernels::ops;
 use baton::model::Hparams;
 use baton::topology::{Builder, TopologyArgs, load};
 use baton::vocab::Vocab;
@@ -687,47 +686,27 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     if let Some(c) = a.chunks {
         n_chunk = n_chunk.min(c);
     }
-    let n_vocab = model.hp.n_vocab;
-    let batch = a.batch_size.min(n_ctx);
-    let mut session = Session::new(model.clone(), pool, n_ctx, batch)?;
-    let first = n_ctx / 2;
+    let mut session = Session::new(model.clone(), pool, n_ctx, a.batch_size.min(n_ctx))?;
+    let bos = match vocab.add_bos() {
+        true => Some(vocab.bos().context("the model adds BOS but has no BOS token")?),
+        false => None,
+    };
     eprintln!(
         "perplexity: {} tokens, {n_chunk} chunks of {n_ctx}, scoring the second half of each",
         tokens.len()
     );
-    let (mut nll, mut count, mut top1) = (0.0f64, 0usize, 0usize);
     let t0 = Instant::now();
-    for c in 0..n_chunk {
-        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
-        if vocab.add_bos() {
-            chunk[0] = vocab.bos().context("the model adds BOS but has no BOS token")?;
-        }
-        session.rewind(0);
-        for (b, toks) in chunk.chunks(batch).enumerate() {
-            let start = b * batch;
-            let end = start + toks.len();
-            // Only batches holding scored positions (first .. n_ctx-2) need logits.
-            let want = if end > first { Want::AllLogits } else { Want::Hidden };
-            let out = session.forward(Input::Tokens(toks), want)?;
-            if want == Want::Hidden {
-                continue;
-            }
-            for j in start.max(first)..end.min(n_ctx - 1) {
-                let row = &out[(j - start) * n_vocab..(j - start + 1) * n_vocab];
-                let target = chunk[j + 1] as usize;
-                nll += ops::log_sum_exp(row) - row[target] as f64;
-                count += 1;
-                if ops::argmax(row) == target {
-                    top1 += 1;
-                }
-            }
-        }
-        eprint!("[{}]{:.4},", c + 1, (nll / count as f64).exp());
-    }
+    let s = baton::engine::perplexity::score(
+        &mut session,
+        &tokens,
+        n_chunk,
+        bos,
+        |_, _| {},
+        |c, s| eprint!("[{}]{:.4},", c + 1, s.ppl()),
+    )?;
     eprintln!();
-    let ppl = (nll / count as f64).exp();
-    eprintln!("{count} positions scored in {:.1} s", t0.elapsed().as_secs_f64());
-    println!("perplexity: {ppl:.4} top1: {:.4}", top1 as f64 / count as f64);
+    eprintln!("{} positions scored in {:.1} s", s.count, t0.elapsed().as_secs_f64());
+    println!("perplexity: {:.4} top1: {:.4}", s.ppl(), s.top1_rate());
     Ok(())
 }
 

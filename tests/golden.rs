@@ -3,10 +3,11 @@
 
 mod common;
 
+use baton::engine::perplexity;
 use baton::engine::{Input, Session, Want};
 use baton::kernels::ThreadPool;
 use baton::kernels::ggml::Numerics;
-use baton::kernels::ops::{argmax, log_sum_exp};
+use baton::kernels::ops::argmax;
 use baton::model::Model;
 use baton::vocab::Vocab;
 use serde_json::Value;
@@ -189,39 +190,25 @@ fn check_perplexity_with(model_name: &str, x: &Expect) {
     );
     let ref_argmax = ids(&g["argmax"]);
     let n_ctx = 512;
-    let first = n_ctx / 2;
-    let n_vocab = model.hp.n_vocab;
-    let nb = x.batch;
-    let mut s = Session::new(model.clone(), Arc::new(ThreadPool::new(2)), n_ctx, nb).unwrap();
+    let mut s = Session::new(model.clone(), Arc::new(ThreadPool::new(2)), n_ctx, x.batch).unwrap();
     s.set_numerics(x.numerics);
-    let (mut nll, mut count, mut agree, mut top1) = (0.0f64, 0usize, 0usize, 0usize);
-    for c in 0..tokens.len() / n_ctx {
-        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
-        if vocab.add_bos() {
-            chunk[0] = vocab.bos().unwrap();
-        }
-        s.rewind(0);
-        for (b, toks) in chunk.chunks(nb).enumerate() {
-            let start = b * nb;
-            let end = start + toks.len();
-            let want = if end > first { Want::AllLogits } else { Want::Hidden };
-            let out = s.forward(Input::Tokens(toks), want).unwrap();
-            if want == Want::Hidden {
-                continue;
-            }
-            for j in start.max(first)..end.min(n_ctx - 1) {
-                let row = &out[(j - start) * n_vocab..(j - start + 1) * n_vocab];
-                let target = chunk[j + 1] as usize;
-                nll += log_sum_exp(row) - row[target] as f64;
-                let am = argmax(row);
-                agree += (am as u32 == ref_argmax[count]) as usize;
-                top1 += (am == target) as usize;
-                count += 1;
-            }
-        }
-    }
+    let bos = vocab.add_bos().then(|| vocab.bos().unwrap());
+    let mut agree = 0;
+    let mut row_i = 0;
+    let score = perplexity::score(
+        &mut s,
+        &tokens,
+        tokens.len() / n_ctx,
+        bos,
+        |row, _| {
+            agree += (argmax(row) as u32 == ref_argmax[row_i]) as usize;
+            row_i += 1;
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    let (count, ppl, top1) = (score.count, score.ppl(), score.top1);
     assert_eq!(count, g["n_scored"].as_u64().unwrap() as usize);
-    let ppl = (nll / count as f64).exp();
     let ref_ppl = g["ppl"].as_f64().unwrap();
     let rel = (ppl - ref_ppl).abs() / ref_ppl;
     let agreement = agree as f64 / count as f64;
