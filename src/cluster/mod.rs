@@ -16,6 +16,7 @@
 pub mod auth;
 pub mod demo;
 pub mod disagg;
+pub mod handle;
 pub mod handoff;
 pub mod handshake;
 pub mod node;
@@ -24,6 +25,7 @@ pub mod stage;
 pub mod topology;
 pub mod wire;
 
+pub use handle::{ModelHandle, Next};
 pub use node::{NodeConfig, run as run_node};
 pub use pipeline::{PipelineOpts, PipelineSession, StageStats};
 pub use stage::Sampled;

@@ -7,7 +7,7 @@
 //! the new bytes), rewinds to the longest common prefix with its old tokens and feeds the difference.
 
 use super::combine::{Key, View};
-use crate::cluster::{PipelineOpts, PipelineSession};
+use crate::cluster::{ModelHandle, Next, PipelineOpts, PipelineSession};
 use crate::engine::Session;
 use crate::engine::sampler::SamplerParams;
 use crate::engine::sampler::top_logprobs;
@@ -131,80 +131,32 @@ impl Dist {
     }
 }
 
-enum Backend {
-    Local(Box<Session>),
-    Remote(Box<PipelineSession>),
+/// The next token's distribution from a [`Next`]: full log-probabilities, or a remote node's top ones.
+fn dist(next: Next<'_>) -> Dist {
+    match next {
+        Next::Logits(logits) => Dist::Full(log_softmax(logits)),
+        Next::Top(s) => {
+            let floor = s.top.last().map_or(f32::NEG_INFINITY, |t| t.1);
+            Dist::Top(s.top, floor)
+        }
+    }
 }
 
-impl Backend {
-    fn tokens(&self) -> &[u32] {
-        match self {
-            Backend::Local(s) => &s.tokens()[..s.n_past().min(s.tokens().len())],
-            Backend::Remote(p) => p.tokens(),
+/// From an empty context: feeds `tokens` and returns `lp[i]` = log p(tokens[i + 1] | tokens[..=i]).
+fn score(h: &mut ModelHandle, tokens: &[u32], n_batch: usize) -> Result<Vec<f32>> {
+    h.rewind(0);
+    let n_vocab = h.n_vocab();
+    let mut out = Vec::with_capacity(tokens.len());
+    for (b, chunk) in tokens.chunks(n_batch).enumerate() {
+        let start = b * n_batch;
+        let logits = h.all_logits(chunk)?;
+        for j in 0..chunk.len() {
+            let Some(&next) = tokens.get(start + j + 1) else { break };
+            let row = &logits[j * n_vocab..(j + 1) * n_vocab];
+            out.push((row[next as usize] as f64 - crate::kernels::ops::log_sum_exp(row)) as f32);
         }
     }
-
-    fn n_ctx(&self) -> usize {
-        match self {
-            Backend::Local(s) => s.n_ctx(),
-            Backend::Remote(p) => p.n_ctx(),
-        }
-    }
-
-    fn rewind(&mut self, n: usize) {
-        match self {
-            Backend::Local(s) => s.rewind(n),
-            Backend::Remote(p) => p.rewind(n),
-        }
-    }
-
-    fn reuse_prefix(&mut self, tokens: &[u32]) -> usize {
-        match self {
-            Backend::Local(s) => s.reuse_prefix(tokens),
-            Backend::Remote(p) => p.reuse_prefix(tokens),
-        }
-    }
-
-    /// Appends `tokens` and returns the distribution of the next one.
-    fn feed(&mut self, tokens: &[u32]) -> Result<Dist> {
-        match self {
-            Backend::Local(s) => {
-                let logits = s.eval(tokens)?;
-                Ok(Dist::Full(log_softmax(logits)))
-            }
-            Backend::Remote(p) => {
-                let s = p.eval(tokens)?;
-                let floor = s.top.last().map_or(f32::NEG_INFINITY, |t| t.1);
-                Ok(Dist::Top(s.top, floor))
-            }
-        }
-    }
-
-    /// From an empty context: feeds `tokens` and returns `lp[i]` = log p(tokens[i + 1] | tokens[..=i]).
-    fn score(&mut self, tokens: &[u32], n_batch: usize) -> Result<Vec<f32>> {
-        self.rewind(0);
-        let mut out = Vec::with_capacity(tokens.len());
-        for (b, chunk) in tokens.chunks(n_batch).enumerate() {
-            let start = b * n_batch;
-            let (logits, n_vocab) = match self {
-                Backend::Local(s) => {
-                    let n_vocab = s.model.hp.n_vocab;
-                    let l = s.forward(crate::engine::Input::Tokens(chunk), crate::engine::Want::AllLogits)?;
-                    (l.to_vec(), n_vocab)
-                }
-                Backend::Remote(p) => {
-                    let n_vocab = p.hparams().n_vocab;
-                    (p.eval_all_logits(chunk)?, n_vocab)
-                }
-            };
-            for j in 0..chunk.len() {
-                let Some(&next) = tokens.get(start + j + 1) else { break };
-                let row = &logits[j * n_vocab..(j + 1) * n_vocab];
-                out.push((row[next as usize] as f64 - crate::kernels::ops::log_sum_exp(row)) as f32);
-            }
-        }
-        Ok(out)
-    }
+    Ok(out)
 }
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -241,7 +193,7 @@ pub struct Member {
     pub spec: MemberSpec,
     /// Tokenizer and chat template (a remote member's weights are never loaded here).
     pub text: TextModel,
-    backend: Backend,
+    handle: ModelHandle,
     /// Non-control token bytes to id (a normal token preferred over a byte-fallback token with the same bytes).
     by_bytes: HashMap<Vec<u8>, u32>,
     /// The token standing for a single byte, for bytes that are not (yet) whole UTF-8 characters.
@@ -279,7 +231,7 @@ impl Member {
             );
         }
         let (by_bytes, byte_tok) = byte_tables(vocab);
-        let backend = match &spec.place {
+        let handle = match &spec.place {
             Place::Local => {
                 let (model, pool) = match &opts.models {
                     Some(c) => (c.get(&path)?, c.pool().clone()),
@@ -289,7 +241,7 @@ impl Member {
                     ),
                 };
                 let n_ctx = opts.n_ctx.min(model.hp.n_ctx_train.max(1));
-                Backend::Local(Box::new(Session::new(model, pool, n_ctx, opts.n_batch)?))
+                ModelHandle::Local(Box::new(Session::new(model, pool, n_ctx, opts.n_batch)?))
             }
             Place::Remote(addr) => {
                 let mut po = opts.pipeline.clone();
@@ -299,13 +251,13 @@ impl Member {
                 po.sampling = SamplerParams::greedy();
                 let p = PipelineSession::connect(&format!("{addr}=0:end"), &path, po)
                     .with_context(|| format!("ensemble member {}", spec.name))?;
-                Backend::Remote(Box::new(p))
+                ModelHandle::Remote(Box::new(p))
             }
         };
         Ok(Member {
             spec: spec.clone(),
             text,
-            backend,
+            handle,
             by_bytes,
             byte_tok,
             n_prompt: 0,
@@ -324,39 +276,33 @@ impl Member {
     }
 
     pub fn n_ctx(&self) -> usize {
-        self.backend.n_ctx()
+        self.handle.n_ctx()
     }
 
     pub fn n_past(&self) -> usize {
-        self.backend.tokens().len()
+        self.handle.tokens().len()
     }
 
     pub fn is_remote(&self) -> bool {
-        matches!(self.backend, Backend::Remote(_))
+        self.handle.is_remote()
     }
 
     /// Bytes sent and received over the wire so far (remote members).
     pub fn wire_bytes(&self) -> (u64, u64) {
-        match &self.backend {
-            Backend::Local(_) => (0, 0),
-            Backend::Remote(p) => p
-                .stats()
-                .iter()
-                .fold((0, 0), |a, s| (a.0 + s.bytes_sent, a.1 + s.bytes_recv)),
-        }
+        self.handle
+            .stats()
+            .iter()
+            .fold((0, 0), |a, s| (a.0 + s.bytes_sent, a.1 + s.bytes_recv))
     }
 
     /// Requests sent over the wire so far (remote members).
     pub fn wire_requests(&self) -> u64 {
-        match &self.backend {
-            Backend::Local(_) => 0,
-            Backend::Remote(p) => p.stats().iter().map(|s| s.requests).sum(),
-        }
+        self.handle.stats().iter().map(|s| s.requests).sum()
     }
 
     /// The bytes the member's generated tokens spell (its view of the shared text).
     pub fn generated_bytes(&self) -> Vec<u8> {
-        let toks = self.backend.tokens();
+        let toks = self.handle.tokens();
         let mut out = Vec::new();
         for &t in &toks[self.n_prompt.min(toks.len())..] {
             out.extend_from_slice(self.text.vocab.token_bytes(t));
@@ -366,9 +312,7 @@ impl Member {
 
     /// Changes the longest wait on a remote member (no effect on a local one).
     pub fn set_io_timeout(&mut self, t: Duration) {
-        if let Backend::Remote(p) = &mut self.backend {
-            p.set_io_timeout(t);
-        }
+        self.handle.set_io_timeout(t);
     }
 
     /// Starts a new generation after `prompt` (already tokenized for this member), reusing the KV of the longest
@@ -380,7 +324,7 @@ impl Member {
         if prompt.len() >= self.n_ctx() {
             return Ok((0, Synced::ContextFull));
         }
-        let kept = self.backend.reuse_prefix(prompt);
+        let kept = self.handle.reuse_prefix(prompt);
         self.n_prompt = prompt.len();
         self.gen_ends.clear();
         self.feed(&prompt[kept..])?;
@@ -389,7 +333,7 @@ impl Member {
 
     fn feed(&mut self, tokens: &[u32]) -> Result<()> {
         let t0 = Instant::now();
-        let dist = self.backend.feed(tokens);
+        let dist = self.handle.eval(tokens).map(dist);
         self.stats.busy += t0.elapsed();
         let dist = dist.with_context(|| format!("ensemble member {}", self.spec.name))?;
         self.stats.forwards += 1;
@@ -473,7 +417,7 @@ impl Member {
                 text.len() - s
             );
         }
-        let old_ids = &self.backend.tokens()[self.n_prompt + j..];
+        let old_ids = &self.handle.tokens()[self.n_prompt + j..];
         let mut c = old_ids.iter().zip(&tail).take_while(|(a, b)| a == b).count();
         if c == tail.len() {
             // Nothing new to feed (cannot happen with new bytes, kept for safety): re-feed the last token.
@@ -485,7 +429,7 @@ impl Member {
         }
         self.stats.retokenized += 1;
         self.stats.rewound += (self.n_past() - keep) as u64;
-        self.backend.rewind(keep);
+        self.handle.rewind(keep);
         self.gen_ends.truncate(j + c);
         self.feed(&tail[c..])?;
         self.gen_ends.extend_from_slice(&ends[c..]);
@@ -518,7 +462,7 @@ impl Member {
     /// The member's log-probabilities of every token of `tokens` after the first, from an empty context.
     pub fn score_tokens(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let t0 = Instant::now();
-        let r = self.backend.score(tokens, self.n_batch);
+        let r = score(&mut self.handle, tokens, self.n_batch);
         self.stats.busy += t0.elapsed();
         self.dist = None;
         self.cands.clear();

@@ -7,7 +7,7 @@
 //! proposal distribution `q` the acceptance rule needs is exactly the one the drafted token was drawn from.
 
 use crate::cluster::handshake::Timeouts;
-use crate::cluster::{PipelineOpts, PipelineSession};
+use crate::cluster::{ModelHandle, Next, PipelineOpts, PipelineSession};
 use crate::engine::Session;
 use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
@@ -22,18 +22,11 @@ use std::time::Duration;
 /// Log-probabilities a remote draft returns per step (~0.5 KB on the wire).
 pub const REMOTE_TOP_K: usize = 64;
 
-enum Backend {
-    Local(Box<Session>),
-    Remote {
-        session: Box<PipelineSession>,
-        /// Longest wait for one draft step; a longer stall counts as a dead draft.
-        step_timeout: Duration,
-    },
-}
-
 pub struct Draft {
     pub text: TextModel,
-    backend: Backend,
+    handle: ModelHandle,
+    /// Longest wait for one remote draft step; a longer stall counts as a dead draft.
+    step_timeout: Duration,
     /// "name, local" or "name@host:port".
     pub label: String,
     n_vocab: usize,
@@ -50,7 +43,8 @@ impl Draft {
         let label = format!("{}, local", text.name());
         Ok(Draft {
             text,
-            backend: Backend::Local(Box::new(Session::new(model, pool, n_ctx, n_batch)?)),
+            handle: ModelHandle::Local(Box::new(Session::new(model, pool, n_ctx, n_batch)?)),
+            step_timeout: Duration::ZERO,
             label,
             n_vocab,
             dense: Vec::new(),
@@ -87,17 +81,15 @@ impl Draft {
         Ok(Draft {
             label: format!("{}@{addr}", text.name()),
             text,
-            backend: Backend::Remote {
-                session: Box::new(session),
-                step_timeout,
-            },
+            handle: ModelHandle::Remote(Box::new(session)),
+            step_timeout,
             n_vocab,
             dense: vec![f32::NEG_INFINITY; n_vocab],
         })
     }
 
     pub fn is_remote(&self) -> bool {
-        matches!(self.backend, Backend::Remote { .. })
+        self.handle.is_remote()
     }
 
     pub fn n_vocab(&self) -> usize {
@@ -105,18 +97,12 @@ impl Draft {
     }
 
     pub fn n_ctx(&self) -> usize {
-        match &self.backend {
-            Backend::Local(s) => s.n_ctx(),
-            Backend::Remote { session, .. } => session.n_ctx(),
-        }
+        self.handle.n_ctx()
     }
 
     /// Positions the draft holds.
     pub fn n_past(&self) -> usize {
-        match &self.backend {
-            Backend::Local(s) => s.n_past(),
-            Backend::Remote { session, .. } => session.n_past(),
-        }
+        self.handle.n_past()
     }
 
     /// Makes the draft hold exactly `seq` (the common prefix is kept, the rest rewound, the difference fed in one
@@ -128,40 +114,31 @@ impl Draft {
         if seq.len() >= self.n_ctx() {
             bail!("the draft's context of {} tokens is full", self.n_ctx());
         }
-        match &mut self.backend {
-            Backend::Local(s) => {
-                let kept = s.reuse_prefix(seq);
-                Ok((s.eval(&seq[kept..])?, seq.len() - kept))
-            }
-            Backend::Remote { session, step_timeout } => {
-                let kept = session.reuse_prefix(seq);
-                let n = seq.len() - kept;
-                // A prompt takes longer than a step: allow 200 ms a token on top (a loaded one-thread node).
-                session.set_io_timeout(*step_timeout + Duration::from_millis(200 * n as u64));
-                let s = session.eval(&seq[kept..])?;
-                Ok((rebuild(&mut self.dense, &s.top, s.token), n))
-            }
-        }
+        let kept = self.handle.reuse_prefix(seq);
+        let n = seq.len() - kept;
+        // A prompt takes longer than a step: allow 200 ms a token on top (a loaded one-thread node).
+        self.handle
+            .set_io_timeout(self.step_timeout + Duration::from_millis(200 * n as u64));
+        let next = self.handle.eval(&seq[kept..])?;
+        Ok((logits(&mut self.dense, next), n))
     }
 
     /// Appends one token and returns the logits after it.
     pub fn step(&mut self, token: u32) -> Result<&[f32]> {
-        match &mut self.backend {
-            Backend::Local(s) => {
-                if s.n_past() + 1 >= s.n_ctx() {
-                    bail!("the draft's context of {} tokens is full", s.n_ctx());
-                }
-                s.eval(&[token])
-            }
-            Backend::Remote { session, step_timeout } => {
-                if session.n_past() + 1 >= session.n_ctx() {
-                    bail!("the draft's context of {} tokens is full", session.n_ctx());
-                }
-                session.set_io_timeout(*step_timeout);
-                let s = session.decode_step(token)?;
-                Ok(rebuild(&mut self.dense, &s.top, s.token))
-            }
+        if self.handle.n_past() + 1 >= self.handle.n_ctx() {
+            bail!("the draft's context of {} tokens is full", self.handle.n_ctx());
         }
+        self.handle.set_io_timeout(self.step_timeout);
+        let next = self.handle.step(token)?;
+        Ok(logits(&mut self.dense, next))
+    }
+}
+
+/// The logits a step gave: a local session's own, or rebuilt in `dense` from a node's top log-probabilities.
+fn logits<'a>(dense: &'a mut [f32], next: Next<'a>) -> &'a [f32] {
+    match next {
+        Next::Logits(l) => l,
+        Next::Top(s) => rebuild(dense, &s.top, s.token),
     }
 }
 
