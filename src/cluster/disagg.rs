@@ -11,8 +11,7 @@ use crate::engine::snapshot::RowDtype;
 use crate::engine::{Input, Session, Want};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
-use anyhow::{Context, Result, anyhow, bail};
-use std::net::ToSocketAddrs;
+use anyhow::{Context, Result, bail};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -423,32 +422,19 @@ impl PrefillPool {
     pub fn health_loop(self: &Arc<Self>, every: Duration) {
         self.checked.store(true, Ordering::Relaxed);
         let weak = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("prefill-health".into())
-            .spawn(move || {
-                while let Some(pool) = weak.upgrade() {
-                    for (i, m) in pool.members.iter().enumerate() {
-                        match probe(&m.addr) {
-                            Ok(()) => pool.set_up(i, true, ""),
-                            Err(e) => pool.set_up(i, false, &format!("{e:#}")),
-                        }
-                    }
-                    drop(pool);
-                    std::thread::sleep(every);
-                }
-            })
-            .expect("spawn prefill health thread");
+        let targets = self.members.iter().map(|m| m.addr.clone()).enumerate().collect();
+        let res = super::health::spawn_loop("prefill-health", targets, every, move |i, r| {
+            let Some(pool) = weak.upgrade() else { return false };
+            match r {
+                Ok(()) => pool.set_up(i, true, ""),
+                Err(e) => pool.set_up(i, false, &format!("{e:#}")),
+            }
+            true
+        });
+        if let Err(e) = res {
+            eprintln!("cannot start the prefill pool's health checks: {e:#}");
+        }
     }
-}
-
-/// Whether `addr` accepts a TCP connection within a second (the node ignores a connection closed without a word).
-pub fn probe(addr: &str) -> Result<()> {
-    let sa = addr
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| anyhow!("{addr} resolves to no address"))?;
-    std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(1))?;
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------------------------

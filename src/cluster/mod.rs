@@ -19,6 +19,7 @@ pub mod disagg;
 pub mod handle;
 pub mod handoff;
 pub mod handshake;
+pub mod health;
 pub mod node;
 pub mod pipeline;
 pub mod stage;

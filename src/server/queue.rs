@@ -259,20 +259,16 @@ impl Scheduler {
         if addrs.is_empty() {
             return;
         }
-        std::thread::Builder::new()
-            .name("health".into())
-            .spawn(move || {
-                loop {
-                    for (i, a) in &addrs {
-                        match probe(a) {
-                            Ok(()) => self.set_up(*i, true, ""),
-                            Err(e) => self.set_up(*i, false, &format!("{e:#}")),
-                        }
-                    }
-                    std::thread::sleep(every);
-                }
-            })
-            .expect("spawn health thread");
+        let res = crate::cluster::health::spawn_loop("health", addrs, every, move |i, r| {
+            match r {
+                Ok(()) => self.set_up(i, true, ""),
+                Err(e) => self.set_up(i, false, &format!("{e:#}")),
+            }
+            true
+        });
+        if let Err(e) = res {
+            eprintln!("cannot start the node health checks: {e:#}");
+        }
     }
 
     pub fn gauges(&self) -> Gauges {
@@ -306,16 +302,6 @@ fn node_views(st: &State) -> Vec<NodeView> {
         v[s.node].busy += 1;
     }
     v
-}
-
-fn probe(addr: &str) -> Result<()> {
-    use std::net::ToSocketAddrs;
-    let sa = addr
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("{addr} resolves to no address"))?;
-    std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(1))?;
-    Ok(())
 }
 
 /// One slot's thread: runs its jobs one after another on its own generator.
