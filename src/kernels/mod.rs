@@ -16,6 +16,7 @@ pub mod matrix;
 pub mod neon;
 pub mod ops;
 pub mod pool;
+pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod x16;
@@ -75,97 +76,9 @@ pub fn quantize_activations(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
     true
 }
 
-/// `n` blocks of a weight row dotted with `n` blocks of quantized activations.
-pub type DotFn = fn(n: usize, w: &[u8], x: &[u8]) -> f32;
-/// `out[t] = dot(w, x[t * x_stride..])` for `t < out.len()` (at most [`MULTI`]): one weight row against several
-/// activation rows, each weight block unpacked once.
-pub type MultiDotFn = fn(n: usize, w: &[u8], x: &[u8], x_stride: usize, out: &mut [f32]);
-pub type QuantFn = fn(x: &[f32], out: &mut [u8]);
-
-/// Most activation rows a [`MultiDotFn`] takes.
-pub const MULTI: usize = 4;
-
-/// The kernels for one weight type.
-#[derive(Clone, Copy)]
-pub struct QKernel {
-    /// The type activations are quantized to.
-    pub vec_dot_type: GgmlType,
-    pub dot: DotFn,
-    pub multi: Option<MultiDotFn>,
-}
-
-/// The dispatch table: one per instruction set, chosen once.
-pub struct Kernels {
-    pub isa: &'static str,
-    pub quant_q8_0: QuantFn,
-    pub quant_q8_1: QuantFn,
-    pub quant_q8_k: QuantFn,
-    pub q4_0: QKernel,
-    pub q4_1: QKernel,
-    pub q5_0: QKernel,
-    pub q5_1: QKernel,
-    pub q8_0: QKernel,
-    pub q2_k: QKernel,
-    pub q3_k: QKernel,
-    pub q4_k: QKernel,
-    pub q5_k: QKernel,
-    pub q6_k: QKernel,
-    pub dot_f32: fn(&[f32], &[f32]) -> f32,
-}
+pub use table::{DotFn, Kernels, MULTI, MultiDotFn, QKernel, QuantFn};
 
 impl Kernels {
-    pub fn for_type(&self, ty: GgmlType) -> Option<QKernel> {
-        use GgmlType::*;
-        Some(match ty {
-            Q4_0 => self.q4_0,
-            Q4_1 => self.q4_1,
-            Q5_0 => self.q5_0,
-            Q5_1 => self.q5_1,
-            Q8_0 => self.q8_0,
-            Q2K => self.q2_k,
-            Q3K => self.q3_k,
-            Q4K => self.q4_k,
-            Q5K => self.q5_k,
-            Q6K => self.q6_k,
-            F32 | F16 | BF16 | Q8_1 | Q8K => return None,
-        })
-    }
-
-    pub(crate) fn quant(&self, ty: GgmlType) -> QuantFn {
-        match ty {
-            GgmlType::Q8_0 => self.quant_q8_0,
-            GgmlType::Q8_1 => self.quant_q8_1,
-            _ => self.quant_q8_k,
-        }
-    }
-
-    /// The portable reference every SIMD table is tested against.
-    pub fn scalar() -> Kernels {
-        let k = |vec_dot_type, dot| QKernel {
-            vec_dot_type,
-            dot,
-            multi: None,
-        };
-        use GgmlType::*;
-        Kernels {
-            isa: "scalar",
-            quant_q8_0: legacy::quantize_row_q8_0,
-            quant_q8_1: legacy::quantize_row_q8_1,
-            quant_q8_k: kquants::quantize_row_q8_k,
-            q4_0: k(Q8_0, legacy::dot_q4_0_q8_0),
-            q4_1: k(Q8_1, legacy::dot_q4_1_q8_1),
-            q5_0: k(Q8_0, legacy::dot_q5_0_q8_0),
-            q5_1: k(Q8_1, legacy::dot_q5_1_q8_1),
-            q8_0: k(Q8_0, legacy::dot_q8_0_q8_0),
-            q2_k: k(Q8K, kquants::dot_q2_k_q8_k),
-            q3_k: k(Q8K, kquants::dot_q3_k_q8_k),
-            q4_k: k(Q8K, kquants::dot_q4_k_q8_k),
-            q5_k: k(Q8K, kquants::dot_q5_k_q8_k),
-            q6_k: k(Q8K, kquants::dot_q6_k_q8_k),
-            dot_f32: float::dot_f32,
-        }
-    }
-
     /// The best table this CPU supports. `BATON_ISA=scalar|avx2|avx512` (x86-64) or `BATON_ISA=scalar|neon`
     /// (AArch64, `neon` without the dot-product instructions) picks a lower one (benchmarks, debugging).
     pub fn detect() -> Kernels {

@@ -18,7 +18,7 @@
 
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, scale_min_k4};
 use super::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::{Kernels, QKernel};
+use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
 use std::arch::aarch64::*;
 use std::arch::asm;

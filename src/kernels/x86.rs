@@ -9,7 +9,7 @@
 
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use super::legacy::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::{Kernels, QKernel};
+use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
 use std::arch::x86_64::*;
 
