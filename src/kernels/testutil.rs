@@ -43,3 +43,44 @@ pub fn random_blocks(rng: &mut Rng, n: usize, bytes: usize, f16_offsets: &[usize
 pub fn rel_close(a: f32, b: f32, tol: f32) -> bool {
     (a - b).abs() <= tol * a.abs().max(b.abs()).max(1e-6)
 }
+
+/// Runs the group kernel of `ty` at every level this CPU runs, for 1..=`TILE` tokens of `xq` (`xs` bytes apart):
+/// the SIMD levels give the same bits, the scalar reference `scalar_ref` reads the repacked rows exactly as the
+/// row-major dot `direct(t, r)` (token `t`, row `r`) does, and every level is within 1e-4 (relative) of it.
+pub fn check_group_levels(
+    ty: crate::gguf::GgmlType,
+    nb: usize,
+    packed: &[u8],
+    xq: &[u8],
+    xs: usize,
+    scalar_ref: fn(usize, &[u8], &[u8], &mut [f32; super::x16::ROWS]),
+    direct: impl Fn(usize, usize) -> f32,
+) {
+    use super::x16::{Level, ROWS, TILE, dot_group_with, levels};
+    for n in 1..=TILE {
+        let mut simd: Option<(Level, [[f32; ROWS]; TILE])> = None;
+        for lvl in levels() {
+            let mut out = [[0.0f32; ROWS]; TILE];
+            dot_group_with(lvl, ty, nb, packed, xq, xs, n, &mut out);
+            if lvl != Level::Scalar {
+                match &simd {
+                    Some((first, bits)) => assert_eq!(&out, bits, "nb {nb} n {n}: {lvl:?} differs from {first:?}"),
+                    None => simd = Some((lvl, out)),
+                }
+            }
+            for t in 0..n {
+                let mut want = [0.0f32; ROWS];
+                scalar_ref(nb, packed, &xq[t * xs..], &mut want);
+                for (r, &want) in want.iter().enumerate() {
+                    let direct = direct(t, r);
+                    assert_eq!(want, direct, "the reference reads the repacked rows");
+                    let got = out[t][r];
+                    assert!(
+                        (got - direct).abs() <= 1e-4 * direct.abs().max(1.0),
+                        "nb {nb} n {n} t {t} r {r} {lvl:?}: {got} vs {direct}"
+                    );
+                }
+            }
+        }
+    }
+}

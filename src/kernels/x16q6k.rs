@@ -116,7 +116,8 @@ mod tests {
     /// (every quant 63 or 0, scales ±128/127, activations ±127) reaches the i16 and i32 bounds the kernel argues.
     #[test]
     fn group_kernel_matches_the_row_dots() {
-        use super::super::x16::{Level, TILE, dot_group_with, levels};
+        use super::super::x16::TILE;
+        use crate::kernels::testutil::check_group_levels;
         let ty = crate::gguf::GgmlType::Q6K;
         let mut rng = Rng(32);
         for (nb, extreme) in [(1, false), (3, false), (2, true)] {
@@ -140,35 +141,9 @@ mod tests {
                     .collect();
                 quantize_row_q8_k(&x, &mut xq[t * xs..(t + 1) * xs]);
             }
-            for n in 1..=TILE {
-                let mut simd: Option<(Level, [[f32; ROWS]; TILE])> = None;
-                for lvl in levels() {
-                    let mut out = [[0.0f32; ROWS]; TILE];
-                    dot_group_with(lvl, ty, nb, &packed, &xq, xs, n, &mut out);
-                    if lvl != Level::Scalar {
-                        // Every SIMD level runs the AVX2 kernel.
-                        match &simd {
-                            Some((first, bits)) => {
-                                assert_eq!(&out, bits, "nb {nb} n {n}: {lvl:?} differs from {first:?}")
-                            }
-                            None => simd = Some((lvl, out)),
-                        }
-                    }
-                    for t in 0..n {
-                        let mut want = [0.0f32; ROWS];
-                        dot_group_scalar(nb, &packed, &xq[t * xs..], &mut want);
-                        for r in 0..16 {
-                            let direct = dot_q6_k_q8_k(nb, &src[r * nb * Q6_K_BYTES..], &xq[t * xs..]);
-                            assert_eq!(want[r], direct, "the reference reads the repacked rows");
-                            let got = out[t][r];
-                            assert!(
-                                (got - direct).abs() <= 1e-4 * direct.abs().max(1.0),
-                                "nb {nb} n {n} t {t} r {r} {lvl:?}: {got} vs {direct}"
-                            );
-                        }
-                    }
-                }
-            }
+            check_group_levels(ty, nb, &packed, &xq, xs, dot_group_scalar, |t, r| {
+                dot_q6_k_q8_k(nb, &src[r * nb * Q6_K_BYTES..], &xq[t * xs..])
+            });
         }
     }
 }
