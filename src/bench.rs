@@ -67,7 +67,7 @@ impl Target for Session {
         Session::n_batch(self)
     }
     fn n_vocab(&self) -> usize {
-        self.model.hp.n_vocab
+        self.model().hp.n_vocab
     }
     fn prefill(&mut self, tokens: &[u32], last: bool) -> Result<()> {
         let want = if last { Want::LastLogits } else { Want::Hidden };

@@ -154,7 +154,7 @@ fn mapped_pages(bytes: &[u8]) -> Vec<usize> {
 fn repacked_models_leave_the_model_file_unmapped() {
     // Where the kernels repack weights, every multiplied matrix is owned and the file's pages are dropped after
     // loading; a file page mapped later counts twice towards the memory (see `Matrix::repack_for_kernels`).
-    if !baton::kernels::x16::available() {
+    if !baton::kernels::interleaved::available() {
         eprintln!("SKIPPED: this CPU's kernels use the weights in place");
         return;
     }

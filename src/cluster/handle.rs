@@ -33,7 +33,7 @@ impl ModelHandle {
 
     pub fn n_vocab(&self) -> usize {
         match self {
-            ModelHandle::Local(s) => s.model.hp.n_vocab,
+            ModelHandle::Local(s) => s.model().hp.n_vocab,
             ModelHandle::Remote(p) => p.hparams().n_vocab,
         }
     }

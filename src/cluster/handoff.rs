@@ -10,7 +10,8 @@ use super::handshake::{self, Conn, Timeouts};
 use super::stage::StageCore;
 use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, PullReport};
 use super::{PrefixHash, prefix_next, prefix_root};
-use crate::engine::snapshot::{self, KvBlock, RowDtype};
+use crate::engine::kv_cache::KvBlock;
+use crate::engine::snapshot::{self, RowDtype};
 use crate::engine::{Input, Session, Want};
 use anyhow::{Context, Result, anyhow, bail};
 use sha2::{Digest, Sha256};
@@ -60,7 +61,7 @@ pub fn serve_prefill(
     queued: Duration,
     hidden_wire: RowDtype,
 ) -> Result<Drain> {
-    let model = core.session.model.clone();
+    let model = core.session().model().clone();
     let hp = &model.hp;
     let (pos, send_from, n) = (p.pos as usize, p.send_from as usize, p.tokens.len());
     let end = pos + n;
@@ -73,10 +74,10 @@ pub fn serve_prefill(
         Some(format!(
             "prefill of positions {pos}..{end} sending from {send_from}: nothing to send or out of range"
         ))
-    } else if end > core.session.n_ctx() {
+    } else if end > core.session().n_ctx() {
         Some(format!(
             "positions {pos}..{end} exceed the context size {}",
-            core.session.n_ctx()
+            core.session().n_ctx()
         ))
     } else if let Some(&t) = p.tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
         Some(format!("token id {t} is outside the vocabulary of {}", hp.n_vocab))
@@ -126,7 +127,7 @@ pub fn serve_prefill(
         Ok(())
     });
 
-    let nb = core.session.n_batch();
+    let nb = core.session().n_batch();
     let mut compute_us = 0u64;
     let mut gone = false;
     let mut failed: Option<String> = None;
@@ -135,7 +136,7 @@ pub fn serve_prefill(
         let c1 = c0 + chunk.len();
         let t0 = Instant::now();
         let res = core
-            .session
+            .session_mut()
             .forward_layers(Input::Tokens(chunk), 0, Want::Hidden, &mut |il, kv, r| {
                 let from = r.start.max(send_from);
                 if !gone
@@ -388,9 +389,9 @@ impl PrefillNode {
         }
         self.conn = None;
         let t0 = Instant::now();
-        let hp = &s.model.hp;
+        let hp = &s.model().hp;
         let open = Open {
-            model: ModelInfo::of(hp, s.model.fingerprint()?),
+            model: ModelInfo::of(hp, s.model().fingerprint()?),
             layers: (0, k as u32),
             n_ctx: s.n_ctx() as u32,
             n_batch: s.n_batch() as u32,
@@ -432,9 +433,9 @@ impl PrefillNode {
         k: usize,
         rep: &mut HandoffReport,
     ) -> Result<Vec<f32>> {
-        let hp = s.model.hp.clone();
+        let hp = s.model().hp.clone();
         let n_layer = hp.n_layer;
-        if k == 0 || k > n_layer || !s.model.is_first() || !s.model.is_last() {
+        if k == 0 || k > n_layer || !s.model().is_first() || !s.model().is_last() {
             bail!("a disaggregated prefill needs a full-model session and 1..={n_layer} offloaded layers");
         }
         let held = s.n_past();
@@ -443,7 +444,7 @@ impl PrefillNode {
             bail!("the session must hold a strict prefix of the prompt");
         }
         rep.connect += self.connect(s, k)?;
-        let fp = s.model.fingerprint()?.to_string();
+        let fp = s.model().fingerprint()?.to_string();
         let n_ctx = s.n_ctx();
         let mut attempt = 0;
         loop {
@@ -586,8 +587,8 @@ impl PrefillNode {
         io: Duration,
         rep: &mut HandoffReport,
     ) -> Result<(Option<Instant>, Done)> {
-        let n_layer = s.model.hp.n_layer;
-        let e = s.model.hp.n_embd;
+        let n_layer = s.model().hp.n_layer;
+        let e = s.model().hp.n_embd;
         let end = tokens.len();
         // Next position expected per offloaded layer.
         let mut next = vec![held; k];
@@ -614,7 +615,7 @@ impl PrefillNode {
                         }
                         next[il] = block.pos.end;
                     }
-                    block.write_into(&mut s.kv)?;
+                    s.import_kv(&block)?;
                 }
                 Item::Hidden(pos, rows) => {
                     let n = rows.len() / e;
@@ -651,10 +652,8 @@ impl PrefillNode {
                     let Some(logits) = logits else {
                         bail!("the prefill node did not send the final hidden state");
                     };
-                    if k == n_layer {
-                        s.kv.set_n_pos(end);
-                    }
-                    s.set_tokens(tokens);
+                    // The offloaded layers' KV is all in; the local layers' forward passes reached `end` already.
+                    s.hold_positions(end, tokens)?;
                     return Ok((
                         first_at,
                         Done::Ok {
@@ -694,7 +693,7 @@ pub fn prefill_with_fallback(
     let mut rep = HandoffReport {
         prompt: tokens.len(),
         held,
-        n_layer: s.model.hp.n_layer,
+        n_layer: s.model().hp.n_layer,
         chunk: s.n_batch(),
         ..Default::default()
     };
@@ -714,7 +713,7 @@ pub fn prefill_with_fallback(
                 rep = HandoffReport {
                     prompt: tokens.len(),
                     held,
-                    n_layer: s.model.hp.n_layer,
+                    n_layer: s.model().hp.n_layer,
                     chunk: s.n_batch(),
                     fallback: Some(format!("{e:#}")),
                     ..Default::default()

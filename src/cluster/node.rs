@@ -307,8 +307,8 @@ impl State {
                 }
             }
         }
-        let model = ready.first().map(|(_, g, _)| g.core.session.model.clone());
-        let one_model = |m: &Arc<Model>| ready.iter().all(|(_, g, _)| Arc::ptr_eq(&g.core.session.model, m));
+        let model = ready.first().map(|(_, g, _)| g.core.session().model().clone());
+        let one_model = |m: &Arc<Model>| ready.iter().all(|(_, g, _)| Arc::ptr_eq(g.core.session().model(), m));
         match model {
             Some(m) if ready.len() > 1 && one_model(&m) => self.step_together(m, ready),
             _ => {
@@ -346,7 +346,7 @@ impl State {
         let tokens: Vec<u32> = ready.iter().map(|(p, _, _)| p.token).collect();
         let t0 = Instant::now();
         let logits = {
-            let mut sessions: Vec<&mut Session> = ready.iter_mut().map(|(_, g, _)| &mut g.core.session).collect();
+            let mut sessions: Vec<&mut Session> = ready.iter_mut().map(|(_, g, _)| g.core.session_mut()).collect();
             b.step(&mut sessions, &tokens).map(|l| l.to_vec())
         };
         let us = t0.elapsed().as_micros() as u64;

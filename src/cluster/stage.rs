@@ -55,11 +55,11 @@ pub enum StageOut {
 }
 
 pub struct StageCore {
-    pub session: Session,
+    session: Session,
     /// `hashes[p]` is the hash of the prefix `0..p`; `len() == n_past() + 1`.
     hashes: Vec<PrefixHash>,
     sampler: Sampler,
-    pub top_k: usize,
+    top_k: usize,
 }
 
 impl StageCore {
@@ -87,6 +87,16 @@ impl StageCore {
 
     pub fn n_past(&self) -> usize {
         self.session.n_past()
+    }
+
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// For a forward pass run directly on the session (a batched decode step, a disaggregated prefill); the caller
+    /// then [`StageCore::record`]s the tokens it appended, or [`StageCore::rewind`]s, so the prefix hashes follow.
+    pub fn session_mut(&mut self) -> &mut Session {
+        &mut self.session
     }
 
     /// Whether the stage holds positions `0..pos` with prefix hash `prefix` (then it may rewind to `pos`).
@@ -170,7 +180,7 @@ impl StageCore {
         hidden: Option<&[f32]>,
         want: WantOut,
     ) -> Result<std::result::Result<Prepared, StageOut>> {
-        let model = self.session.model.clone();
+        let model = self.session.model().clone();
         let e = model.hp.n_embd;
         if tokens.is_empty() {
             bail!("empty batch");
@@ -252,7 +262,7 @@ impl StageCore {
             WantOut::LastLogits | WantOut::AllLogits => StageOut::Logits(out.to_vec()),
             WantOut::Sample => StageOut::Sample(sample(out, &mut self.sampler, &prep.history, self.top_k)),
         };
-        if !self.session.model.is_first() {
+        if !self.session.model().is_first() {
             self.session.note_tokens(prep.pos, tokens);
         }
         let mut h = *self.hashes.last().unwrap();

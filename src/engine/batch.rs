@@ -44,13 +44,13 @@ impl<S: DerefMut<Target = Session> + Sync> RowsKv for EachKv<'_, S> {
     }
 
     fn read(&self, t: usize) -> (&[f16], &[f16], usize) {
-        let kv = &self.sessions[t].kv;
+        let kv = self.sessions[t].kv();
         let (k, v) = kv.layer(self.il);
         (k, v, kv.n_ctx)
     }
 
     fn write(&mut self, t: usize) -> LayerKv<'_> {
-        self.sessions[t].kv.layer_mut(self.il)
+        self.sessions[t].kv_mut().layer_mut(self.il)
     }
 }
 
@@ -102,7 +102,7 @@ impl Batch {
             bail!("{} tokens for {n} sessions", tokens.len());
         }
         for s in sessions.iter() {
-            if !Arc::ptr_eq(&s.model, &model) {
+            if !Arc::ptr_eq(s.model(), &model) {
                 bail!("a batched step runs sessions of one loaded model only");
             }
             if s.n_ctx() > self.n_ctx {

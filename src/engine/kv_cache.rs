@@ -4,10 +4,11 @@
 //!
 //! Values are stored in f16, as llama.cpp stores them by default: a decode step at a long context reads every
 //! cached row, so half the bytes is nearly half the time there, and half the memory. Snapshots and the wire carry
-//! them as f32, f16 (exact), bf16 or 8 bits ([`crate::engine::snapshot::KvBlock`] converts).
+//! them as f32, f16 (exact), bf16 or 8 bits ([`KvBlock`] carries them as f32; `engine::snapshot` converts).
 
 use crate::backend::LayerKv;
 use crate::model::Hparams;
+use anyhow::{Result, bail};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::ops::Range;
@@ -127,4 +128,77 @@ fn widen_into(src: &[f16], out: &mut Vec<f32>) {
     let n = out.len();
     out.resize(n + src.len(), 0.0);
     src.convert_to_f32_slice(&mut out[n..]);
+}
+
+/// KV rows of a layer range for a position range, in the snapshot layout: per layer, K `[n_head_kv, n_pos,
+/// head_dim_k]` and V `[n_head_kv, n_pos, head_dim_v]`. What a snapshot file holds and what one KV chunk on the wire
+/// carries (disaggregated prefill), so both use `snapshot::encode_block` and `snapshot::decode_block`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvBlock {
+    pub layers: Range<usize>,
+    pub pos: Range<usize>,
+    /// One entry per layer of `layers`.
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    /// Token ids of the positions, when known.
+    pub tokens: Option<Vec<u32>>,
+}
+
+impl KvBlock {
+    /// Copies layers `layers`, positions `pos` out of a cache (which must hold them).
+    pub fn from_cache(kv: &KvCache, layers: Range<usize>, pos: Range<usize>) -> KvBlock {
+        let n_pos = pos.len();
+        let mut k = Vec::with_capacity(layers.len());
+        let mut v = Vec::with_capacity(layers.len());
+        for il in layers.clone() {
+            let mut kr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_k);
+            let mut vr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_v);
+            for h in 0..kv.n_head_kv {
+                kv.read_k_rows(il, h, pos.clone(), &mut kr);
+                kv.read_v_rows(il, h, pos.clone(), &mut vr);
+            }
+            k.push(kr);
+            v.push(vr);
+        }
+        KvBlock {
+            layers,
+            pos,
+            k,
+            v,
+            tokens: None,
+        }
+    }
+
+    /// Writes the rows into a cache that holds the block's layers and has room for its positions. Does not change
+    /// which positions the cache counts as valid (the caller does, once every layer is in).
+    pub fn write_into(&self, kv: &mut KvCache) -> Result<()> {
+        if self.layers.start < kv.layers.start || self.layers.end > kv.layers.end || self.pos.end > kv.n_ctx {
+            bail!(
+                "KV of layers {:?} positions {:?} does not fit a cache of layers {:?} and {} positions",
+                self.layers,
+                self.pos,
+                kv.layers,
+                kv.n_ctx
+            );
+        }
+        let n_pos = self.pos.len();
+        let (dk, dv) = (kv.head_dim_k, kv.head_dim_v);
+        for (i, il) in self.layers.clone().enumerate() {
+            for h in 0..kv.n_head_kv {
+                kv.write_k_rows(
+                    il,
+                    h,
+                    self.pos.clone(),
+                    &self.k[i][h * n_pos * dk..(h + 1) * n_pos * dk],
+                );
+                kv.write_v_rows(
+                    il,
+                    h,
+                    self.pos.clone(),
+                    &self.v[i][h * n_pos * dv..(h + 1) * n_pos * dv],
+                );
+            }
+        }
+        Ok(())
+    }
 }

@@ -50,7 +50,7 @@ pub fn score(
             tokens.len() / n_ctx
         );
     }
-    let n_vocab = session.model.hp.n_vocab;
+    let n_vocab = session.model().hp.n_vocab;
     let first = n_ctx / 2;
     let mut s = Score::default();
     for c in 0..n_chunks {

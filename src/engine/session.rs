@@ -4,7 +4,7 @@
 //! a hidden state (not the last range) or logits (last range) out. Running `0..k` then `k..n` with the hidden state
 //! handed over computes exactly the same operations as `0..n` at once, so the logits are bit-identical.
 
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvBlock, KvCache};
 use crate::backend::{self, Backend, RowsKv, Scratch};
 use crate::kernels::ThreadPool;
 use crate::kernels::ggml::Numerics;
@@ -34,9 +34,10 @@ pub enum Want {
 }
 
 pub struct Session {
-    pub model: Arc<Model>,
-    pub pool: Arc<ThreadPool>,
-    pub kv: KvCache,
+    model: Arc<Model>,
+    pool: Arc<ThreadPool>,
+    /// Positions `0..kv.n_pos()` are valid; `tokens` is empty or names exactly those positions.
+    kv: KvCache,
     /// Token ids whose KV the cache holds, when known (always, for a range fed with tokens).
     tokens: Vec<u32>,
     /// Most tokens one forward pass takes.
@@ -86,6 +87,44 @@ impl Session {
 
     pub fn numerics(&self) -> Numerics {
         self.numerics
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn pool(&self) -> &Arc<ThreadPool> {
+        &self.pool
+    }
+
+    /// The cache, to read (snapshots, KV streaming); writes go through [`Session::import_kv`].
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// The cache of a session stepped by [`super::Batch`], which writes each row's new position.
+    pub(super) fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    /// Writes KV rows computed elsewhere (a snapshot, a prefill node's stream) into the cache. The positions count
+    /// as held only after [`Session::hold_positions`], once every layer is in.
+    pub fn import_kv(&mut self, block: &KvBlock) -> Result<()> {
+        block.write_into(&mut self.kv)
+    }
+
+    /// Marks positions `0..n` as held, with the token ids behind them (`tokens` of length `n`, or empty when
+    /// unknown).
+    pub fn hold_positions(&mut self, n: usize, tokens: &[u32]) -> Result<()> {
+        if n > self.n_ctx() {
+            bail!("{n} positions do not fit a context of {}", self.n_ctx());
+        }
+        if !tokens.is_empty() && tokens.len() != n {
+            bail!("{} token ids for {n} positions", tokens.len());
+        }
+        self.kv.set_n_pos(n);
+        self.set_tokens(tokens);
+        Ok(())
     }
 
     pub fn n_ctx(&self) -> usize {

@@ -6,7 +6,8 @@
 //! `v.{il}.scale` `[n_head_kv, n_pos]`. Every tensor's checksum (SHA-256 of its bytes, first 16 hex digits) is in the
 //! header, so it is checked wherever the tensor sits in the file.
 
-use super::{KvCache, Session};
+use super::Session;
+use super::kv_cache::KvBlock;
 use crate::model::Hparams;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
@@ -151,79 +152,6 @@ fn model_fields(hp: &Hparams, fingerprint: &str) -> Vec<(&'static str, String)> 
     ]
 }
 
-/// KV rows of a layer range for a position range, in the snapshot layout: per layer, K `[n_head_kv, n_pos,
-/// head_dim_k]` and V `[n_head_kv, n_pos, head_dim_v]`. What a snapshot file holds and what one KV chunk on the wire
-/// carries (disaggregated prefill), so both use [`encode_block`] and [`decode_block`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct KvBlock {
-    pub layers: Range<usize>,
-    pub pos: Range<usize>,
-    /// One entry per layer of `layers`.
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
-    /// Token ids of the positions, when known.
-    pub tokens: Option<Vec<u32>>,
-}
-
-impl KvBlock {
-    /// Copies layers `layers`, positions `pos` out of a cache (which must hold them).
-    pub fn from_cache(kv: &KvCache, layers: Range<usize>, pos: Range<usize>) -> KvBlock {
-        let n_pos = pos.len();
-        let mut k = Vec::with_capacity(layers.len());
-        let mut v = Vec::with_capacity(layers.len());
-        for il in layers.clone() {
-            let mut kr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_k);
-            let mut vr = Vec::with_capacity(kv.n_head_kv * n_pos * kv.head_dim_v);
-            for h in 0..kv.n_head_kv {
-                kv.read_k_rows(il, h, pos.clone(), &mut kr);
-                kv.read_v_rows(il, h, pos.clone(), &mut vr);
-            }
-            k.push(kr);
-            v.push(vr);
-        }
-        KvBlock {
-            layers,
-            pos,
-            k,
-            v,
-            tokens: None,
-        }
-    }
-
-    /// Writes the rows into a cache that holds the block's layers and has room for its positions. Does not change
-    /// which positions the cache counts as valid (the caller does, once every layer is in).
-    pub fn write_into(&self, kv: &mut KvCache) -> Result<()> {
-        if self.layers.start < kv.layers.start || self.layers.end > kv.layers.end || self.pos.end > kv.n_ctx {
-            bail!(
-                "KV of layers {:?} positions {:?} does not fit a cache of layers {:?} and {} positions",
-                self.layers,
-                self.pos,
-                kv.layers,
-                kv.n_ctx
-            );
-        }
-        let n_pos = self.pos.len();
-        let (dk, dv) = (kv.head_dim_k, kv.head_dim_v);
-        for (i, il) in self.layers.clone().enumerate() {
-            for h in 0..kv.n_head_kv {
-                kv.write_k_rows(
-                    il,
-                    h,
-                    self.pos.clone(),
-                    &self.k[i][h * n_pos * dk..(h + 1) * n_pos * dk],
-                );
-                kv.write_v_rows(
-                    il,
-                    h,
-                    self.pos.clone(),
-                    &self.v[i][h * n_pos * dv..(h + 1) * n_pos * dv],
-                );
-            }
-        }
-        Ok(())
-    }
-}
-
 /// Serialises a block in the snapshot format (safetensors, header with the model fields and every tensor's
 /// checksum).
 pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: RowDtype) -> Result<Vec<u8>> {
@@ -283,7 +211,7 @@ pub fn encode_block(hp: &Hparams, fingerprint: &str, b: &KvBlock, dt: RowDtype) 
 
 /// Serialises layers `layers` and positions `pos` of the session's cache.
 pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: RowDtype) -> Result<Vec<u8>> {
-    let kv = &s.kv;
+    let kv = s.kv();
     if layers.start < kv.layers.start || layers.end > kv.layers.end || layers.is_empty() {
         bail!(
             "layers {layers:?} are not all held by this session (it holds {:?})",
@@ -301,7 +229,7 @@ pub fn save_bytes(s: &Session, layers: Range<usize>, pos: Range<usize>, dt: RowD
     if toks.len() >= pos.end {
         block.tokens = Some(toks[pos].to_vec());
     }
-    encode_block(&s.model.hp, s.model.fingerprint()?, &block, dt)
+    encode_block(&s.model().hp, s.model().fingerprint()?, &block, dt)
 }
 
 pub fn save(s: &Session, path: &Path, layers: Range<usize>, pos: Range<usize>, dt: RowDtype) -> Result<()> {
@@ -433,17 +361,17 @@ pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8])
 /// positions must start at or before the session's `n_past()` (the rest of the session is rewound to its end), and
 /// every checksum must hold. Nothing in the session changes unless all checks pass.
 pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
-    let hp = s.model.hp.clone();
-    let fp = s.model.fingerprint()?.to_string();
+    let hp = s.model().hp.clone();
+    let fp = s.model().fingerprint()?.to_string();
     let (block, dt) = decode_block(&hp, &fp, s.n_ctx(), bytes)?;
     let (layers, pos) = (block.layers.clone(), block.pos.clone());
-    if layers != s.kv.layers {
+    if layers != s.kv().layers {
         bail!(
             "snapshot holds layers {}..{}, this session holds {}..{}",
             layers.start,
             layers.end,
-            s.kv.layers.start,
-            s.kv.layers.end
+            s.kv().layers.start,
+            s.kv().layers.end
         );
     }
     if pos.start > s.n_past() {
@@ -456,16 +384,13 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
         );
     }
     s.rewind(pos.start);
-    block.write_into(&mut s.kv)?;
-    s.kv.set_n_pos(pos.end);
     let mut toks = s.tokens()[..s.tokens().len().min(pos.start)].to_vec();
     match &block.tokens {
-        Some(t) if toks.len() == pos.start => {
-            toks.extend_from_slice(t);
-            s.set_tokens(&toks);
-        }
-        _ => s.set_tokens(&[]),
+        Some(t) if toks.len() == pos.start => toks.extend_from_slice(t),
+        _ => toks.clear(),
     }
+    s.import_kv(&block)?;
+    s.hold_positions(pos.end, &toks)?;
     Ok(SnapshotInfo {
         layers,
         pos,

@@ -11,7 +11,7 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
-use super::legacy::f16_at;
+use super::blocks32::f16_at;
 
 /// Weights per super-block.
 pub const QK_K: usize = 256;

@@ -71,9 +71,9 @@ impl Matrix {
     }
 
     /// Whether [`Matrix::repack_for_kernels`] rearranges this matrix: the fastest kernel of this CPU wants another
-    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX2 and AVX-512, Q6_K on AVX2: [`super::x16::wanted`]).
+    /// layout for its type (Q4_1, Q5_0, Q8_0 and Q4_K on AVX2 and AVX-512, Q6_K on AVX2: [`super::interleaved::wanted`]).
     pub fn repacks(&self) -> bool {
-        self.layout == Layout::Rows && super::x16::wanted(self.ty) && self.rows >= super::x16::ROWS
+        self.layout == Layout::Rows && super::interleaved::wanted(self.ty) && self.rows >= super::interleaved::ROWS
     }
 
     /// Rearranges the weights for the fastest kernel this CPU has where it wants another layout ([`Matrix::repacks`]).
@@ -104,20 +104,20 @@ impl Matrix {
             return;
         }
         let len = if interleave {
-            super::x16::packed_len(self.ty, self.rows, nb)
+            super::interleaved::packed_len(self.ty, self.rows, nb)
         } else {
             self.rows * rb
         };
         let mut owned = Vec::with_capacity(len);
         // Whole groups of interleaved rows, so that the pieces' layouts join into the matrix's.
         let piece = (PIECE_BYTES / rb)
-            .next_multiple_of(super::x16::ROWS)
-            .max(super::x16::ROWS);
+            .next_multiple_of(super::interleaved::ROWS)
+            .max(super::interleaved::ROWS);
         for r0 in (0..self.rows).step_by(piece) {
             let r1 = (r0 + piece).min(self.rows);
             let src = &self.bytes()[r0 * rb..r1 * rb];
             if interleave {
-                owned.extend_from_slice(&super::x16::repack(self.ty, src, r1 - r0, nb));
+                owned.extend_from_slice(&super::interleaved::repack(self.ty, src, r1 - r0, nb));
             } else {
                 owned.extend_from_slice(src);
             }
@@ -158,22 +158,27 @@ impl Matrix {
     /// Row `r` dequantized into `out` (`out.len() == cols`): the embedding lookup.
     pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
-        let grouped = self.rows / super::x16::ROWS * super::x16::ROWS;
+        let grouped = self.rows / super::interleaved::ROWS * super::interleaved::ROWS;
         if self.layout == Layout::X16 && r < grouped {
             // Gather the row's blocks out of its group, one at a time (the lookup of a tied output head's rows).
             let bs = self.ty.block_size();
             let nb = self.cols / bs;
-            let gbb = super::x16::group_block(self.ty);
-            let g = &self.bytes()[(r / super::x16::ROWS) * nb * gbb..];
-            let mut blk = [0u8; super::x16::MAX_BLOCK];
+            let gbb = super::interleaved::group_block(self.ty);
+            let g = &self.bytes()[(r / super::interleaved::ROWS) * nb * gbb..];
+            let mut blk = [0u8; super::interleaved::MAX_BLOCK];
             for (b, o) in out.chunks_exact_mut(bs).enumerate() {
-                let n = super::x16::unpack_block_into(self.ty, &g[b * gbb..], r % super::x16::ROWS, &mut blk);
+                let n = super::interleaved::unpack_block_into(
+                    self.ty,
+                    &g[b * gbb..],
+                    r % super::interleaved::ROWS,
+                    &mut blk,
+                );
                 super::dequantize_row(self.ty, &blk[..n], o);
             }
             return;
         }
         let off = if self.layout == Layout::X16 {
-            self.x16_tail_offset(r)
+            self.interleaved_tail_offset(r)
         } else {
             r * rb
         };
@@ -182,11 +187,12 @@ impl Matrix {
 
     /// Where row `r` (one past the last whole group) starts in an interleaved matrix: the rows that do not fill a
     /// group follow the groups row-major, and a group may take more bytes than its 16 rows did (Q4_K).
-    pub fn x16_tail_offset(&self, r: usize) -> usize {
-        let groups = self.rows / super::x16::ROWS;
-        debug_assert!(r >= groups * super::x16::ROWS);
+    pub fn interleaved_tail_offset(&self, r: usize) -> usize {
+        let groups = self.rows / super::interleaved::ROWS;
+        debug_assert!(r >= groups * super::interleaved::ROWS);
         let nb = self.cols / self.ty.block_size();
-        groups * nb * super::x16::group_block(self.ty) + (r - groups * super::x16::ROWS) * self.row_bytes()
+        groups * nb * super::interleaved::group_block(self.ty)
+            + (r - groups * super::interleaved::ROWS) * self.row_bytes()
     }
 
     /// The whole matrix as f32 (small tensors: norms, tests).
@@ -218,7 +224,7 @@ mod tests {
     /// several pieces with ragged ends; an empty matrix is left as it is.
     #[test]
     fn repack_in_pieces_matches_the_whole() {
-        if !super::super::x16::available() {
+        if !super::super::interleaved::available() {
             eprintln!("SKIPPED: this CPU's kernels use the weights in place");
             return;
         }
@@ -236,14 +242,14 @@ mod tests {
         let cases = [
             (GgmlType::Q8_0, true),
             (GgmlType::Q4K, true),
-            (GgmlType::Q6K, super::super::x16::wanted(GgmlType::Q6K)),
+            (GgmlType::Q6K, super::super::interleaved::wanted(GgmlType::Q6K)),
             (GgmlType::Q5K, false),
         ];
         let mut w = GgufWriter::new();
         let mut datas = Vec::new();
         for (i, &(ty, _)) in cases.iter().enumerate() {
             let rb = ty.row_bytes(cols).unwrap();
-            let rows = 2 * (PIECE_BYTES / rb).next_multiple_of(super::super::x16::ROWS) + 21;
+            let rows = 2 * (PIECE_BYTES / rb).next_multiple_of(super::super::interleaved::ROWS) + 21;
             let data = bytes(rows * rb);
             w.tensor(&format!("m{i}"), vec![cols as u64, rows as u64], ty, data.clone());
             datas.push((rows, data));
@@ -262,7 +268,7 @@ mod tests {
             assert!(matches!(m.data, Bytes::Owned(_)), "{ty} still mapped");
             if interleaved {
                 assert_eq!(m.layout, Layout::X16);
-                let whole = super::super::x16::repack(ty, data, *rows, cols / ty.block_size());
+                let whole = super::super::interleaved::repack(ty, data, *rows, cols / ty.block_size());
                 assert!(m.bytes() == &whole[..], "{ty}: pieces differ from one repack");
             } else {
                 assert_eq!(m.layout, Layout::Rows);

@@ -7,10 +7,11 @@
 //! K-quants), then every output is an integer dot per block, scaled per block. Float weights are dotted in f32.
 
 pub mod attention;
+pub mod blocks32;
 pub mod float;
 pub mod ggml;
+pub mod interleaved;
 pub mod kquants;
-pub mod legacy;
 pub mod matrix;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
@@ -19,11 +20,6 @@ pub mod pool;
 pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;
-pub mod x16;
-#[cfg(target_arch = "x86_64")]
-pub mod x16avx2;
-pub mod x16k;
-pub mod x16q6k;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
@@ -35,10 +31,10 @@ use pool::split_range;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-pub use kquants::quantize_row_q8_k;
-pub use legacy::{
+pub use blocks32::{
     quantize_row_q4_0, quantize_row_q4_1, quantize_row_q5_0, quantize_row_q5_1, quantize_row_q8_0, quantize_row_q8_1,
 };
+pub use kquants::quantize_row_q8_k;
 
 /// Dequantizes one row: `src` holds `dst.len() / ty.block_size()` blocks of `ty`. Panics if the lengths disagree
 /// (a caller bug: row lengths are checked when a model is loaded).
@@ -48,12 +44,12 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
         F32 => float::dequantize_f32(src, dst),
         F16 => float::dequantize_f16(src, dst),
         BF16 => float::dequantize_bf16(src, dst),
-        Q4_0 => legacy::dequantize_q4_0(src, dst),
-        Q4_1 => legacy::dequantize_q4_1(src, dst),
-        Q5_0 => legacy::dequantize_q5_0(src, dst),
-        Q5_1 => legacy::dequantize_q5_1(src, dst),
-        Q8_0 => legacy::dequantize_q8_0(src, dst),
-        Q8_1 => legacy::dequantize_q8_1(src, dst),
+        Q4_0 => blocks32::dequantize_q4_0(src, dst),
+        Q4_1 => blocks32::dequantize_q4_1(src, dst),
+        Q5_0 => blocks32::dequantize_q5_0(src, dst),
+        Q5_1 => blocks32::dequantize_q5_1(src, dst),
+        Q8_0 => blocks32::dequantize_q8_0(src, dst),
+        Q8_1 => blocks32::dequantize_q8_1(src, dst),
         Q2K => kquants::dequantize_q2_k(src, dst),
         Q3K => kquants::dequantize_q3_k(src, dst),
         Q4K => kquants::dequantize_q4_k(src, dst),
@@ -116,7 +112,7 @@ pub fn kernels() -> &'static Kernels {
 /// `neon-dotprod`), with `+vnni` where the AVX-512 kernels use VNNI.
 pub fn isa_label() -> String {
     let isa = kernels().isa;
-    if x16::vnni() {
+    if interleaved::vnni() {
         format!("{isa}+vnni")
     } else {
         isa.to_string()
@@ -286,7 +282,7 @@ fn matmul_impl(
     }
     let xq = &scratch.xq[..n_tok * xrb];
     if w.layout == matrix::Layout::X16 {
-        return matmul_x16(pool, w, up, xq, xrb, n_tok, yp, qk.dot, x16::Level::of(k));
+        return matmul_interleaved(pool, w, up, xq, xrb, n_tok, yp, qk.dot, interleaved::Level::of(k));
     }
 
     let chunk = row_chunk(rows, n_tok, pool.n_threads());
@@ -461,7 +457,7 @@ fn matmul_float(
 /// stay in L1 while every token, a tile at a time, goes past them. Rows after the last group are row-major. The group
 /// kernels are those of the table's level (`lvl`), like the tail rows' `dot`.
 #[allow(clippy::too_many_arguments)]
-fn matmul_x16<'a>(
+fn matmul_interleaved<'a>(
     pool: &ThreadPool,
     w: &'a Matrix,
     up: Option<(&'a Matrix, Glu)>,
@@ -470,16 +466,16 @@ fn matmul_x16<'a>(
     n_tok: usize,
     yp: SyncPtr<f32>,
     dot: DotFn,
-    lvl: x16::Level,
+    lvl: interleaved::Level,
 ) {
     let (rows, nb) = (w.rows, w.cols / w.ty.block_size());
-    let groups = rows / x16::ROWS;
-    let gbytes = nb * x16::group_block(w.ty);
+    let groups = rows / interleaved::ROWS;
+    let gbytes = nb * interleaved::group_block(w.ty);
     let per_item = groups.div_ceil(8 * pool.n_threads()).max(1);
     let next = AtomicUsize::new(0);
     pool.run(|_, _| {
-        let mut out = [[0.0f32; x16::ROWS]; x16::TILE];
-        let mut out_up = [[0.0f32; x16::ROWS]; x16::TILE];
+        let mut out = [[0.0f32; interleaved::ROWS]; interleaved::TILE];
+        let mut out_up = [[0.0f32; interleaved::ROWS]; interleaved::TILE];
         loop {
             let g0 = next.fetch_add(1, Ordering::Relaxed) * per_item;
             if g0 >= groups {
@@ -487,11 +483,11 @@ fn matmul_x16<'a>(
             }
             for g in g0..(g0 + per_item).min(groups) {
                 let group = |m: &'a Matrix| &m.bytes()[g * gbytes..(g + 1) * gbytes];
-                for t in (0..n_tok).step_by(x16::TILE) {
-                    let n = (n_tok - t).min(x16::TILE);
-                    x16::dot_group_with(lvl, w.ty, nb, group(w), &xq[t * xrb..], xrb, n, &mut out);
+                for t in (0..n_tok).step_by(interleaved::TILE) {
+                    let n = (n_tok - t).min(interleaved::TILE);
+                    interleaved::dot_group_with(lvl, w.ty, nb, group(w), &xq[t * xrb..], xrb, n, &mut out);
                     if let Some((u, glu)) = up {
-                        x16::dot_group_with(lvl, u.ty, nb, group(u), &xq[t * xrb..], xrb, n, &mut out_up);
+                        interleaved::dot_group_with(lvl, u.ty, nb, group(u), &xq[t * xrb..], xrb, n, &mut out_up);
                         for (o, v) in out[..n].iter_mut().zip(&out_up) {
                             glu.apply(o, v);
                         }
@@ -501,8 +497,8 @@ fn matmul_x16<'a>(
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 o.as_ptr(),
-                                yp.get().add((t + j) * rows + g * x16::ROWS),
-                                x16::ROWS,
+                                yp.get().add((t + j) * rows + g * interleaved::ROWS),
+                                interleaved::ROWS,
                             )
                         };
                     }
@@ -513,10 +509,10 @@ fn matmul_x16<'a>(
     // Rows past the last group follow the groups, row-major (a group may take more bytes than its 16 rows did).
     let rb = w.row_bytes();
     let tail_dot = |m: &Matrix, r: usize, t: usize| {
-        let off = m.x16_tail_offset(r);
+        let off = m.interleaved_tail_offset(r);
         dot(nb, &m.bytes()[off..off + rb], &xq[t * xrb..(t + 1) * xrb])
     };
-    for r in groups * x16::ROWS..rows {
+    for r in groups * interleaved::ROWS..rows {
         for t in 0..n_tok {
             let mut v = [tail_dot(w, r, t)];
             if let Some((u, glu)) = up {

@@ -16,8 +16,8 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
+use super::blocks32::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, scale_min_k4};
-use super::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
 use std::arch::aarch64::*;
@@ -328,14 +328,14 @@ unsafe fn q8_block(x: *const f32, out: *mut u8, with_sum: bool) {
         let off = if with_sum { 4 } else { 2 };
         vst1q_s8(out.add(off) as *mut i8, narrow16([q[0], q[1], q[2], q[3]]));
         vst1q_s8(out.add(off + 16) as *mut i8, narrow16([q[4], q[5], q[6], q[7]]));
-        std::ptr::copy_nonoverlapping(super::legacy::f16_bytes(d).as_ptr(), out, 2);
+        std::ptr::copy_nonoverlapping(super::blocks32::f16_bytes(d).as_ptr(), out, 2);
         if with_sum {
             let mut s = vdupq_n_s32(0);
             for v in q {
                 s = vaddq_s32(s, v);
             }
             let s = vaddvq_s32(s);
-            std::ptr::copy_nonoverlapping(super::legacy::f16_bytes(s as f32 * d).as_ptr(), out.add(2), 2);
+            std::ptr::copy_nonoverlapping(super::blocks32::f16_bytes(s as f32 * d).as_ptr(), out.add(2), 2);
         }
     }
 }

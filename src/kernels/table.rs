@@ -1,7 +1,7 @@
 //! The dispatch table's types: the kernels of one instruction set for every weight type, and the scalar table
 //! every SIMD table is tested against. `x86.rs` and `neon.rs` fill tables; `mod.rs` picks one per CPU.
 
-use super::{float, kquants, legacy};
+use super::{blocks32, float, kquants};
 use crate::gguf::GgmlType;
 
 /// `n` blocks of a weight row dotted with `n` blocks of quantized activations.
@@ -78,14 +78,14 @@ impl Kernels {
         use GgmlType::*;
         Kernels {
             isa: "scalar",
-            quant_q8_0: legacy::quantize_row_q8_0,
-            quant_q8_1: legacy::quantize_row_q8_1,
+            quant_q8_0: blocks32::quantize_row_q8_0,
+            quant_q8_1: blocks32::quantize_row_q8_1,
             quant_q8_k: kquants::quantize_row_q8_k,
-            q4_0: k(Q8_0, legacy::dot_q4_0_q8_0),
-            q4_1: k(Q8_1, legacy::dot_q4_1_q8_1),
-            q5_0: k(Q8_0, legacy::dot_q5_0_q8_0),
-            q5_1: k(Q8_1, legacy::dot_q5_1_q8_1),
-            q8_0: k(Q8_0, legacy::dot_q8_0_q8_0),
+            q4_0: k(Q8_0, blocks32::dot_q4_0_q8_0),
+            q4_1: k(Q8_1, blocks32::dot_q4_1_q8_1),
+            q5_0: k(Q8_0, blocks32::dot_q5_0_q8_0),
+            q5_1: k(Q8_1, blocks32::dot_q5_1_q8_1),
+            q8_0: k(Q8_0, blocks32::dot_q8_0_q8_0),
             q2_k: k(Q8K, kquants::dot_q2_k_q8_k),
             q3_k: k(Q8K, kquants::dot_q3_k_q8_k),
             q4_k: k(Q8K, kquants::dot_q4_k_q8_k),

@@ -53,10 +53,10 @@ pub fn check_group_levels(
     packed: &[u8],
     xq: &[u8],
     xs: usize,
-    scalar_ref: fn(usize, &[u8], &[u8], &mut [f32; super::x16::ROWS]),
+    scalar_ref: fn(usize, &[u8], &[u8], &mut [f32; super::interleaved::ROWS]),
     direct: impl Fn(usize, usize) -> f32,
 ) {
-    use super::x16::{Level, ROWS, TILE, dot_group_with, levels};
+    use super::interleaved::{Level, ROWS, TILE, dot_group_with, levels};
     for n in 1..=TILE {
         let mut simd: Option<(Level, [[f32; ROWS]; TILE])> = None;
         for lvl in levels() {

@@ -7,8 +7,8 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
+use super::blocks32::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
-use super::legacy::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -296,13 +296,13 @@ unsafe fn q8_block(x: *const f32, out: *mut u8, with_sum: bool) {
         }
         let off = if with_sum { 4 } else { 2 };
         _mm256_storeu_si256(out.add(off) as *mut __m256i, pack_i32x32(q));
-        std::ptr::copy_nonoverlapping(super::legacy::f16_bytes(d).as_ptr(), out, 2);
+        std::ptr::copy_nonoverlapping(super::blocks32::f16_bytes(d).as_ptr(), out, 2);
         if with_sum {
             let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
             let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
             let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
             let s = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
-            std::ptr::copy_nonoverlapping(super::legacy::f16_bytes(s as f32 * d).as_ptr(), out.add(2), 2);
+            std::ptr::copy_nonoverlapping(super::blocks32::f16_bytes(s as f32 * d).as_ptr(), out.add(2), 2);
         }
     }
 }

@@ -3,7 +3,7 @@
 //! whose weights are the dequantized originals.
 
 use crate::gguf::{GgmlType, GgufFile, GgufWriter, Value};
-use crate::kernels::{self, Matrix, legacy};
+use crate::kernels::{self, Matrix, blocks32};
 use anyhow::{Result, bail};
 use std::path::Path;
 use std::sync::Arc;
@@ -33,11 +33,11 @@ fn encode_row(x: &[f32], ty: GgmlType, out: &mut Vec<u8>) {
                 .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
                 .collect::<Vec<_>>(),
         ),
-        GgmlType::Q8_0 => legacy::quantize_row_q8_0(x, dst),
-        GgmlType::Q5_0 => legacy::quantize_row_q5_0(x, dst),
-        GgmlType::Q5_1 => legacy::quantize_row_q5_1(x, dst),
-        GgmlType::Q4_0 => legacy::quantize_row_q4_0(x, dst),
-        GgmlType::Q4_1 => legacy::quantize_row_q4_1(x, dst),
+        GgmlType::Q8_0 => blocks32::quantize_row_q8_0(x, dst),
+        GgmlType::Q5_0 => blocks32::quantize_row_q5_0(x, dst),
+        GgmlType::Q5_1 => blocks32::quantize_row_q5_1(x, dst),
+        GgmlType::Q4_0 => blocks32::quantize_row_q4_0(x, dst),
+        GgmlType::Q4_1 => blocks32::quantize_row_q4_1(x, dst),
         _ => unreachable!("parse_target admits only the types above"),
     }
 }

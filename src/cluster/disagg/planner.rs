@@ -253,7 +253,7 @@ pub fn probe_local_speed(model: &Arc<Model>, pool: Arc<ThreadPool>, n_batch: usi
 /// The planner's view of prefilling `tokens` into `s`: the tokens not already held, the chunk size and the bytes per
 /// token that would cross the wire at `kv` precision.
 pub fn job_for(s: &Session, tokens: &[u32], kv: RowDtype) -> Job {
-    let hp = &s.model.hp;
+    let hp = &s.model().hp;
     let held = s.tokens()[..s.tokens().len().min(s.n_past())]
         .iter()
         .zip(tokens)

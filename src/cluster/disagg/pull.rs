@@ -116,7 +116,7 @@ pub fn serve_pull(
     pool: &Arc<ThreadPool>,
     p: &Pull,
 ) -> Result<Pulled> {
-    let model = core.session.model.clone();
+    let model = core.session().model().clone();
     let hp = &model.hp;
     let (pos, n) = (p.pos as usize, p.tokens.len());
     if !model.is_first() || !model.is_last() {
@@ -125,11 +125,11 @@ pub fn serve_pull(
             model.range
         );
     }
-    if n == 0 || pos + n >= core.session.n_ctx() {
+    if n == 0 || pos + n >= core.session().n_ctx() {
         bail!(
             "prefill of positions {pos}..{} does not fit the context of {} with room to decode",
             pos + n,
-            core.session.n_ctx()
+            core.session().n_ctx()
         );
     }
     if let Some(&t) = p.tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
@@ -142,10 +142,10 @@ pub fn serve_pull(
         return Ok(Pulled::Mismatch(core.n_past()));
     }
     core.rewind(pos);
-    if core.session.tokens().len() != pos {
+    if core.session().tokens().len() != pos {
         bail!("this session does not know the token ids of its first {pos} positions");
     }
-    let mut tokens = core.session.tokens().to_vec();
+    let mut tokens = core.session().tokens().to_vec();
     tokens.extend_from_slice(&p.tokens);
     let (link, k, why) = match link {
         // This node was named as its own prefill node: it prefills here.
@@ -157,10 +157,10 @@ pub fn serve_pull(
         Some(link) => {
             link.opts.kv = p.kv;
             link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
-            let job = job_for(&core.session, &tokens, link.opts.kv);
+            let job = job_for(core.session(), &tokens, link.opts.kv);
             let (k, why) = if p.offload == OFFLOAD_AUTO {
                 if speeds.local.is_none() {
-                    speeds.local = Some(probe_local_speed(&model, pool.clone(), core.session.n_batch())?);
+                    speeds.local = Some(probe_local_speed(&model, pool.clone(), core.session().n_batch())?);
                 }
                 plan(Offload::Auto, speeds, &job)
             } else {
@@ -169,7 +169,7 @@ pub fn serve_pull(
             (Some(link), k, why)
         }
     };
-    let res = prefill_with_fallback(&mut core.session, link, &tokens, k);
+    let res = prefill_with_fallback(core.session_mut(), link, &tokens, k);
     let (logits, rep) = match res {
         Ok(r) => r,
         Err(e) => {

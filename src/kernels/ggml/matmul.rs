@@ -6,7 +6,7 @@
 use super::{dot, kquant, quant};
 use crate::gguf::GgmlType;
 use crate::kernels::matrix::{Layout, Matrix};
-use crate::kernels::{SyncPtr, ThreadPool, pool::split_range, x16};
+use crate::kernels::{SyncPtr, ThreadPool, interleaved, pool::split_range};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Whether [`matmul`] reproduces llama.cpp for weights of type `ty`.
@@ -20,21 +20,21 @@ pub fn supports(ty: GgmlType) -> bool {
 /// Row `r` of `w` as ggml stores it (its blocks in order), gathered from an interleaved layout when repacked.
 pub fn row_bytes<'a>(w: &'a Matrix, r: usize, buf: &'a mut Vec<u8>) -> &'a [u8] {
     let rb = w.row_bytes();
-    let grouped = w.rows / x16::ROWS * x16::ROWS;
+    let grouped = w.rows / interleaved::ROWS * interleaved::ROWS;
     match w.layout {
         Layout::Rows => &w.bytes()[r * rb..(r + 1) * rb],
         Layout::X16 if r >= grouped => {
-            let off = w.x16_tail_offset(r);
+            let off = w.interleaved_tail_offset(r);
             &w.bytes()[off..off + rb]
         }
         Layout::X16 => {
             let nb = w.cols / w.ty.block_size();
-            let (bs, gbb) = (w.ty.type_size(), x16::group_block(w.ty));
+            let (bs, gbb) = (w.ty.type_size(), interleaved::group_block(w.ty));
             buf.resize(rb, 0);
-            let g = &w.bytes()[(r / x16::ROWS) * nb * gbb..];
-            let mut blk = [0u8; x16::MAX_BLOCK];
+            let g = &w.bytes()[(r / interleaved::ROWS) * nb * gbb..];
+            let mut blk = [0u8; interleaved::MAX_BLOCK];
             for b in 0..nb {
-                let n = x16::unpack_block_into(w.ty, &g[b * gbb..], r % x16::ROWS, &mut blk);
+                let n = interleaved::unpack_block_into(w.ty, &g[b * gbb..], r % interleaved::ROWS, &mut blk);
                 buf[b * bs..b * bs + n].copy_from_slice(&blk[..n]);
             }
             &buf[..rb]

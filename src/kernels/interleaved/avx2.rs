@@ -1,5 +1,5 @@
-//! AVX2 (+FMA, F16C) group kernels on the interleaved layouts of [`super::x16`] (Q4_1, Q5_0, Q8_0),
-//! [`super::x16k`] (Q4_K) and [`super::x16q6k`] (Q6_K, which AVX-512 CPUs run here too), for CPUs without AVX-512.
+//! AVX2 (+FMA, F16C) group kernels on the interleaved layouts of [`super::q32`] (Q4_1, Q5_0, Q8_0),
+//! [`super::q4k`] (Q4_K) and [`super::q6k`] (Q6_K, which AVX-512 CPUs run here too), for CPUs without AVX-512.
 //!
 //! Why: the row-major AVX2 kernels (1 row × ≤ 4 tokens) spend most of their instructions per block on scalar scale
 //! conversions and a horizontal sum per row, as the AVX-512 ones did before the layouts existed. A 256-bit register
@@ -23,11 +23,11 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts and the token tile
 
-use super::kquants::Q8_K_BYTES;
-use super::legacy::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::x16::ROWS;
-use super::x16k::{GROUP_BLOCK as Q4_K_GROUP, MN, QS, SC};
-use super::x16q6k::{GROUP_BLOCK as Q6_K_GROUP, QH as Q6_QH, QL as Q6_QL, SC as Q6_SC};
+use super::group::ROWS;
+use super::q4k::{GROUP_BLOCK as Q4_K_GROUP, MN, QS, SC};
+use super::q6k::{GROUP_BLOCK as Q6_K_GROUP, QH as Q6_QH, QL as Q6_QL, SC as Q6_SC};
+use crate::kernels::blocks32::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use crate::kernels::kquants::Q8_K_BYTES;
 use std::arch::x86_64::*;
 
 /// One f16 at `p` as f32 (exact, as `half`'s conversion is).
@@ -252,7 +252,7 @@ pub unsafe fn q8_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
 /// The 16 dots of one Q4_K group with `N` Q8_K activation rows `xs` bytes apart: `out[t][r]`.
 ///
 /// # Safety
-/// As [`q4_1_group`], with Q4_K group blocks ([`super::x16k`]) and Q8_K activation rows.
+/// As [`q4_1_group`], with Q4_K group blocks ([`super::q4k`]) and Q8_K activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [[f32; ROWS]; N]) {
     unsafe {
@@ -324,7 +324,7 @@ pub unsafe fn q4_k_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
     }
 }
 
-/// The 16 dots of one Q6_K group ([`super::x16q6k`]) with `N` Q8_K activation rows `xs` bytes apart: `out[t][r]`.
+/// The 16 dots of one Q6_K group ([`super::q6k`]) with `N` Q8_K activation rows `xs` bytes apart: `out[t][r]`.
 /// The 6-bit weights enter `maddubs` unsigned (0..63); their offset of 32 comes off once per super-block as
 /// 32 · Σ_s sc_s · bsum_s, the activation sums of each 16 values that Q8_K carries.
 ///

@@ -1,5 +1,5 @@
-//! Q4_K weights repacked 16 rows at a time, for the AVX-512 kernels here and the AVX2 one in [`super::x16avx2`] (the
-//! K-quant sibling of [`super::x16`]).
+//! Q4_K weights repacked 16 rows at a time, for the AVX-512 kernels here and the AVX2 one in [`super::avx2`] (the
+//! K-quant sibling of [`super::q32`]).
 //!
 //! Why: Gemma 3's Q4_K matrices went through the row-major kernel, one row against up to four tokens, unpacking
 //! each super-block's packed 6-bit scales per row and summing per row horizontally. Interleaved, one 512-bit
@@ -13,9 +13,9 @@
 //! last whole group stay row-major after the groups.
 
 #[cfg(any(target_arch = "x86_64", test))]
-use super::kquants::Q8_K_BYTES;
-use super::kquants::{Q4_K_BYTES, scale_min_k4};
-use super::x16::ROWS;
+use super::group::ROWS;
+use crate::kernels::kquants::Q8_K_BYTES;
+use crate::kernels::kquants::{Q4_K_BYTES, scale_min_k4};
 
 /// Bytes of one super-block column of one group.
 pub const GROUP_BLOCK: usize = 64 + 2 * 8 * ROWS + ROWS * 128;
@@ -85,7 +85,7 @@ pub fn dot_group_scalar(nb: usize, w: &[u8], x: &[u8], out: &mut [f32; ROWS]) {
         let row: Vec<u8> = (0..nb)
             .flat_map(|b| unpack_block(&w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK], r))
             .collect();
-        *o = super::kquants::dot_q4_k_q8_k(nb, &row, x);
+        *o = crate::kernels::kquants::dot_q4_k_q8_k(nb, &row, x);
     }
 }
 
@@ -231,7 +231,7 @@ mod tests {
     /// bits (the same integer sums, the same f32 operations per row in the same order).
     #[test]
     fn group_kernel_matches_the_row_dots() {
-        use super::super::x16::TILE;
+        use crate::kernels::interleaved::TILE;
         use crate::kernels::testutil::check_group_levels;
         let ty = crate::gguf::GgmlType::Q4K;
         let mut rng = Rng(22);

@@ -1,4 +1,4 @@
-//! Q6_K weights repacked 16 rows at a time, for the AVX2 group kernel in [`super::x16avx2`] (which the AVX-512 levels
+//! Q6_K weights repacked 16 rows at a time, for the AVX2 group kernel in [`super::avx2`] (which the AVX-512 levels
 //! run too: no 512-bit Q6_K kernel exists yet).
 //!
 //! Why: Gemma 3 keeps some of its feed-forward matrices in Q6_K; the row-major kernel spends a horizontal sum per row
@@ -10,8 +10,8 @@
 //! 4-byte quads `k` of `ql` (`ql_r[4k..4k + 4]` for `r` in 0..16, 64 bytes each), then the 16 quads of `qh`. Rows
 //! past the last whole group stay row-major after the groups.
 
-use super::kquants::Q6_K_BYTES;
-use super::x16::ROWS;
+use super::group::ROWS;
+use crate::kernels::kquants::Q6_K_BYTES;
 
 /// Bytes of one super-block column of one group.
 pub const GROUP_BLOCK: usize = ROWS * Q6_K_BYTES;
@@ -79,7 +79,7 @@ pub fn dot_group_scalar(nb: usize, w: &[u8], x: &[u8], out: &mut [f32; ROWS]) {
         let row: Vec<u8> = (0..nb)
             .flat_map(|b| unpack_block(&w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK], r))
             .collect();
-        *o = super::kquants::dot_q6_k_q8_k(nb, &row, x);
+        *o = crate::kernels::kquants::dot_q6_k_q8_k(nb, &row, x);
     }
 }
 
@@ -116,7 +116,7 @@ mod tests {
     /// (every quant 63 or 0, scales ±128/127, activations ±127) reaches the i16 and i32 bounds the kernel argues.
     #[test]
     fn group_kernel_matches_the_row_dots() {
-        use super::super::x16::TILE;
+        use crate::kernels::interleaved::TILE;
         use crate::kernels::testutil::check_group_levels;
         let ty = crate::gguf::GgmlType::Q6K;
         let mut rng = Rng(32);
