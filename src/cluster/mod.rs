@@ -22,15 +22,15 @@ pub mod handshake;
 pub mod health;
 pub mod node;
 pub mod pipeline;
+pub mod pipeline_spec;
 pub mod stage;
-pub mod topology;
 pub mod wire;
 
 pub use handle::{ModelHandle, Next};
 pub use node::{NodeConfig, run as run_node};
 pub use pipeline::{PipelineOpts, PipelineSession, StageStats};
+pub use pipeline_spec::{StageSpec, parse_pipeline};
 pub use stage::Sampled;
-pub use topology::{StageSpec, parse_pipeline};
 
 use sha2::{Digest, Sha256};
 

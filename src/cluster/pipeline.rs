@@ -14,8 +14,8 @@
 //! prefix from position 0 through every stage, once, and never uses KV it cannot vouch for.
 
 use super::handshake::{self, Conn, Timeouts};
+use super::pipeline_spec::{StageSpec, parse_pipeline};
 use super::stage::{Sampled, StageCore, StageOut};
-use super::topology::{StageSpec, parse_pipeline};
 use super::wire::{Body, Forward, Hidden, ModelInfo, Msg, Open, Pull, PullReport, ResultMsg, WantOut};
 use super::{PrefixHash, prefix_next, prefix_root};
 use crate::engine::sampler::SamplerParams;

@@ -11,7 +11,7 @@
 
 pub mod cluster_file;
 pub mod metrics;
-pub mod mix;
+pub mod multi_model;
 pub mod openai;
 pub mod queue;
 pub mod router;
@@ -131,8 +131,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             bail!("--ensemble cannot be combined with --cluster, --pipeline, --draft or --prefill-node");
         }
         let builder = Builder::new(topology_args(&cfg, None)?);
-        let (node, describe) = mix::ensemble_slots(&cfg, &builder, spec, mix::cache(&cfg))?;
-        let id = cfg.served_name.clone().unwrap_or(mix::ensemble_id(spec)?);
+        let (node, describe) = multi_model::ensemble_slots(&cfg, &builder, spec, multi_model::cache(&cfg))?;
+        let id = cfg.served_name.clone().unwrap_or(multi_model::ensemble_id(spec)?);
         (id, vec!["ensemble".to_string(), spec.clone()], vec![node], describe)
     } else {
         let model_arg = file
@@ -267,7 +267,7 @@ fn build_nodes(
                 "--draft runs the target in this process; it cannot be combined with --cluster, --pipeline or --prefill-node"
             );
         }
-        let (node, describe) = mix::draft_slots(cfg, &builder, path, draft, mix::cache(cfg))?;
+        let (node, describe) = multi_model::draft_slots(cfg, &builder, path, draft, multi_model::cache(cfg))?;
         return Ok((vec![node], format!("{name}, {describe}")));
     }
     match topology {
