@@ -4,7 +4,8 @@
 //! - [`auth`]: shared-secret challenge-response (HMAC-SHA256 over nonces from both ends);
 //! - [`handshake`]: version, authentication, model and layer-range agreement, with named differences on refusal;
 //! - [`stage`]: the engine side of one pipeline stage (KV per session, prefix-hash checks, sampling on the last stage);
-//! - [`node`]: the `baton node` server (a thread per connection, blocking I/O with timeouts);
+//! - [`node`]: the `baton node` server (a thread per connection, blocking I/O with timeouts, one handler per message,
+//!   decode steps batched by `engine::batcher`);
 //! - [`pipeline`]: the coordinator that carries a session across stages ([`pipeline::PipelineSession`]);
 //! - [`handoff`]: disaggregated prefill: the prefill node streams KV layer by layer, the decode side writes it into
 //!   its cache (and runs the remaining layers), with a local fallback;

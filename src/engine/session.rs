@@ -314,6 +314,17 @@ impl Session {
         Ok(())
     }
 
+    /// The logits of the last forward pass with [`Want::LastLogits`] or batched step (`engine::batcher`), `[n_vocab]`
+    /// (last range only): a caller whose step ran on another thread reads them here.
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits[..self.logits.len().min(self.model.hp.n_vocab)]
+    }
+
+    /// Keeps a batched step's logits row as this session's own, where [`Session::last_logits`] finds it.
+    pub(super) fn keep_logits(&mut self, row: &[f32]) {
+        self.logits[..row.len()].copy_from_slice(row);
+    }
+
     /// Marks the token fed at position `n_past()` by a batched step (`engine::batch`) as held.
     pub(super) fn push_decoded(&mut self, token: u32) {
         let pos = self.n_past();

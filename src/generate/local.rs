@@ -1,7 +1,7 @@
 //! A model on this machine: the generator of `baton run` without cluster flags and of `baton serve`'s local slots.
 
 use super::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, decode_loop};
-use crate::engine::batcher::{Batcher, Seat};
+use crate::engine::batcher::{Batcher, LocalStep, Seat};
 use crate::engine::sampler::Sampler;
 use crate::engine::{Input, Session, Want};
 use crate::kernels::ThreadPool;
@@ -36,7 +36,7 @@ impl LocalGenerator {
     }
 
     /// Decodes through `batcher`, together with the other sessions using it (prefill stays on this thread).
-    pub fn with_batcher(mut self, batcher: &Arc<Batcher>) -> LocalGenerator {
+    pub fn with_batcher(mut self, batcher: &Arc<Batcher<LocalStep>>) -> LocalGenerator {
         self.seat = Some(batcher.seat());
         self
     }

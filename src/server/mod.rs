@@ -279,7 +279,7 @@ fn build_nodes(
             let (ctx, batch) = (cfg.ctx_size, cfg.batch_size);
             let batcher = (cfg.parallel > 1 && cfg.batch_decode)
                 .then(|| {
-                    Batcher::start(
+                    Batcher::local(
                         model.clone(),
                         pool.clone(),
                         cfg.parallel,

@@ -1,0 +1,271 @@
+//! One connection to a node: the handshake (HELLO, AUTH, OPEN), then one handler per request (FORWARD, PREFILL,
+//! PULL) until the peer goes away. A request's refusal is an ERROR reply; anything malformed ends the connection.
+
+use super::state::{SharedSlot, State, lock};
+use crate::cluster::auth;
+use crate::cluster::disagg::Pulled;
+use crate::cluster::handoff::serve_prefill;
+use crate::cluster::stage::StageOut;
+use crate::cluster::wire::{self, Body, Forward, Hidden, Msg, Open, Prefill, Pull, Ready, ResultMsg, WireError};
+use anyhow::{Result, anyhow};
+use std::io::Read;
+use std::net::TcpStream;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// Serves the connection `s` from `peer` to its end.
+pub(super) fn serve(s: TcpStream, st: &State, peer: &str) -> Result<()> {
+    s.set_nodelay(true)?;
+    s.set_write_timeout(Some(st.cfg.io_timeout))?;
+    let mut c = Conn { s, st, peer };
+    let Some(nonces) = c.hello()? else {
+        return Ok(());
+    };
+    c.auth(nonces)?;
+    let o = c.open()?;
+    loop {
+        match read_frame(&mut c.s, st.cfg.idle_timeout, st.cfg.io_timeout) {
+            Ok(Msg::Forward(f)) => c.forward(&o, f)?,
+            Ok(Msg::Prefill(p)) => c.prefill(&o, &p)?,
+            Ok(Msg::Pull(p)) => c.pull(&o, &p)?,
+            Ok(m) => return Err(c.refuse(format!("expected FORWARD, got {}", m.name()))),
+            Err(WireError::Closed) => {
+                c.closed();
+                return Ok(());
+            }
+            Err(WireError::Timeout) => return Err(anyhow!("idle or stalled for longer than the timeout")),
+            Err(WireError::Malformed(m)) => return Err(c.refuse(m)),
+            Err(e) => return Err(wire_err(e, "reading a request")),
+        }
+    }
+}
+
+struct Conn<'a> {
+    s: TcpStream,
+    st: &'a State,
+    peer: &'a str,
+}
+
+/// The session this connection opened.
+struct Opened {
+    open: Open,
+    range: Range<usize>,
+    slot: SharedSlot,
+}
+
+impl Conn<'_> {
+    /// HELLO (its version checked by the codec): answers CHALLENGE with this node's nonce. Returns both nonces, or
+    /// `None` when the peer connected and closed without a word: a health check (`baton serve`'s router), not worth
+    /// a log line.
+    fn hello(&mut self) -> Result<Option<([u8; 32], [u8; 32])>> {
+        let nonce_c = match self.read_handshake() {
+            Ok(Msg::Hello { nonce }) => nonce,
+            Ok(m) => return Err(self.refuse(format!("expected HELLO, got {}", m.name()))),
+            Err(WireError::Malformed(m)) => return Err(self.refuse(m)),
+            Err(WireError::Closed) => return Ok(None),
+            Err(e) => return Err(wire_err(e, "reading HELLO")),
+        };
+        let nonce_n = auth::nonce();
+        self.send(&Msg::Challenge {
+            nonce: nonce_n,
+            auth_required: self.st.cfg.secret.is_some(),
+        })?;
+        Ok(Some((nonce_c, nonce_n)))
+    }
+
+    /// AUTH: checks the peer's proof of the shared secret (when this node has one) and answers AUTH_OK with its own.
+    fn auth(&mut self, (nonce_c, nonce_n): ([u8; 32], [u8; 32])) -> Result<()> {
+        let mac = match self.read_handshake() {
+            Ok(Msg::Auth { mac }) => mac,
+            Ok(m) => return Err(self.refuse(format!("expected AUTH, got {}", m.name()))),
+            Err(WireError::Malformed(m)) => return Err(self.refuse(m)),
+            Err(e) => return Err(wire_err(e, "reading AUTH")),
+        };
+        let our_mac = match &self.st.cfg.secret {
+            Some(secret) => {
+                if !auth::verify(secret, auth::LABEL_COORDINATOR, &nonce_c, &nonce_n, &mac) {
+                    return Err(self.refuse("authentication failed: wrong shared secret".into()));
+                }
+                auth::proof(secret, auth::LABEL_NODE, &nonce_c, &nonce_n)
+            }
+            None => [0; 32],
+        };
+        self.send(&Msg::AuthOk { mac: our_mac })
+    }
+
+    /// OPEN (model, layers, context, sampling): opens the session, or finds it again with its KV, and answers READY
+    /// with the positions it holds.
+    fn open(&mut self) -> Result<Opened> {
+        let open = match self.read_handshake() {
+            Ok(Msg::Open(o)) => o,
+            Ok(m) => return Err(self.refuse(format!("expected OPEN, got {}", m.name()))),
+            Err(WireError::Malformed(m)) => return Err(self.refuse(m)),
+            Err(e) => return Err(wire_err(e, "reading OPEN")),
+        };
+        let diffs = self.st.check_open(&open, self.peer);
+        if !diffs.is_empty() {
+            return Err(self.refuse(diffs.join("; ")));
+        }
+        let range = open.layers.0 as usize..open.layers.1 as usize;
+        let key = (range.clone(), open.n_ctx as usize, open.n_batch as usize);
+        let slot = match self.st.session(open.session, key, &open) {
+            Ok(s) => s,
+            Err(e) => {
+                let msg = format!("cannot open layers {}:{}: {e:#}", range.start, range.end);
+                return Err(self.refuse(msg));
+            }
+        };
+        let n_past = lock(&slot).core.n_past();
+        self.send(&Msg::Ready(Ready {
+            model: self.st.info.clone(),
+            layers: open.layers,
+            n_ctx: open.n_ctx,
+            n_past: n_past as u32,
+        }))?;
+        eprintln!(
+            "baton node: {} opened session {:016x} on layers {}:{} ({} positions held)",
+            self.peer, open.session, range.start, range.end, n_past
+        );
+        Ok(Opened { open, range, slot })
+    }
+
+    /// FORWARD: one batch through the session's layers (a decode step batched with other sessions'), answered with
+    /// RESULT, MISMATCH (the session does not hold the prefix) or ERROR.
+    fn forward(&mut self, o: &Opened, f: Forward) -> Result<()> {
+        let (n, e) = (f.tokens.len(), self.st.hp.n_embd);
+        let bad = if n == 0 || n > o.open.n_batch as usize {
+            Some(format!(
+                "batch of {n} tokens, the session allows 1..={}",
+                o.open.n_batch
+            ))
+        } else if let Some(h) = &f.hidden
+            && (h.width as usize != e || h.n_rows as usize != n)
+        {
+            Some(format!("hidden state of {}x{}, expected {n}x{e}", h.n_rows, h.width))
+        } else {
+            None
+        };
+        if let Some(msg) = bad {
+            return self.send(&Msg::Error { message: msg });
+        }
+        let hidden = f.hidden.as_ref().map(Hidden::decode);
+        let reply = match self.st.forward(&o.slot, &o.range, &f, hidden.as_deref()) {
+            Ok((StageOut::Mismatch(n_past), _)) => Msg::Mismatch {
+                req: f.req,
+                n_past: n_past as u32,
+            },
+            Ok((out, us)) => {
+                let body = match out {
+                    StageOut::Ack => Body::Ack,
+                    StageOut::Hidden(h) => Body::Hidden(Hidden::encode(&h, e, o.open.wire)),
+                    StageOut::Sample(sm) => Body::Sample {
+                        token: sm.token,
+                        logprob: sm.logprob,
+                        top: sm.top,
+                    },
+                    StageOut::Logits(l) => Body::Logits(l),
+                    StageOut::Mismatch(_) => unreachable!(),
+                };
+                Msg::Result(ResultMsg {
+                    req: f.req,
+                    compute_us: us,
+                    body,
+                })
+            }
+            Err(err) => Msg::Error {
+                message: format!("{err:#}"),
+            },
+        };
+        self.send(&reply)
+    }
+
+    /// PREFILL (disaggregated prefill): the KV streams back while the chunks compute (see handoff.rs).
+    fn prefill(&mut self, o: &Opened, p: &Prefill) -> Result<()> {
+        let drain = {
+            let t_wait = Instant::now();
+            let _c = lock(&self.st.compute);
+            let queued = t_wait.elapsed();
+            let mut g = lock(&o.slot);
+            g.last_used = Instant::now();
+            serve_prefill(&mut self.s, &mut g.core, p, queued, o.open.wire)?
+        };
+        drain.finish()
+    }
+
+    /// PULL (protocol 3): this node decodes; it pulls the prompt's KV from the prefill node named (disagg/pull.rs).
+    /// Answered with PULL_REPORT and the first token's RESULT, MISMATCH or ERROR.
+    fn pull(&mut self, o: &Opened, p: &Pull) -> Result<()> {
+        let req = p.req;
+        let replies = match self.st.pull(&o.slot, p) {
+            Ok(Pulled::Mismatch(n_past)) => vec![Msg::Mismatch {
+                req,
+                n_past: n_past as u32,
+            }],
+            Ok(Pulled::Done {
+                report,
+                sample,
+                compute_us,
+            }) => vec![
+                Msg::PullReport(report),
+                Msg::Result(ResultMsg {
+                    req,
+                    compute_us,
+                    body: Body::Sample {
+                        token: sample.token,
+                        logprob: sample.logprob,
+                        top: sample.top,
+                    },
+                }),
+            ],
+            Err(e) => vec![Msg::Error {
+                message: format!("{e:#}"),
+            }],
+        };
+        replies.iter().try_for_each(|m| self.send(m))
+    }
+
+    /// The peer closed: logs the node's batched decode so far once some step carried more than one session.
+    fn closed(&self) {
+        let (steps, rows) = self.st.batched();
+        if rows > steps {
+            eprintln!(
+                "baton node: {} closed; batched decode so far: {rows} rows in {steps} steps",
+                self.peer
+            );
+        }
+    }
+
+    /// Reads a handshake message: the I/O timeout for all of it.
+    fn read_handshake(&mut self) -> Result<Msg, WireError> {
+        let io = self.st.cfg.io_timeout;
+        read_frame(&mut self.s, io, io)
+    }
+
+    fn send(&mut self, m: &Msg) -> Result<()> {
+        wire::write_msg(&mut self.s, m).map_err(|e| wire_err(e, "sending"))?;
+        Ok(())
+    }
+
+    /// Refuses the peer with a message (best effort) and ends the connection with that error.
+    fn refuse(&mut self, msg: String) -> anyhow::Error {
+        let _ = wire::write_msg(&mut self.s, &Msg::Error { message: msg.clone() });
+        anyhow!(msg)
+    }
+}
+
+/// Reads one message: the header may take up to `first` (idle wait), the rest at most the I/O timeout.
+fn read_frame(s: &mut TcpStream, first: Duration, io: Duration) -> Result<Msg, WireError> {
+    s.set_read_timeout(Some(first))?;
+    let mut head = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut head[..1])?;
+    s.set_read_timeout(Some(io))?;
+    s.read_exact(&mut head[1..])?;
+    let (code, len) = wire::check_header(&head)?;
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload)?;
+    Msg::decode(code, &payload)
+}
+
+fn wire_err(e: WireError, what: &str) -> anyhow::Error {
+    anyhow!("{what}: {e}")
+}

@@ -1,0 +1,150 @@
+//! `baton node`: serves pipeline stages of one model file to coordinators, prefills for decode sides (PREFILL), and
+//! decodes with a prefill pulled from another node (PULL).
+//!
+//! Blocking I/O, one thread per connection, a timeout on every read and write. A connection that sends anything
+//! malformed is dropped on its own; the others keep being served. Sessions (the KV of one conversation for one
+//! layer range) live in the node, not in the connection, so a coordinator that reconnects finds its KV again, and
+//! the prefix hash carried by every request tells whether that KV is the one it needs.
+//!
+//! - this file: [`NodeConfig`], [`Node`] (bind, then a thread per connection) and [`run`];
+//! - `state.rs`: what the connections share: loaded layer ranges, sessions, the compute lock, the decode batcher;
+//! - `conn.rs`: one connection: the handshake, then one handler per request (FORWARD, PREFILL, PULL).
+
+mod conn;
+mod state;
+
+use super::wire::ModelInfo;
+use crate::gguf::GgufFile;
+use crate::model::Hparams;
+use anyhow::{Context, Result, bail};
+use state::State;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub model: PathBuf,
+    /// `host:port`; port 0 picks a free one (printed on start).
+    pub listen: String,
+    /// Serve only this range (`A:B`, B exclusive or `end`), loaded at start; otherwise any range asked for.
+    pub layers: Option<String>,
+    /// Required from every peer when set; required to listen on anything but loopback.
+    pub secret: Option<Vec<u8>>,
+    pub threads: usize,
+    /// Largest context a session may ask for.
+    pub max_ctx: usize,
+    /// Largest batch a session may ask for.
+    pub max_batch: usize,
+    /// Sessions kept at once; the least recently used is evicted (its coordinator then replays).
+    pub max_sessions: usize,
+    /// Longest wait for the rest of a frame once it has started, and for any write.
+    pub io_timeout: Duration,
+    /// A connection silent for this long is closed.
+    pub idle_timeout: Duration,
+    /// Decode steps of different sessions that arrive together run as one batched forward (`engine::batcher`);
+    /// off: one session per forward.
+    pub batch: bool,
+}
+
+impl NodeConfig {
+    pub fn new(model: PathBuf, listen: &str) -> NodeConfig {
+        NodeConfig {
+            model,
+            listen: listen.to_string(),
+            layers: None,
+            secret: None,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            max_ctx: 4096,
+            max_batch: 512,
+            max_sessions: 4,
+            batch: true,
+            io_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+pub struct Node {
+    listener: TcpListener,
+    state: Arc<State>,
+}
+
+impl Node {
+    /// Opens the model, checks the configuration and binds the listening socket.
+    pub fn bind(cfg: NodeConfig) -> Result<Node> {
+        let file = Arc::new(GgufFile::open(&cfg.model)?);
+        let hp = Hparams::from_gguf(&file)?;
+        let fp = crate::fingerprint::fingerprint(&cfg.model)
+            .with_context(|| format!("cannot fingerprint {}", cfg.model.display()))?;
+        let info = ModelInfo::of(&hp, &fp);
+        let pinned = match &cfg.layers {
+            Some(s) => Some(crate::model::parse_layer_range(s, hp.n_layer)?),
+            None => None,
+        };
+        let listener = TcpListener::bind(&cfg.listen).with_context(|| format!("cannot listen on {}", cfg.listen))?;
+        let addr = listener.local_addr()?;
+        if cfg.secret.is_none() && !addr.ip().is_loopback() {
+            bail!(
+                "refusing to listen on {addr} without a shared secret: give --secret-file (only loopback addresses \
+                 may go without)"
+            );
+        }
+        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned));
+        if let Some(r) = state.pinned.clone() {
+            state.model(r)?;
+        }
+        Ok(Node { listener, state })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Serves until the process ends: a thread per connection.
+    pub fn serve(self) -> Result<()> {
+        for conn in self.listener.incoming() {
+            let stream = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("baton node: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            let state = self.state.clone();
+            std::thread::spawn(move || {
+                let peer = stream.peer_addr().map_or("?".to_string(), |a| a.to_string());
+                if let Err(e) = conn::serve(stream, &state, &peer) {
+                    eprintln!("baton node: dropped connection from {peer}: {e:#}");
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Binds and serves forever (the CLI's `baton node`). Prints `baton node: listening on ADDR` to standard error.
+pub fn run(cfg: NodeConfig) -> Result<()> {
+    let node = Node::bind(cfg)?;
+    let s = &node.state;
+    eprintln!(
+        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {})",
+        node.local_addr()?,
+        s.cfg.model.display(),
+        s.hp.arch.name(),
+        s.hp.n_layer,
+        &s.info.fingerprint[..12.min(s.info.fingerprint.len())],
+        s.pinned.as_ref().map_or("any layer range".to_string(), |r| format!(
+            "layers {}:{}",
+            r.start, r.end
+        )),
+        if s.cfg.secret.is_some() {
+            "required"
+        } else {
+            "off (loopback only)"
+        }
+    );
+    node.serve()
+}
