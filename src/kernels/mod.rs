@@ -529,7 +529,7 @@ fn matmul_x16<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::matrix::Bytes;
     use super::testutil::{Rng, random_blocks};
     use super::*;
