@@ -48,13 +48,22 @@ impl U32s {
     }
 }
 
-/// A weight matrix on the device, its bytes as in the file: `rows` rows of `row_bytes` bytes.
+/// A weight matrix on the device, its bytes as in the file: `rows` rows of `row_bytes` bytes, in one buffer or, when
+/// larger than one binding may be (128 MiB on lavapipe, less than Gemma 3's Q8_0 output head), in parts of whole
+/// rows.
 pub struct GpuMatrix {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub row_bytes: usize,
-    pub(super) buf: wgpu::Buffer,
+    pub(super) parts: Vec<Part>,
+}
+
+/// Rows `row0..row0 + rows` of a matrix.
+pub(super) struct Part {
+    pub row0: usize,
+    pub rows: usize,
+    pub buf: wgpu::Buffer,
 }
 
 impl Tensor {
@@ -124,6 +133,18 @@ impl Gpu {
         Ok(Tensor { buf, len: x.len() })
     }
 
+    /// Overwrites the first `x.len()` values of `t`; ordered before the passes submitted after it.
+    pub fn write(&self, t: &Tensor, x: &[f32]) -> Result<()> {
+        ensure!(
+            x.len() <= t.len,
+            "writing {} values into a tensor of {}",
+            x.len(),
+            t.len
+        );
+        self.queue.write_buffer(&t.buf, 0, bytemuck::cast_slice(x));
+        self.check()
+    }
+
     /// `n` zeros on the device.
     pub fn zeros(&self, n: usize) -> Result<Tensor> {
         let buf = self.buffer_with("tensor", n * 4, &[])?;
@@ -156,6 +177,11 @@ impl Gpu {
     /// Uploads a matrix once, its rows as the file stores them. A matrix repacked for the CPU kernels
     /// ([`Layout::X16`]) is refused: upload before repacking.
     pub fn upload_matrix(&self, m: &Matrix) -> Result<GpuMatrix> {
+        self.upload_matrix_in_parts(m, self.max_binding() as usize)
+    }
+
+    /// [`Gpu::upload_matrix`] in parts of at most `part_bytes` bytes (tests ask for small parts).
+    pub(super) fn upload_matrix_in_parts(&self, m: &Matrix, part_bytes: usize) -> Result<GpuMatrix> {
         ensure!(
             supports(m.ty),
             "the GPU backend has no {} matmul (it has F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
@@ -190,13 +216,27 @@ impl Gpu {
             m.rows,
             m.cols
         );
-        let buf = self.buffer_with(&format!("{} matrix", m.ty), bytes.len(), bytes)?;
+        // Each part is padded by up to a word and one more (`buffer_with`).
+        let part_rows = part_bytes.saturating_sub(8) / row_bytes.max(1);
+        ensure!(
+            part_rows > 0 || m.rows == 0,
+            "one {} row of {} bytes is more than one GPU buffer may hold ({part_bytes} bytes)",
+            m.ty,
+            row_bytes
+        );
+        let mut parts = Vec::new();
+        for row0 in (0..m.rows).step_by(part_rows.max(1)) {
+            let rows = part_rows.min(m.rows - row0);
+            let src = &bytes[row0 * row_bytes..(row0 + rows) * row_bytes];
+            let buf = self.buffer_with(&format!("{} matrix", m.ty), src.len(), src)?;
+            parts.push(Part { row0, rows, buf });
+        }
         Ok(GpuMatrix {
             ty: m.ty,
             rows: m.rows,
             cols: m.cols,
             row_bytes,
-            buf,
+            parts,
         })
     }
 

@@ -62,7 +62,7 @@ impl Pass<'_> {
     }
 
     /// `h[t] = act(gate · x[t]) * (up · x[t])`, `h` `[n, gate.rows]`: one pass over both matrices where they are
-    /// of one type, else two matmuls and the activation.
+    /// of one type (and split alike), else two matmuls and the activation.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_glu(
         &mut self,
@@ -82,7 +82,7 @@ impl Pass<'_> {
             up.cols
         );
         self.check_mm(gate, x, n, h)?;
-        if gate.ty == up.ty {
+        if gate.ty == up.ty && same_parts(gate, up) {
             return self.mm(gate, Some(up), glu, x, n, h);
         }
         let u = self.gpu().zeros(n * up.rows)?;
@@ -114,29 +114,44 @@ impl Pass<'_> {
         let key = format!("matmul_{}", wgsl_type(w.ty));
         let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
         let pipeline = self.gpu().pipeline(&key, entry, || source(w.ty))?;
-        let (gx, gy) = grid(u32_of(w.rows.div_ceil(RPW), "matmul rows")?);
         let tiles = u32_of(n.div_ceil(TT), "matmul tokens")?;
         ensure!(
             tiles <= 65535,
             "{n} tokens in one matmul is more than the GPU grid takes"
         );
-        let params = [
-            u32_of(w.rows, "rows")?,
-            u32_of(w.cols, "cols")?,
-            u32_of(n, "tokens")?,
-            u32_of(w.row_bytes, "row bytes")?,
-            u32_of(w.cols / UNIT, "units")?,
-            gx,
-            act_code(glu),
-            0,
-        ];
-        let mut bufs = vec![(1, &w.buf), (2, &x.buf), (3, &y.buf)];
-        if let Some(u) = up {
-            bufs.push((4, &u.buf));
+        for (i, part) in w.parts.iter().enumerate() {
+            let (gx, gy) = grid(u32_of(part.rows.div_ceil(RPW), "matmul rows")?);
+            let params = [
+                u32_of(part.rows, "rows")?,
+                u32_of(w.cols, "cols")?,
+                u32_of(n, "tokens")?,
+                u32_of(w.row_bytes, "row bytes")?,
+                u32_of(w.cols / UNIT, "units")?,
+                gx,
+                act_code(glu),
+                u32_of(w.rows, "rows")?,
+                u32_of(part.row0, "rows")?,
+                0,
+                0,
+                0,
+            ];
+            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf)];
+            if let Some(u) = up {
+                bufs.push((4, &u.parts[i].buf));
+            }
+            self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         }
-        self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         Ok(())
     }
+}
+
+/// Whether `a` and `b` are split into the same parts (so a fused gate/up pass can walk them together).
+fn same_parts(a: &GpuMatrix, b: &GpuMatrix) -> bool {
+    a.parts.len() == b.parts.len()
+        && a.parts
+            .iter()
+            .zip(&b.parts)
+            .all(|(p, q)| (p.row0, p.rows) == (q.row0, q.rows))
 }
 
 #[cfg(test)]
@@ -184,7 +199,12 @@ mod tests {
             for (rows, n) in [(37, 1), (6, 11)] {
                 let w = random_matrix(&mut rng, ty, rows, cols);
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
-                let gw = gpu.upload_matrix(&w).unwrap();
+                // The batched case in parts of two rows, as a matrix larger than one buffer is split.
+                let gw = match rows {
+                    6 => gpu.upload_matrix_in_parts(&w, 2 * w.row_bytes() + 8).unwrap(),
+                    _ => gpu.upload_matrix(&w).unwrap(),
+                };
+                assert_eq!(gw.parts.len(), if rows == 6 { 3 } else { 1 });
                 let (gx, gy) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
                 let mut pass = gpu.pass();
                 pass.matmul(&gw, &gx, n, &gy).unwrap();
@@ -216,20 +236,30 @@ mod tests {
         }
     }
 
-    /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type) and not
-    /// (gate and up of different types); the activations are checked on their own in `elementwise.rs`.
+    /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
+    /// alike into parts) and not (gate and up of different types, or split differently); the activations are
+    /// checked on their own in `elementwise.rs`.
     #[test]
     fn matmul_glu_matches_reference() {
         let Some(gpu) = test_gpu() else { return };
         let mut rng = Rng(2101);
         let (rows, cols, n) = (21, 256, 3);
-        for (tg, tu) in [(Q8_0, Q8_0), (Q4K, Q6K)] {
+        // split: 0 whole, 1 both in parts of 5 rows, 2 only the gate (so not fused).
+        for (tg, tu, split) in [(Q8_0, Q8_0, 0), (Q4K, Q6K, 0), (Q4_0, Q4_0, 1), (Q4_0, Q4_0, 2)] {
             let gate = random_matrix(&mut rng, tg, rows, cols);
             let up = random_matrix(&mut rng, tu, rows, cols);
             let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
             let (ge, gm) = reference(&gate, &x, n);
             let (ue, um) = reference(&up, &x, n);
-            let (gg, gu) = (gpu.upload_matrix(&gate).unwrap(), gpu.upload_matrix(&up).unwrap());
+            let part = 5 * gate.row_bytes() + 8;
+            let gg = match split {
+                0 => gpu.upload_matrix(&gate).unwrap(),
+                _ => gpu.upload_matrix_in_parts(&gate, part).unwrap(),
+            };
+            let gu = match split {
+                1 => gpu.upload_matrix_in_parts(&up, part).unwrap(),
+                _ => gpu.upload_matrix(&up).unwrap(),
+            };
             let gx = gpu.upload(&x).unwrap();
             for glu in [Glu::Silu, Glu::Gelu] {
                 let h = gpu.zeros(n * rows).unwrap();

@@ -11,12 +11,14 @@
 //! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
 //! - `norm.rs`: RMSNorm. `rope.rs`: RoPE, both styles. `elementwise.rs`: residual add, SwiGLU/GeGLU.
 //! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
+//! - `forward.rs`: a whole llama / gemma3 forward pass on the device, checked against the CPU session.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
 
 pub mod attention;
 pub mod buffers;
 pub mod device;
 pub mod elementwise;
+pub mod forward;
 pub mod matmul;
 pub mod norm;
 pub mod rope;
@@ -101,6 +103,19 @@ impl<'g> Pass<'g> {
         cp.set_pipeline(pipeline);
         cp.set_bind_group(0, &bind, &[]);
         cp.dispatch_workgroups(groups.0, groups.1, groups.2);
+    }
+
+    /// Copies `n` values of `src` from `src_at` to `dst` at `dst_at` (the last row of a batch to the head).
+    pub fn copy(&mut self, src: &Tensor, src_at: usize, dst: &Tensor, dst_at: usize, n: usize) -> Result<()> {
+        anyhow::ensure!(
+            src_at + n <= src.len() && dst_at + n <= dst.len(),
+            "copy of {n} values from {src_at} of {} to {dst_at} of {}",
+            src.len(),
+            dst.len()
+        );
+        self.enc
+            .copy_buffer_to_buffer(&src.buf, 4 * src_at as u64, &dst.buf, 4 * dst_at as u64, 4 * n as u64);
+        Ok(())
     }
 
     /// Runs the recorded ops and waits for them.

@@ -1,4 +1,5 @@
-// y[t, r] = W[r, :] · x[t, :] over quantized weights (quant.wgsl), f32 activations and f32 sums.
+// y[t, row0 + r] = W[r, :] · x[t, :] over quantized weights (quant.wgsl), f32 activations and f32 sums: W is one
+// part of a matrix (rows row0.. of it, see buffers.rs), y has rows of y_stride values.
 //
 // A workgroup of 64 threads takes RPW = 4 weight rows for up to TT = 8 tokens: 16 lanes per row walk the row's
 // 32-weight units, each unit dequantized once and dotted with every token's activations (so a prefill reads the
@@ -14,7 +15,10 @@ struct Params {
     units: u32,
     nx: u32,
     act: u32,
-    pad: u32,
+    y_stride: u32,
+    row0: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -71,7 +75,7 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     }
     if (lane == 0u && row < p.rows) {
         for (var t = 0u; t < nt; t++) {
-            y[(t0 + t) * p.rows + row] = red_a[li * TT + t];
+            y[(t0 + t) * p.y_stride + p.row0 + row] = red_a[li * TT + t];
         }
     }
 }
@@ -112,7 +116,7 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     }
     if (lane == 0u && row < p.rows) {
         for (var t = 0u; t < nt; t++) {
-            y[(t0 + t) * p.rows + row] = glu(p.act, red_a[li * TT + t], red_b[li * TT + t]);
+            y[(t0 + t) * p.y_stride + p.row0 + row] = glu(p.act, red_a[li * TT + t], red_b[li * TT + t]);
         }
     }
 }
