@@ -62,7 +62,7 @@ impl Pass<'_> {
         }
         let pipeline = self
             .gpu()
-            .pipeline("attention", "attend", || module(&[wgsl::ATTENTION]))?;
+            .pipeline("attention", "attend", &[], || module(&[wgsl::ATTENTION]))?;
         let window = match a.window {
             Some(w) => u32_of(w.max(1), "window")?,
             None => 0,
@@ -108,7 +108,7 @@ impl Pass<'_> {
         if pairs == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("kv", "kv_store", || module(&[wgsl::KV]))?;
+        let pipeline = self.gpu().pipeline("kv", "kv_store", &[], || module(&[wgsl::KV]))?;
         let (gx, gy) = grid(u32_of(pairs.div_ceil(64), "KV values")?);
         let params = [
             u32_of(n, "rows")?,

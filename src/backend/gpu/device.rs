@@ -183,36 +183,43 @@ impl Gpu {
         self.check()
     }
 
-    /// The pipeline of entry point `entry` in the shader `key`, whose WGSL `source` gives on first use. A shader
-    /// that fails to compile is an error naming it, not a panic.
+    /// The pipeline of entry point `entry` in the shader `key` with its `override` constants set to `constants`,
+    /// the WGSL `source` given on first use. A shader that fails to compile is an error naming it, not a panic.
     pub(super) fn pipeline(
         &self,
         key: &str,
         entry: &'static str,
+        constants: &[(&str, f64)],
         source: impl FnOnce() -> String,
     ) -> Result<Arc<wgpu::ComputePipeline>> {
         let mut map = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = map.get(&(key.to_string(), entry)) {
+        let key = format!("{key}{constants:?}");
+        if let Some(p) = map.get(&(key.clone(), entry)) {
             return Ok(p.clone());
         }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(key),
+            label: Some(&key),
             source: wgpu::ShaderSource::Wgsl(source().into()),
         });
         let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(key),
+            label: Some(&key),
             layout: None,
             module: &module,
             entry_point: Some(entry),
-            compilation_options: Default::default(),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                // Every shader writes its workgroup memory before reading it; zeroing it first costs each workgroup
+                // a pass over it and a barrier.
+                zero_initialize_workgroup_memory: false,
+            },
             cache: None,
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("GPU shader {key}::{entry} does not compile: {e}");
         }
         let p = Arc::new(pipeline);
-        map.insert((key.to_string(), entry), p.clone());
+        map.insert((key, entry), p.clone());
         Ok(p)
     }
 }

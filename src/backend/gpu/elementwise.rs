@@ -33,7 +33,7 @@ impl Pass<'_> {
         if n == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("elementwise", entry, source)?;
+        let pipeline = self.gpu().pipeline("elementwise", entry, &[], source)?;
         let (gx, gy) = grid(u32_of(n.div_ceil(256), "values")?);
         let params = [u32_of(n, "values")?, gx, act_code(glu), 0];
         self.dispatch(&pipeline, &params, &[(1, &a.buf), (2, &b.buf)], (gx, gy, 1));

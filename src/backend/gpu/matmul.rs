@@ -11,8 +11,8 @@ use crate::gguf::GgmlType;
 use crate::kernels::Glu;
 use anyhow::{Result, ensure};
 
-/// Weight rows per workgroup and tokens per workgroup (`RPW`, `TT` in the shader).
-const RPW: usize = 4;
+/// Threads per workgroup and tokens per workgroup (`TT` in the shader).
+const WG: usize = 64;
 const TT: usize = 8;
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
@@ -35,10 +35,20 @@ fn wgsl_type(ty: GgmlType) -> &'static str {
     }
 }
 
+/// `quant.wgsl` with only `ty`'s dequantizer (and the shared readers): a driver then compiles one type, not eleven.
+fn quant_of(ty: GgmlType) -> String {
+    let own = format!("fn dq_{}_$F(", wgsl_type(ty));
+    wgsl::QUANT
+        .split("\n\n")
+        .filter(|item| !item.contains("fn dq_") || item.contains(&own) || item.contains("fn dequant_"))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
 /// The matmul module for weights of type `ty`: the dequantizer instantiated for both weight buffers.
 fn source(ty: GgmlType) -> String {
     let quant = |buf: &str, suffix: &str| {
-        wgsl::QUANT
+        quant_of(ty)
             .replace("$T", wgsl_type(ty))
             .replace("$W", buf)
             .replace("$F", suffix)
@@ -113,14 +123,17 @@ impl Pass<'_> {
     fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
         let key = format!("matmul_{}", wgsl_type(w.ty));
         let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
-        let pipeline = self.gpu().pipeline(&key, entry, || source(w.ty))?;
+        let lanes = self.lanes;
+        let rpw = WG / lanes as usize;
+        let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
+        let pipeline = self.gpu().pipeline(&key, entry, &constants, || source(w.ty))?;
         let tiles = u32_of(n.div_ceil(TT), "matmul tokens")?;
         ensure!(
             tiles <= 65535,
             "{n} tokens in one matmul is more than the GPU grid takes"
         );
         for (i, part) in w.parts.iter().enumerate() {
-            let (gx, gy) = grid(u32_of(part.rows.div_ceil(RPW), "matmul rows")?);
+            let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
             let params = [
                 u32_of(part.rows, "rows")?,
                 u32_of(w.cols, "cols")?,
@@ -205,18 +218,24 @@ mod tests {
                     _ => gpu.upload_matrix(&w).unwrap(),
                 };
                 assert_eq!(gw.parts.len(), if rows == 6 { 3 } else { 1 });
-                let (gx, gy) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
-                let mut pass = gpu.pass();
-                pass.matmul(&gw, &gx, n, &gy).unwrap();
-                pass.finish().unwrap();
-                let got = gpu.read(&gy).unwrap();
+                let gx = gpu.upload(&x).unwrap();
+                // The software adapter's layout (a thread per row) and the GPUs' (16 threads per row).
+                let mut got = Vec::new();
+                for lanes in [1, 16] {
+                    let gy = gpu.zeros(n * rows).unwrap();
+                    let mut pass = gpu.pass().with_lanes(lanes);
+                    pass.matmul(&gw, &gx, n, &gy).unwrap();
+                    pass.finish().unwrap();
+                    got.extend(gpu.read(&gy).unwrap());
+                }
                 let (exact, mag) = reference(&w, &x, n);
                 let mut cpu = vec![0.0; n * rows];
                 kernels::matmul(&pool, &w, &x, n, &mut cpu, &mut sc);
                 let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
                 let wf = w.to_f32();
-                for i in 0..n * rows {
-                    let (g, e) = (got[i] as f64, exact[i]);
+                for (j, &g) in got.iter().enumerate() {
+                    let i = j % (n * rows);
+                    let (g, e) = (g as f64, exact[i]);
                     assert!(
                         (g - e).abs() <= TOL * mag[i] + 1e-6,
                         "{ty} {rows}x{cols} n {n} out {i}: GPU {g} vs exact {e} (magnitude {})",
@@ -261,9 +280,9 @@ mod tests {
                 _ => gpu.upload_matrix(&up).unwrap(),
             };
             let gx = gpu.upload(&x).unwrap();
-            for glu in [Glu::Silu, Glu::Gelu] {
+            for (glu, lanes) in [(Glu::Silu, 1), (Glu::Gelu, 1), (Glu::Silu, 16), (Glu::Gelu, 16)] {
                 let h = gpu.zeros(n * rows).unwrap();
-                let mut pass = gpu.pass();
+                let mut pass = gpu.pass().with_lanes(lanes);
                 pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
                 pass.finish().unwrap();
                 let got = gpu.read(&h).unwrap();
@@ -286,6 +305,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A matmul module holds its own type's dequantizer only.
+    #[test]
+    fn source_holds_one_type() {
+        let s = super::source(Q8_0);
+        assert!(s.contains("fn dq_q8_0_a(") && s.contains("fn dq_q8_0_b(") && s.contains("fn dequant_a("));
+        assert!(!s.contains("dq_q4_k") && !s.contains('$'));
     }
 
     /// Bad shapes and types are errors, not panics or device faults.

@@ -51,6 +51,8 @@ fn module(parts: &[&str]) -> String {
 pub struct Pass<'g> {
     gpu: &'g Gpu,
     enc: wgpu::CommandEncoder,
+    /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
+    lanes: u32,
 }
 
 impl Gpu {
@@ -61,6 +63,7 @@ impl Gpu {
             enc: self
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
+            lanes: if self.is_software() { 1 } else { 16 },
         }
     }
 }
@@ -68,6 +71,15 @@ impl Gpu {
 impl<'g> Pass<'g> {
     pub fn gpu(&self) -> &'g Gpu {
         self.gpu
+    }
+
+    /// The pass with `lanes` threads per matmul row (a power of two up to 64), so tests run the GPUs' layout on
+    /// the software adapter too.
+    #[cfg(test)]
+    pub(super) fn with_lanes(mut self, lanes: u32) -> Self {
+        assert!(lanes.is_power_of_two() && lanes <= 64);
+        self.lanes = lanes;
+        self
     }
 
     /// Records one dispatch of `pipeline` over `groups` workgroups, its uniform parameters `params` at binding 0

@@ -45,7 +45,7 @@ impl Pass<'_> {
         if n == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("norm", entry, source)?;
+        let pipeline = self.gpu().pipeline("norm", entry, &[], source)?;
         let (gx, gy) = grid(u32_of(n, "rows")?);
         let params = [u32_of(n, "rows")?, u32_of(width, "width")?, eps.to_bits(), gx];
         self.dispatch(&pipeline, &params, bufs, (gx, gy, 1));

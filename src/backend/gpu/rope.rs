@@ -69,7 +69,7 @@ impl Pass<'_> {
         if pairs == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("rope", "rope", source)?;
+        let pipeline = self.gpu().pipeline("rope", "rope", &[], source)?;
         let (gx, gy) = grid(u32_of(pairs.div_ceil(64), "RoPE pairs")?);
         let params = [
             u32_of(n, "rows")?,

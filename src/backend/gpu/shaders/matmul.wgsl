@@ -1,11 +1,12 @@
 // y[t, row0 + r] = W[r, :] · x[t, :] over quantized weights (quant.wgsl), f32 activations and f32 sums: W is one
 // part of a matrix (rows row0.. of it, see buffers.rs), y has rows of y_stride values.
 //
-// A workgroup of 64 threads takes RPW = 4 weight rows for up to TT = 8 tokens: 16 lanes per row walk the row's
-// 32-weight units, each unit dequantized once and dotted with every token's activations (so a prefill reads the
-// weights once per 8 tokens, a decode step once), then the lanes' sums are added in workgroup memory. The
-// workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see device::grid) and z over the token
-// tiles.
+// A workgroup of 64 threads takes RPW = 64 / LANES weight rows for up to TT = 8 tokens: LANES threads per row walk
+// the row's 32-weight units, each unit dequantized once and dotted with every token's activations (so a prefill
+// reads the weights once per 8 tokens, a decode step once), then the lanes' sums are added in workgroup memory.
+// LANES is 16 on a GPU (threads of a row read neighbouring blocks) and 1 on a software adapter, where a barrier
+// costs more than a whole row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see
+// device::grid) and z over the token tiles.
 
 struct Params {
     rows: u32,
@@ -27,8 +28,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> wb: array<u32>;
 
-const LANES: u32 = 16u;
-const RPW: u32 = 4u;
+override LANES: u32 = 16u;
+override RPW: u32 = 4u;
 const TT: u32 = 8u;
 
 var<workgroup> red_a: array<f32, 512>;
@@ -36,13 +37,15 @@ var<workgroup> red_b: array<f32, 512>;
 
 // Row `row`'s dot products with tokens t0.. (nt of them) of one unit.
 fn dot_unit(w: ptr<function, array<f32, 32>>, u: u32, t0: u32, nt: u32, acc: ptr<function, array<f32, 8>>) {
-    for (var t = 0u; t < nt; t++) {
-        let xb = (t0 + t) * p.cols + u * 32u;
-        var s = 0.0;
-        for (var i = 0u; i < 32u; i++) {
-            s += (*w)[i] * x[xb + i];
+    for (var t = 0u; t < TT; t++) {
+        if (t < nt) {
+            let xb = (t0 + t) * p.cols + u * 32u;
+            var s = 0.0;
+            for (var i = 0u; i < 32u; i++) {
+                s += (*w)[i] * x[xb + i];
+            }
+            (*acc)[t] += s;
         }
-        (*acc)[t] += s;
     }
 }
 
@@ -60,6 +63,14 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             dequant_a(rb, u, &w);
             dot_unit(&w, u, t0, nt, &acc);
         }
+    }
+    if (LANES == 1u) {
+        if (row < p.rows) {
+            for (var t = 0u; t < nt; t++) {
+                y[(t0 + t) * p.y_stride + p.row0 + row] = acc[t];
+            }
+        }
+        return;
     }
     for (var t = 0u; t < TT; t++) {
         red_a[li * TT + t] = acc[t];
@@ -99,6 +110,14 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             dequant_b(rb, u, &w);
             dot_unit(&w, u, t0, nt, &acc_u);
         }
+    }
+    if (LANES == 1u) {
+        if (row < p.rows) {
+            for (var t = 0u; t < nt; t++) {
+                y[(t0 + t) * p.y_stride + p.row0 + row] = glu(p.act, acc_g[t], acc_u[t]);
+            }
+        }
+        return;
     }
     for (var t = 0u; t < TT; t++) {
         red_a[li * TT + t] = acc_g[t];
