@@ -11,6 +11,7 @@
 
 pub mod cpu;
 pub mod ggml;
+pub mod gpu;
 
 use crate::kernels::ggml::Numerics;
 use crate::kernels::ops::RopeTable;

@@ -525,7 +525,7 @@ fn matmul_interleaved<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::matrix::Bytes;
     use super::testutil::{Rng, random_blocks};
     use super::*;

@@ -1,0 +1,257 @@
+//! Attention over the f16 KV cache (`shaders/attention.wgsl`) and the writes into it (`shaders/kv.wgsl`).
+//!
+//! The cache is one layer's K `[n_head_kv, n_ctx, hdk]` and V `[n_head_kv, n_ctx, hdv]`, f16, as the CPU keeps it
+//! (`backend::LayerKv`), so a handoff or snapshot reads the same layout from either backend.
+
+use super::buffers::{Halves, Tensor, U32s};
+use super::device::grid;
+use super::{Pass, module, u32_of, wgsl};
+use crate::backend::AttnShape;
+use anyhow::{Result, ensure};
+
+/// Largest head the attention shader takes (its query and output live in 256-float workgroup arrays).
+const MAX_HEAD: usize = 256;
+
+impl Pass<'_> {
+    /// Causal attention of the `a.n_tok` rows of `q` (`[n_tok, n_head, hdk]`), row `t` at position `pos[t]`, over
+    /// the cache `k`/`v` of `n_ctx` positions per head, into `out` (`[n_tok, n_head, hdv]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &mut self,
+        a: &AttnShape,
+        q: &Tensor,
+        k: &Halves,
+        v: &Halves,
+        n_ctx: usize,
+        pos: &U32s,
+        out: &Tensor,
+    ) -> Result<()> {
+        ensure!(
+            a.n_head_kv > 0 && a.n_head.is_multiple_of(a.n_head_kv),
+            "{} query heads do not share {} KV heads evenly",
+            a.n_head,
+            a.n_head_kv
+        );
+        ensure!(
+            a.hdk.is_multiple_of(2) && a.hdv.is_multiple_of(2) && a.hdk <= MAX_HEAD && a.hdv <= MAX_HEAD,
+            "GPU attention takes even head sizes up to {MAX_HEAD}, not {} and {}",
+            a.hdk,
+            a.hdv
+        );
+        ensure!(q.len() >= a.n_tok * a.n_head * a.hdk, "attention queries too small");
+        ensure!(out.len() >= a.n_tok * a.n_head * a.hdv, "attention output too small");
+        ensure!(
+            k.len() >= a.n_head_kv * n_ctx * a.hdk && v.len() >= a.n_head_kv * n_ctx * a.hdv,
+            "KV cache smaller than {} heads of {n_ctx} positions",
+            a.n_head_kv
+        );
+        ensure!(
+            pos.len() >= a.n_tok,
+            "attention of {} rows given {} positions",
+            a.n_tok,
+            pos.len()
+        );
+        ensure!(
+            (pos.max() as usize) < n_ctx,
+            "attention at position {} of a cache of {n_ctx}",
+            pos.max()
+        );
+        ensure!(a.n_head <= 65535 && a.n_tok <= 65535, "attention grid too large");
+        if a.n_tok == 0 {
+            return Ok(());
+        }
+        let pipeline = self
+            .gpu()
+            .pipeline("attention", "attend", &[], || module(&[wgsl::ATTENTION]))?;
+        let window = match a.window {
+            Some(w) => u32_of(w.max(1), "window")?,
+            None => 0,
+        };
+        let params = [
+            u32_of(a.n_tok, "rows")?,
+            u32_of(a.n_head, "heads")?,
+            u32_of(a.n_head_kv, "KV heads")?,
+            u32_of(a.hdk, "head size")?,
+            u32_of(a.hdv, "head size")?,
+            u32_of(n_ctx, "context")?,
+            window,
+            a.scale.to_bits(),
+        ];
+        let bufs = [(1, &q.buf), (2, &k.buf), (3, &v.buf), (4, &pos.buf), (5, &out.buf)];
+        self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, a.n_tok as u32, 1));
+        Ok(())
+    }
+
+    /// Writes the `n` rows of `src` (`[n, n_head_kv, hd]`, K after RoPE or V) into `cache` (`[n_head_kv, n_ctx,
+    /// hd]`, f16), row `t` at position `pos[t]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_store(
+        &mut self,
+        src: &Tensor,
+        n: usize,
+        n_head_kv: usize,
+        hd: usize,
+        cache: &Halves,
+        n_ctx: usize,
+        pos: &U32s,
+    ) -> Result<()> {
+        ensure!(hd.is_multiple_of(2), "the GPU cache takes even head sizes, not {hd}");
+        ensure!(src.len() >= n * n_head_kv * hd, "KV rows too small");
+        ensure!(cache.len() >= n_head_kv * n_ctx * hd, "KV cache too small");
+        ensure!(pos.len() >= n, "KV store of {n} rows given {} positions", pos.len());
+        ensure!(
+            (pos.max() as usize) < n_ctx,
+            "KV store at position {} of a cache of {n_ctx}",
+            pos.max()
+        );
+        let pairs = n * n_head_kv * hd / 2;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let pipeline = self.gpu().pipeline("kv", "kv_store", &[], || module(&[wgsl::KV]))?;
+        let (gx, gy) = grid(u32_of(pairs.div_ceil(64), "KV values")?);
+        let params = [
+            u32_of(n, "rows")?,
+            u32_of(n_head_kv, "KV heads")?,
+            u32_of(hd, "head size")?,
+            u32_of(n_ctx, "context")?,
+            gx,
+        ];
+        self.dispatch(
+            &pipeline,
+            &params,
+            &[(1, &src.buf), (2, &cache.buf), (3, &pos.buf)],
+            (gx, gy, 1),
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_gpu;
+    use crate::backend::AttnShape;
+    use crate::kernels::attention::{self, Group};
+    use crate::kernels::testutil::Rng;
+    use half::f16;
+
+    /// The CPU's attention of every row and query head (the scalar reference, chunk by chunk).
+    fn cpu_attend(a: &AttnShape, q: &[f32], k: &[f16], v: &[f16], n_ctx: usize, pos: &[u32]) -> Vec<f32> {
+        let group = a.group();
+        let mut out = vec![0.0; a.n_tok * a.n_head * a.hdv];
+        let mut scratch = vec![0.0; attention::scratch_len(group, a.hdv)];
+        for (t, &p) in pos.iter().enumerate().take(a.n_tok) {
+            let p = p as usize;
+            for kvh in 0..a.n_head_kv {
+                let g = Group {
+                    n_q: group,
+                    hdk: a.hdk,
+                    hdv: a.hdv,
+                    lo: a.lo(p),
+                    hi: p + 1,
+                    scale: a.scale,
+                };
+                let h0 = t * a.n_head + kvh * group;
+                attention::attend(
+                    &g,
+                    &q[h0 * a.hdk..(h0 + group) * a.hdk],
+                    &k[kvh * n_ctx * a.hdk..(kvh + 1) * n_ctx * a.hdk],
+                    &v[kvh * n_ctx * a.hdv..(kvh + 1) * n_ctx * a.hdv],
+                    &mut scratch,
+                    &mut out[h0 * a.hdv..(h0 + group) * a.hdv],
+                );
+            }
+        }
+        out
+    }
+
+    /// Decode (one row) and a batch of rows, with GQA, contexts shorter and longer than one 256-position chunk,
+    /// and a sliding window: within 2e-5 of the CPU. Outputs are weighted means of V values of magnitude ≤ 1;
+    /// the two sum the scores and weights in another order, and the exponentials differ by an ulp or two.
+    #[test]
+    fn attention_matches_cpu() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2140);
+        let n_ctx = 700;
+        let cases = [
+            // (n_head, n_head_kv, hd, positions, window)
+            (9, 3, 64, vec![5u32], None),
+            (9, 3, 64, vec![699], None),
+            (4, 1, 256, vec![600], Some(512)),
+            (8, 2, 32, vec![0, 1, 255, 256, 300, 511], None),
+            (8, 2, 32, vec![100, 600, 601], Some(300)),
+        ];
+        for (n_head, n_head_kv, hd, pos, window) in cases {
+            let a = AttnShape {
+                n_tok: pos.len(),
+                n_head,
+                n_head_kv,
+                hdk: hd,
+                hdv: hd,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let q: Vec<f32> = (0..a.n_tok * n_head * hd).map(|_| rng.normal()).collect();
+            let k: Vec<f16> = (0..n_head_kv * n_ctx * hd)
+                .map(|_| f16::from_f32(rng.normal()))
+                .collect();
+            let v: Vec<f16> = (0..n_head_kv * n_ctx * hd)
+                .map(|_| f16::from_f32(2.0 * rng.uniform() - 1.0))
+                .collect();
+            let want = cpu_attend(&a, &q, &k, &v, n_ctx, &pos);
+            let (gq, gk, gv) = (
+                gpu.upload(&q).unwrap(),
+                gpu.upload_halves(&k).unwrap(),
+                gpu.upload_halves(&v).unwrap(),
+            );
+            let (gp, out) = (gpu.upload_u32(&pos).unwrap(), gpu.zeros(want.len()).unwrap());
+            let mut pass = gpu.pass();
+            pass.attend(&a, &gq, &gk, &gv, n_ctx, &gp, &out).unwrap();
+            pass.finish().unwrap();
+            let got = gpu.read(&out).unwrap();
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - e).abs() <= 2e-5,
+                    "heads {n_head}/{n_head_kv} hd {hd} pos {pos:?} window {window:?} at {i}: {g} vs {e}"
+                );
+            }
+        }
+    }
+
+    /// Rows written into the cache land at their positions as the f16 the CPU would store, and the rest of the
+    /// cache is left as it was.
+    #[test]
+    fn kv_store_writes_f16_rows_at_positions() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2141);
+        let (n_head_kv, hd, n_ctx) = (3, 64, 40);
+        let pos = [4u32, 5, 39];
+        let src: Vec<f32> = (0..pos.len() * n_head_kv * hd).map(|_| rng.normal()).collect();
+        let old: Vec<f16> = (0..n_head_kv * n_ctx * hd)
+            .map(|_| f16::from_f32(rng.normal()))
+            .collect();
+        let mut want = old.clone();
+        for (t, &p) in pos.iter().enumerate() {
+            for h in 0..n_head_kv {
+                for i in 0..hd {
+                    want[(h * n_ctx + p as usize) * hd + i] = f16::from_f32(src[(t * n_head_kv + h) * hd + i]);
+                }
+            }
+        }
+        let (gs, gc, gp) = (
+            gpu.upload(&src).unwrap(),
+            gpu.upload_halves(&old).unwrap(),
+            gpu.upload_u32(&pos).unwrap(),
+        );
+        let mut pass = gpu.pass();
+        pass.kv_store(&gs, pos.len(), n_head_kv, hd, &gc, n_ctx, &gp).unwrap();
+        assert!(pass.kv_store(&gs, pos.len(), n_head_kv, hd, &gc, 39, &gp).is_err());
+        pass.finish().unwrap();
+        let got = gpu.read_halves(&gc).unwrap();
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            // WGSL leaves pack2x16float's rounding to the implementation: one f16 step at most.
+            let step = (e.to_f32().abs() * 2f32.powi(-10)).max(6e-8);
+            assert!((g.to_f32() - e.to_f32()).abs() <= step, "at {i}: {g} vs {e}");
+        }
+    }
+}

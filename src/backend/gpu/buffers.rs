@@ -1,0 +1,286 @@
+//! Device buffers: f32 activations ([`Tensor`]), f16 rows packed two to a word ([`Halves`], the KV cache), and
+//! weight matrices uploaded once in their GGUF block layout ([`GpuMatrix`]).
+//!
+//! Shaders read every buffer as 32-bit words. GGUF blocks are 18, 20, 22, 34, 144, 176 or 210 bytes, so blocks and
+//! rows start at any even byte; a weight buffer is padded to a whole number of words (plus one) and the shaders
+//! assemble bytes, halves and unaligned words from the words around them (`shaders/quant.wgsl`).
+
+use super::device::Gpu;
+use crate::gguf::GgmlType;
+use crate::kernels::Matrix;
+use crate::kernels::matrix::Layout;
+use anyhow::{Result, bail, ensure};
+use half::f16;
+
+/// Weights a shader dequantizes at a time: one 32-weight block, or a 32-weight slice of a 256-weight super-block.
+pub const UNIT: usize = 32;
+
+/// `len` f32 values on the device.
+pub struct Tensor {
+    pub(super) buf: wgpu::Buffer,
+    len: usize,
+}
+
+/// `len` f16 values on the device, packed two to a `u32` (low half first, as in memory): readable by every
+/// adapter through `unpack2x16float`, with or without `shader-f16`.
+pub struct Halves {
+    pub(super) buf: wgpu::Buffer,
+    len: usize,
+}
+
+/// `len` u32 values on the device: the positions of a batch's rows.
+pub struct U32s {
+    pub(super) buf: wgpu::Buffer,
+    len: usize,
+    /// The largest value, kept from the upload so ops can check positions against their tables and caches.
+    max: u32,
+}
+
+impl U32s {
+    pub fn max(&self) -> u32 {
+        self.max
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A weight matrix on the device, its bytes as in the file: `rows` rows of `row_bytes` bytes, in one buffer or, when
+/// larger than one binding may be (128 MiB on lavapipe, less than Gemma 3's Q8_0 output head), in parts of whole
+/// rows.
+pub struct GpuMatrix {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub(super) parts: Vec<Part>,
+}
+
+/// Rows `row0..row0 + rows` of a matrix.
+pub(super) struct Part {
+    pub row0: usize,
+    pub rows: usize,
+    pub buf: wgpu::Buffer,
+}
+
+impl Tensor {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Halves {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// What every buffer a shader reads or writes, and tests read back, is created with.
+const USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
+
+/// The GPU types [`Gpu::upload_matrix`] takes: the types of the two default models and their float tensors.
+pub fn supports(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4K | Q5K | Q6K
+    )
+}
+
+impl Gpu {
+    /// A buffer holding `src` then zeros, `bytes` long in all (rounded up to whole words, and one word more so
+    /// a shader's unaligned read of the last word stays inside).
+    fn buffer_with(&self, label: &str, bytes: usize, src: &[u8]) -> Result<wgpu::Buffer> {
+        let size = (bytes.div_ceil(4) + 1) * 4;
+        if size as u64 > self.max_binding() {
+            bail!(
+                "{label}: {} MiB is more than one buffer of {} may hold ({} MiB)",
+                size >> 20,
+                self.info().name,
+                self.max_binding() >> 20
+            );
+        }
+        // Mapped at creation: the bytes go straight into the buffer (zeroed by wgpu), with no staging copy.
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: size as u64,
+            usage: USAGE,
+            mapped_at_creation: true,
+        });
+        if !src.is_empty() {
+            let mut view = buf.get_mapped_range_mut(..)?;
+            view.slice(..src.len()).copy_from_slice(src);
+        }
+        buf.unmap();
+        self.check()?;
+        Ok(buf)
+    }
+
+    /// `x` on the device.
+    pub fn upload(&self, x: &[f32]) -> Result<Tensor> {
+        let buf = self.buffer_with("tensor", x.len() * 4, bytemuck::cast_slice(x))?;
+        Ok(Tensor { buf, len: x.len() })
+    }
+
+    /// Overwrites the first `x.len()` values of `t`; ordered before the passes submitted after it.
+    pub fn write(&self, t: &Tensor, x: &[f32]) -> Result<()> {
+        ensure!(
+            x.len() <= t.len,
+            "writing {} values into a tensor of {}",
+            x.len(),
+            t.len
+        );
+        self.queue.write_buffer(&t.buf, 0, bytemuck::cast_slice(x));
+        self.check()
+    }
+
+    /// `n` zeros on the device.
+    pub fn zeros(&self, n: usize) -> Result<Tensor> {
+        let buf = self.buffer_with("tensor", n * 4, &[])?;
+        Ok(Tensor { buf, len: n })
+    }
+
+    /// `x` on the device.
+    pub fn upload_u32(&self, x: &[u32]) -> Result<U32s> {
+        let buf = self.buffer_with("u32", x.len() * 4, bytemuck::cast_slice(x))?;
+        Ok(U32s {
+            buf,
+            len: x.len(),
+            max: x.iter().copied().max().unwrap_or(0),
+        })
+    }
+
+    /// `x` as f16 on the device.
+    pub fn upload_halves(&self, x: &[f16]) -> Result<Halves> {
+        let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
+        let buf = self.buffer_with("halves", x.len() * 2, bytemuck::cast_slice(&bits))?;
+        Ok(Halves { buf, len: x.len() })
+    }
+
+    /// `n` f16 zeros on the device (a KV cache).
+    pub fn zero_halves(&self, n: usize) -> Result<Halves> {
+        let buf = self.buffer_with("halves", n * 2, &[])?;
+        Ok(Halves { buf, len: n })
+    }
+
+    /// Uploads a matrix once, its rows as the file stores them. A matrix repacked for the CPU kernels
+    /// ([`Layout::X16`]) is refused: upload before repacking.
+    pub fn upload_matrix(&self, m: &Matrix) -> Result<GpuMatrix> {
+        self.upload_matrix_in_parts(m, self.max_binding() as usize)
+    }
+
+    /// [`Gpu::upload_matrix`] in parts of at most `part_bytes` bytes (tests ask for small parts).
+    pub(super) fn upload_matrix_in_parts(&self, m: &Matrix, part_bytes: usize) -> Result<GpuMatrix> {
+        ensure!(
+            supports(m.ty),
+            "the GPU backend has no {} matmul (it has F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
+            m.ty
+        );
+        ensure!(
+            m.layout == Layout::Rows,
+            "a {} matrix repacked for the CPU kernels cannot go to the GPU: upload it before repacking",
+            m.ty
+        );
+        ensure!(
+            m.cols.is_multiple_of(UNIT),
+            "the GPU matmul needs rows of a multiple of {UNIT} weights, not {}",
+            m.cols
+        );
+        let row_bytes =
+            m.ty.row_bytes(m.cols)
+                .ok_or_else(|| anyhow::anyhow!("{} rows of {} weights are not whole blocks", m.ty, m.cols))?;
+        let bytes = m.bytes();
+        ensure!(
+            bytes.len() == m.rows * row_bytes,
+            "a {}×{} {} matrix should hold {} bytes, not {}",
+            m.rows,
+            m.cols,
+            m.ty,
+            m.rows * row_bytes,
+            bytes.len()
+        );
+        ensure!(
+            m.rows <= u32::MAX as usize && bytes.len() < u32::MAX as usize,
+            "a {}×{} matrix is too large for 32-bit offsets",
+            m.rows,
+            m.cols
+        );
+        // Each part is padded by up to a word and one more (`buffer_with`).
+        let part_rows = part_bytes.saturating_sub(8) / row_bytes.max(1);
+        ensure!(
+            part_rows > 0 || m.rows == 0,
+            "one {} row of {} bytes is more than one GPU buffer may hold ({part_bytes} bytes)",
+            m.ty,
+            row_bytes
+        );
+        let mut parts = Vec::new();
+        for row0 in (0..m.rows).step_by(part_rows.max(1)) {
+            let rows = part_rows.min(m.rows - row0);
+            let src = &bytes[row0 * row_bytes..(row0 + rows) * row_bytes];
+            let buf = self.buffer_with(&format!("{} matrix", m.ty), src.len(), src)?;
+            parts.push(Part { row0, rows, buf });
+        }
+        Ok(GpuMatrix {
+            ty: m.ty,
+            rows: m.rows,
+            cols: m.cols,
+            row_bytes,
+            parts,
+        })
+    }
+
+    /// The bytes of `buf`'s first `bytes` bytes, copied back to the host.
+    fn read_bytes(&self, buf: &wgpu::Buffer, bytes: usize) -> Result<Vec<u8>> {
+        let size = (bytes.div_ceil(4) * 4).max(4) as u64;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
+        let idx = self.queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait(idx)?;
+        // The map callback runs within the wait; a lost device drops it instead.
+        match rx.try_recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("reading back from the GPU: {e}"),
+            Err(_) => bail!("reading back from the GPU: the buffer was never mapped"),
+        }
+        let out = staging.get_mapped_range(..)?[..bytes].to_vec();
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// `t` copied back to the host.
+    pub fn read(&self, t: &Tensor) -> Result<Vec<f32>> {
+        let b = self.read_bytes(&t.buf, t.len * 4)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// `h` copied back to the host.
+    pub fn read_halves(&self, h: &Halves) -> Result<Vec<f16>> {
+        let b = self.read_bytes(&h.buf, h.len * 2)?;
+        Ok(b.chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+            .collect())
+    }
+}

@@ -1,0 +1,260 @@
+//! Choosing and opening an adapter, and what the ops share: the device, its queue, compiled pipelines, and the
+//! errors wgpu reports asynchronously (collected here so an op returns them instead of wgpu panicking).
+
+use anyhow::{Context, Result, anyhow, bail};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Which adapter to open. `Auto` is what a user gets: a real GPU or nothing, because a software rasteriser
+/// (lavapipe, WARP, SwiftShader) runs a model slower than Baton's CPU kernels. `Software` is for the tests, which
+/// run on lavapipe where there is no GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdapterChoice {
+    Auto,
+    Software,
+}
+
+impl AdapterChoice {
+    /// The choice `BATON_GPU_ADAPTER` names (`auto` or `software`), or `default` when it is unset.
+    pub fn from_env_or(default: AdapterChoice) -> Result<AdapterChoice> {
+        match std::env::var("BATON_GPU_ADAPTER") {
+            Err(_) => Ok(default),
+            Ok(v) => v.parse(),
+        }
+    }
+}
+
+impl std::str::FromStr for AdapterChoice {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<AdapterChoice> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" | "gpu" => Ok(AdapterChoice::Auto),
+            "software" | "cpu" | "lavapipe" => Ok(AdapterChoice::Software),
+            other => bail!("BATON_GPU_ADAPTER={other:?}: expected `auto` or `software`"),
+        }
+    }
+}
+
+/// No adapter of the kind asked for: the caller may fall back to the CPU (and a test skips).
+#[derive(Debug, thiserror::Error)]
+#[error("no {wanted} adapter found (adapters seen: {seen})")]
+pub struct NoAdapter {
+    pub wanted: &'static str,
+    pub seen: String,
+}
+
+/// How long one submission may run before it counts as a hung or lost device: long enough for the slowest op on
+/// lavapipe, short enough that a vanished GPU gives an error rather than a hang.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// An opened adapter: everything an op needs to record and run its shaders.
+pub struct Gpu {
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
+    info: wgpu::AdapterInfo,
+    limits: wgpu::Limits,
+    /// Compiled pipelines by shader key and entry point, built on first use.
+    pipelines: Mutex<HashMap<(String, &'static str), Arc<wgpu::ComputePipeline>>>,
+    /// The first error wgpu reported outside an error scope (validation, out of memory, device lost), taken by
+    /// the next [`Gpu::check`].
+    error: Arc<Mutex<Option<String>>>,
+}
+
+/// Preference among real adapters: a discrete GPU over an integrated one over anything else that is not software.
+fn rank(t: wgpu::DeviceType) -> Option<u8> {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => Some(0),
+        wgpu::DeviceType::IntegratedGpu => Some(1),
+        wgpu::DeviceType::VirtualGpu | wgpu::DeviceType::Other => Some(2),
+        wgpu::DeviceType::Cpu => None,
+    }
+}
+
+impl Gpu {
+    /// Opens the adapter `choice` asks for on Vulkan, Metal or DX12. Fails with [`NoAdapter`] when there is none.
+    pub fn open(choice: AdapterChoice) -> Result<Gpu> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::PRIMARY,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::PRIMARY));
+        let seen = adapters
+            .iter()
+            .map(|a| {
+                let i = a.get_info();
+                format!("{} ({:?}, {:?})", i.name, i.device_type, i.backend)
+            })
+            .collect::<Vec<_>>();
+        let seen = if seen.is_empty() {
+            "none".to_string()
+        } else {
+            seen.join(", ")
+        };
+        let adapter = match choice {
+            AdapterChoice::Auto => adapters
+                .into_iter()
+                .filter_map(|a| rank(a.get_info().device_type).map(|r| (r, a)))
+                .min_by_key(|(r, _)| *r)
+                .map(|(_, a)| a),
+            AdapterChoice::Software => adapters
+                .into_iter()
+                .find(|a| a.get_info().device_type == wgpu::DeviceType::Cpu),
+        };
+        let Some(adapter) = adapter else {
+            let wanted = match choice {
+                AdapterChoice::Auto => "hardware GPU",
+                AdapterChoice::Software => "software (CPU) Vulkan",
+            };
+            return Err(NoAdapter { wanted, seen }.into());
+        };
+        let info = adapter.get_info();
+        // The adapter's own limits: the defaults cap storage buffers at 128 MiB, less than an output head.
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("baton"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .with_context(|| format!("opening GPU adapter {}", info.name))?;
+        let error = Arc::new(Mutex::new(None::<String>));
+        let sink = error.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut slot = sink.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert_with(|| e.to_string());
+        }));
+        let sink = error.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            let mut slot = sink.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert_with(|| format!("GPU device lost ({reason:?}): {msg}"));
+        });
+        Ok(Gpu {
+            device,
+            queue,
+            info,
+            limits,
+            pipelines: Mutex::new(HashMap::new()),
+            error,
+        })
+    }
+
+    /// Name, kind and API of the adapter, as printed at load: `llvmpipe (LLVM 15.0.6, 256 bits) (Cpu, Vulkan)`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({:?}, {:?}, driver {} {})",
+            self.info.name, self.info.device_type, self.info.backend, self.info.driver, self.info.driver_info
+        )
+    }
+
+    pub fn info(&self) -> &wgpu::AdapterInfo {
+        &self.info
+    }
+
+    /// Whether this is a software adapter (lavapipe): fine for tests, never chosen by `auto`.
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
+    /// Largest buffer one binding may cover, in bytes.
+    pub fn max_binding(&self) -> u64 {
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
+    }
+
+    /// The error wgpu reported since the last check, if any.
+    pub(super) fn check(&self) -> Result<()> {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.take() {
+            Some(e) => Err(anyhow!("GPU error on {}: {e}", self.info.name)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the submission `idx`, at most [`WAIT`].
+    pub(super) fn wait(&self, idx: wgpu::SubmissionIndex) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(idx),
+                timeout: Some(WAIT),
+            })
+            .map_err(|e| anyhow!("waiting for GPU {}: {e}", self.info.name))?;
+        self.check()
+    }
+
+    /// The pipeline of entry point `entry` in the shader `key` with its `override` constants set to `constants`,
+    /// the WGSL `source` given on first use. A shader that fails to compile is an error naming it, not a panic.
+    pub(super) fn pipeline(
+        &self,
+        key: &str,
+        entry: &'static str,
+        constants: &[(&str, f64)],
+        source: impl FnOnce() -> String,
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
+        let mut map = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
+        let key = format!("{key}{constants:?}");
+        if let Some(p) = map.get(&(key.clone(), entry)) {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(&key),
+            source: wgpu::ShaderSource::Wgsl(source().into()),
+        });
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&key),
+            layout: None,
+            module: &module,
+            entry_point: Some(entry),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                // Every shader writes its workgroup memory before reading it; zeroing it first costs each workgroup
+                // a pass over it and a barrier.
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            bail!("GPU shader {key}::{entry} does not compile: {e}");
+        }
+        let p = Arc::new(pipeline);
+        map.insert((key, entry), p.clone());
+        Ok(p)
+    }
+}
+
+/// Workgroups of a 1-D grid of `n` laid out as `(x, y)` within the 65535-per-dimension limit; a shader finds its
+/// index as `wid.x + wid.y * x`.
+pub(super) fn grid(n: u32) -> (u32, u32) {
+    const MAX: u32 = 65535;
+    if n <= MAX {
+        (n.max(1), 1)
+    } else {
+        (MAX, n.div_ceil(MAX))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adapter_choice_parses() {
+        assert_eq!("auto".parse::<AdapterChoice>().unwrap(), AdapterChoice::Auto);
+        assert_eq!(" Software ".parse::<AdapterChoice>().unwrap(), AdapterChoice::Software);
+        assert!("cuda".parse::<AdapterChoice>().is_err());
+        assert_eq!(grid(10), (10, 1));
+        assert_eq!(grid(0), (1, 1));
+        assert_eq!(grid(70000), (65535, 2));
+    }
+
+    /// `auto` never picks the software adapter: on a machine whose only adapter is lavapipe it finds none.
+    #[test]
+    fn auto_never_picks_software() {
+        match Gpu::open(AdapterChoice::Auto) {
+            Ok(g) => assert!(!g.is_software(), "auto opened {}", g.describe()),
+            Err(e) => assert!(e.downcast_ref::<NoAdapter>().is_some(), "{e:#}"),
+        }
+    }
+}

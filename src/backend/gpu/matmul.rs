@@ -1,0 +1,334 @@
+//! Quantized mat-vec (decode, one token) and mat-mul (prefill, a batch of tokens), and the fused gate/up
+//! projection of the gated feed-forward (`shaders/matmul.wgsl` over `shaders/quant.wgsl`).
+//!
+//! The weights stay in their GGUF blocks and are dequantized in registers, 32 at a time; activations stay f32 (the
+//! CPU kernels quantize them to 8 bits first, so the GPU's sums are the closer of the two to the exact product).
+
+use super::buffers::{GpuMatrix, Tensor, UNIT};
+use super::device::grid;
+use super::{Pass, module, u32_of, wgsl};
+use crate::gguf::GgmlType;
+use crate::kernels::Glu;
+use anyhow::{Result, ensure};
+
+/// Threads per workgroup and tokens per workgroup (`TT` in the shader).
+const WG: usize = 64;
+const TT: usize = 8;
+
+/// The name of `ty`'s dequantizer in `quant.wgsl`.
+fn wgsl_type(ty: GgmlType) -> &'static str {
+    use GgmlType::*;
+    match ty {
+        F32 => "f32",
+        F16 => "f16",
+        BF16 => "bf16",
+        Q4_0 => "q4_0",
+        Q4_1 => "q4_1",
+        Q5_0 => "q5_0",
+        Q5_1 => "q5_1",
+        Q8_0 => "q8_0",
+        Q4K => "q4_k",
+        Q5K => "q5_k",
+        Q6K => "q6_k",
+        // `upload_matrix` refuses the others.
+        Q8_1 | Q2K | Q3K | Q8K => "unsupported",
+    }
+}
+
+/// `quant.wgsl` with only `ty`'s dequantizer (and the shared readers): a driver then compiles one type, not eleven.
+fn quant_of(ty: GgmlType) -> String {
+    let own = format!("fn dq_{}_$F(", wgsl_type(ty));
+    wgsl::QUANT
+        .split("\n\n")
+        .filter(|item| !item.contains("fn dq_") || item.contains(&own) || item.contains("fn dequant_"))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// The matmul module for weights of type `ty`: the dequantizer instantiated for both weight buffers.
+fn source(ty: GgmlType) -> String {
+    let quant = |buf: &str, suffix: &str| {
+        quant_of(ty)
+            .replace("$T", wgsl_type(ty))
+            .replace("$W", buf)
+            .replace("$F", suffix)
+    };
+    module(&[wgsl::ACT, &quant("wa", "a"), &quant("wb", "b"), wgsl::MATMUL])
+}
+
+/// The activation's code in `act.wgsl`.
+pub(super) fn act_code(glu: Glu) -> u32 {
+    match glu {
+        Glu::Silu => 0,
+        Glu::Gelu => 1,
+    }
+}
+
+impl Pass<'_> {
+    /// `y[t] = W · x[t]` for the `n` rows of `x` (`[n, w.cols]`) into `y` (`[n, w.rows]`).
+    pub fn matmul(&mut self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
+        self.check_mm(w, x, n, y)?;
+        self.mm(w, None, Glu::Silu, x, n, y)
+    }
+
+    /// `h[t] = act(gate · x[t]) * (up · x[t])`, `h` `[n, gate.rows]`: one pass over both matrices where they are
+    /// of one type (and split alike), else two matmuls and the activation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_glu(
+        &mut self,
+        gate: &GpuMatrix,
+        up: &GpuMatrix,
+        glu: Glu,
+        x: &Tensor,
+        n: usize,
+        h: &Tensor,
+    ) -> Result<()> {
+        ensure!(
+            (gate.rows, gate.cols) == (up.rows, up.cols),
+            "gate {}×{} and up {}×{} projections differ in shape",
+            gate.rows,
+            gate.cols,
+            up.rows,
+            up.cols
+        );
+        self.check_mm(gate, x, n, h)?;
+        if gate.ty == up.ty && same_parts(gate, up) {
+            return self.mm(gate, Some(up), glu, x, n, h);
+        }
+        let u = self.gpu().zeros(n * up.rows)?;
+        self.mm(gate, None, glu, x, n, h)?;
+        self.mm(up, None, glu, x, n, &u)?;
+        self.glu_mul(h, &u, glu, n * up.rows)
+    }
+
+    fn check_mm(&self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
+        ensure!(n > 0, "a matmul over no rows");
+        ensure!(
+            x.len() >= n * w.cols,
+            "matmul input holds {} values, {n} rows of {} need {}",
+            x.len(),
+            w.cols,
+            n * w.cols
+        );
+        ensure!(
+            y.len() >= n * w.rows,
+            "matmul output holds {} values, {n} rows of {} need {}",
+            y.len(),
+            w.rows,
+            n * w.rows
+        );
+        Ok(())
+    }
+
+    fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
+        let key = format!("matmul_{}", wgsl_type(w.ty));
+        let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
+        let lanes = self.lanes;
+        let rpw = WG / lanes as usize;
+        let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
+        let pipeline = self.gpu().pipeline(&key, entry, &constants, || source(w.ty))?;
+        let tiles = u32_of(n.div_ceil(TT), "matmul tokens")?;
+        ensure!(
+            tiles <= 65535,
+            "{n} tokens in one matmul is more than the GPU grid takes"
+        );
+        for (i, part) in w.parts.iter().enumerate() {
+            let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
+            let params = [
+                u32_of(part.rows, "rows")?,
+                u32_of(w.cols, "cols")?,
+                u32_of(n, "tokens")?,
+                u32_of(w.row_bytes, "row bytes")?,
+                u32_of(w.cols / UNIT, "units")?,
+                gx,
+                act_code(glu),
+                u32_of(w.rows, "rows")?,
+                u32_of(part.row0, "rows")?,
+                0,
+                0,
+                0,
+            ];
+            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf)];
+            if let Some(u) = up {
+                bufs.push((4, &u.parts[i].buf));
+            }
+            self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `a` and `b` are split into the same parts (so a fused gate/up pass can walk them together).
+fn same_parts(a: &GpuMatrix, b: &GpuMatrix) -> bool {
+    a.parts.len() == b.parts.len()
+        && a.parts
+            .iter()
+            .zip(&b.parts)
+            .all(|(p, q)| (p.row0, p.rows) == (q.row0, q.rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_gpu;
+    use crate::gguf::GgmlType::{self, *};
+    use crate::kernels::tests::random_matrix;
+    use crate::kernels::testutil::Rng;
+    use crate::kernels::{self, Glu, Matrix, ThreadPool};
+
+    /// The exact product (f64) of the dequantized weights with `x`, and the sum of the products' magnitudes.
+    fn reference(w: &Matrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+        let wf = w.to_f32();
+        let (mut exact, mut mag) = (Vec::new(), Vec::new());
+        for t in 0..n {
+            for r in 0..w.rows {
+                let xr = &x[t * w.cols..(t + 1) * w.cols];
+                let wr = &wf[r * w.cols..(r + 1) * w.cols];
+                exact.push(wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum());
+                mag.push(wr.iter().zip(xr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum());
+            }
+        }
+        (exact, mag)
+    }
+
+    /// Tolerance against the exact product: f32 sums in another order than the reference's (32-weight units, then
+    /// 16 lanes, then a tree) lose at most a few ulps of the products' magnitude per addition level; 1e-5 of it
+    /// (≈ 170 ulps) is far above that yet far below any wrong weight or scale, which moves a sum by ~1e-2 of it.
+    const TOL: f64 = 1e-5;
+
+    const TYPES: [GgmlType; 11] = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K];
+
+    /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
+    /// within [`TOL`], for one token (mat-vec) and for batches across token tiles; rows not a multiple of the
+    /// workgroup's 4 and an odd number of blocks per row put rows at every alignment the 18-, 22- and 34-byte
+    /// blocks give. Then the CPU kernel (8-bit activations) is within its quantization error of both.
+    #[test]
+    fn matmul_matches_cpu_every_type() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2100);
+        let pool = ThreadPool::new(2);
+        let mut sc = kernels::Scratch::default();
+        for ty in TYPES {
+            let cols = if ty.block_size() == 256 { 768 } else { 96 };
+            for (rows, n) in [(37, 1), (6, 11)] {
+                let w = random_matrix(&mut rng, ty, rows, cols);
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+                // The batched case in parts of two rows, as a matrix larger than one buffer is split.
+                let gw = match rows {
+                    6 => gpu.upload_matrix_in_parts(&w, 2 * w.row_bytes() + 8).unwrap(),
+                    _ => gpu.upload_matrix(&w).unwrap(),
+                };
+                assert_eq!(gw.parts.len(), if rows == 6 { 3 } else { 1 });
+                let gx = gpu.upload(&x).unwrap();
+                // The software adapter's layout (a thread per row) and the GPUs' (16 threads per row).
+                let mut got = Vec::new();
+                for lanes in [1, 16] {
+                    let gy = gpu.zeros(n * rows).unwrap();
+                    let mut pass = gpu.pass().with_lanes(lanes);
+                    pass.matmul(&gw, &gx, n, &gy).unwrap();
+                    pass.finish().unwrap();
+                    got.extend(gpu.read(&gy).unwrap());
+                }
+                let (exact, mag) = reference(&w, &x, n);
+                let mut cpu = vec![0.0; n * rows];
+                kernels::matmul(&pool, &w, &x, n, &mut cpu, &mut sc);
+                let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                let wf = w.to_f32();
+                for (j, &g) in got.iter().enumerate() {
+                    let i = j % (n * rows);
+                    let (g, e) = (g as f64, exact[i]);
+                    assert!(
+                        (g - e).abs() <= TOL * mag[i] + 1e-6,
+                        "{ty} {rows}x{cols} n {n} out {i}: GPU {g} vs exact {e} (magnitude {})",
+                        mag[i]
+                    );
+                    // The CPU kernel rounds each activation to 8 bits: off by at most amax/254 per weight.
+                    let r = i % rows;
+                    let wsum: f64 = wf[r * cols..(r + 1) * cols].iter().map(|v| v.abs() as f64).sum();
+                    let bound = wsum * amax / 127.0 + TOL * mag[i] + 1e-6;
+                    assert!(
+                        (g - cpu[i] as f64).abs() <= bound,
+                        "{ty} out {i}: GPU {g} vs CPU kernel {}",
+                        cpu[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
+    /// alike into parts) and not (gate and up of different types, or split differently); the activations are
+    /// checked on their own in `elementwise.rs`.
+    #[test]
+    fn matmul_glu_matches_reference() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2101);
+        let (rows, cols, n) = (21, 256, 3);
+        // split: 0 whole, 1 both in parts of 5 rows, 2 only the gate (so not fused).
+        for (tg, tu, split) in [(Q8_0, Q8_0, 0), (Q4K, Q6K, 0), (Q4_0, Q4_0, 1), (Q4_0, Q4_0, 2)] {
+            let gate = random_matrix(&mut rng, tg, rows, cols);
+            let up = random_matrix(&mut rng, tu, rows, cols);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
+            let (ge, gm) = reference(&gate, &x, n);
+            let (ue, um) = reference(&up, &x, n);
+            let part = 5 * gate.row_bytes() + 8;
+            let gg = match split {
+                0 => gpu.upload_matrix(&gate).unwrap(),
+                _ => gpu.upload_matrix_in_parts(&gate, part).unwrap(),
+            };
+            let gu = match split {
+                1 => gpu.upload_matrix_in_parts(&up, part).unwrap(),
+                _ => gpu.upload_matrix(&up).unwrap(),
+            };
+            let gx = gpu.upload(&x).unwrap();
+            for (glu, lanes) in [(Glu::Silu, 1), (Glu::Gelu, 1), (Glu::Silu, 16), (Glu::Gelu, 16)] {
+                let h = gpu.zeros(n * rows).unwrap();
+                let mut pass = gpu.pass().with_lanes(lanes);
+                pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
+                pass.finish().unwrap();
+                let got = gpu.read(&h).unwrap();
+                for i in 0..n * rows {
+                    let mut want = [ge[i] as f32];
+                    glu.apply(&mut want, &[ue[i] as f32]);
+                    // Both sums within TOL, through an activation of slope ≤ 1.13, and GeGLU's f16 rounding.
+                    let err = TOL * (gm[i] * (ue[i].abs() + 1.0) + um[i] * (ge[i].abs() + 1.0));
+                    let f16 = if glu == Glu::Gelu {
+                        2e-3 * (ge[i].abs() + 0.2) * ue[i].abs()
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (got[i] as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
+                        "{tg}/{tu} {glu:?} out {i}: {} vs {}",
+                        got[i],
+                        want[0]
+                    );
+                }
+            }
+        }
+    }
+
+    /// A matmul module holds its own type's dequantizer only.
+    #[test]
+    fn source_holds_one_type() {
+        let s = super::source(Q8_0);
+        assert!(s.contains("fn dq_q8_0_a(") && s.contains("fn dq_q8_0_b(") && s.contains("fn dequant_a("));
+        assert!(!s.contains("dq_q4_k") && !s.contains('$'));
+    }
+
+    /// Bad shapes and types are errors, not panics or device faults.
+    #[test]
+    fn matmul_rejects_bad_input() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2102);
+        let w = random_matrix(&mut rng, Q8_0, 4, 64);
+        let gw = gpu.upload_matrix(&w).unwrap();
+        let x = gpu.zeros(64).unwrap();
+        let y = gpu.zeros(4).unwrap();
+        let mut pass = gpu.pass();
+        assert!(pass.matmul(&gw, &x, 2, &y).is_err());
+        assert!(pass.matmul(&gw, &x, 0, &y).is_err());
+        pass.finish().unwrap();
+        let q2 = random_matrix(&mut rng, Q2K, 2, 256);
+        assert!(gpu.upload_matrix(&q2).is_err());
+    }
+}

@@ -1,0 +1,167 @@
+//! The GPU ops, on wgpu: WGSL compute shaders over Vulkan (Linux, the DGX Spark), Metal (Apple Silicon) or DX12,
+//! tested on Mesa's software Vulkan device (lavapipe). See docs/gpu.md.
+//!
+//! This is the op set, not yet a [`super::Backend`]: weights are uploaded once in their GGUF blocks
+//! ([`Gpu::upload_matrix`]), activations and the f16 KV cache live in device buffers ([`Tensor`], [`Halves`]),
+//! and a [`Pass`] records ops over them and runs them in one submission. Each op is checked against the CPU
+//! kernels on random inputs (the tests beside each op).
+//!
+//! - `device.rs`: adapter choice (`auto` never opens a software adapter), the device and its pipelines.
+//! - `buffers.rs`: device buffers and uploads.
+//! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
+//! - `norm.rs`: RMSNorm. `rope.rs`: RoPE, both styles. `elementwise.rs`: residual add, SwiGLU/GeGLU.
+//! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
+//! - `forward.rs`: a whole llama / gemma3 forward pass on the device, checked against the CPU session.
+//! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
+
+pub mod attention;
+pub mod buffers;
+pub mod device;
+pub mod elementwise;
+pub mod forward;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+
+pub use buffers::{GpuMatrix, Halves, Tensor, U32s};
+pub use device::{AdapterChoice, Gpu, NoAdapter};
+
+use anyhow::Result;
+use wgpu::util::DeviceExt;
+
+/// WGSL sources: a shader module is the snippets it needs, in order.
+mod wgsl {
+    pub const ACT: &str = include_str!("shaders/act.wgsl");
+    pub const QUANT: &str = include_str!("shaders/quant.wgsl");
+    pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
+    pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
+    pub const NORM: &str = include_str!("shaders/norm.wgsl");
+    pub const ROPE: &str = include_str!("shaders/rope.wgsl");
+    pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+    pub const KV: &str = include_str!("shaders/kv.wgsl");
+}
+
+/// One shader module's source: the snippets joined.
+fn module(parts: &[&str]) -> String {
+    parts.join("\n")
+}
+
+/// Ops recorded for one submission. Nothing runs until [`Pass::finish`], which waits for the device and returns
+/// any error it reported.
+pub struct Pass<'g> {
+    gpu: &'g Gpu,
+    enc: wgpu::CommandEncoder,
+    /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
+    lanes: u32,
+}
+
+impl Gpu {
+    /// An empty pass.
+    pub fn pass(&self) -> Pass<'_> {
+        Pass {
+            gpu: self,
+            enc: self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
+            lanes: if self.is_software() { 1 } else { 16 },
+        }
+    }
+}
+
+impl<'g> Pass<'g> {
+    pub fn gpu(&self) -> &'g Gpu {
+        self.gpu
+    }
+
+    /// The pass with `lanes` threads per matmul row (a power of two up to 64), so tests run the GPUs' layout on
+    /// the software adapter too.
+    #[cfg(test)]
+    pub(super) fn with_lanes(mut self, lanes: u32) -> Self {
+        assert!(lanes.is_power_of_two() && lanes <= 64);
+        self.lanes = lanes;
+        self
+    }
+
+    /// Records one dispatch of `pipeline` over `groups` workgroups, its uniform parameters `params` at binding 0
+    /// and the buffers `bufs` at their bindings.
+    fn dispatch(
+        &mut self,
+        pipeline: &wgpu::ComputePipeline,
+        params: &[u32],
+        bufs: &[(u32, &wgpu::Buffer)],
+        groups: (u32, u32, u32),
+    ) {
+        let mut words = params.to_vec();
+        words.resize(params.len().next_multiple_of(4).max(4), 0);
+        let uniform = self.gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("params"),
+            contents: bytemuck::cast_slice(&words),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: uniform.as_entire_binding(),
+        }];
+        entries.extend(bufs.iter().map(|&(binding, b)| wgpu::BindGroupEntry {
+            binding,
+            resource: b.as_entire_binding(),
+        }));
+        let bind = self.gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        let mut cp = self.enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        cp.set_pipeline(pipeline);
+        cp.set_bind_group(0, &bind, &[]);
+        cp.dispatch_workgroups(groups.0, groups.1, groups.2);
+    }
+
+    /// Copies `n` values of `src` from `src_at` to `dst` at `dst_at` (the last row of a batch to the head).
+    pub fn copy(&mut self, src: &Tensor, src_at: usize, dst: &Tensor, dst_at: usize, n: usize) -> Result<()> {
+        anyhow::ensure!(
+            src_at + n <= src.len() && dst_at + n <= dst.len(),
+            "copy of {n} values from {src_at} of {} to {dst_at} of {}",
+            src.len(),
+            dst.len()
+        );
+        self.enc
+            .copy_buffer_to_buffer(&src.buf, 4 * src_at as u64, &dst.buf, 4 * dst_at as u64, 4 * n as u64);
+        Ok(())
+    }
+
+    /// Runs the recorded ops and waits for them.
+    pub fn finish(self) -> Result<()> {
+        self.gpu.check()?;
+        let idx = self.gpu.queue.submit([self.enc.finish()]);
+        self.gpu.wait(idx)
+    }
+}
+
+/// `n` as a `u32` shader parameter, or an error naming `what`.
+fn u32_of(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| anyhow::anyhow!("{what} ({n}) does not fit the GPU's 32-bit indices"))
+}
+
+/// The adapter the tests run on: software (lavapipe) unless `BATON_GPU_ADAPTER` says otherwise. `None`, after
+/// printing the one SKIPPED line, where there is none.
+#[cfg(test)]
+pub(crate) fn test_gpu() -> Option<&'static Gpu> {
+    use std::sync::OnceLock;
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    let gpu = GPU.get_or_init(|| {
+        let choice = AdapterChoice::from_env_or(AdapterChoice::Software).expect("BATON_GPU_ADAPTER");
+        match Gpu::open(choice) {
+            Ok(g) => {
+                eprintln!("GPU tests on {}", g.describe());
+                Some(g)
+            }
+            Err(e) if e.downcast_ref::<NoAdapter>().is_some() => None,
+            Err(e) => panic!("opening the GPU adapter: {e:#}"),
+        }
+    });
+    if gpu.is_none() {
+        println!("SKIPPED: no GPU adapter (install mesa-vulkan-drivers)");
+    }
+    gpu.as_ref()
+}

@@ -1,0 +1,92 @@
+//! RMSNorm (`shaders/norm.wgsl`).
+
+use super::buffers::Tensor;
+use super::device::grid;
+use super::{Pass, module, u32_of, wgsl};
+use anyhow::{Result, ensure};
+
+fn source() -> String {
+    module(&[wgsl::NORM])
+}
+
+impl Pass<'_> {
+    /// RMS-normalises each of the `n` rows of `x` (rows of `w.len()`) into `out`, scaled by `w`.
+    pub fn rms_norm(&mut self, x: &Tensor, w: &Tensor, eps: f32, n: usize, out: &Tensor) -> Result<()> {
+        self.check_norm(x, w, n)?;
+        ensure!(out.len() >= n * w.len(), "RMSNorm output too small");
+        self.norm("rms_norm", &[(1, &x.buf), (2, &w.buf), (3, &out.buf)], w.len(), eps, n)
+    }
+
+    /// [`Pass::rms_norm`] in place.
+    pub fn rms_norm_inplace(&mut self, x: &Tensor, w: &Tensor, eps: f32, n: usize) -> Result<()> {
+        self.check_norm(x, w, n)?;
+        self.norm("rms_norm_inplace", &[(2, &w.buf), (4, &x.buf)], w.len(), eps, n)
+    }
+
+    fn check_norm(&self, x: &Tensor, w: &Tensor, n: usize) -> Result<()> {
+        ensure!(!w.is_empty(), "RMSNorm over rows of no values");
+        ensure!(
+            x.len() >= n * w.len(),
+            "RMSNorm of {n} rows of {} over a tensor of {}",
+            w.len(),
+            x.len()
+        );
+        Ok(())
+    }
+
+    fn norm(
+        &mut self,
+        entry: &'static str,
+        bufs: &[(u32, &wgpu::Buffer)],
+        width: usize,
+        eps: f32,
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let pipeline = self.gpu().pipeline("norm", entry, &[], source)?;
+        let (gx, gy) = grid(u32_of(n, "rows")?);
+        let params = [u32_of(n, "rows")?, u32_of(width, "width")?, eps.to_bits(), gx];
+        self.dispatch(&pipeline, &params, bufs, (gx, gy, 1));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_gpu;
+    use crate::kernels::ops;
+    use crate::kernels::testutil::Rng;
+
+    /// Within 2e-6 relative of the CPU's, which sums the squares in f64: the GPU's f32 sum of a row of a few
+    /// thousand squares (256 partial sums, then a tree) is off by a few ulps, and the scale by half that.
+    #[test]
+    fn rms_norm_matches_cpu() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2120);
+        for (width, n) in [(576, 3), (2048, 1), (100, 5)] {
+            let x: Vec<f32> = (0..n * width).map(|_| rng.normal() * 3.0).collect();
+            let w: Vec<f32> = (0..width).map(|_| 1.0 + rng.normal() * 0.2).collect();
+            let eps = 1e-5;
+            let mut want = vec![0.0; n * width];
+            for (xr, o) in x.chunks(width).zip(want.chunks_mut(width)) {
+                ops::rms_norm(xr, &w, eps, o);
+            }
+            let (gx, gw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+            let out = gpu.zeros(n * width).unwrap();
+            let mut pass = gpu.pass();
+            pass.rms_norm(&gx, &gw, eps, n, &out).unwrap();
+            pass.rms_norm_inplace(&gx, &gw, eps, n).unwrap();
+            pass.finish().unwrap();
+            for got in [gpu.read(&out).unwrap(), gpu.read(&gx).unwrap()] {
+                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - e).abs() <= 2e-6 * e.abs() + 1e-7,
+                        "width {width} at {i}: {g} vs {e}"
+                    );
+                }
+            }
+        }
+    }
+}

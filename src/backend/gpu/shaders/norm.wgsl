@@ -1,0 +1,67 @@
+// RMSNorm: out = x / sqrt(mean(x²) + eps) · w, one row per workgroup of 256 threads. The sum of squares is
+// taken in f32 (the CPU takes it in f64): partial sums per thread, then a tree in workgroup memory.
+
+struct Params {
+    n_rows: u32,
+    width: u32,
+    eps: f32,
+    nx: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<storage, read_write> io: array<f32>;
+
+const WG: u32 = 256u;
+var<workgroup> red: array<f32, 256>;
+
+// 1 / rms of a row, from each thread's partial sum of squares.
+fn inv_rms(li: u32, part: f32) -> f32 {
+    red[li] = part;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    return 1.0 / sqrt(red[0] / f32(p.width) + p.eps);
+}
+
+@compute @workgroup_size(256)
+fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let r = wid.x + wid.y * p.nx;
+    if (r >= p.n_rows) {
+        return;
+    }
+    let base = r * p.width;
+    var part = 0.0;
+    for (var i = li; i < p.width; i += WG) {
+        let v = x[base + i];
+        part += v * v;
+    }
+    let scale = inv_rms(li, part);
+    for (var i = li; i < p.width; i += WG) {
+        out[base + i] = x[base + i] * scale * w[i];
+    }
+}
+
+@compute @workgroup_size(256)
+fn rms_norm_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let r = wid.x + wid.y * p.nx;
+    if (r >= p.n_rows) {
+        return;
+    }
+    let base = r * p.width;
+    var part = 0.0;
+    for (var i = li; i < p.width; i += WG) {
+        let v = io[base + i];
+        part += v * v;
+    }
+    let scale = inv_rms(li, part);
+    for (var i = li; i < p.width; i += WG) {
+        io[base + i] = io[base + i] * scale * w[i];
+    }
+}
