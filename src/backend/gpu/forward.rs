@@ -253,15 +253,8 @@ mod tests {
     /// may break differently: the CPU rounds activations to 8 bits). Logits stay close all along.
     fn greedy_matches(file: &str, prompt: &[u32], n_new: usize) {
         let Some(gpu) = test_gpu() else { return };
-        let Ok(dir) = crate::util::models_dir() else {
-            println!("SKIPPED: no models directory");
-            return;
-        };
-        let path = dir.join(file);
-        if !path.exists() {
-            println!("SKIPPED: {file} is not in the model cache (baton models fetch)");
-            return;
-        }
+        // A default model is fetched (or the test fails), as every test that needs one.
+        let path = crate::fetch::resolve(file).unwrap_or_else(|e| panic!("model {file} unavailable: {e:#}"));
         let model = Arc::new(Model::load(&path).unwrap());
         let n_ctx = 64;
         let mut cpu = Session::new(model.clone(), Arc::new(ThreadPool::new(2)), n_ctx, 32).unwrap();
@@ -321,13 +314,7 @@ mod tests {
         use crate::gguf::GgufFile;
         use crate::model::random::{RandomSpec, write_random_model};
         let Some(gpu) = test_gpu() else { return };
-        let base = match crate::util::models_dir() {
-            Ok(d) if d.join("SmolLM2-135M-Instruct.Q4_1.gguf").exists() => d.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
-            _ => {
-                println!("SKIPPED: SmolLM2 (the tiny models' vocabulary) is not in the model cache");
-                return;
-            }
-        };
+        let base = crate::fetch::resolve("smollm2").unwrap_or_else(|e| panic!("model smollm2 unavailable: {e:#}"));
         let dir = tempfile::tempdir().unwrap();
         for arch in [Arch::Llama, Arch::Gemma3] {
             let p = dir.path().join(format!("{}.gguf", arch.name()));
@@ -358,7 +345,7 @@ mod tests {
     #[test]
     fn smollm2_greedy_matches_cpu() {
         greedy_matches(
-            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "smollm2",
             &[1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 4093, 198],
             12,
         );
@@ -368,7 +355,7 @@ mod tests {
     #[test]
     fn gemma3_greedy_matches_cpu() {
         greedy_matches(
-            "gemma-3-270m-q4_k_m.gguf",
+            "gemma3",
             &[
                 2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107,
             ],
