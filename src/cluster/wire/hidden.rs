@@ -3,7 +3,7 @@
 
 use super::WireError;
 use super::codec::{Codec, Dec, Enc, malformed};
-use crate::engine::snapshot::RowDtype;
+use crate::engine::snapshot::{self, RowDtype};
 use half::{bf16, f16};
 
 /// A hidden state `[n_rows, width]` encoded for the wire.
@@ -17,29 +17,11 @@ pub struct Hidden {
 }
 
 impl Hidden {
+    /// Rows encoded as snapshots encode them ([`snapshot::encode_rows`]); for Q8 the row scales follow the values.
     pub fn encode(x: &[f32], width: usize, dtype: RowDtype) -> Hidden {
         let n_rows = x.len() / width;
-        let mut data = Vec::with_capacity(n_rows * dtype.row_bytes(width));
-        match dtype {
-            RowDtype::F32 => x.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
-            RowDtype::F16 => x
-                .iter()
-                .for_each(|&v| data.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
-            RowDtype::BF16 => x
-                .iter()
-                .for_each(|&v| data.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
-            RowDtype::Q8 => {
-                let mut scales = Vec::with_capacity(n_rows);
-                for row in x.chunks(width) {
-                    let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                    let scale = amax / 127.0;
-                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    data.extend(row.iter().map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
-                    scales.push(scale);
-                }
-                scales.iter().for_each(|s| data.extend_from_slice(&s.to_le_bytes()));
-            }
-        }
+        let (mut data, scales) = snapshot::encode_rows(x, width, dtype);
+        data.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
         Hidden {
             dtype,
             n_rows: n_rows as u32,
