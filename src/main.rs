@@ -32,6 +32,14 @@ struct Cli {
     /// bit for bit: slower, for checking against llama.cpp). Same as the BATON_NUMERICS variable.
     #[arg(long, global = true, value_parser = ["fast", "ggml"])]
     numerics: Option<String>,
+    /// Where layers run: `cpu` (default), `gpu` (Vulkan, Metal or DX12; an error when there is no GPU) or `auto`
+    /// (a hardware GPU when there is one, else the CPU; never a software adapter). Same as BATON_BACKEND.
+    #[arg(long, global = true, value_parser = ["cpu", "gpu", "auto"])]
+    backend: Option<String>,
+    /// With a GPU backend, only the model's first N layers run on the GPU and the rest on the CPU, for a model
+    /// larger than the GPU's memory (llama.cpp's -ngl). Default: all. Same as BATON_GPU_LAYERS.
+    #[arg(long = "gpu-layers", global = true, value_name = "N")]
+    gpu_layers: Option<usize>,
 }
 
 #[derive(Subcommand)]
@@ -428,6 +436,14 @@ fn main() {
         // SAFETY: set before this process starts any thread; sessions and child processes read it.
         unsafe { std::env::set_var("BATON_NUMERICS", n) };
     }
+    if let Some(b) = &cli.backend {
+        // SAFETY: as above; `engine::placement` reads it.
+        unsafe { std::env::set_var("BATON_BACKEND", b) };
+    }
+    if let Some(n) = cli.gpu_layers {
+        // SAFETY: as above.
+        unsafe { std::env::set_var("BATON_GPU_LAYERS", n.to_string()) };
+    }
     let result = match cli.cmd {
         Cmd::Run(a) => cmd_run(*a),
         Cmd::Info { model, tensors } => cmd_info(&model, tensors),
@@ -773,20 +789,24 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         } else {
             ""
         };
-        println!("| model | isa | threads | test | depth | t/s median | min | max | bw bound |{extra}");
+        println!("| model | backend | isa | threads | test | depth | t/s median | min | max | bw bound |{extra}");
         println!(
-            "|---|---|---:|---|---:|---:|---:|---:|---:|{}",
+            "|---|---|---|---:|---|---:|---:|---:|---:|---:|{}",
             if a.compare_llama_cpp { "---:|---:|" } else { "" }
         );
     }
     let json = a.json;
     let isa = baton::kernels::isa_label();
+    let placement = baton::engine::placement::Placement::process()?;
+    let backend = placement.describe();
+    // The bound is the CPU's memory bandwidth: it says nothing of layers on a GPU.
+    let on_cpu = placement.gpu().is_none();
     let mut rss = 0u64;
     let file_bytes = std::fs::metadata(&model.file.path).map_or(0, |m| m.len());
     let kv_bytes = baton::engine::kv_cache::KvCache::bytes_for(&model.hp, model.range.len(), cfg.n_ctx()) as u64;
     baton::bench::run(model, pool, &name, &cfg, compare, |f, other| {
         rss = rss.max(baton::bench::current_rss());
-        let bound = if f.test.starts_with("tg") {
+        let bound = if f.test.starts_with("tg") && on_cpu {
             format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
         } else {
             "-".into()
@@ -794,7 +814,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         if json {
             let mut v = serde_json::to_value(f).unwrap();
             v["isa"] = serde_json::json!(isa);
-            v["bw_fraction"] = serde_json::json!(if f.test.starts_with("tg") {
+            v["backend"] = serde_json::json!(backend);
+            v["bw_fraction"] = serde_json::json!(if f.test.starts_with("tg") && on_cpu {
                 wbytes as f64 * f.tps_median / bw
             } else {
                 0.0
@@ -813,7 +834,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 None => String::new(),
             };
             println!(
-                "| {} | {isa} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |{cmp}",
+                "| {} | {backend} | {isa} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {bound} |{cmp}",
                 f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
             );
         }

@@ -119,6 +119,9 @@ impl Batch {
                 );
             }
         }
+        if sessions.iter().any(|s| !s.gpu_layers().is_empty()) {
+            return self.step_each(sessions, tokens);
+        }
         session::embed(&model, tokens, &mut self.x)?;
         let be = crate::backend::for_numerics(crate::kernels::ggml::Numerics::from_env());
 
@@ -151,6 +154,25 @@ impl Batch {
             &mut self.bufs.sc,
         );
         Ok(&self.logits[..n * hp.n_vocab])
+    }
+
+    /// The step of sessions whose layers run (partly) on a GPU: each its own forward pass, since the GPU keeps each
+    /// session's cache apart. When one fails, the sessions stepped before it are rewound: nothing changes.
+    fn step_each<S: DerefMut<Target = Session>>(&mut self, sessions: &mut [S], tokens: &[u32]) -> Result<&[f32]> {
+        let nv = self.model.hp.n_vocab;
+        for t in 0..sessions.len() {
+            match sessions[t].forward(super::Input::Tokens(&tokens[t..t + 1]), super::Want::LastLogits) {
+                Ok(row) => self.logits[t * nv..(t + 1) * nv].copy_from_slice(row),
+                Err(e) => {
+                    for s in &mut sessions[..t] {
+                        let n = s.n_past() - 1;
+                        s.rewind(n);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(&self.logits[..sessions.len() * nv])
     }
 }
 

@@ -88,6 +88,16 @@ impl KvCache {
         &self.v[i][(head * self.n_ctx + pos.start) * d..(head * self.n_ctx + pos.end) * d]
     }
 
+    /// K and V rows of one head for positions `pos` to overwrite as stored (a GPU's copy of the rows it wrote).
+    pub fn rows_mut(&mut self, il: usize, head: usize, pos: Range<usize>) -> (&mut [f16], &mut [f16]) {
+        let i = il - self.layers.start;
+        let (dk, dv, n_ctx) = (self.head_dim_k, self.head_dim_v, self.n_ctx);
+        (
+            &mut self.k[i][(head * n_ctx + pos.start) * dk..(head * n_ctx + pos.end) * dk],
+            &mut self.v[i][(head * n_ctx + pos.start) * dv..(head * n_ctx + pos.end) * dv],
+        )
+    }
+
     /// Appends the K rows of one head for positions `pos` to `out`, widened to f32.
     pub fn read_k_rows(&self, il: usize, head: usize, pos: Range<usize>, out: &mut Vec<f32>) {
         widen_into(self.k_rows(il, head, pos), out);

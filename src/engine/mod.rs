@@ -5,6 +5,7 @@ pub mod batch;
 pub mod batcher;
 pub mod kv_cache;
 pub mod perplexity;
+pub mod placement;
 pub mod sampler;
 pub mod session;
 pub mod snapshot;

@@ -5,6 +5,8 @@
 //! handed over computes exactly the same operations as `0..n` at once, so the logits are bit-identical.
 
 use super::kv_cache::{KvBlock, KvCache};
+use super::placement::Placement;
+use crate::backend::gpu::layers::{GpuLayers, Out};
 use crate::backend::{self, Backend, RowsKv, Scratch};
 use crate::kernels::ThreadPool;
 use crate::kernels::ggml::Numerics;
@@ -53,15 +55,38 @@ pub struct Session {
     head_in: Vec<f32>,
     /// Baton's kernels or llama.cpp's arithmetic (`BATON_NUMERICS`, [`Session::set_numerics`]).
     numerics: Numerics,
+    /// The first layers of the range on a GPU (`--backend gpu`, `--gpu-layers`); the CPU runs the rest. `kv` keeps a
+    /// copy of every row the GPU writes, so readers of the cache see all layers.
+    gpu: Option<GpuLayers>,
 }
 
 impl Session {
-    /// A session of `n_ctx` positions that runs batches of at most `n_batch` tokens.
+    /// A session of `n_ctx` positions that runs batches of at most `n_batch` tokens, its layers where the process
+    /// places them ([`Placement::process`]: the CPU unless `--backend` says otherwise).
     pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<Session> {
+        Session::placed(model, pool, n_ctx, n_batch, Placement::process()?)
+    }
+
+    /// [`Session::new`] with its layers placed by `placement`.
+    pub fn placed(
+        model: Arc<Model>,
+        pool: Arc<ThreadPool>,
+        n_ctx: usize,
+        n_batch: usize,
+        placement: &Placement,
+    ) -> Result<Session> {
         let hp = &model.hp;
         if n_ctx == 0 || n_batch == 0 {
             bail!("context and batch sizes must be positive");
         }
+        let numerics = Numerics::from_env();
+        let gpu = match placement.gpu_weights(&model)? {
+            Some(_) if numerics == Numerics::Ggml => {
+                bail!("--numerics ggml reproduces llama.cpp's CPU arithmetic: it runs with --backend cpu only")
+            }
+            Some(w) => Some(GpuLayers::new(w, n_ctx, n_batch)?),
+            None => None,
+        };
         let ropes = rope_tables(&model, n_ctx);
         let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
         Ok(Session {
@@ -75,14 +100,23 @@ impl Session {
             ropes,
             model,
             pool,
-            numerics: Numerics::from_env(),
+            numerics,
+            gpu,
         })
     }
 
     /// Chooses the arithmetic of the following forward passes (`fast` by default, or `BATON_NUMERICS`). Switch
-    /// only on an empty cache: the `ggml` mode keeps K/V at f16 precision.
+    /// only on an empty cache: the `ggml` mode keeps K/V at f16 precision. The GPU's layers keep their own.
     pub fn set_numerics(&mut self, n: Numerics) {
         self.numerics = n;
+    }
+
+    /// The layers of the range that run on a GPU (empty when all run on the CPU).
+    pub fn gpu_layers(&self) -> std::ops::Range<usize> {
+        match &self.gpu {
+            Some(g) => g.layers(),
+            None => self.model.range.start..self.model.range.start,
+        }
     }
 
     pub fn numerics(&self) -> Numerics {
@@ -110,7 +144,11 @@ impl Session {
     /// Writes KV rows computed elsewhere (a snapshot, a prefill node's stream) into the cache. The positions count
     /// as held only after [`Session::hold_positions`], once every layer is in.
     pub fn import_kv(&mut self, block: &KvBlock) -> Result<()> {
-        block.write_into(&mut self.kv)
+        block.write_into(&mut self.kv)?;
+        if let Some(g) = &self.gpu {
+            g.upload_kv(&self.kv, block.pos.clone())?;
+        }
+        Ok(())
     }
 
     /// Marks positions `0..n` as held, with the token ids behind them (`tokens` of length `n`, or empty when
@@ -249,8 +287,33 @@ impl Session {
             }
         }
 
-        // The layers, in order.
-        for il in first..model.range.end {
+        // The layers on the GPU, then the rest on the CPU.
+        let mut cpu_first = first;
+        if let Some(g) = self.gpu.as_mut().filter(|g| first < g.layers().end) {
+            let to_head = want != Want::Hidden && g.has_head();
+            let out = match want {
+                _ if !to_head => Out::Hidden,
+                Want::LastLogits => Out::Logits {
+                    rows: n_tok - 1..n_tok,
+                    logits: grown(&mut self.logits, hp.n_vocab),
+                },
+                _ => Out::Logits {
+                    rows: 0..n_tok,
+                    logits: grown(&mut self.logits, n_tok * hp.n_vocab),
+                },
+            };
+            g.forward(&mut self.x, n_tok, pos0, first, &mut self.kv, out)?;
+            for il in first..g.layers().end {
+                on_layer(il, &self.kv, pos0..pos0 + n_tok);
+            }
+            cpu_first = g.layers().end;
+            if to_head {
+                self.kv.set_n_pos(pos0 + n_tok);
+                let n = if want == Want::LastLogits { 1 } else { n_tok };
+                return Ok(&self.logits[..n * hp.n_vocab]);
+            }
+        }
+        for il in cpu_first..model.range.end {
             let mut rows = SeqKv {
                 kv: self.kv.layer_mut(il),
                 pos0,
@@ -351,6 +414,14 @@ impl Session {
         }
         Ok(&self.logits[..self.model.hp.n_vocab])
     }
+}
+
+/// `v` at least `n` long, its first `n` values to overwrite.
+fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
 }
 
 /// One RoPE table per frequency base the model's layer range uses, for `n_ctx` positions.

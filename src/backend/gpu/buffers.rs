@@ -163,8 +163,7 @@ impl Gpu {
 
     /// `x` as f16 on the device.
     pub fn upload_halves(&self, x: &[f16]) -> Result<Halves> {
-        let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
-        let buf = self.buffer_with("halves", x.len() * 2, bytemuck::cast_slice(&bits))?;
+        let buf = self.buffer_with("halves", x.len() * 2, bytemuck::cast_slice(&bits_of(x)))?;
         Ok(Halves { buf, len: x.len() })
     }
 
@@ -252,20 +251,53 @@ impl Gpu {
         let mut enc = self.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
         let idx = self.queue.submit([enc.finish()]);
+        self.map_read(&staging, idx, bytes)
+    }
+
+    /// The first `bytes` bytes of `staging`, once the submission `idx` that fills it is done.
+    pub(super) fn map_read(&self, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex, bytes: usize) -> Result<Vec<u8>> {
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
         });
         self.wait(idx)?;
-        // The map callback runs within the wait; a lost device drops it instead.
-        match rx.try_recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => bail!("reading back from the GPU: {e}"),
-            Err(_) => bail!("reading back from the GPU: the buffer was never mapped"),
+        // The map callback runs within a poll: usually this wait's, but another thread's poll may have taken the
+        // finished work and be about to call it. A lost device drops it instead.
+        let deadline = std::time::Instant::now() + super::device::WAIT;
+        loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(1)) {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) => bail!("reading back from the GPU: {e}"),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("reading back from the GPU: the buffer was never mapped (device lost?)")
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    ensure!(
+                        std::time::Instant::now() < deadline,
+                        "reading back from the GPU: not mapped within {:?}",
+                        super::device::WAIT
+                    );
+                    self.poll()?;
+                }
+            }
         }
         let out = staging.get_mapped_range(..)?[..bytes].to_vec();
         staging.unmap();
         Ok(out)
+    }
+
+    /// Overwrites `x.len()` f16 values of `h` from `at` (even, as `x.len()`: whole words); ordered before the
+    /// passes submitted after it.
+    pub fn write_halves(&self, h: &Halves, at: usize, x: &[f16]) -> Result<()> {
+        ensure!(
+            at.is_multiple_of(2) && x.len().is_multiple_of(2) && at + x.len() <= h.len,
+            "writing {} halves at {at} of {}",
+            x.len(),
+            h.len
+        );
+        self.queue
+            .write_buffer(&h.buf, 2 * at as u64, bytemuck::cast_slice(&bits_of(x)));
+        self.check()
     }
 
     /// `t` copied back to the host.
@@ -283,4 +315,9 @@ impl Gpu {
             .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
             .collect())
     }
+}
+
+/// The bit patterns of `x`, as the device stores them.
+fn bits_of(x: &[f16]) -> Vec<u16> {
+    x.iter().map(|v| v.to_bits()).collect()
 }

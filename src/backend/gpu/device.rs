@@ -46,7 +46,7 @@ pub struct NoAdapter {
 
 /// How long one submission may run before it counts as a hung or lost device: long enough for the slowest op on
 /// lavapipe, short enough that a vanished GPU gives an error rather than a hang.
-const WAIT: Duration = Duration::from_secs(120);
+pub(super) const WAIT: Duration = Duration::from_secs(120);
 
 /// An opened adapter: everything an op needs to record and run its shaders.
 pub struct Gpu {
@@ -181,6 +181,14 @@ impl Gpu {
             })
             .map_err(|e| anyhow!("waiting for GPU {}: {e}", self.info.name))?;
         self.check()
+    }
+
+    /// Runs the device's completed work's callbacks without waiting.
+    pub(super) fn poll(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::Poll)
+            .map_err(|e| anyhow!("polling GPU {}: {e}", self.info.name))?;
+        Ok(())
     }
 
     /// The pipeline of entry point `entry` in the shader `key` with its `override` constants set to `constants`,

@@ -1,24 +1,27 @@
 //! The GPU ops, on wgpu: WGSL compute shaders over Vulkan (Linux, the DGX Spark), Metal (Apple Silicon) or DX12,
 //! tested on Mesa's software Vulkan device (lavapipe). See docs/gpu.md.
 //!
-//! This is the op set, not yet a [`super::Backend`]: weights are uploaded once in their GGUF blocks
-//! ([`Gpu::upload_matrix`]), activations and the f16 KV cache live in device buffers ([`Tensor`], [`Halves`]),
-//! and a [`Pass`] records ops over them and runs them in one submission. Each op is checked against the CPU
-//! kernels on random inputs (the tests beside each op).
+//! The CPU backends ([`super::Backend`]) take host slices op by op; a GPU would pay a round trip per op that way.
+//! So the GPU's seam is a layer range instead: weights are uploaded once in their GGUF blocks
+//! ([`Gpu::upload_matrix`]), activations and the f16 KV cache live in device buffers ([`Tensor`], [`Halves`]), a
+//! [`Pass`] records a whole range's ops and runs them in one submission, and `engine::Session` hands its first layers
+//! to [`layers::GpuLayers`] (`--backend gpu`, `--gpu-layers`). Each op is checked against the CPU kernels on random
+//! inputs (the tests beside each op).
 //!
 //! - `device.rs`: adapter choice (`auto` never opens a software adapter), the device and its pipelines.
 //! - `buffers.rs`: device buffers and uploads.
 //! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
 //! - `norm.rs`: RMSNorm. `rope.rs`: RoPE, both styles. `elementwise.rs`: residual add, SwiGLU/GeGLU.
 //! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
-//! - `forward.rs`: a whole llama / gemma3 forward pass on the device, checked against the CPU session.
+//! - `layers.rs`: a layer range of llama / gemma3 on the device (weights shared per model, KV per session), and
+//!   the head when the range ends the model.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
 
 pub mod attention;
 pub mod buffers;
 pub mod device;
 pub mod elementwise;
-pub mod forward;
+pub mod layers;
 pub mod matmul;
 pub mod norm;
 pub mod rope;
@@ -26,7 +29,7 @@ pub mod rope;
 pub use buffers::{GpuMatrix, Halves, Tensor, U32s};
 pub use device::{AdapterChoice, Gpu, NoAdapter};
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 use wgpu::util::DeviceExt;
 
 /// WGSL sources: a shader module is the snippets it needs, in order.
@@ -53,6 +56,8 @@ pub struct Pass<'g> {
     enc: wgpu::CommandEncoder,
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
     lanes: u32,
+    /// Byte runs to copy back at [`Pass::finish_read`], after every op recorded: buffer, offset, length.
+    reads: Vec<(wgpu::Buffer, u64, u64)>,
 }
 
 impl Gpu {
@@ -64,6 +69,7 @@ impl Gpu {
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
             lanes: if self.is_software() { 1 } else { 16 },
+            reads: Vec::new(),
         }
     }
 }
@@ -130,11 +136,57 @@ impl<'g> Pass<'g> {
         Ok(())
     }
 
+    /// Asks for `n` values of `t` from `at` back at [`Pass::finish_read`], as they are after every op of the pass.
+    pub fn read(&mut self, t: &Tensor, at: usize, n: usize) -> Result<()> {
+        ensure!(at + n <= t.len(), "reading {n} values from {at} of {}", t.len());
+        self.reads.push((t.buf.clone(), 4 * at as u64, 4 * n as u64));
+        Ok(())
+    }
+
+    /// [`Pass::read`] of f16 values (KV rows): `at` and `n` even, so the run is whole words.
+    pub fn read_halves(&mut self, h: &Halves, at: usize, n: usize) -> Result<()> {
+        ensure!(
+            at.is_multiple_of(2) && n.is_multiple_of(2) && at + n <= h.len(),
+            "reading {n} halves from {at} of {}",
+            h.len()
+        );
+        self.reads.push((h.buf.clone(), 2 * at as u64, 2 * n as u64));
+        Ok(())
+    }
+
     /// Runs the recorded ops and waits for them.
     pub fn finish(self) -> Result<()> {
+        ensure!(self.reads.is_empty(), "a pass with reads ends with finish_read");
         self.gpu.check()?;
         let idx = self.gpu.queue.submit([self.enc.finish()]);
         self.gpu.wait(idx)
+    }
+
+    /// Runs the recorded ops and returns the bytes of each [`Pass::read`] / [`Pass::read_halves`], in order: one
+    /// submission and one copy back for all of them.
+    pub fn finish_read(mut self) -> Result<Vec<Vec<u8>>> {
+        let total: u64 = self.reads.iter().map(|r| r.2).sum();
+        let staging = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: total.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut at = 0;
+        for (buf, offset, len) in &self.reads {
+            self.enc.copy_buffer_to_buffer(buf, *offset, &staging, at, *len);
+            at += len;
+        }
+        self.gpu.check()?;
+        let idx = self.gpu.queue.submit([self.enc.finish()]);
+        let bytes = self.gpu.map_read(&staging, idx, total as usize)?;
+        let mut out = Vec::with_capacity(self.reads.len());
+        let mut at = 0;
+        for (_, _, len) in &self.reads {
+            out.push(bytes[at..at + *len as usize].to_vec());
+            at += *len as usize;
+        }
+        Ok(out)
     }
 }
 
@@ -146,15 +198,15 @@ fn u32_of(n: usize, what: &str) -> Result<u32> {
 /// The adapter the tests run on: software (lavapipe) unless `BATON_GPU_ADAPTER` says otherwise. `None`, after
 /// printing the one SKIPPED line, where there is none.
 #[cfg(test)]
-pub(crate) fn test_gpu() -> Option<&'static Gpu> {
-    use std::sync::OnceLock;
-    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+pub(crate) fn test_gpu() -> Option<std::sync::Arc<Gpu>> {
+    use std::sync::{Arc, OnceLock};
+    static GPU: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
     let gpu = GPU.get_or_init(|| {
         let choice = AdapterChoice::from_env_or(AdapterChoice::Software).expect("BATON_GPU_ADAPTER");
         match Gpu::open(choice) {
             Ok(g) => {
                 eprintln!("GPU tests on {}", g.describe());
-                Some(g)
+                Some(Arc::new(g))
             }
             Err(e) if e.downcast_ref::<NoAdapter>().is_some() => None,
             Err(e) => panic!("opening the GPU adapter: {e:#}"),
@@ -163,5 +215,5 @@ pub(crate) fn test_gpu() -> Option<&'static Gpu> {
     if gpu.is_none() {
         println!("SKIPPED: no GPU adapter (install mesa-vulkan-drivers)");
     }
-    gpu.as_ref()
+    gpu.clone()
 }
