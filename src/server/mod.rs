@@ -20,6 +20,7 @@ pub mod stop;
 
 use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
 use crate::engine::batcher::Batcher;
+use crate::engine::disk_cache::DiskCache;
 use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, Prompt, TextModel};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
@@ -78,6 +79,10 @@ pub struct ServeConfig {
     pub kv_bits: String,
     /// With prefill nodes: a silent prefill node is given up after this (the decode side then prefills).
     pub prefill_timeout: Duration,
+    /// Prompt prefixes on disk (`--kv-cache-dir`), shared by the local slots.
+    pub kv_cache: Option<Arc<DiskCache>>,
+    /// Where `/slots/{id}?action=save|restore` keep sessions; `None`: those endpoints are off.
+    pub slot_save_path: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -108,6 +113,8 @@ impl Default for ServeConfig {
             offload: "auto".into(),
             kv_bits: "16".into(),
             prefill_timeout: Duration::from_secs(10),
+            kv_cache: None,
+            slot_save_path: None,
         }
     }
 }
@@ -123,6 +130,9 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     }
     if cfg.parallel == 0 {
         bail!("--parallel must be at least 1");
+    }
+    if cfg.kv_cache.is_some() && cfg.ensemble.is_some() {
+        bail!("--kv-cache-dir works with a local model only, not with --ensemble");
     }
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
     let metrics = Arc::new(Metrics::default());
@@ -257,6 +267,11 @@ fn build_nodes(
         (None, None, None) => None,
     };
     // One builder for every slot: the secret is read once, on the first link that needs it.
+    if cfg.kv_cache.is_some() && (topology.is_some() || cfg.draft.is_some()) {
+        bail!(
+            "--kv-cache-dir works with a local model only, not with --cluster, --pipeline, --prefill-node or --draft"
+        );
+    }
     let builder = Arc::new(Builder::new(topology_args(cfg, file)?));
     let name = path
         .file_name()
@@ -289,12 +304,16 @@ fn build_nodes(
                     )
                 })
                 .transpose()?;
+            let disk = cfg.kv_cache.clone();
             let factory: Factory = Arc::new(move || {
                 let g = LocalGenerator::new(model.clone(), pool.clone(), ctx, batch)?;
-                let g = match &batcher {
+                let mut g = match &batcher {
                     Some(b) => g.with_batcher(b),
                     None => g,
                 };
+                if let Some(d) = &disk {
+                    g.set_disk_cache(d.clone())?;
+                }
                 Ok(Box::new(g) as Box<dyn Generator>)
             });
             let node = NodeSpec {
