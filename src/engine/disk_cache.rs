@@ -144,8 +144,10 @@ impl DiskCache {
         Ok(held)
     }
 
-    /// Queues for writing every whole block of `tokens` that the session holds and the directory lacks.
-    pub fn store_prefix(&self, s: &Session, tokens: &[u32]) -> Result<()> {
+    /// Queues for writing every whole block of `tokens` that the session holds: those the directory lacks, and
+    /// every one past `fresh_from` (positions just computed because the directory had no good entry there, so one
+    /// there is damaged or orphaned and is replaced).
+    pub fn store_prefix(&self, s: &Session, tokens: &[u32], fresh_from: usize) -> Result<()> {
         let n = s.n_past().min(tokens.len());
         if s.tokens().get(..n) != Some(&tokens[..n]) {
             bail!("the session does not hold these tokens");
@@ -156,7 +158,7 @@ impl DiskCache {
         for i in 0..n / BLOCK {
             let pos = i * BLOCK..(i + 1) * BLOCK;
             let path = self.path_of(s, &tokens[..pos.end])?;
-            if path.exists() {
+            if pos.end <= fresh_from && path.exists() {
                 continue;
             }
             let mut block = KvBlock::from_cache(s.kv(), s.kv().layers.clone(), pos.clone());
@@ -222,9 +224,6 @@ fn touch(path: &Path) {
 fn write_loop(dir: &Path, max_bytes: u64, rx: mpsc::Receiver<Pending>) {
     let mut total = evict(dir, max_bytes);
     for p in rx {
-        if p.path.exists() {
-            continue;
-        }
         let written = p
             .model
             .fingerprint()

@@ -96,7 +96,7 @@ impl Generator for LocalGenerator {
         };
         let t_prompt = t0.elapsed();
         if let Some(d) = disk {
-            if let Err(e) = d.store_prefix(session_mut(slot)?, &tokens) {
+            if let Err(e) = d.store_prefix(session_mut(slot)?, &tokens, cached) {
                 eprintln!("kv-cache: not storing this prompt: {e:#}");
             }
         }

@@ -4,6 +4,7 @@
 //! - [`routes`]: axum routes, authentication, SSE;
 //! - [`queue`]: slots (one Generator and one thread each), the bounded queue, retries, health checks;
 //! - [`router`]: which slot takes a request (longest cached prefix unless overloaded, else least loaded);
+//! - [`slots`]: `/slots/{id}?action=save|restore`, a slot's session to and from a file;
 //! - [`stop`]: stop strings over a token stream; [`metrics`]: Prometheus text; [`cluster_file`]: `--cluster`.
 //!
 //! Data flow: HTTP handler → parse → `Scheduler::submit` → a slot's thread runs `Generator::generate` → events on
@@ -16,6 +17,7 @@ pub mod openai;
 pub mod queue;
 pub mod router;
 pub mod routes;
+pub mod slots;
 pub mod stop;
 
 use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
@@ -131,6 +133,9 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     if cfg.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
+    if let Some(d) = &cfg.slot_save_path {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create --slot-save-path {}", d.display()))?;
+    }
     if cfg.kv_cache.is_some() && cfg.ensemble.is_some() {
         bail!("--kv-cache-dir works with a local model only, not with --ensemble");
     }
@@ -167,6 +172,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        slot_save_path: cfg.slot_save_path.clone(),
     });
     // Two runtime threads are plenty to move bytes; compute runs on the slots' threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
