@@ -32,12 +32,11 @@ fn long_prompt(seed: u32) -> String {
 }
 
 fn run(args: &[&str]) -> Output {
-    let o = Command::new(env!("CARGO_BIN_EXE_baton"))
+    Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["run", "-t", "2", "-c", "1024", "--temp", "0", "-n", "8"])
         .args(args)
         .output()
-        .unwrap();
-    o
+        .unwrap()
 }
 
 fn stderr(o: &Output) -> String {
