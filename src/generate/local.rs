@@ -95,10 +95,10 @@ impl Generator for LocalGenerator {
             (cached, pick(&mut sampler, logits))
         };
         let t_prompt = t0.elapsed();
-        if let Some(d) = disk {
-            if let Err(e) = d.store_prefix(session_mut(slot)?, &tokens, cached) {
-                eprintln!("kv-cache: not storing this prompt: {e:#}");
-            }
+        if let Some(d) = disk
+            && let Err(e) = d.store_prefix(session_mut(slot)?, &tokens, cached)
+        {
+            eprintln!("kv-cache: not storing this prompt: {e:#}");
         }
         let t1 = Instant::now();
         let mut seat = self.seat.as_mut();
