@@ -8,7 +8,7 @@ mod cluster_util;
 use cluster_util::{ServeProc, smollm2};
 use serde_json::{Value, json};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const BLOCK: usize = baton::engine::disk_cache::BLOCK;
@@ -31,12 +31,34 @@ fn long_prompt(seed: u32) -> String {
     out
 }
 
-fn run(args: &[&str]) -> Output {
+/// Longest a `baton run` of these tests may take (cold 600-token prefills on a loaded 2-core machine).
+const RUN_LIMIT: Duration = Duration::from_secs(300);
+
+fn spawn_run(args: &[&str]) -> std::process::Child {
     Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["run", "-t", "2", "-c", "1024", "--temp", "0", "-n", "8"])
         .args(args)
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap()
+}
+
+/// Waits for a run (its output is small enough to stay in the pipes), killing it past [`RUN_LIMIT`].
+fn finish(mut child: std::process::Child) -> Output {
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > RUN_LIMIT {
+            let _ = child.kill();
+            panic!("baton run took more than {RUN_LIMIT:?}: {:?}", child.wait_with_output());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn run(args: &[&str]) -> Output {
+    finish(spawn_run(args))
 }
 
 fn stderr(o: &Output) -> String {
@@ -129,6 +151,27 @@ fn run_prefills_only_the_suffix_after_a_restart_with_the_cold_output() {
         1,
         "one 5.9 MB entry fits 7.5 MB, two do not"
     );
+}
+
+#[test]
+fn two_processes_writing_one_directory_leave_only_whole_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (m, prompt) = (smollm2(), long_prompt(3));
+    let args = ["-m", m.to_str().unwrap(), "--kv-cache-dir", d, &prompt];
+    let (a, b) = (spawn_run(&args), spawn_run(&args));
+    let (a, b) = (finish(a), finish(b));
+    assert_eq!(ok_stdout(&a), ok_stdout(&b));
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".kv"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+    let third = run(&args);
+    assert_eq!(ok_stdout(&third), ok_stdout(&a));
+    let (n, cached) = prompt_counts(&third);
+    assert_eq!(cached, (n - 1) / BLOCK * BLOCK, "{}", stderr(&third));
 }
 
 /// Completion request: text and cached tokens.

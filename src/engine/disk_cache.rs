@@ -111,8 +111,7 @@ impl DiskCache {
     /// costs only the recomputation.
     pub fn load_prefix(&self, s: &mut Session, tokens: &[u32]) -> Result<usize> {
         let limit = tokens.len().saturating_sub(1).min(s.n_ctx());
-        let mut held = s.n_past();
-        let mut i = held / BLOCK;
+        let mut i = s.n_past() / BLOCK;
         let mut loaded = 0;
         while (i + 1) * BLOCK <= limit {
             let pos = i * BLOCK..(i + 1) * BLOCK;
@@ -132,9 +131,10 @@ impl DiskCache {
             }
             touch(&path);
             loaded += pos.len();
-            held = pos.end;
             i += 1;
         }
+        // What the session holds, not what was counted: a block refused after its rewind leaves less.
+        let held = s.n_past();
         if loaded > 0 {
             eprintln!(
                 "kv-cache: hit {held} tokens from {} ({loaded} read from disk)",

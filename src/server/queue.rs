@@ -398,27 +398,29 @@ fn worker(
 
 /// Saves or restores the slot's session; also says whether the slot still holds what its affinity key names.
 fn session_op(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, op: &SlotOp) -> (Result<usize>, bool) {
-    if generator.is_none() {
-        match factory() {
-            Ok(g) => *generator = Some(g),
-            Err(e) => return (Err(e), false),
-        }
-    }
-    let g = generator.as_mut().unwrap();
+    let g = match built(generator, factory) {
+        Ok(g) => g,
+        Err(e) => return (Err(e), false),
+    };
     match op {
         SlotOp::Save(path) => (g.save_session(path), true),
         SlotOp::Restore(path) => (g.load_session(path), false),
     }
 }
 
-fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &Job, m: &Metrics) -> Ran {
+/// The slot's generator, built by `factory` when it has none (first use, or rebuilt after a failure).
+fn built<'a>(generator: &'a mut Option<Box<dyn Generator>>, factory: &Factory) -> Result<&'a mut Box<dyn Generator>> {
     if generator.is_none() {
-        match factory() {
-            Ok(g) => *generator = Some(g),
-            Err(e) => return Ran::FailedEarly(e),
-        }
+        *generator = Some(factory()?);
     }
-    let g = generator.as_mut().unwrap();
+    Ok(generator.as_mut().unwrap())
+}
+
+fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &Job, m: &Metrics) -> Ran {
+    let g = match built(generator, factory) {
+        Ok(g) => g,
+        Err(e) => return Ran::FailedEarly(e),
+    };
     // Validation that needs the tokenizer: the prompt and max_tokens against the context.
     let n_ctx = g.n_ctx();
     let param = match job.prompt {
