@@ -144,6 +144,95 @@ fn greedy_matches_llama_cpp_gemma3() {
     check_greedy("gemma3");
 }
 
+/// A generated model (tests/models/, scripts/gen-test-models.py) against its llama.cpp golden
+/// (`greedy-<name>.json`, scripts/gen-test-goldens.py: each step is the whole sequence evaluated as one batch).
+/// Greedy tokens must be identical in both numerics: Baton's fast kernels decoding one token at a time, and the
+/// `ggml` numerics evaluating each step as llama.cpp did. The logits of every step's chosen token and the last prompt
+/// position's top 20 are held to `max_err[numerics]`.
+fn check_generated(name: &str, max_err: [f64; 2]) {
+    let g = golden(&format!("greedy-{name}.json"));
+    let model = Arc::new(Model::load(&common::model(name)).unwrap());
+    assert_eq!(model.hp.arch.name(), g["arch"].as_str().unwrap(), "{name}: architecture");
+    let vocab = Vocab::from_gguf(&model.file).unwrap();
+    let pool = Arc::new(ThreadPool::new(2));
+    let mut errs = [0.0f64; 2];
+    for p in g["prompts"].as_array().unwrap() {
+        let label = p["label"].as_str().unwrap();
+        let prompt_ids = ids(&p["prompt_ids"]);
+        assert_eq!(
+            vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
+            prompt_ids,
+            "{name}/{label}: prompt tokens differ from llama.cpp"
+        );
+        let want = ids(&p["output_ids"]);
+        let steps = p["steps"].as_array().unwrap();
+        let top20 = p["last_prompt_logits"]["top20"].as_array().unwrap();
+        for (i, numerics) in [Numerics::Fast, Numerics::Ggml].into_iter().enumerate() {
+            let new_session = || {
+                let mut s = Session::new(model.clone(), pool.clone(), 512, 512).unwrap();
+                s.set_numerics(numerics);
+                s
+            };
+            let mut err = 0.0f64;
+            let mut s = new_session();
+            let mut got = Vec::new();
+            for (step, st) in steps.iter().enumerate() {
+                let logits = if numerics == Numerics::Ggml {
+                    let seq = [&prompt_ids[..], &want[..step]].concat();
+                    new_session().eval(&seq).unwrap().to_vec()
+                } else if step == 0 {
+                    s.eval(&prompt_ids).unwrap().to_vec()
+                } else {
+                    s.forward(Input::Tokens(&[got[step - 1]]), Want::LastLogits).unwrap().to_vec()
+                };
+                if step == 0 {
+                    for pair in top20 {
+                        let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+                        err = err.max((logits[id] as f64 - l).abs());
+                    }
+                }
+                let id = st["id"].as_u64().unwrap() as usize;
+                err = err.max((logits[id] as f64 - st["logit"].as_f64().unwrap()).abs());
+                got.push(argmax(&logits) as u32);
+            }
+            assert_eq!(got, want, "{name}/{label} ({numerics:?}): greedy tokens differ from llama.cpp");
+            errs[i] = errs[i].max(err);
+        }
+    }
+    eprintln!(
+        "{name}: greedy tokens identical to llama.cpp ({}); largest logit difference: fast {:.2e}, ggml {:.2e}",
+        g["llama_cpp_cpu"].as_str().unwrap_or("?"),
+        errs[0],
+        errs[1]
+    );
+    for (i, numerics) in ["fast", "ggml"].iter().enumerate() {
+        assert!(
+            errs[i] <= max_err[i],
+            "{name}: {numerics} logits differ from llama.cpp by {} (allowed {})",
+            errs[i],
+            max_err[i]
+        );
+    }
+}
+
+/// Llama 3-style RoPE frequency factors (`rope_freqs.weight`) and the llama-bpe pre-tokenizer.
+#[test]
+fn greedy_matches_llama_cpp_llama3_rope_freqs() {
+    check_generated("llama3", [1e-3, 1e-3]);
+}
+
+/// Q/K/V biases, NeoX RoPE, Q8_0 matrices and the qwen2 pre-tokenizer.
+#[test]
+fn greedy_matches_llama_cpp_qwen2() {
+    check_generated("qwen2", [1e-3, 1e-3]);
+}
+
+/// Per-head Q/K RMSNorm, a head size other than n_embd / n_head, F16 matrices.
+#[test]
+fn greedy_matches_llama_cpp_qwen3() {
+    check_generated("qwen3", [1e-3, 1e-3]);
+}
+
 /// What a perplexity run must achieve against llama.cpp.
 struct Expect {
     numerics: Numerics,

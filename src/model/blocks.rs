@@ -196,12 +196,28 @@ pub fn add(s: &Step, x: &mut [f32], y: &[f32]) {
     s.be.add(&mut x[..n], &y[..n]);
 }
 
-/// Computes Q, K and V of the batch from the normalised input `b.xn`.
+/// Computes Q, K and V of the batch from the normalised input `b.xn`, plus their biases where the layer has them
+/// (llama.cpp adds them after the matmul, each row on its own, as here).
 pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
     let a = Attn::split(&mut b.work, b.qkv_len);
-    project(s, &lw.wq, &b.xn, a.q, &mut b.sc);
-    project(s, &lw.wk, &b.xn, a.k, &mut b.sc);
-    project(s, &lw.wv, &b.xn, a.v, &mut b.sc);
+    for (w, bias, y) in [(&lw.wq, &lw.bq, a.q), (&lw.wk, &lw.bk, a.k), (&lw.wv, &lw.bv, a.v)] {
+        project(s, w, &b.xn, y, &mut b.sc);
+        if let Some(bias) = bias {
+            for row in y[..s.n_tok * bias.len()].chunks_exact_mut(bias.len()) {
+                s.be.add(row, bias);
+            }
+        }
+    }
+}
+
+/// RMS-normalises every head of Q and K with the layer's `attn_q_norm`/`attn_k_norm` (Gemma 3, Qwen 3), before
+/// RoPE.
+pub fn qk_norm(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
+    let hp = s.hp;
+    let (q_norm, k_norm) = (lw.q_norm.as_deref().unwrap(), lw.k_norm.as_deref().unwrap());
+    let a = b.attn();
+    norm_heads(s, a.q, q_norm, hp.n_head);
+    norm_heads(s, a.k, k_norm, hp.n_head_kv);
 }
 
 /// The attention's output projection, written to `b.xn` (the sub-block's input is no longer needed).

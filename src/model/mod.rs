@@ -9,6 +9,7 @@ pub mod cache;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
+pub mod qwen3;
 pub mod quantize;
 pub mod random;
 
@@ -22,13 +23,17 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The weights of one transformer block. Gemma-only tensors are `None` for llama.
+/// The weights of one transformer block. Tensors of some architectures only are `None` for the others.
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     pub wq: Matrix,
     pub wk: Matrix,
     pub wv: Matrix,
     pub wo: Matrix,
+    /// Biases added to Q, K and V (Qwen 2; optional in llama, as in llama.cpp).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
@@ -71,6 +76,50 @@ pub struct Model {
     fingerprint: std::sync::OnceLock<String>,
 }
 
+/// Fails, naming it, on a tensor the architecture does not use: a tensor Baton does not know changes the math (a
+/// bias, RoPE factors, an extra norm), so ignoring it would give wrong output.
+fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
+    let global = |n: &str| match n {
+        "token_embd.weight" | "output_norm.weight" | "output.weight" => true,
+        "rope_freqs.weight" => hp.arch == Arch::Llama,
+        _ => false,
+    };
+    let qkv_bias: &[&str] = &["attn_q.bias", "attn_k.bias", "attn_v.bias"];
+    let qk_norm: &[&str] = &["attn_q_norm.weight", "attn_k_norm.weight"];
+    let layer = |t: &str| -> bool {
+        let common = [
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ];
+        let extra: &[&[&str]] = match hp.arch {
+            Arch::Llama | Arch::Qwen2 => &[qkv_bias],
+            Arch::Qwen3 => &[qk_norm],
+            Arch::Gemma3 => &[qk_norm, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
+        };
+        common.contains(&t) || extra.iter().any(|names| names.contains(&t))
+    };
+    for name in f.tensors.keys() {
+        let known = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer) && layer(t),
+            None => global(name),
+        };
+        if !known {
+            bail!(
+                "tensor {name:?} is not part of Baton's {} architecture; computing without it would give wrong output",
+                hp.arch.name()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Parses `"A:B"` (B exclusive, `end` allowed) into a layer range checked against `n_layer`.
 pub fn parse_layer_range(s: &str, n_layer: usize) -> Result<Range<usize>> {
     let (a, b) = s
@@ -101,6 +150,7 @@ impl Model {
 
     pub fn from_file(file: Arc<GgufFile>, range: Option<Range<usize>>) -> Result<Model> {
         let hp = Hparams::from_gguf(&file)?;
+        check_tensor_names(&file, &hp)?;
         let range = range.unwrap_or(0..hp.n_layer);
         if range.start >= range.end || range.end > hp.n_layer {
             bail!(
@@ -148,6 +198,9 @@ impl Model {
                 wk: matrix(&p("attn_k"), e, hp.n_embd_k())?,
                 wv: matrix(&p("attn_v"), e, hp.n_embd_v())?,
                 wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
+                bq: opt_vector(&format!("blk.{il}.attn_q.bias"), hp.n_embd_q())?,
+                bk: opt_vector(&format!("blk.{il}.attn_k.bias"), hp.n_embd_k())?,
+                bv: opt_vector(&format!("blk.{il}.attn_v.bias"), hp.n_embd_v())?,
                 q_norm: opt_vector(&p("attn_q_norm"), hp.head_dim_k)?,
                 k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
                 post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
@@ -164,6 +217,12 @@ impl Model {
                     || lw.post_ffn_norm.is_none())
             {
                 bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
+            }
+            if hp.arch == Arch::Qwen3 && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
+                bail!("qwen3 layer {il} lacks its attn_q_norm/attn_k_norm");
+            }
+            if hp.arch == Arch::Qwen2 && (lw.bq.is_none() || lw.bk.is_none() || lw.bv.is_none()) {
+                bail!("qwen2 layer {il} lacks one of its attn_q/attn_k/attn_v biases");
             }
             layers.push(lw);
         }
