@@ -146,16 +146,18 @@ fn greedy_matches_llama_cpp_gemma3() {
 
 /// A generated model (tests/models/, scripts/gen-test-models.py) against its llama.cpp golden
 /// (`greedy-<name>.json`, scripts/gen-test-goldens.py: each step is the whole sequence evaluated as one batch).
-/// Greedy tokens must be identical in both numerics: Baton's fast kernels decoding one token at a time, and the
-/// `ggml` numerics evaluating each step as llama.cpp did. The logits of every step's chosen token and the last prompt
-/// position's top 20 are held to `max_err[numerics]`.
-fn check_generated(name: &str, max_err: [f64; 2]) {
+/// Both numerics are checked: Baton's fast kernels decoding one token at a time, and the `ggml` numerics evaluating
+/// each step as llama.cpp did (prompt plus llama.cpp's tokens so far). Every step's argmax must be llama.cpp's,
+/// except at a near-tie (llama.cpp's top-2 gap below `tol.near_tie`; the fast run then stops comparing, its text
+/// having parted); the logits of the last prompt position's top 20 and of every compared step's chosen token must
+/// be within `tol.logits`.
+fn check_generated(name: &str, tol: Tol) {
     let g = golden(&format!("greedy-{name}.json"));
     let model = Arc::new(Model::load(&common::model(name)).unwrap());
     assert_eq!(model.hp.arch.name(), g["arch"].as_str().unwrap(), "{name}: architecture");
     let vocab = Vocab::from_gguf(&model.file).unwrap();
     let pool = Arc::new(ThreadPool::new(2));
-    let mut errs = [0.0f64; 2];
+    let (mut errs, mut flips, mut compared) = ([0.0f64; 2], [0usize; 2], [0usize; 2]);
     for p in g["prompts"].as_array().unwrap() {
         let label = p["label"].as_str().unwrap();
         let prompt_ids = ids(&p["prompt_ids"]);
@@ -173,9 +175,7 @@ fn check_generated(name: &str, max_err: [f64; 2]) {
                 s.set_numerics(numerics);
                 s
             };
-            let mut err = 0.0f64;
             let mut s = new_session();
-            let mut got = Vec::new();
             for (step, st) in steps.iter().enumerate() {
                 let logits = if numerics == Numerics::Ggml {
                     let seq = [&prompt_ids[..], &want[..step]].concat();
@@ -183,54 +183,93 @@ fn check_generated(name: &str, max_err: [f64; 2]) {
                 } else if step == 0 {
                     s.eval(&prompt_ids).unwrap().to_vec()
                 } else {
-                    s.forward(Input::Tokens(&[got[step - 1]]), Want::LastLogits).unwrap().to_vec()
+                    s.forward(Input::Tokens(&[want[step - 1]]), Want::LastLogits)
+                        .unwrap()
+                        .to_vec()
                 };
                 if step == 0 {
                     for pair in top20 {
                         let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
-                        err = err.max((logits[id] as f64 - l).abs());
+                        errs[i] = errs[i].max((logits[id] as f64 - l).abs());
                     }
                 }
-                let id = st["id"].as_u64().unwrap() as usize;
-                err = err.max((logits[id] as f64 - st["logit"].as_f64().unwrap()).abs());
-                got.push(argmax(&logits) as u32);
+                let id = want[step] as usize;
+                errs[i] = errs[i].max((logits[id] as f64 - st["logit"].as_f64().unwrap()).abs());
+                compared[i] += 1;
+                let got = argmax(&logits);
+                if got != id {
+                    let gap = st["gap"].as_f64().unwrap();
+                    assert!(
+                        gap < tol.near_tie,
+                        "{name}/{label} ({numerics:?}): step {step} chose {got} where llama.cpp chose {id} by a gap of \
+                         {gap:.4}, not a near-tie"
+                    );
+                    flips[i] += 1;
+                    if numerics == Numerics::Fast {
+                        break;
+                    }
+                }
             }
-            assert_eq!(got, want, "{name}/{label} ({numerics:?}): greedy tokens differ from llama.cpp");
-            errs[i] = errs[i].max(err);
         }
     }
     eprintln!(
-        "{name}: greedy tokens identical to llama.cpp ({}); largest logit difference: fast {:.2e}, ggml {:.2e}",
+        "{name} against llama.cpp ({}): fast: {} steps compared, {} near-tie flips, largest logit difference {:.2e}; \
+         ggml: {} steps, {} flips, {:.2e}",
         g["llama_cpp_cpu"].as_str().unwrap_or("?"),
+        compared[0],
+        flips[0],
         errs[0],
+        compared[1],
+        flips[1],
         errs[1]
     );
     for (i, numerics) in ["fast", "ggml"].iter().enumerate() {
         assert!(
-            errs[i] <= max_err[i],
+            errs[i] <= tol.logits,
             "{name}: {numerics} logits differ from llama.cpp by {} (allowed {})",
             errs[i],
-            max_err[i]
+            tol.logits
         );
     }
 }
 
-/// Llama 3-style RoPE frequency factors (`rope_freqs.weight`) and the llama-bpe pre-tokenizer.
+/// Tolerances of a generated model's check.
+struct Tol {
+    logits: f64,
+    near_tie: f64,
+}
+
+/// F32 and F16 weights: llama.cpp rounds the activations of an F16 matmul to f16 where Baton keeps f32 (measured
+/// 7e-3 on logits of about 20), so two candidates closer than twice that may swap.
+const FLOAT_TOL: Tol = Tol {
+    logits: 0.02,
+    near_tie: 0.04,
+};
+
+/// Llama 3-style RoPE frequency factors (`rope_freqs.weight`; ignoring them moves these logits by 0.4 to 2.4, measured
+/// with a numpy forward) and the llama-bpe pre-tokenizer; F32 block matrices, F16 embeddings and head.
 #[test]
 fn greedy_matches_llama_cpp_llama3_rope_freqs() {
-    check_generated("llama3", [1e-3, 1e-3]);
+    check_generated("llama3", FLOAT_TOL);
 }
 
-/// Q/K/V biases, NeoX RoPE, Q8_0 matrices and the qwen2 pre-tokenizer.
+/// Q/K/V biases, NeoX RoPE, the qwen2 pre-tokenizer; Q8_0 matrices, whose activation quantization moves llama.cpp's
+/// own logits by up to 0.18 from exact arithmetic (an f64 numpy forward), and Baton's by as much.
 #[test]
 fn greedy_matches_llama_cpp_qwen2() {
-    check_generated("qwen2", [1e-3, 1e-3]);
+    check_generated(
+        "qwen2",
+        Tol {
+            logits: 0.4,
+            near_tie: 0.8,
+        },
+    );
 }
 
-/// Per-head Q/K RMSNorm, a head size other than n_embd / n_head, F16 matrices.
+/// Per-head Q/K RMSNorm, a head size other than n_embd / n_head; F16 matrices.
 #[test]
 fn greedy_matches_llama_cpp_qwen3() {
-    check_generated("qwen3", [1e-3, 1e-3]);
+    check_generated("qwen3", FLOAT_TOL);
 }
 
 /// What a perplexity run must achieve against llama.cpp.
