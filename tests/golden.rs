@@ -67,6 +67,19 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// One prompt of a greedy golden: its label, its ids (which Baton's tokenizer must give too), and llama.cpp's
+/// output ids and steps.
+fn golden_prompt<'a>(model_name: &str, vocab: &Vocab, p: &'a Value) -> (&'a str, Vec<u32>, Vec<u32>, &'a [Value]) {
+    let label = p["label"].as_str().unwrap();
+    let prompt_ids = ids(&p["prompt_ids"]);
+    assert_eq!(
+        vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
+        prompt_ids,
+        "{model_name}/{label}: prompt tokens differ from llama.cpp"
+    );
+    (label, prompt_ids, ids(&p["output_ids"]), p["steps"].as_array().unwrap())
+}
+
 fn check_greedy(model_name: &str) {
     let g = golden_at("greedy", model_name, Numerics::Fast);
     let path = common::model(model_name);
@@ -75,15 +88,7 @@ fn check_greedy(model_name: &str) {
     let pool = Arc::new(ThreadPool::new(2));
     let mut report = Vec::new();
     for p in g["prompts"].as_array().unwrap() {
-        let label = p["label"].as_str().unwrap();
-        let prompt_ids = ids(&p["prompt_ids"]);
-        assert_eq!(
-            vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
-            prompt_ids,
-            "{model_name}/{label}: prompt tokens differ from llama.cpp"
-        );
-        let want = ids(&p["output_ids"]);
-        let steps = p["steps"].as_array().unwrap();
+        let (label, prompt_ids, want, steps) = golden_prompt(model_name, &vocab, p);
 
         let mut s = Session::new(model.clone(), pool.clone(), 2048, 512).unwrap();
         let logits = s.eval(&prompt_ids).unwrap().to_vec();
@@ -154,20 +159,16 @@ fn greedy_matches_llama_cpp_gemma3() {
 fn check_generated(name: &str, tol: Tol) {
     let g = golden(&format!("greedy-{name}.json"));
     let model = Arc::new(Model::load(&common::model(name)).unwrap());
-    assert_eq!(model.hp.arch.name(), g["arch"].as_str().unwrap(), "{name}: architecture");
+    assert_eq!(
+        model.hp.arch.name(),
+        g["arch"].as_str().unwrap(),
+        "{name}: architecture"
+    );
     let vocab = Vocab::from_gguf(&model.file).unwrap();
     let pool = Arc::new(ThreadPool::new(2));
     let (mut errs, mut flips, mut compared) = ([0.0f64; 2], [0usize; 2], [0usize; 2]);
     for p in g["prompts"].as_array().unwrap() {
-        let label = p["label"].as_str().unwrap();
-        let prompt_ids = ids(&p["prompt_ids"]);
-        assert_eq!(
-            vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
-            prompt_ids,
-            "{name}/{label}: prompt tokens differ from llama.cpp"
-        );
-        let want = ids(&p["output_ids"]);
-        let steps = p["steps"].as_array().unwrap();
+        let (label, prompt_ids, want, steps) = golden_prompt(name, &vocab, p);
         let top20 = p["last_prompt_logits"]["top20"].as_array().unwrap();
         for (i, numerics) in [Numerics::Fast, Numerics::Ggml].into_iter().enumerate() {
             let new_session = || {

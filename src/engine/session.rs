@@ -10,7 +10,7 @@ use crate::kernels::ThreadPool;
 use crate::kernels::ggml::Numerics;
 use crate::kernels::ops::{self, RopeTable};
 use crate::model::blocks::{self, Buffers, SeqKv, Step};
-use crate::model::{Arch, Model, gemma3, llama, qwen3};
+use crate::model::{Arch, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
 
@@ -406,8 +406,7 @@ pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> 
 pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffers, kv: &mut impl RowsKv) {
     let lw = model.layer(step.il);
     blocks::for_each_slice(step, x, bufs, kv, |s, x, b, kv| match model.hp.arch {
-        Arch::Llama | Arch::Qwen2 => llama::layer(s, lw, x, b, kv),
-        Arch::Qwen3 => qwen3::layer(s, lw, x, b, kv),
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => llama::layer(s, lw, x, b, kv),
         Arch::Gemma3 => gemma3::layer(s, lw, x, b, kv),
     });
 }

@@ -234,6 +234,20 @@ pub fn ffn(s: &Step, lw: &LayerWeights, b: &mut Buffers, glu: Glu) {
     project(s, &lw.ffn_down, h, &mut b.xn, &mut b.sc);
 }
 
+/// The attention sub-block up to its output projection, which it leaves in `b.xn`: pre-norm of `x`, Q/K/V (with
+/// their biases where the layer has them), RMSNorm of each Q and K head where the layer has those norms, RoPE, the
+/// KV store and the attention. Which of these tensors a layer may or must have is checked at load, per architecture.
+pub fn self_attention(s: &Step, lw: &LayerWeights, x: &[f32], b: &mut Buffers, kv: &mut impl RowsKv) {
+    norm_rows(s, x, &lw.attn_norm, &mut b.xn);
+    qkv(s, lw, b);
+    if lw.q_norm.is_some() {
+        qk_norm(s, lw, b);
+    }
+    rope_and_store(s, b, kv);
+    attend(s, b, kv);
+    attn_output(s, lw, b);
+}
+
 /// Rotates Q and K by position and writes each row's K and V into its cache at its position (rounded to f16, to
 /// nearest, as ggml's F16 cache rounds them).
 pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {

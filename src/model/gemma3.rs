@@ -12,12 +12,7 @@ use crate::kernels::Glu;
 /// row keeps its KV.
 pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
     // Attention, with per-head Q/K norms before RoPE and a norm on its output before the residual add.
-    blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
-    blocks::qkv(s, lw, b);
-    blocks::qk_norm(s, lw, b);
-    blocks::rope_and_store(s, b, kv);
-    blocks::attend(s, b, kv);
-    blocks::attn_output(s, lw, b);
+    blocks::self_attention(s, lw, x, b, kv);
     blocks::norm_rows_inplace(s, &mut b.xn, lw.post_attn_norm.as_deref().unwrap());
     blocks::add(s, x, &b.xn);
 

@@ -288,9 +288,7 @@ fn rope_scaling(g: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32> {
     let mut factor = None;
     for k in [key("rope.scaling.factor"), key("rope.scale_linear")] {
         if let Some(v) = g.get(&k) {
-            let f = g
-                .get_f32(&k)
-                .with_context(|| format!("{k} is {v:?}, not a number"))?;
+            let f = g.get_f32(&k).with_context(|| format!("{k} is {v:?}, not a number"))?;
             if !(f.is_finite() && f >= 0.0) {
                 bail!("{k} is {f}, not a non-negative number");
             }
@@ -321,7 +319,11 @@ fn rope_freqs(g: &GgufFile, n_rot: usize) -> Result<Option<Vec<f32>>> {
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
     if f.len() != n_rot / 2 {
-        bail!("{name} has {} factors, expected one per rotated pair ({})", f.len(), n_rot / 2);
+        bail!(
+            "{name} has {} factors, expected one per rotated pair ({})",
+            f.len(),
+            n_rot / 2
+        );
     }
     if let Some(bad) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
         bail!("{name} holds {bad}, not a positive frequency factor");

@@ -1,6 +1,9 @@
-//! `llama` (SmolLM2 and the Llama family): pre-norm blocks with RMSNorm, grouped-query attention with RoPE on
-//! adjacent pairs, and a SwiGLU feed-forward. Also Qwen 2: the same block, with the Q/K/V biases [`blocks::qkv`] adds
-//! where a layer has them (llama.cpp's llama graph adds them too) and NeoX RoPE (from [`super::Hparams`]).
+//! `llama` (SmolLM2 and the Llama family), and the Qwen 2 and Qwen 3 blocks, which are llama's with an addition
+//! each: pre-norm blocks with RMSNorm, grouped-query attention with RoPE, and a SwiGLU feed-forward. `qwen2` adds
+//! biases to Q, K and V; `qwen3` (dense) RMS-normalises each Q and K head before RoPE and may have a head size other
+//! than `n_embd / n_head`. [`blocks::self_attention`] applies both where a layer has the tensors (as llama.cpp's
+//! llama graph adds Q/K/V biases where present); the loader requires them of qwen2/qwen3 and refuses norms on llama.
+//! Both Qwens rotate the two halves of each head (NeoX RoPE), llama adjacent pairs: [`super::Hparams::rope_type`].
 
 use super::LayerWeights;
 use super::blocks::{self, Buffers, Step};
@@ -10,19 +13,10 @@ use crate::kernels::Glu;
 /// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
 /// row keeps its KV.
 pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
-    // Attention.
-    blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
-    blocks::qkv(s, lw, b);
-    blocks::rope_and_store(s, b, kv);
-    blocks::attend(s, b, kv);
-    blocks::attn_output(s, lw, b);
+    blocks::self_attention(s, lw, x, b, kv);
     blocks::add(s, x, &b.xn);
 
-    feed_forward(s, lw, x, b);
-}
-
-/// The SwiGLU feed-forward sub-block with its pre-norm and residual add: `x += down(silu(gate(n)) * up(n))`.
-pub fn feed_forward(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers) {
+    // Feed-forward: down(silu(gate(x)) * up(x)).
     blocks::norm_rows(s, x, &lw.ffn_norm, &mut b.xn);
     blocks::ffn(s, lw, b, Glu::Silu);
     blocks::add(s, x, &b.xn);

@@ -9,7 +9,6 @@ pub mod cache;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
-pub mod qwen3;
 pub mod quantize;
 pub mod random;
 
@@ -321,5 +320,144 @@ impl Model {
             })
             .sum();
         per_layer + self.output.as_ref().map_or(0, |m| m.size_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgmlType, GgufWriter, Value};
+
+    /// A copy of the generated test model `name` (tests/models/) with metadata `set` (a `None` value removes the
+    /// key) and tensors `add` added, loaded; `drop` names tensors left out.
+    fn load_edited(
+        name: &str,
+        set: &[(&str, Option<Value>)],
+        add: &[(&str, Vec<f32>)],
+        drop: &[&str],
+    ) -> Result<Model> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
+        let g = GgufFile::open(&src).unwrap();
+        let mut w = GgufWriter::new();
+        for (k, v) in &g.metadata {
+            if !set.iter().any(|(s, _)| s == k) {
+                w.meta(k, g.owned_value(v).unwrap());
+            }
+        }
+        for (k, v) in set {
+            if let Some(v) = v {
+                w.meta(k, v.clone());
+            }
+        }
+        for n in &g.tensor_order {
+            if !drop.contains(&n.as_str()) {
+                let t = &g.tensors[n];
+                w.tensor(n, t.dims.clone(), t.ty, g.tensor_data(t).to_vec());
+            }
+        }
+        for (n, v) in add {
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            w.tensor(n, vec![v.len() as u64], GgmlType::F32, bytes);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("edited.gguf");
+        w.write(&p).unwrap();
+        Model::load(&p)
+    }
+
+    fn load_error(name: &str, set: &[(&str, Option<Value>)], add: &[(&str, Vec<f32>)], drop: &[&str]) -> String {
+        match load_edited(name, set, add, drop) {
+            Ok(_) => panic!("{name} with {set:?}, {add:?} added and {drop:?} dropped loaded"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn generated_models_load_with_their_architecture() {
+        for (name, arch) in [("llama3", Arch::Llama), ("qwen2", Arch::Qwen2), ("qwen3", Arch::Qwen3)] {
+            let m = load_edited(name, &[], &[], &[]).unwrap();
+            assert_eq!(m.hp.arch, arch);
+            assert_eq!(m.hp.rope_freqs.is_some(), arch == Arch::Llama, "{name}");
+            assert_eq!(m.layers[0].bq.is_some(), arch == Arch::Qwen2, "{name}");
+            assert_eq!(m.layers[0].q_norm.is_some(), arch == Arch::Qwen3, "{name}");
+            let neox = if arch == Arch::Llama {
+                RopeType::Norm
+            } else {
+                RopeType::Neox
+            };
+            assert_eq!(m.hp.rope_type, neox, "{name}");
+        }
+    }
+
+    #[test]
+    fn rope_scaling_linear_is_read_and_others_are_refused() {
+        let linear = [
+            ("llama.rope.scaling.type", Some(Value::Str("linear".into()))),
+            ("llama.rope.scaling.factor", Some(Value::F32(4.0))),
+        ];
+        let m = load_edited("llama3", &linear, &[], &[]).unwrap();
+        assert_eq!(m.hp.rope_freq_scale, 0.25);
+        assert!(m.hp.rope_scaling_label().contains("linear, factor 4"));
+        let e = load_error(
+            "qwen2",
+            &[("qwen2.rope.scaling.type", Some(Value::Str("yarn".into())))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("qwen2.rope.scaling.type") && e.contains("yarn"), "{e}");
+        let e = load_error(
+            "llama3",
+            &[("llama.rope.scaling.factor", Some(Value::F32(-2.0)))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("llama.rope.scaling.factor"), "{e}");
+        let e = load_error(
+            "llama3",
+            &[("llama.rope.scaling.attn_factor", Some(Value::F32(0.5)))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("attn_factor"), "{e}");
+    }
+
+    #[test]
+    fn bad_rope_freqs_are_refused() {
+        let e = load_error(
+            "llama3",
+            &[],
+            &[("rope_freqs.weight", vec![1.0; 3])],
+            &["rope_freqs.weight"],
+        );
+        assert!(e.contains("rope_freqs.weight has 3 factors"), "{e}");
+        let e = load_error(
+            "llama3",
+            &[],
+            &[("rope_freqs.weight", vec![0.0; 8])],
+            &["rope_freqs.weight"],
+        );
+        assert!(e.contains("not a positive frequency factor"), "{e}");
+        // llama.cpp's qwen2 has no frequency factors either: a qwen2 file with them is refused, not run without.
+        let e = load_error("qwen2", &[], &[("rope_freqs.weight", vec![1.0; 8])], &[]);
+        assert!(e.contains("\"rope_freqs.weight\" is not part of Baton's qwen2"), "{e}");
+    }
+
+    #[test]
+    fn unknown_and_missing_tensors_are_named() {
+        let e = load_error("llama3", &[], &[("blk.0.attn_output.bias", vec![0.0; 64])], &[]);
+        assert!(e.contains("blk.0.attn_output.bias"), "{e}");
+        let e = load_error("qwen3", &[], &[("blk.5.attn_norm.weight", vec![1.0; 64])], &[]);
+        assert!(e.contains("blk.5.attn_norm.weight"), "{e}");
+        let e = load_error("qwen2", &[], &[], &["blk.1.attn_k.bias"]);
+        assert!(e.contains("qwen2 layer 1 lacks"), "{e}");
+        let e = load_error("qwen3", &[], &[], &["blk.0.attn_q_norm.weight"]);
+        assert!(e.contains("qwen3 layer 0 lacks"), "{e}");
+        let e = load_error(
+            "qwen3",
+            &[("qwen3.attention.layer_norm_rms_epsilon", Some(Value::F32(-1.0)))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("layer_norm_rms_epsilon"), "{e}");
     }
 }

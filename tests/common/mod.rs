@@ -12,7 +12,11 @@ pub const GENERATED: [&str; 3] = ["llama3", "qwen2", "qwen3"];
 pub fn model(name: &str) -> PathBuf {
     if GENERATED.contains(&name) {
         let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
-        assert!(p.exists(), "{} missing: scripts/gen-test-models.py writes it", p.display());
+        assert!(
+            p.exists(),
+            "{} missing: scripts/gen-test-models.py writes it",
+            p.display()
+        );
         return p;
     }
     baton::fetch::resolve(name).unwrap_or_else(|e| panic!("model {name} unavailable: {e:#}"))

@@ -69,7 +69,10 @@ impl<'g> GpuModel<'g> {
         );
         ensure!(n_ctx > 0 && n_batch > 0, "a GPU model needs a context and a batch");
         // The GPU forward mirrors llama and gemma3 with plain RoPE; anything else would compute the wrong thing.
-        let biases = model.layers.iter().any(|l| l.bq.is_some() || l.bk.is_some() || l.bv.is_some());
+        let biases = model
+            .layers
+            .iter()
+            .any(|l| l.bq.is_some() || l.bk.is_some() || l.bv.is_some());
         ensure!(
             matches!(hp.arch, Arch::Llama | Arch::Gemma3)
                 && hp.rope_freqs.is_none()
