@@ -28,9 +28,10 @@ MODELS = {
     # Qwen 2: biases on Q, K and V, NeoX RoPE, the qwen2 pre-tokenizer; Q8_0 matrices.
     "qwen2": dict(arch="qwen2", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
                   head_dim=16, rope_base=1000000.0, ty="Q8_0", qkv_bias=True),
-    # Qwen 3: per-head RMSNorm of Q and K, head size 32 (not n_embd / n_head), NeoX RoPE; F16 matrices.
+    # Qwen 3: per-head RMSNorm of Q and K, head size 32 (not n_embd / n_head), NeoX RoPE; F16 matrices. Also linear
+    # RoPE scaling (factor 4), which no other model here has.
     "qwen3": dict(arch="qwen3", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
-                  head_dim=32, rope_base=1000000.0, ty="F16", qk_norm=True),
+                  head_dim=32, rope_base=1000000.0, ty="F16", qk_norm=True, rope_linear=4.0),
 }
 
 
@@ -90,6 +91,9 @@ def write_model(path, name, spec, vocab, rng):
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(spec["rope_base"])
+    if "rope_linear" in spec:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec["rope_linear"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(spec["pre"])
     w.add_token_list(tokens)
