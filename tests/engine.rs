@@ -269,3 +269,28 @@ fn context_overflow_is_an_error() {
     let e = s.eval(&prompt(10)).unwrap_err().to_string();
     assert!(e.contains("context"), "{e}");
 }
+
+/// The GPU forward implements llama and gemma3 without RoPE scaling or Q/K/V biases: the generated models of the
+/// other architectures (RoPE factors, biases, Q/K norms with linear scaling) are refused with the reason, not run.
+#[test]
+fn gpu_forward_refuses_what_it_does_not_implement() {
+    use baton::backend::gpu::forward::GpuModel;
+    use baton::backend::gpu::{AdapterChoice, Gpu, NoAdapter};
+    let choice = AdapterChoice::from_env_or(AdapterChoice::Software).expect("BATON_GPU_ADAPTER");
+    let gpu = match Gpu::open(choice) {
+        Ok(g) => g,
+        Err(e) if e.downcast_ref::<NoAdapter>().is_some() => {
+            println!("SKIPPED: no GPU adapter (install mesa-vulkan-drivers)");
+            return;
+        }
+        Err(e) => panic!("opening the GPU adapter: {e:#}"),
+    };
+    for name in common::GENERATED {
+        let model = Model::load(&common::model(name)).unwrap();
+        let e = match GpuModel::upload(&gpu, &model, 64, 8) {
+            Ok(_) => panic!("{name}: the GPU forward took a model it does not implement"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains("the GPU forward implements llama and gemma3"), "{name}: {e}");
+    }
+}
