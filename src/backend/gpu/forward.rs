@@ -68,6 +68,21 @@ impl<'g> GpuModel<'g> {
             model.range
         );
         ensure!(n_ctx > 0 && n_batch > 0, "a GPU model needs a context and a batch");
+        // The GPU forward mirrors llama and gemma3 with plain RoPE; anything else would compute the wrong thing.
+        let biases = model
+            .layers
+            .iter()
+            .any(|l| l.bq.is_some() || l.bk.is_some() || l.bv.is_some());
+        ensure!(
+            matches!(hp.arch, Arch::Llama | Arch::Gemma3)
+                && hp.rope_freqs.is_none()
+                && hp.rope_freq_scale == 1.0
+                && !biases,
+            "the GPU forward implements llama and gemma3 without RoPE scaling or Q/K/V biases, not this {} model \
+             (rope scaling: {}, biases: {biases})",
+            hp.arch.name(),
+            hp.rope_scaling_label()
+        );
         let f = &model.file;
         let mapped = |name: &str| -> Result<Matrix> { Matrix::mapped(f, f.tensor_info(name)?) };
         let matrix = |name: &str| -> Result<GpuMatrix> { gpu.upload_matrix(&mapped(name)?) };
