@@ -149,10 +149,40 @@ struct CommonModelArgs {
     batch_size: usize,
 }
 
+/// The prefix cache on disk, for `run` and `serve`.
+#[derive(Args)]
+struct KvCacheArgs {
+    /// Keep prompt prefixes' KV in this directory (every 256 tokens), so a prefix sent again, even after a
+    /// restart, is read back instead of prefilled (docs/kv-cache.md).
+    #[arg(long = "kv-cache-dir")]
+    kv_cache_dir: Option<PathBuf>,
+    /// Most GiB the --kv-cache-dir entries take; the least recently used go first.
+    #[arg(long = "kv-cache-size", default_value_t = 8.0)]
+    kv_cache_size: f64,
+}
+
+impl KvCacheArgs {
+    fn open(&self) -> Result<Option<Arc<baton::engine::disk_cache::DiskCache>>> {
+        self.kv_cache_dir
+            .as_deref()
+            .map(|d| baton::engine::disk_cache::DiskCache::open_gib(d, self.kv_cache_size).map(Arc::new))
+            .transpose()
+    }
+}
+
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     common: CommonModelArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
+    /// Restore a conversation saved with --save-session before the prompt (same weights only); the prompt then
+    /// continues it, and only what it adds is prefilled.
+    #[arg(long = "load-session")]
+    load_session: Option<PathBuf>,
+    /// Save the conversation (KV and token ids) to this file after generating.
+    #[arg(long = "save-session")]
+    save_session: Option<PathBuf>,
     /// The prompt (or use -f).
     prompt: Option<String>,
     /// Read the prompt from a file.
@@ -312,6 +342,11 @@ struct MixArgs {
 struct ServeArgs {
     #[command(flatten)]
     common: CommonModelArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
+    /// Directory where `POST /slots/{id}?action=save|restore` keep sessions (the endpoints are off without it).
+    #[arg(long = "slot-save-path")]
+    slot_save_path: Option<PathBuf>,
     /// Model id clients use (default: the --model argument, or the file stem of a path).
     #[arg(long = "served-name")]
     served_name: Option<String>,
@@ -502,6 +537,13 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         Prompt::Text(prompt)
     };
     let mut generator = Builder::new(topology_args(&a)).generator()?;
+    if let Some(cache) = a.kv_cache.open()? {
+        generator.set_disk_cache(cache)?;
+    }
+    if let Some(f) = &a.load_session {
+        let n = generator.load_session(f)?;
+        eprintln!("session: restored {n} positions from {}", f.display());
+    }
     let params = GenParams {
         max_tokens: if a.n_predict < 0 {
             usize::MAX
@@ -529,6 +571,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     }
     writeln!(out)?;
     out.flush()?;
+    if let Some(f) = &a.save_session {
+        let n = generator.save_session(f)?;
+        eprintln!("session: saved {n} positions to {}", f.display());
+    }
     if a.verbose {
         for line in &outcome.detail {
             eprintln!("{line}");
@@ -979,6 +1025,8 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         offload: a.offload,
         kv_bits: a.kv_bits,
         prefill_timeout: std::time::Duration::from_secs_f64(a.prefill_timeout),
+        kv_cache: a.kv_cache.open()?,
+        slot_save_path: a.slot_save_path,
         ..Default::default()
     })
 }

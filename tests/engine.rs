@@ -66,7 +66,7 @@ fn check_split_bit_exact(path: &Path) {
 #[test]
 fn split_is_bit_exact_random_models() {
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Arch::Llama, Arch::Gemma3] {
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
         check_split_bit_exact(&random_model(arch, dir.path()));
     }
 }
@@ -93,7 +93,7 @@ fn greedy(s: &mut Session, toks: &[u32], n: usize) -> Vec<u32> {
 fn batched_prefill_matches_token_by_token_and_window_holds_at_decode() {
     // The random gemma3 has a window of 16, so 40 positions cross it at prefill and decode alike.
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Arch::Llama, Arch::Gemma3] {
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
         let path = random_model(arch, dir.path());
         let m = Arc::new(Model::load(&path).unwrap());
         let toks = prompt(40);
@@ -123,7 +123,7 @@ fn layer_slices_give_the_bits_of_separate_batches() {
     let dir = tempfile::tempdir().unwrap();
     let slice = baton::model::blocks::LAYER_SLICE;
     let toks = prompt(2 * slice + 44);
-    for arch in [Arch::Llama, Arch::Gemma3] {
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
         let m = Arc::new(Model::load(&random_model(arch, dir.path())).unwrap());
         let mut whole = Session::new(m.clone(), pool(), 512, toks.len()).unwrap();
         let one_pass = whole.forward(Input::Tokens(&toks), Want::AllLogits).unwrap().to_vec();
@@ -268,4 +268,29 @@ fn context_overflow_is_an_error() {
     s.eval(&prompt(10)).unwrap();
     let e = s.eval(&prompt(10)).unwrap_err().to_string();
     assert!(e.contains("context"), "{e}");
+}
+
+/// The GPU backend implements llama and gemma3 without RoPE scaling or Q/K/V biases: the generated models of the
+/// other architectures (RoPE factors, biases, Q/K norms with linear scaling) are refused with the reason, not run.
+#[test]
+fn gpu_backend_refuses_what_it_does_not_implement() {
+    use baton::backend::gpu::layers::GpuWeights;
+    use baton::backend::gpu::{AdapterChoice, Gpu, NoAdapter};
+    let choice = AdapterChoice::from_env_or(AdapterChoice::Software).expect("BATON_GPU_ADAPTER");
+    let gpu = match Gpu::open(choice) {
+        Ok(g) => Arc::new(g),
+        Err(e) if e.downcast_ref::<NoAdapter>().is_some() => {
+            println!("SKIPPED: no GPU adapter (install mesa-vulkan-drivers)");
+            return;
+        }
+        Err(e) => panic!("opening the GPU adapter: {e:#}"),
+    };
+    for name in common::GENERATED {
+        let model = Model::load(&common::model(name)).unwrap();
+        let e = match GpuWeights::upload(gpu.clone(), &model, model.range.clone()) {
+            Ok(_) => panic!("{name}: the GPU backend took a model it does not implement"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains("the GPU backend implements llama and gemma3"), "{name}: {e}");
+    }
 }

@@ -67,6 +67,19 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// One prompt of a greedy golden: its label, its ids (which Baton's tokenizer must give too), and llama.cpp's
+/// output ids and steps.
+fn golden_prompt<'a>(model_name: &str, vocab: &Vocab, p: &'a Value) -> (&'a str, Vec<u32>, Vec<u32>, &'a [Value]) {
+    let label = p["label"].as_str().unwrap();
+    let prompt_ids = ids(&p["prompt_ids"]);
+    assert_eq!(
+        vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
+        prompt_ids,
+        "{model_name}/{label}: prompt tokens differ from llama.cpp"
+    );
+    (label, prompt_ids, ids(&p["output_ids"]), p["steps"].as_array().unwrap())
+}
+
 fn check_greedy(model_name: &str) {
     let g = golden_at("greedy", model_name, Numerics::Fast);
     let path = common::model(model_name);
@@ -75,15 +88,7 @@ fn check_greedy(model_name: &str) {
     let pool = Arc::new(ThreadPool::new(2));
     let mut report = Vec::new();
     for p in g["prompts"].as_array().unwrap() {
-        let label = p["label"].as_str().unwrap();
-        let prompt_ids = ids(&p["prompt_ids"]);
-        assert_eq!(
-            vocab.tokenize(p["prompt"].as_str().unwrap(), true, true),
-            prompt_ids,
-            "{model_name}/{label}: prompt tokens differ from llama.cpp"
-        );
-        let want = ids(&p["output_ids"]);
-        let steps = p["steps"].as_array().unwrap();
+        let (label, prompt_ids, want, steps) = golden_prompt(model_name, &vocab, p);
 
         let mut s = Session::new(model.clone(), pool.clone(), 2048, 512).unwrap();
         let logits = s.eval(&prompt_ids).unwrap().to_vec();
@@ -142,6 +147,131 @@ fn greedy_matches_llama_cpp_smollm2() {
 #[test]
 fn greedy_matches_llama_cpp_gemma3() {
     check_greedy("gemma3");
+}
+
+/// A generated model (tests/models/, scripts/gen-test-models.py) against its llama.cpp golden
+/// (`greedy-<name>.json`, scripts/gen-test-goldens.py: each step is the whole sequence evaluated as one batch).
+/// Both numerics are checked: Baton's fast kernels decoding one token at a time, and the `ggml` numerics evaluating
+/// each step as llama.cpp did (prompt plus llama.cpp's tokens so far). Every step's argmax must be llama.cpp's,
+/// except at a near-tie (llama.cpp's top-2 gap below `tol.near_tie`; the fast run then stops comparing, its text
+/// having parted); the logits of the last prompt position's top 20 and of every compared step's chosen token must
+/// be within `tol.logits`.
+fn check_generated(name: &str, tol: Tol) {
+    let g = golden(&format!("greedy-{name}.json"));
+    let model = Arc::new(Model::load(&common::model(name)).unwrap());
+    assert_eq!(
+        model.hp.arch.name(),
+        g["arch"].as_str().unwrap(),
+        "{name}: architecture"
+    );
+    let vocab = Vocab::from_gguf(&model.file).unwrap();
+    let pool = Arc::new(ThreadPool::new(2));
+    let (mut errs, mut flips, mut compared) = ([0.0f64; 2], [0usize; 2], [0usize; 2]);
+    for p in g["prompts"].as_array().unwrap() {
+        let (label, prompt_ids, want, steps) = golden_prompt(name, &vocab, p);
+        let top20 = p["last_prompt_logits"]["top20"].as_array().unwrap();
+        for (i, numerics) in [Numerics::Fast, Numerics::Ggml].into_iter().enumerate() {
+            let new_session = || {
+                let mut s = Session::new(model.clone(), pool.clone(), 512, 512).unwrap();
+                s.set_numerics(numerics);
+                s
+            };
+            let mut s = new_session();
+            for (step, st) in steps.iter().enumerate() {
+                let logits = if numerics == Numerics::Ggml {
+                    let seq = [&prompt_ids[..], &want[..step]].concat();
+                    new_session().eval(&seq).unwrap().to_vec()
+                } else if step == 0 {
+                    s.eval(&prompt_ids).unwrap().to_vec()
+                } else {
+                    s.forward(Input::Tokens(&[want[step - 1]]), Want::LastLogits)
+                        .unwrap()
+                        .to_vec()
+                };
+                if step == 0 {
+                    for pair in top20 {
+                        let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+                        errs[i] = errs[i].max((logits[id] as f64 - l).abs());
+                    }
+                }
+                let id = want[step] as usize;
+                errs[i] = errs[i].max((logits[id] as f64 - st["logit"].as_f64().unwrap()).abs());
+                compared[i] += 1;
+                let got = argmax(&logits);
+                if got != id {
+                    let gap = st["gap"].as_f64().unwrap();
+                    assert!(
+                        gap < tol.near_tie,
+                        "{name}/{label} ({numerics:?}): step {step} chose {got} where llama.cpp chose {id} by a gap of \
+                         {gap:.4}, not a near-tie"
+                    );
+                    flips[i] += 1;
+                    if numerics == Numerics::Fast {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{name} against llama.cpp ({}): fast: {} steps compared, {} near-tie flips, largest logit difference {:.2e}; \
+         ggml: {} steps, {} flips, {:.2e}",
+        g["llama_cpp_cpu"].as_str().unwrap_or("?"),
+        compared[0],
+        flips[0],
+        errs[0],
+        compared[1],
+        flips[1],
+        errs[1]
+    );
+    for (i, numerics) in ["fast", "ggml"].iter().enumerate() {
+        assert!(
+            errs[i] <= tol.logits,
+            "{name}: {numerics} logits differ from llama.cpp by {} (allowed {})",
+            errs[i],
+            tol.logits
+        );
+    }
+}
+
+/// Tolerances of a generated model's check.
+struct Tol {
+    logits: f64,
+    near_tie: f64,
+}
+
+/// F32 and F16 weights: llama.cpp rounds the activations of an F16 matmul to f16 where Baton keeps f32 (measured
+/// 7e-3 on logits of about 20), so two candidates closer than twice that may swap.
+const FLOAT_TOL: Tol = Tol {
+    logits: 0.02,
+    near_tie: 0.04,
+};
+
+/// Llama 3-style RoPE frequency factors (`rope_freqs.weight`; ignoring them moves these logits by 0.4 to 2.4, measured
+/// with a numpy forward) and the llama-bpe pre-tokenizer; F32 block matrices, F16 embeddings and head.
+#[test]
+fn greedy_matches_llama_cpp_llama3_rope_freqs() {
+    check_generated("llama3", FLOAT_TOL);
+}
+
+/// Q/K/V biases, NeoX RoPE, the qwen2 pre-tokenizer; Q8_0 matrices, whose activation quantization moves llama.cpp's
+/// own logits by up to 0.18 from exact arithmetic (an f64 numpy forward), and Baton's by as much.
+#[test]
+fn greedy_matches_llama_cpp_qwen2() {
+    check_generated(
+        "qwen2",
+        Tol {
+            logits: 0.4,
+            near_tie: 0.8,
+        },
+    );
+}
+
+/// Per-head Q/K RMSNorm, a head size other than n_embd / n_head, linear RoPE scaling (factor 4; ignoring it moves
+/// these logits by up to 3.3, measured with a numpy forward); F16 matrices.
+#[test]
+fn greedy_matches_llama_cpp_qwen3() {
+    check_generated("qwen3", FLOAT_TOL);
 }
 
 /// What a perplexity run must achieve against llama.cpp.

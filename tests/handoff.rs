@@ -132,6 +132,15 @@ fn gemma3_full_and_partial_offload_match_local() {
     check_equivalence(&gemma3(), 18, 7, &[12, 100], 32);
 }
 
+/// The generated models of the other architectures (llama with RoPE factors, qwen2, qwen3; tests/models/), their
+/// two layers offloaded in full and in part.
+#[test]
+fn new_architectures_full_and_partial_offload_match_local() {
+    for name in GENERATED {
+        check_equivalence(&model(name), 2, 1, &[12, 100], 32);
+    }
+}
+
 /// 1000+-token prompts in 512-token batches, both models (minutes on a loaded 2-core machine:
 /// `cargo nextest run --test handoff --run-ignored all long`).
 #[test]

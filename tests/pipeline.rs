@@ -26,9 +26,20 @@ fn opts() -> PipelineOpts {
     }
 }
 
-/// Prompt logits and greedy tokens through a pipeline.
+/// Prompt logits and greedy tokens of SmolLM2 through a pipeline.
 fn pipeline_run(spec: &str, o: PipelineOpts, prompt: &[u32], n_gen: usize) -> (Vec<f32>, Vec<u32>, PipelineSession) {
-    let mut p = PipelineSession::connect(spec, &smollm2(), o).unwrap();
+    pipeline_run_on(&smollm2(), spec, o, prompt, n_gen)
+}
+
+/// Prompt logits and greedy tokens of `model` through a pipeline.
+fn pipeline_run_on(
+    model: &std::path::Path,
+    spec: &str,
+    o: PipelineOpts,
+    prompt: &[u32],
+    n_gen: usize,
+) -> (Vec<f32>, Vec<u32>, PipelineSession) {
+    let mut p = PipelineSession::connect(spec, model, o).unwrap();
     let logits = p.eval_logits(prompt).unwrap();
     let mut toks = vec![argmax(&logits)];
     while toks.len() < n_gen {
@@ -86,6 +97,23 @@ fn two_and_three_stages_match_the_local_run() {
     let s = p.decode_step(toks[2]).unwrap();
     assert_eq!(s.token, toks[3]);
     assert_eq!(p.replays(), 0);
+}
+
+/// The generated models of the other architectures (llama with RoPE factors, qwen2, qwen3; tests/models/) over two
+/// stages, a node's layer then the coordinator's, give the local run's logits and greedy tokens.
+#[test]
+fn new_architectures_two_stages_match_the_local_run() {
+    for name in GENERATED {
+        let model = model(name);
+        let prompt = prompt(40);
+        let (ref_logits, ref_toks) = local_reference(&model, &prompt, 8);
+        let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+        let spec = format!("{}=0:1,local=1:end", a.addr);
+        let (logits, toks, _p) = pipeline_run_on(&model, &spec, opts(), &prompt, 8);
+        let d = max_abs_diff(&logits, &ref_logits);
+        assert!(d <= 1e-4, "{name}, 2 stages: logits differ by {d}");
+        assert_eq!(toks, ref_toks, "{name}, 2 stages: greedy tokens");
+    }
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! Tokenizer tests on the two real models against llama.cpp's ids (tests/golden/tokens-<model>.json, written by
-//! tools/llama-ref). The models are fetched into the cache on first use; a missing model or golden file fails.
+//! Tokenizer tests on the two real models and the generated ones (tests/models/) against llama.cpp's ids
+//! (tests/golden/tokens-<model>.json, written by tools/llama-ref). The models are fetched into the cache on first
+//! use; a missing model or golden file fails.
 
 mod common;
 
@@ -124,6 +125,19 @@ fn smollm2_matches_llama_cpp() {
 #[test]
 fn gemma3_matches_llama_cpp() {
     compare_with_llama_cpp(GEMMA3);
+}
+
+/// The llama-bpe (Llama 3) pre-tokenizer, on the generated llama3 model (SmolLM2's vocab cut to 4096 tokens).
+#[test]
+fn llama_bpe_pretokenizer_matches_llama_cpp() {
+    compare_with_llama_cpp("llama3");
+}
+
+/// The qwen2 pre-tokenizer (Qwen 2 and 3), on the generated qwen2 and qwen3 models.
+#[test]
+fn qwen2_pretokenizer_matches_llama_cpp() {
+    compare_with_llama_cpp("qwen2");
+    compare_with_llama_cpp("qwen3");
 }
 
 /// Plain-mode ids decode back to exactly the input, through token_bytes and through the stream decoder.

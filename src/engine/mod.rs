@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod batcher;
+pub mod disk_cache;
 pub mod kv_cache;
 pub mod perplexity;
 pub mod placement;

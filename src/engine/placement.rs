@@ -38,8 +38,11 @@ pub struct Placement {
     /// Layers of the model on the GPU, counted from layer 0 (`None`: all of them).
     gpu_layers: Option<usize>,
     /// Weights on the GPU, by model (and the layers uploaded).
-    uploaded: Mutex<Vec<(Weak<Model>, Range<usize>, Arc<GpuWeights>)>>,
+    uploaded: Mutex<Vec<Uploaded>>,
 }
+
+/// One model's layers on the GPU; the entry goes when the model does.
+type Uploaded = (Weak<Model>, Range<usize>, Arc<GpuWeights>);
 
 impl Placement {
     /// Every layer on the CPU.

@@ -431,7 +431,13 @@ pub(super) fn rope_tables(model: &Model, n_ctx: usize) -> Vec<RopeTable> {
     for il in model.range.clone() {
         let b = hp.rope_base_of(il);
         if !tables.iter().any(|t| t.base == b) {
-            tables.push(RopeTable::new(b, hp.n_rot, n_ctx));
+            tables.push(RopeTable::scaled(
+                b,
+                hp.n_rot,
+                n_ctx,
+                hp.rope_freq_scale,
+                hp.rope_freqs.as_deref(),
+            ));
         }
     }
     tables
@@ -471,7 +477,7 @@ pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> 
 pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffers, kv: &mut impl RowsKv) {
     let lw = model.layer(step.il);
     blocks::for_each_slice(step, x, bufs, kv, |s, x, b, kv| match model.hp.arch {
-        Arch::Llama => llama::layer(s, lw, x, b, kv),
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => llama::layer(s, lw, x, b, kv),
         Arch::Gemma3 => gemma3::layer(s, lw, x, b, kv),
     });
 }

@@ -361,11 +361,25 @@ pub fn decode_block(hp: &Hparams, fingerprint: &str, n_ctx: usize, bytes: &[u8])
 /// positions must start at or before the session's `n_past()` (the rest of the session is rewound to its end), and
 /// every checksum must hold. Nothing in the session changes unless all checks pass.
 pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
-    let hp = s.model().hp.clone();
-    let fp = s.model().fingerprint()?.to_string();
-    let (block, dt) = decode_block(&hp, &fp, s.n_ctx(), bytes)?;
-    let (layers, pos) = (block.layers.clone(), block.pos.clone());
-    if layers != s.kv().layers {
+    let (block, dt) = decode_for(s, bytes)?;
+    apply(s, &block)?;
+    Ok(SnapshotInfo {
+        layers: block.layers,
+        pos: block.pos,
+        dtype: dt,
+        tokens: block.tokens,
+    })
+}
+
+/// The checks of [`restore_bytes`] without touching the session: the decoded block fits this session (its model,
+/// its layer range, positions starting at or before `n_past()`), so a caller can check more (the disk cache: the
+/// token ids) before [`apply`].
+pub fn decode_for(s: &Session, bytes: &[u8]) -> Result<(KvBlock, RowDtype)> {
+    let hp = &s.model().hp;
+    let fp = s.model().fingerprint()?;
+    let (block, dt) = decode_block(hp, fp, s.n_ctx(), bytes)?;
+    let (layers, pos) = (&block.layers, &block.pos);
+    if *layers != s.kv().layers {
         bail!(
             "snapshot holds layers {}..{}, this session holds {}..{}",
             layers.start,
@@ -383,20 +397,21 @@ pub fn restore_bytes(s: &mut Session, bytes: &[u8]) -> Result<SnapshotInfo> {
             s.n_ctx()
         );
     }
+    Ok((block, dt))
+}
+
+/// Writes a block checked by [`decode_for`] into the session: rewinds it to the block's first position, then holds
+/// the block's positions (with their token ids when the block and the session both know them).
+pub fn apply(s: &mut Session, block: &KvBlock) -> Result<()> {
+    let pos = &block.pos;
     s.rewind(pos.start);
     let mut toks = s.tokens()[..s.tokens().len().min(pos.start)].to_vec();
     match &block.tokens {
         Some(t) if toks.len() == pos.start => toks.extend_from_slice(t),
         _ => toks.clear(),
     }
-    s.import_kv(&block)?;
-    s.hold_positions(pos.end, &toks)?;
-    Ok(SnapshotInfo {
-        layers,
-        pos,
-        dtype: dt,
-        tokens: block.tokens,
-    })
+    s.import_kv(block)?;
+    s.hold_positions(pos.end, &toks)
 }
 
 pub fn restore(s: &mut Session, path: &Path) -> Result<SnapshotInfo> {

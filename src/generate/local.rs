@@ -2,11 +2,14 @@
 
 use super::{GenParams, Generator, Outcome, Piece, Prompt, TextModel, decode_loop};
 use crate::engine::batcher::{Batcher, LocalStep, Seat};
+use crate::engine::disk_cache::DiskCache;
 use crate::engine::sampler::Sampler;
+use crate::engine::snapshot::{self, RowDtype};
 use crate::engine::{Input, Session, Want};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +22,8 @@ pub struct LocalGenerator {
     n_ctx: usize,
     /// Decode steps shared with other sessions' in one batched forward (`baton serve`); `None`: each step alone.
     seat: Option<Seat>,
+    /// Prompt prefixes kept on disk (`--kv-cache-dir`).
+    disk: Option<Arc<DiskCache>>,
 }
 
 impl LocalGenerator {
@@ -32,6 +37,7 @@ impl LocalGenerator {
             session: Some(Box::new(session)),
             n_ctx,
             seat: None,
+            disk: None,
         })
     }
 
@@ -78,13 +84,22 @@ impl Generator for LocalGenerator {
         let text = &self.text;
         let slot = &mut self.session;
         let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, k);
+        let disk = self.disk.as_deref();
         let (cached, first) = {
             let session = session_mut(slot)?;
-            let cached = session.reuse_prefix(&tokens);
+            let mut cached = session.reuse_prefix(&tokens);
+            if let Some(d) = disk {
+                cached = d.load_prefix(session, &tokens)?;
+            }
             let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
             (cached, pick(&mut sampler, logits))
         };
         let t_prompt = t0.elapsed();
+        if let Some(d) = disk
+            && let Err(e) = d.store_prefix(session_mut(slot)?, &tokens, cached)
+        {
+            eprintln!("kv-cache: not storing this prompt: {e:#}");
+        }
         let t1 = Instant::now();
         let mut seat = self.seat.as_mut();
         let _decoding = seat.as_ref().map(|s| s.batcher().decoding());
@@ -109,5 +124,30 @@ impl Generator for LocalGenerator {
             t_gen: t1.elapsed(),
             detail: Vec::new(),
         })
+    }
+
+    fn set_disk_cache(&mut self, cache: Arc<DiskCache>) -> Result<()> {
+        self.disk = Some(cache);
+        Ok(())
+    }
+
+    fn save_session(&self, path: &Path) -> Result<usize> {
+        let s = self
+            .session
+            .as_deref()
+            .ok_or_else(|| anyhow!("this generator's session was lost with the batcher"))?;
+        let n = s.n_past();
+        if n == 0 {
+            bail!("the session holds nothing to save");
+        }
+        snapshot::save(s, path, s.kv().layers.clone(), 0..n, RowDtype::F16)
+            .with_context(|| format!("cannot save the session to {}", path.display()))?;
+        Ok(n)
+    }
+
+    fn load_session(&mut self, path: &Path) -> Result<usize> {
+        let s = session_mut(&mut self.session)?;
+        let info = snapshot::restore(s, path)?;
+        Ok(info.pos.end)
     }
 }

@@ -10,11 +10,13 @@ mod local;
 pub use local::LocalGenerator;
 
 use crate::chat::{ChatMessage, ChatTemplate};
+use crate::engine::disk_cache::DiskCache;
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::gguf::GgufFile;
 use crate::vocab::{StreamDecoder, Vocab};
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// What to continue: raw text (used as given, BOS only where the model asks) or a conversation rendered with each
@@ -121,6 +123,28 @@ pub trait Generator: Send {
         params: &GenParams,
         sink: &mut dyn FnMut(&Piece) -> bool,
     ) -> Result<Outcome>;
+    /// Reads and writes prompt prefixes in a cache on disk (`--kv-cache-dir`); only a generator whose KV is on this
+    /// machine can.
+    fn set_disk_cache(&mut self, _cache: Arc<DiskCache>) -> Result<()> {
+        bail!(
+            "--kv-cache-dir needs the whole model on this machine ({})",
+            self.describe()
+        )
+    }
+    /// Saves the conversation held (KV and token ids) to `path` in the snapshot format; returns the positions saved.
+    fn save_session(&self, _path: &Path) -> Result<usize> {
+        bail!(
+            "saving a session needs the whole model on this machine ({})",
+            self.describe()
+        )
+    }
+    /// Restores a conversation saved by [`Generator::save_session`] with the same weights; returns its positions.
+    fn load_session(&mut self, _path: &Path) -> Result<usize> {
+        bail!(
+            "loading a session needs the whole model on this machine ({})",
+            self.describe()
+        )
+    }
 }
 
 /// A model's text side: tokenizer and chat template, and the one way a [`Prompt`] becomes tokens.

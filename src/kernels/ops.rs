@@ -445,7 +445,17 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(base: f32, n_rot: usize, n_ctx: usize) -> RopeTable {
+        Self::scaled(base, n_rot, n_ctx, 1.0, None)
+    }
+
+    /// The table with linear position scaling (`freq_scale` = 1 / the scaling factor) and per-pair frequency
+    /// factors (Llama 3's `rope_freqs.weight`, `n_rot / 2` of them), computed as ggml's `ggml_rope_cache_init` does:
+    /// pair i's angle is `freq_scale · (θ_i / factor_i)`, so with neither the angles are bit for bit the plain ones.
+    pub fn scaled(base: f32, n_rot: usize, n_ctx: usize, freq_scale: f32, factors: Option<&[f32]>) -> RopeTable {
         let half = n_rot / 2;
+        if let Some(f) = factors {
+            assert_eq!(f.len(), half, "one frequency factor per rotated pair");
+        }
         let mut cos = vec![0.0; n_ctx * half];
         let mut sin = vec![0.0; n_ctx * half];
         // As ggml: theta_i = p · base^(-2i/n_rot), the power taken by repeated multiplication in f32.
@@ -453,8 +463,10 @@ impl RopeTable {
         for p in 0..n_ctx {
             let mut theta = p as f32;
             for i in 0..half {
-                cos[p * half + i] = theta.cos();
-                sin[p * half + i] = theta.sin();
+                let ff = factors.map_or(1.0, |f| f[i]);
+                let angle = freq_scale * (theta / ff);
+                cos[p * half + i] = angle.cos();
+                sin[p * half + i] = angle.sin();
                 theta *= theta_scale;
             }
         }
@@ -521,6 +533,25 @@ mod tests {
             let n1: f32 = x.iter().map(|v| v * v).sum();
             assert!((n0 - n1).abs() < 1e-3);
             assert_ne!(x, x0);
+        }
+    }
+
+    /// Frequency factors of 1 and a scale of 1 give the plain table bit for bit; a factor f on a pair, or a linear
+    /// scale 1/f, turns position p into position p/f for that pair.
+    #[test]
+    fn rope_scaling_divides_angles() {
+        let plain = RopeTable::new(10000.0, 8, 64);
+        assert_eq!(RopeTable::scaled(10000.0, 8, 64, 1.0, Some(&[1.0; 4])).cos, plain.cos);
+        let f = [1.0, 2.0, 4.0, 8.0];
+        let t = RopeTable::scaled(10000.0, 8, 64, 1.0, Some(&f));
+        let lin = RopeTable::scaled(10000.0, 8, 64, 0.25, None);
+        for i in 0..4 {
+            let p = 32;
+            let (c, s) = t.cos_sin(p);
+            let (c0, s0) = plain.cos_sin(p / f[i] as usize);
+            assert!((c[i] - c0[i]).abs() < 1e-5 && (s[i] - s0[i]).abs() < 1e-5, "pair {i}");
+            let (c, _) = lin.cos_sin(p);
+            assert!((c[i] - plain.cos_sin(p / 4).0[i]).abs() < 1e-5, "linear, pair {i}");
         }
     }
 

@@ -196,12 +196,28 @@ pub fn add(s: &Step, x: &mut [f32], y: &[f32]) {
     s.be.add(&mut x[..n], &y[..n]);
 }
 
-/// Computes Q, K and V of the batch from the normalised input `b.xn`.
+/// Computes Q, K and V of the batch from the normalised input `b.xn`, plus their biases where the layer has them
+/// (llama.cpp adds them after the matmul, each row on its own, as here).
 pub fn qkv(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
     let a = Attn::split(&mut b.work, b.qkv_len);
-    project(s, &lw.wq, &b.xn, a.q, &mut b.sc);
-    project(s, &lw.wk, &b.xn, a.k, &mut b.sc);
-    project(s, &lw.wv, &b.xn, a.v, &mut b.sc);
+    for (w, bias, y) in [(&lw.wq, &lw.bq, a.q), (&lw.wk, &lw.bk, a.k), (&lw.wv, &lw.bv, a.v)] {
+        project(s, w, &b.xn, y, &mut b.sc);
+        if let Some(bias) = bias {
+            for row in y[..s.n_tok * bias.len()].chunks_exact_mut(bias.len()) {
+                s.be.add(row, bias);
+            }
+        }
+    }
+}
+
+/// RMS-normalises every head of Q and K with the layer's `attn_q_norm`/`attn_k_norm` (Gemma 3, Qwen 3), before
+/// RoPE.
+pub fn qk_norm(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
+    let hp = s.hp;
+    let (q_norm, k_norm) = (lw.q_norm.as_deref().unwrap(), lw.k_norm.as_deref().unwrap());
+    let a = b.attn();
+    norm_heads(s, a.q, q_norm, hp.n_head);
+    norm_heads(s, a.k, k_norm, hp.n_head_kv);
 }
 
 /// The attention's output projection, written to `b.xn` (the sub-block's input is no longer needed).
@@ -216,6 +232,20 @@ pub fn ffn(s: &Step, lw: &LayerWeights, b: &mut Buffers, glu: Glu) {
     let x = &b.xn[..s.n_tok * lw.ffn_gate.cols];
     s.be.matmul_glu(s.pool, &lw.ffn_gate, &lw.ffn_up, glu, x, s.n_tok, h, &mut b.sc);
     project(s, &lw.ffn_down, h, &mut b.xn, &mut b.sc);
+}
+
+/// The attention sub-block up to its output projection, which it leaves in `b.xn`: pre-norm of `x`, Q/K/V (with
+/// their biases where the layer has them), RMSNorm of each Q and K head where the layer has those norms, RoPE, the
+/// KV store and the attention. Which of these tensors a layer may or must have is checked at load, per architecture.
+pub fn self_attention(s: &Step, lw: &LayerWeights, x: &[f32], b: &mut Buffers, kv: &mut impl RowsKv) {
+    norm_rows(s, x, &lw.attn_norm, &mut b.xn);
+    qkv(s, lw, b);
+    if lw.q_norm.is_some() {
+        qk_norm(s, lw, b);
+    }
+    rope_and_store(s, b, kv);
+    attend(s, b, kv);
+    attn_output(s, lw, b);
 }
 
 /// Rotates Q and K by position and writes each row's K and V into its cache at its position (rounded to f16, to

@@ -11,18 +11,8 @@ use crate::kernels::Glu;
 /// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
 /// row keeps its KV.
 pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
-    let hp = s.hp;
-    let (q_norm, k_norm) = (lw.q_norm.as_deref().unwrap(), lw.k_norm.as_deref().unwrap());
-
     // Attention, with per-head Q/K norms before RoPE and a norm on its output before the residual add.
-    blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
-    blocks::qkv(s, lw, b);
-    let a = b.attn();
-    blocks::norm_heads(s, a.q, q_norm, hp.n_head);
-    blocks::norm_heads(s, a.k, k_norm, hp.n_head_kv);
-    blocks::rope_and_store(s, b, kv);
-    blocks::attend(s, b, kv);
-    blocks::attn_output(s, lw, b);
+    blocks::self_attention(s, lw, x, b, kv);
     blocks::norm_rows_inplace(s, &mut b.xn, lw.post_attn_norm.as_deref().unwrap());
     blocks::add(s, x, &b.xn);
 

@@ -8,6 +8,10 @@ use std::fmt;
 pub enum Arch {
     Llama,
     Gemma3,
+    /// Qwen 2 / 2.5: llama's math with biases on Q, K and V, and NeoX RoPE.
+    Qwen2,
+    /// Qwen 3 (dense): llama's math with per-head RMSNorm of Q and K before RoPE, and NeoX RoPE.
+    Qwen3,
 }
 
 impl Arch {
@@ -15,6 +19,8 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
 }
@@ -54,6 +60,11 @@ pub struct Hparams {
     pub attn_scale: f32,
     /// Scale applied to the token embedding (Gemma: √n_embd).
     pub embd_scale: f32,
+    /// Linear RoPE position scaling: positions are multiplied by this (1 / `rope.scaling.factor`; 1 without).
+    pub rope_freq_scale: f32,
+    /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, one per rotated pair): pair i's angle is divided by
+    /// factor i, on every layer.
+    pub rope_freqs: Option<Vec<f32>>,
 }
 
 impl Hparams {
@@ -62,7 +73,9 @@ impl Hparams {
         let arch = match arch_name {
             "llama" => Arch::Llama,
             "gemma3" => Arch::Gemma3,
-            other => bail!("unsupported architecture {other:?} (supported: llama, gemma3)"),
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            other => bail!("unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3)"),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let u = |k: &str| -> Result<usize> { Ok(g.require_u64(&key(k))? as usize) };
@@ -106,6 +119,23 @@ impl Hparams {
         if n_rot > head_dim_k || !n_rot.is_multiple_of(2) {
             bail!("rope dimension count {n_rot} does not fit head size {head_dim_k}");
         }
+        if !(rope_base.is_finite() && rope_base > 0.0) {
+            bail!("{} is {rope_base}, not a positive number", key("rope.freq_base"));
+        }
+        if !(rms_eps.is_finite() && rms_eps > 0.0) {
+            bail!(
+                "{} is {rms_eps}, not a positive number",
+                key("attention.layer_norm_rms_epsilon")
+            );
+        }
+        if n_layer == 0 || n_embd == 0 || n_ff == 0 || head_dim_k == 0 || head_dim_v == 0 || n_ctx_train == 0 {
+            bail!(
+                "a size in the metadata is zero (layers {n_layer}, embedding {n_embd}, feed-forward {n_ff}, head sizes \
+                 {head_dim_k}/{head_dim_v}, context {n_ctx_train})"
+            );
+        }
+        let rope_freq_scale = rope_scaling(g, &key)?;
+        let rope_freqs = rope_freqs(g, n_rot)?;
 
         // The llama shape; Gemma 3 differs in RoPE pairing, local layers and scales.
         let mut hp = Hparams {
@@ -128,7 +158,12 @@ impl Hparams {
             swa_layers: vec![false; n_layer],
             attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
             embd_scale: 1.0,
+            rope_freq_scale,
+            rope_freqs,
         };
+        if matches!(arch, Arch::Qwen2 | Arch::Qwen3) {
+            hp.rope_type = RopeType::Neox;
+        }
         if arch == Arch::Gemma3 {
             hp.rope_type = RopeType::Neox;
             hp.rope_base_swa = 10000.0;
@@ -142,6 +177,23 @@ impl Hparams {
             hp.embd_scale = (n_embd as f32).sqrt();
         }
         Ok(hp)
+    }
+
+    /// How RoPE positions are scaled, for `baton info`.
+    pub fn rope_scaling_label(&self) -> String {
+        let mut parts = Vec::new();
+        if self.rope_freq_scale != 1.0 {
+            parts.push(format!("linear, factor {}", 1.0 / self.rope_freq_scale));
+        }
+        if let Some(f) = &self.rope_freqs {
+            let (lo, hi) = f.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+            parts.push(format!("frequency factors rope_freqs ({} pairs, {lo}..{hi})", f.len()));
+        }
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(" + ")
+        }
     }
 
     /// Width of K (or V) rows per position across KV heads.
@@ -197,6 +249,7 @@ impl fmt::Display for Hparams {
                 String::new()
             }
         )?;
+        writeln!(f, "rope scaling:     {}", self.rope_scaling_label())?;
         if let Some(w) = self.sliding_window {
             let n_local = self.swa_layers.iter().filter(|&&s| s).count();
             writeln!(
@@ -207,4 +260,73 @@ impl fmt::Display for Hparams {
         }
         write!(f, "attention scale:  {}", self.attn_scale)
     }
+}
+
+/// The linear position scale from `<arch>.rope.scaling.*`, as llama.cpp reads it: `rope.scaling.factor` (or the
+/// older `rope.scale_linear`) f gives positions scaled by 1/f, for scaling type `linear` (llama.cpp's default) or
+/// `none`. Other scaling types (YaRN, LongRoPE) change the math in ways Baton does not implement: a load error.
+fn rope_scaling(g: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32> {
+    let ty_key = key("rope.scaling.type");
+    match g.get(&ty_key) {
+        None => {}
+        Some(_) => match g.get_str(&ty_key) {
+            Some("none" | "linear") => {}
+            Some(other) => bail!(
+                "{ty_key} is {other:?}: Baton implements RoPE scaling types none and linear only, so this model \
+                 would give wrong output"
+            ),
+            None => bail!("{ty_key} is not a string"),
+        },
+    }
+    let attn_key = key("rope.scaling.attn_factor");
+    if let Some(a) = g.get(&attn_key) {
+        match g.get_f32(&attn_key) {
+            Some(1.0) => {}
+            _ => bail!("{attn_key} is {a:?}: RoPE attention factors other than 1 are not implemented"),
+        }
+    }
+    let mut factor = None;
+    for k in [key("rope.scaling.factor"), key("rope.scale_linear")] {
+        if let Some(v) = g.get(&k) {
+            let f = g.get_f32(&k).with_context(|| format!("{k} is {v:?}, not a number"))?;
+            if !(f.is_finite() && f >= 0.0) {
+                bail!("{k} is {f}, not a non-negative number");
+            }
+            factor = Some(f);
+            break;
+        }
+    }
+    // As llama.cpp, a factor of 0 means none.
+    Ok(match factor {
+        Some(f) if f != 0.0 => 1.0 / f,
+        _ => 1.0,
+    })
+}
+
+/// The `rope_freqs.weight` tensor (Llama 3.1+), checked: one positive finite factor per rotated pair.
+fn rope_freqs(g: &GgufFile, n_rot: usize) -> Result<Option<Vec<f32>>> {
+    let name = "rope_freqs.weight";
+    if !g.tensors.contains_key(name) {
+        return Ok(None);
+    }
+    let info = g.tensor_info(name)?;
+    if info.ty != crate::gguf::GgmlType::F32 {
+        bail!("{name} is {}, expected F32 (as llama.cpp writes it)", info.ty);
+    }
+    let f: Vec<f32> = g
+        .tensor_data(info)
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if f.len() != n_rot / 2 {
+        bail!(
+            "{name} has {} factors, expected one per rotated pair ({})",
+            f.len(),
+            n_rot / 2
+        );
+    }
+    if let Some(bad) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        bail!("{name} holds {bad}, not a positive frequency factor");
+    }
+    Ok(Some(f))
 }

@@ -1,5 +1,9 @@
-//! `llama` (SmolLM2 and the Llama family): pre-norm blocks with RMSNorm, grouped-query attention with RoPE on
-//! adjacent pairs, and a SwiGLU feed-forward.
+//! `llama` (SmolLM2 and the Llama family), and the Qwen 2 and Qwen 3 blocks, which are llama's with an addition
+//! each: pre-norm blocks with RMSNorm, grouped-query attention with RoPE, and a SwiGLU feed-forward. `qwen2` adds
+//! biases to Q, K and V; `qwen3` (dense) RMS-normalises each Q and K head before RoPE and may have a head size other
+//! than `n_embd / n_head`. [`blocks::self_attention`] applies both where a layer has the tensors (as llama.cpp's
+//! llama graph adds Q/K/V biases where present); the loader requires them of qwen2/qwen3 and refuses norms on llama.
+//! Both Qwens rotate the two halves of each head (NeoX RoPE), llama adjacent pairs: [`super::Hparams::rope_type`].
 
 use super::LayerWeights;
 use super::blocks::{self, Buffers, Step};
@@ -9,12 +13,7 @@ use crate::kernels::Glu;
 /// One block over the batch; `x` is the residual stream `[n_tok, n_embd]`, updated in place; `kv` says where each
 /// row keeps its KV.
 pub fn layer(s: &Step, lw: &LayerWeights, x: &mut [f32], b: &mut Buffers, kv: &mut impl RowsKv) {
-    // Attention.
-    blocks::norm_rows(s, x, &lw.attn_norm, &mut b.xn);
-    blocks::qkv(s, lw, b);
-    blocks::rope_and_store(s, b, kv);
-    blocks::attend(s, b, kv);
-    blocks::attn_output(s, lw, b);
+    blocks::self_attention(s, lw, x, b, kv);
     blocks::add(s, x, &b.xn);
 
     // Feed-forward: down(silu(gate(x)) * up(x)).

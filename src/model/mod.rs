@@ -22,13 +22,17 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The weights of one transformer block. Gemma-only tensors are `None` for llama.
+/// The weights of one transformer block. Tensors of some architectures only are `None` for the others.
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     pub wq: Matrix,
     pub wk: Matrix,
     pub wv: Matrix,
     pub wo: Matrix,
+    /// Biases added to Q, K and V (Qwen 2; optional in llama, as in llama.cpp).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
@@ -71,6 +75,50 @@ pub struct Model {
     fingerprint: std::sync::OnceLock<String>,
 }
 
+/// Fails, naming it, on a tensor the architecture does not use: a tensor Baton does not know changes the math (a
+/// bias, RoPE factors, an extra norm), so ignoring it would give wrong output.
+fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
+    let global = |n: &str| match n {
+        "token_embd.weight" | "output_norm.weight" | "output.weight" => true,
+        "rope_freqs.weight" => hp.arch == Arch::Llama,
+        _ => false,
+    };
+    let qkv_bias: &[&str] = &["attn_q.bias", "attn_k.bias", "attn_v.bias"];
+    let qk_norm: &[&str] = &["attn_q_norm.weight", "attn_k_norm.weight"];
+    let layer = |t: &str| -> bool {
+        let common = [
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ];
+        let extra: &[&[&str]] = match hp.arch {
+            Arch::Llama | Arch::Qwen2 => &[qkv_bias],
+            Arch::Qwen3 => &[qk_norm],
+            Arch::Gemma3 => &[qk_norm, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
+        };
+        common.contains(&t) || extra.iter().any(|names| names.contains(&t))
+    };
+    for name in f.tensors.keys() {
+        let known = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer) && layer(t),
+            None => global(name),
+        };
+        if !known {
+            bail!(
+                "tensor {name:?} is not part of Baton's {} architecture; computing without it would give wrong output",
+                hp.arch.name()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Parses `"A:B"` (B exclusive, `end` allowed) into a layer range checked against `n_layer`.
 pub fn parse_layer_range(s: &str, n_layer: usize) -> Result<Range<usize>> {
     let (a, b) = s
@@ -101,6 +149,7 @@ impl Model {
 
     pub fn from_file(file: Arc<GgufFile>, range: Option<Range<usize>>) -> Result<Model> {
         let hp = Hparams::from_gguf(&file)?;
+        check_tensor_names(&file, &hp)?;
         let range = range.unwrap_or(0..hp.n_layer);
         if range.start >= range.end || range.end > hp.n_layer {
             bail!(
@@ -148,6 +197,9 @@ impl Model {
                 wk: matrix(&p("attn_k"), e, hp.n_embd_k())?,
                 wv: matrix(&p("attn_v"), e, hp.n_embd_v())?,
                 wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
+                bq: opt_vector(&format!("blk.{il}.attn_q.bias"), hp.n_embd_q())?,
+                bk: opt_vector(&format!("blk.{il}.attn_k.bias"), hp.n_embd_k())?,
+                bv: opt_vector(&format!("blk.{il}.attn_v.bias"), hp.n_embd_v())?,
                 q_norm: opt_vector(&p("attn_q_norm"), hp.head_dim_k)?,
                 k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
                 post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
@@ -164,6 +216,12 @@ impl Model {
                     || lw.post_ffn_norm.is_none())
             {
                 bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
+            }
+            if hp.arch == Arch::Qwen3 && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
+                bail!("qwen3 layer {il} lacks its attn_q_norm/attn_k_norm");
+            }
+            if hp.arch == Arch::Qwen2 && (lw.bq.is_none() || lw.bk.is_none() || lw.bv.is_none()) {
+                bail!("qwen2 layer {il} lacks one of its attn_q/attn_k/attn_v biases");
             }
             layers.push(lw);
         }
@@ -262,5 +320,144 @@ impl Model {
             })
             .sum();
         per_layer + self.output.as_ref().map_or(0, |m| m.size_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgmlType, GgufWriter, Value};
+
+    /// A copy of the generated test model `name` (tests/models/) with metadata `set` (a `None` value removes the
+    /// key) and tensors `add` added, loaded; `drop` names tensors left out.
+    fn load_edited(
+        name: &str,
+        set: &[(&str, Option<Value>)],
+        add: &[(&str, Vec<f32>)],
+        drop: &[&str],
+    ) -> Result<Model> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
+        let g = GgufFile::open(&src).unwrap();
+        let mut w = GgufWriter::new();
+        for (k, v) in &g.metadata {
+            if !set.iter().any(|(s, _)| s == k) {
+                w.meta(k, g.owned_value(v).unwrap());
+            }
+        }
+        for (k, v) in set {
+            if let Some(v) = v {
+                w.meta(k, v.clone());
+            }
+        }
+        for n in &g.tensor_order {
+            if !drop.contains(&n.as_str()) {
+                let t = &g.tensors[n];
+                w.tensor(n, t.dims.clone(), t.ty, g.tensor_data(t).to_vec());
+            }
+        }
+        for (n, v) in add {
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            w.tensor(n, vec![v.len() as u64], GgmlType::F32, bytes);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("edited.gguf");
+        w.write(&p).unwrap();
+        Model::load(&p)
+    }
+
+    fn load_error(name: &str, set: &[(&str, Option<Value>)], add: &[(&str, Vec<f32>)], drop: &[&str]) -> String {
+        match load_edited(name, set, add, drop) {
+            Ok(_) => panic!("{name} with {set:?}, {add:?} added and {drop:?} dropped loaded"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn generated_models_load_with_their_architecture() {
+        for (name, arch) in [("llama3", Arch::Llama), ("qwen2", Arch::Qwen2), ("qwen3", Arch::Qwen3)] {
+            let m = load_edited(name, &[], &[], &[]).unwrap();
+            assert_eq!(m.hp.arch, arch);
+            assert_eq!(m.hp.rope_freqs.is_some(), arch == Arch::Llama, "{name}");
+            assert_eq!(m.layers[0].bq.is_some(), arch == Arch::Qwen2, "{name}");
+            assert_eq!(m.layers[0].q_norm.is_some(), arch == Arch::Qwen3, "{name}");
+            let neox = if arch == Arch::Llama {
+                RopeType::Norm
+            } else {
+                RopeType::Neox
+            };
+            assert_eq!(m.hp.rope_type, neox, "{name}");
+        }
+    }
+
+    #[test]
+    fn rope_scaling_linear_is_read_and_others_are_refused() {
+        let linear = [
+            ("llama.rope.scaling.type", Some(Value::Str("linear".into()))),
+            ("llama.rope.scaling.factor", Some(Value::F32(4.0))),
+        ];
+        let m = load_edited("llama3", &linear, &[], &[]).unwrap();
+        assert_eq!(m.hp.rope_freq_scale, 0.25);
+        assert!(m.hp.rope_scaling_label().contains("linear, factor 4"));
+        let e = load_error(
+            "qwen2",
+            &[("qwen2.rope.scaling.type", Some(Value::Str("yarn".into())))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("qwen2.rope.scaling.type") && e.contains("yarn"), "{e}");
+        let e = load_error(
+            "llama3",
+            &[("llama.rope.scaling.factor", Some(Value::F32(-2.0)))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("llama.rope.scaling.factor"), "{e}");
+        let e = load_error(
+            "llama3",
+            &[("llama.rope.scaling.attn_factor", Some(Value::F32(0.5)))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("attn_factor"), "{e}");
+    }
+
+    #[test]
+    fn bad_rope_freqs_are_refused() {
+        let e = load_error(
+            "llama3",
+            &[],
+            &[("rope_freqs.weight", vec![1.0; 3])],
+            &["rope_freqs.weight"],
+        );
+        assert!(e.contains("rope_freqs.weight has 3 factors"), "{e}");
+        let e = load_error(
+            "llama3",
+            &[],
+            &[("rope_freqs.weight", vec![0.0; 8])],
+            &["rope_freqs.weight"],
+        );
+        assert!(e.contains("not a positive frequency factor"), "{e}");
+        // llama.cpp's qwen2 has no frequency factors either: a qwen2 file with them is refused, not run without.
+        let e = load_error("qwen2", &[], &[("rope_freqs.weight", vec![1.0; 8])], &[]);
+        assert!(e.contains("\"rope_freqs.weight\" is not part of Baton's qwen2"), "{e}");
+    }
+
+    #[test]
+    fn unknown_and_missing_tensors_are_named() {
+        let e = load_error("llama3", &[], &[("blk.0.attn_output.bias", vec![0.0; 64])], &[]);
+        assert!(e.contains("blk.0.attn_output.bias"), "{e}");
+        let e = load_error("qwen3", &[], &[("blk.5.attn_norm.weight", vec![1.0; 64])], &[]);
+        assert!(e.contains("blk.5.attn_norm.weight"), "{e}");
+        let e = load_error("qwen2", &[], &[], &["blk.1.attn_k.bias"]);
+        assert!(e.contains("qwen2 layer 1 lacks"), "{e}");
+        let e = load_error("qwen3", &[], &[], &["blk.0.attn_q_norm.weight"]);
+        assert!(e.contains("qwen3 layer 0 lacks"), "{e}");
+        let e = load_error(
+            "qwen3",
+            &[("qwen3.attention.layer_norm_rms_epsilon", Some(Value::F32(-1.0)))],
+            &[],
+            &[],
+        );
+        assert!(e.contains("layer_norm_rms_epsilon"), "{e}");
     }
 }

@@ -110,11 +110,19 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
         tensors.push((p("ffn_gate"), mat(spec.n_ff, e, spec.ty)?));
         tensors.push((p("ffn_up"), mat(spec.n_ff, e, spec.ty)?));
         tensors.push((p("ffn_down"), mat(e, spec.n_ff, spec.ty)?));
-        if spec.arch == Arch::Gemma3 {
+        if matches!(spec.arch, Arch::Gemma3 | Arch::Qwen3) {
             tensors.push((p("attn_q_norm"), norm(spec.head_dim)));
             tensors.push((p("attn_k_norm"), norm(spec.head_dim)));
+        }
+        if spec.arch == Arch::Gemma3 {
             tensors.push((p("post_attention_norm"), norm(e)));
             tensors.push((p("post_ffw_norm"), norm(e)));
+        }
+        if spec.arch == Arch::Qwen2 {
+            for (t, n) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                let (_, ty, data) = mat(1, n, GgmlType::F32)?;
+                tensors.push((format!("blk.{il}.{t}.bias"), (vec![n as u64], ty, data)));
+            }
         }
     }
     for (name, (dims, ty, data)) in tensors {

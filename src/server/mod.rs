@@ -4,6 +4,7 @@
 //! - [`routes`]: axum routes, authentication, SSE;
 //! - [`queue`]: slots (one Generator and one thread each), the bounded queue, retries, health checks;
 //! - [`router`]: which slot takes a request (longest cached prefix unless overloaded, else least loaded);
+//! - [`slots`]: `/slots/{id}?action=save|restore`, a slot's session to and from a file;
 //! - [`stop`]: stop strings over a token stream; [`metrics`]: Prometheus text; [`cluster_file`]: `--cluster`.
 //!
 //! Data flow: HTTP handler → parse → `Scheduler::submit` → a slot's thread runs `Generator::generate` → events on
@@ -16,10 +17,12 @@ pub mod openai;
 pub mod queue;
 pub mod router;
 pub mod routes;
+pub mod slots;
 pub mod stop;
 
 use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
 use crate::engine::batcher::Batcher;
+use crate::engine::disk_cache::DiskCache;
 use crate::generate::{GenParams, Generator, LocalGenerator, Outcome, Piece, Prompt, TextModel};
 use crate::kernels::ThreadPool;
 use crate::model::Model;
@@ -78,6 +81,10 @@ pub struct ServeConfig {
     pub kv_bits: String,
     /// With prefill nodes: a silent prefill node is given up after this (the decode side then prefills).
     pub prefill_timeout: Duration,
+    /// Prompt prefixes on disk (`--kv-cache-dir`), shared by the local slots.
+    pub kv_cache: Option<Arc<DiskCache>>,
+    /// Where `/slots/{id}?action=save|restore` keep sessions; `None`: those endpoints are off.
+    pub slot_save_path: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -108,6 +115,8 @@ impl Default for ServeConfig {
             offload: "auto".into(),
             kv_bits: "16".into(),
             prefill_timeout: Duration::from_secs(10),
+            kv_cache: None,
+            slot_save_path: None,
         }
     }
 }
@@ -123,6 +132,12 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     }
     if cfg.parallel == 0 {
         bail!("--parallel must be at least 1");
+    }
+    if let Some(d) = &cfg.slot_save_path {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create --slot-save-path {}", d.display()))?;
+    }
+    if cfg.kv_cache.is_some() && cfg.ensemble.is_some() {
+        bail!("--kv-cache-dir works with a local model only, not with --ensemble");
     }
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
     let metrics = Arc::new(Metrics::default());
@@ -157,6 +172,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        slot_save_path: cfg.slot_save_path.clone(),
     });
     // Two runtime threads are plenty to move bytes; compute runs on the slots' threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -257,6 +273,11 @@ fn build_nodes(
         (None, None, None) => None,
     };
     // One builder for every slot: the secret is read once, on the first link that needs it.
+    if cfg.kv_cache.is_some() && (topology.is_some() || cfg.draft.is_some()) {
+        bail!(
+            "--kv-cache-dir works with a local model only, not with --cluster, --pipeline, --prefill-node or --draft"
+        );
+    }
     let builder = Arc::new(Builder::new(topology_args(cfg, file)?));
     let name = path
         .file_name()
@@ -289,12 +310,16 @@ fn build_nodes(
                     )
                 })
                 .transpose()?;
+            let disk = cfg.kv_cache.clone();
             let factory: Factory = Arc::new(move || {
                 let g = LocalGenerator::new(model.clone(), pool.clone(), ctx, batch)?;
-                let g = match &batcher {
+                let mut g = match &batcher {
                     Some(b) => g.with_batcher(b),
                     None => g,
                 };
+                if let Some(d) = &disk {
+                    g.set_disk_cache(d.clone())?;
+                }
                 Ok(Box::new(g) as Box<dyn Generator>)
             });
             let node = NodeSpec {

@@ -11,6 +11,7 @@ use crate::generate::{Finish, Generator, Outcome, Piece, Prompt};
 use anyhow::Result;
 use axum::http::StatusCode;
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
@@ -52,12 +53,24 @@ pub struct Job {
     pub last_error: Option<String>,
 }
 
+/// A slot's session saved to or restored from a file (`POST /slots/{id}?action=save|restore`).
+pub enum SlotOp {
+    Save(PathBuf),
+    Restore(PathBuf),
+}
+
+/// What a slot's thread is handed: a request, or a session operation with where to answer (positions moved).
+enum Work {
+    Generate(Job),
+    Session(SlotOp, mpsc::Sender<Result<usize>>),
+}
+
 struct SlotState {
     node: usize,
     busy: bool,
     key: String,
     last_used: u64,
-    tx: mpsc::Sender<Job>,
+    tx: mpsc::Sender<Work>,
 }
 
 struct NodeState {
@@ -107,7 +120,7 @@ impl Scheduler {
         let mut st = sched.state.lock().unwrap();
         for (ni, n) in nodes.into_iter().enumerate() {
             for k in 0..n.slots {
-                let (tx, rx) = mpsc::channel::<Job>();
+                let (tx, rx) = mpsc::channel::<Work>();
                 let idx = st.slots.len();
                 st.slots.push(SlotState {
                     node: ni,
@@ -205,7 +218,7 @@ impl Scheduler {
             slot.busy = true;
             slot.last_used = clock;
             self.metrics.route(&st.nodes[slot.node].label, why.name());
-            if let Err(mpsc::SendError(job)) = slot.tx.send(job) {
+            if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(job)) {
                 // The slot's thread is gone (it panicked): never use it again.
                 let _ = job.tx.send(Event::Error(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -213,6 +226,31 @@ impl Scheduler {
                 )));
             }
         }
+    }
+
+    /// Runs `op` on slot `slot` once it is free of requests (409 while it serves one); the receiver gets the
+    /// outcome. The slot takes no request meanwhile.
+    pub fn slot_op(&self, slot: usize, op: SlotOp) -> Result<mpsc::Receiver<Result<usize>>, ApiError> {
+        let mut st = self.state.lock().unwrap();
+        let n = st.slots.len();
+        let Some(s) = st.slots.get_mut(slot) else {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no slot {slot}: this server has slots 0 to {}", n - 1),
+            ));
+        };
+        if s.busy {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                format!("slot {slot} is serving a request; retry when it ends"),
+            ));
+        }
+        let (tx, rx) = mpsc::channel();
+        if s.tx.send(Work::Session(op, tx)).is_err() {
+            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "slot thread died"));
+        }
+        s.busy = true;
+        Ok(rx)
     }
 
     /// A slot finished its job; `key` is the text its KV now holds.
@@ -225,6 +263,10 @@ impl Scheduler {
             st.queue.push_front(job);
         }
         self.dispatch(&mut st);
+    }
+
+    fn slot_key(&self, slot: usize) -> String {
+        self.state.lock().unwrap().slots[slot].key.clone()
     }
 
     fn set_up(&self, node: usize, up: bool, why: &str) {
@@ -312,10 +354,20 @@ fn worker(
     label: String,
     remote: bool,
     factory: Factory,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Work>,
 ) {
     let mut generator: Option<Box<dyn Generator>> = None;
-    for mut job in rx {
+    for work in rx {
+        let mut job = match work {
+            Work::Generate(job) => job,
+            Work::Session(op, reply) => {
+                let (res, keep_key) = session_op(&mut generator, &factory, &op);
+                let key = if keep_key { sched.slot_key(slot) } else { String::new() };
+                let _ = reply.send(res);
+                sched.release(slot, key, None);
+                continue;
+            }
+        };
         let ran = run_job(&mut generator, &factory, &job, &sched.metrics);
         match ran {
             Ran::Done(key, last) => {
@@ -344,14 +396,31 @@ fn worker(
     }
 }
 
-fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &Job, m: &Metrics) -> Ran {
-    if generator.is_none() {
-        match factory() {
-            Ok(g) => *generator = Some(g),
-            Err(e) => return Ran::FailedEarly(e),
-        }
+/// Saves or restores the slot's session; also says whether the slot still holds what its affinity key names.
+fn session_op(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, op: &SlotOp) -> (Result<usize>, bool) {
+    let g = match built(generator, factory) {
+        Ok(g) => g,
+        Err(e) => return (Err(e), false),
+    };
+    match op {
+        SlotOp::Save(path) => (g.save_session(path), true),
+        SlotOp::Restore(path) => (g.load_session(path), false),
     }
-    let g = generator.as_mut().unwrap();
+}
+
+/// The slot's generator, built by `factory` when it has none (first use, or rebuilt after a failure).
+fn built<'a>(generator: &'a mut Option<Box<dyn Generator>>, factory: &Factory) -> Result<&'a mut Box<dyn Generator>> {
+    if generator.is_none() {
+        *generator = Some(factory()?);
+    }
+    Ok(generator.as_mut().unwrap())
+}
+
+fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &Job, m: &Metrics) -> Ran {
+    let g = match built(generator, factory) {
+        Ok(g) => g,
+        Err(e) => return Ran::FailedEarly(e),
+    };
     // Validation that needs the tokenizer: the prompt and max_tokens against the context.
     let n_ctx = g.n_ctx();
     let param = match job.prompt {

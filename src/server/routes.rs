@@ -30,9 +30,11 @@ pub struct App {
     pub api_key: Option<String>,
     pub describe: String,
     pub created: u64,
+    /// Where `/slots/{id}?action=save|restore` keep sessions (`--slot-save-path`).
+    pub slot_save_path: Option<std::path::PathBuf>,
 }
 
-type AppState = Arc<App>;
+pub type AppState = Arc<App>;
 
 impl App {
     fn serves(&self, model: &str) -> bool {
@@ -48,6 +50,7 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/slots/{id}", post(super::slots::slot_action))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn_with_state(app.clone(), guard))
@@ -85,6 +88,8 @@ async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Res
     ];
     let label = if known.contains(&path.as_str()) || path.starts_with("/v1/models/") {
         path.as_str()
+    } else if path.starts_with("/slots/") {
+        "/slots"
     } else {
         "other"
     };

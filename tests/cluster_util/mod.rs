@@ -147,13 +147,18 @@ impl ServeProc {
 
     /// One request on its own connection (`Connection: close`), not streamed: status and body.
     pub fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        self.http_with(method, path, body, "")
+    }
+
+    /// [`ServeProc::http`] with extra header lines (`"Name: value\r\n"` each).
+    pub fn http_with(&self, method: &str, path: &str, body: &str, headers: &str) -> (u16, String) {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
         write!(
             s,
             "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
+             {headers}Content-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .unwrap();

@@ -4,8 +4,21 @@
 use baton::generate::{GenParams, Generator, Outcome, Prompt};
 use std::path::PathBuf;
 
-/// Path of a default model (`smollm2` or `gemma3`), fetched into the cache on first use.
+/// The small random-weight models committed in tests/models/ (written by scripts/gen-test-models.py).
+pub const GENERATED: [&str; 3] = ["llama3", "qwen2", "qwen3"];
+
+/// Path of a default model (`smollm2` or `gemma3`), fetched into the cache on first use, or of a generated one
+/// ([`GENERATED`]), which must be there.
 pub fn model(name: &str) -> PathBuf {
+    if GENERATED.contains(&name) {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
+        assert!(
+            p.exists(),
+            "{} missing: scripts/gen-test-models.py writes it",
+            p.display()
+        );
+        return p;
+    }
     baton::fetch::resolve(name).unwrap_or_else(|e| panic!("model {name} unavailable: {e:#}"))
 }
 

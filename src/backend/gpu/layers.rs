@@ -58,9 +58,21 @@ impl GpuWeights {
     /// that runs out of memory gives an error naming the sizes and a `--gpu-layers` that would fit.
     pub fn upload(gpu: Arc<Gpu>, model: &Model, layers: Range<usize>) -> Result<GpuWeights> {
         let hp = model.hp.clone();
-        match hp.arch {
-            Arch::Llama | Arch::Gemma3 => {}
-        }
+        // The GPU layers mirror llama and gemma3 with plain RoPE; anything else would compute the wrong thing.
+        let biases = model
+            .layers
+            .iter()
+            .any(|l| l.bq.is_some() || l.bk.is_some() || l.bv.is_some());
+        ensure!(
+            matches!(hp.arch, Arch::Llama | Arch::Gemma3)
+                && hp.rope_freqs.is_none()
+                && hp.rope_freq_scale == 1.0
+                && !biases,
+            "the GPU backend implements llama and gemma3 without RoPE scaling or Q/K/V biases, not this {} model \
+             (rope scaling: {}, biases: {biases}): run it with --backend cpu",
+            hp.arch.name(),
+            hp.rope_scaling_label()
+        );
         ensure!(
             !layers.is_empty() && layers.start >= model.range.start && layers.end <= model.range.end,
             "GPU layers {layers:?} are not within the model's layers {:?}",
@@ -89,7 +101,7 @@ impl GpuWeights {
                         vector(&p("post_attention_norm"))?,
                         vector(&p("post_ffw_norm"))?,
                     ]),
-                    Arch::Llama => None,
+                    _ => None,
                 };
                 w.push(Layer {
                     attn_norm: vector(&p("attn_norm"))?,
@@ -337,7 +349,7 @@ impl GpuLayers {
         let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
         let glu = match hp.arch {
             Arch::Gemma3 => Glu::Gelu,
-            Arch::Llama => Glu::Silu,
+            _ => Glu::Silu,
         };
 
         let mut pass = gpu.pass();

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Writes the small random-weight GGUF test models of tests/models/ (one per architecture family Baton runs).
+
+Each model has a real byte-level BPE tokenizer: SmolLM2's, cut down to its first N_VOCAB tokens (the 17 special
+tokens, the 256 byte tokens and the earliest merges; a merge is kept when both its parts and its result are kept),
+so the embedding table stays small. Weights are random with a fixed seed, so a rerun writes the same bytes.
+llama.cpp's goldens for these files are written by scripts/gen-test-goldens.py.
+
+    pip install -r scripts/requirements-gen-test-models.txt
+    python3 scripts/gen-test-models.py [--vocab-from SmolLM2-135M-Instruct.Q4_1.gguf] [--out tests/models]
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import gguf
+
+N_VOCAB = 4096
+SEED = 20
+
+# One entry per model: its architecture, shape, storage type of the block matrices and what is special about it.
+MODELS = {
+    # Llama 3.1-style: RoPE frequency factors (rope_freqs.weight), the llama-bpe pre-tokenizer, base 500 000.
+    "llama3": dict(arch="llama", pre="llama-bpe", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                   head_dim=16, rope_base=500000.0, ty="F32", rope_freqs=True),
+    # Qwen 2: biases on Q, K and V, NeoX RoPE, the qwen2 pre-tokenizer; Q8_0 matrices.
+    "qwen2": dict(arch="qwen2", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                  head_dim=16, rope_base=1000000.0, ty="Q8_0", qkv_bias=True),
+    # Qwen 3: per-head RMSNorm of Q and K, head size 32 (not n_embd / n_head), NeoX RoPE; F16 matrices. Also linear
+    # RoPE scaling (factor 4), which no other model here has.
+    "qwen3": dict(arch="qwen3", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                  head_dim=32, rope_base=1000000.0, ty="F16", qk_norm=True, rope_linear=4.0),
+}
+
+
+def cut_vocab(reader, n):
+    """The first n tokens of the source vocab with the merges among them, and the other tokenizer keys."""
+    f = reader.fields
+    tokens = f["tokenizer.ggml.tokens"].contents()[:n]
+    types = f["tokenizer.ggml.token_type"].contents()[:n]
+    kept = set(tokens)
+    merges = []
+    for m in f["tokenizer.ggml.merges"].contents():
+        a, b = m.split(" ", 1)
+        if a in kept and b in kept and a + b in kept:
+            merges.append(m)
+    meta = {k: f[k].contents() for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                                         "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                                         "tokenizer.chat_template")}
+    for k, v in meta.items():
+        if isinstance(v, int) and v >= n:
+            sys.exit(f"{k} = {v} is not among the first {n} tokens")
+    return tokens, types, merges, meta
+
+
+def llama3_rope_factors(n_rot, base):
+    """Llama 3.1's factors (convert_hf_to_gguf's formula) with a short original context so that most pairs are
+    scaled: high frequencies keep 1, low ones get `factor`, those between are smoothed."""
+    factor, low, high, old_ctx = 8.0, 1.0, 4.0, 64
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for i in range(0, n_rot, 2):
+        freq = 1.0 / base ** (i / n_rot)
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_model(path, name, spec, vocab, rng):
+    tokens, types, merges, meta = vocab
+    arch, e, hd = spec["arch"], spec["n_embd"], spec["head_dim"]
+    nq, nkv = spec["n_head"] * hd, spec["n_head_kv"] * hd
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"baton test {name} (random weights)")
+    w.add_block_count(spec["n_layer"])
+    w.add_context_length(4096)
+    w.add_embedding_length(e)
+    w.add_feed_forward_length(spec["n_ff"])
+    w.add_head_count(spec["n_head"])
+    w.add_head_count_kv(spec["n_head_kv"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(spec["rope_base"])
+    if "rope_linear" in spec:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec["rope_linear"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(spec["pre"])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
+    w.add_pad_token_id(meta["tokenizer.ggml.padding_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(meta["tokenizer.chat_template"])
+
+    ty = getattr(gguf.GGMLQuantizationType, spec["ty"])
+
+    def mat(rows, cols, scale=1.7):
+        v = (rng.uniform(-1.0, 1.0, (rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+        if ty == gguf.GGMLQuantizationType.F32:
+            return dict(tensor=v)
+        if ty == gguf.GGMLQuantizationType.F16:
+            return dict(tensor=v.astype(np.float16))
+        return dict(tensor=gguf.quants.quantize(v, ty), raw_dtype=ty)
+
+    def vec(n, lo=0.8, hi=1.2):
+        return dict(tensor=rng.uniform(lo, hi, n).astype(np.float32))
+
+    t = {}
+    # F16 embeddings and an untied F16 output head (a tied head would mostly pick the last input token again), its
+    # logits spread wide enough that the top two rarely tie.
+    t["token_embd.weight"] = dict(tensor=rng.normal(0.0, 1.0, (len(tokens), e)).astype(np.float16))
+    t["output_norm.weight"] = vec(e)
+    t["output.weight"] = dict(tensor=rng.normal(0.0, 0.6, (len(tokens), e)).astype(np.float16))
+    if spec.get("rope_freqs"):
+        t["rope_freqs.weight"] = dict(tensor=llama3_rope_factors(hd, spec["rope_base"]))
+    for il in range(spec["n_layer"]):
+        p = f"blk.{il}."
+        t[p + "attn_norm.weight"] = vec(e)
+        t[p + "attn_q.weight"] = mat(nq, e)
+        t[p + "attn_k.weight"] = mat(nkv, e)
+        t[p + "attn_v.weight"] = mat(nkv, e)
+        if spec.get("qkv_bias"):
+            t[p + "attn_q.bias"] = vec(nq, -0.5, 0.5)
+            t[p + "attn_k.bias"] = vec(nkv, -0.5, 0.5)
+            t[p + "attn_v.bias"] = vec(nkv, -0.5, 0.5)
+        if spec.get("qk_norm"):
+            t[p + "attn_q_norm.weight"] = vec(hd)
+            t[p + "attn_k_norm.weight"] = vec(hd)
+        t[p + "attn_output.weight"] = mat(e, nq)
+        t[p + "ffn_norm.weight"] = vec(e)
+        t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e)
+        t[p + "ffn_up.weight"] = mat(spec["n_ff"], e)
+        t[p + "ffn_down.weight"] = mat(e, spec["n_ff"])
+    for k, v in t.items():
+        w.add_tensor(k, v["tensor"], raw_dtype=v.get("raw_dtype"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab-from",
+                    default=os.path.expanduser("~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "models"))
+    ap.add_argument("names", nargs="*", help=f"models to write (default all: {', '.join(MODELS)})")
+    a = ap.parse_args()
+    if not os.path.exists(a.vocab_from):
+        sys.exit(f"{a.vocab_from} not found (`baton models fetch` downloads it)")
+    vocab = cut_vocab(gguf.GGUFReader(a.vocab_from), N_VOCAB)
+    os.makedirs(a.out, exist_ok=True)
+    for i, name in enumerate(a.names or MODELS):
+        if name not in MODELS:
+            sys.exit(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+        path = os.path.join(a.out, f"{name}.gguf")
+        # One generator per model, seeded by its position, so adding a model leaves the others' bytes alone.
+        write_model(path, name, MODELS[name], vocab, np.random.default_rng(SEED + i))
+        print(f"{path}: {os.path.getsize(path)} bytes")
+
+
+if __name__ == "__main__":
+    main()
