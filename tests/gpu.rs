@@ -10,7 +10,7 @@ mod cluster_util;
 use baton::backend::gpu::{AdapterChoice, Gpu, NoAdapter};
 use baton::cluster::handoff::{NodeOpts, PrefillNode, prefill_with_fallback};
 use baton::cluster::handshake::Timeouts;
-use baton::cluster::pipeline::{PipelineOpts, PipelineSession};
+use baton::cluster::pipeline::PipelineSession;
 use baton::engine::placement::Placement;
 use baton::engine::snapshot::RowDtype;
 use baton::engine::{Input, Session, Want};
@@ -177,17 +177,7 @@ fn pipeline_with_a_stage_on_each_backend() {
         format!("{}=0:2,{}=2:end", g.addr, c.addr),
         format!("{}=0:3,{}=3:end", c.addr, g.addr),
     ] {
-        let o = PipelineOpts {
-            n_ctx: 512,
-            chunk: 16,
-            threads: 1,
-            timeouts: Timeouts {
-                connect: Duration::from_secs(5),
-                io: Duration::from_secs(120),
-            },
-            top_k: 3,
-            ..Default::default()
-        };
+        let o = pipeline_opts();
         let mut p = PipelineSession::connect(&spec, &m, o).unwrap();
         let logits = p.eval_logits(&prompt).unwrap();
         let d = max_abs_diff(&logits, &ref_logits);

@@ -3,7 +3,6 @@
 
 mod cluster_util;
 
-use baton::cluster::handshake::Timeouts;
 use baton::cluster::wire::{self, Msg};
 use baton::cluster::{PipelineOpts, PipelineSession};
 use baton::engine::snapshot::RowDtype;
@@ -11,20 +10,6 @@ use cluster_util::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
-
-fn opts() -> PipelineOpts {
-    PipelineOpts {
-        n_ctx: 512,
-        chunk: 16,
-        threads: 1,
-        timeouts: Timeouts {
-            connect: Duration::from_secs(5),
-            io: Duration::from_secs(120),
-        },
-        top_k: 3,
-        ..Default::default()
-    }
-}
 
 /// Prompt logits and greedy tokens of SmolLM2 through a pipeline.
 fn pipeline_run(spec: &str, o: PipelineOpts, prompt: &[u32], n_gen: usize) -> (Vec<f32>, Vec<u32>, PipelineSession) {
@@ -59,7 +44,7 @@ fn two_and_three_stages_match_the_local_run() {
     let b = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
 
     let spec2 = format!("{}=0:13,{}=13:end", a.addr, b.addr);
-    let (logits, toks, p) = pipeline_run(&spec2, opts(), &prompt, 8);
+    let (logits, toks, p) = pipeline_run(&spec2, pipeline_opts(), &prompt, 8);
     let d = max_abs_diff(&logits, &ref_logits);
     assert!(d <= 1e-4, "2 stages: logits differ by {d}");
     assert_eq!(toks, ref_toks, "2 stages: greedy tokens");
@@ -80,7 +65,7 @@ fn two_and_three_stages_match_the_local_run() {
 
     // Three stages, the coordinator owning the middle range.
     let spec3 = format!("{}=0:7,local=7:21,{}=21:end", a.addr, b.addr);
-    let (logits, toks, _p) = pipeline_run(&spec3, opts(), &prompt, 8);
+    let (logits, toks, _p) = pipeline_run(&spec3, pipeline_opts(), &prompt, 8);
     let d = max_abs_diff(&logits, &ref_logits);
     assert!(d <= 1e-4, "3 stages: logits differ by {d}");
     assert_eq!(toks, ref_toks, "3 stages: greedy tokens");
@@ -88,7 +73,7 @@ fn two_and_three_stages_match_the_local_run() {
     // Three remote stages, the coordinator owning nothing; the first node serves two sessions' ranges.
     let c = NodeProc::spawn(&model, "127.0.0.1:0", &["--layers", "20:30"]);
     let spec3r = format!("{}=0:10,{}=10:20,{}=20:end", a.addr, b.addr, c.addr);
-    let (logits, toks, mut p) = pipeline_run(&spec3r, opts(), &prompt, 8);
+    let (logits, toks, mut p) = pipeline_run(&spec3r, pipeline_opts(), &prompt, 8);
     assert!(max_abs_diff(&logits, &ref_logits) <= 1e-4);
     assert_eq!(toks, ref_toks);
 
@@ -109,7 +94,7 @@ fn new_architectures_two_stages_match_the_local_run() {
         let (ref_logits, ref_toks) = local_reference(&model, &prompt, 8);
         let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
         let spec = format!("{}=0:1,local=1:end", a.addr);
-        let (logits, toks, _p) = pipeline_run_on(&model, &spec, opts(), &prompt, 8);
+        let (logits, toks, _p) = pipeline_run_on(&model, &spec, pipeline_opts(), &prompt, 8);
         let d = max_abs_diff(&logits, &ref_logits);
         assert!(d <= 1e-4, "{name}, 2 stages: logits differ by {d}");
         assert_eq!(toks, ref_toks, "{name}, 2 stages: greedy tokens");
@@ -124,7 +109,15 @@ fn narrower_wire_stays_close() {
     let a = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
     for (wire, tol) in [(RowDtype::F16, 2.0), (RowDtype::BF16, 4.0), (RowDtype::Q8, 4.0)] {
         let spec = format!("{}=0:15,local=15:end", a.addr);
-        let (logits, toks, p) = pipeline_run(&spec, PipelineOpts { wire, ..opts() }, &prompt, 4);
+        let (logits, toks, p) = pipeline_run(
+            &spec,
+            PipelineOpts {
+                wire,
+                ..pipeline_opts()
+            },
+            &prompt,
+            4,
+        );
         let d = max_abs_diff(&logits, &ref_logits);
         eprintln!("{wire:?}: prompt logits differ from local by at most {d}");
         assert!(d > 0.0, "{wire:?} should not be lossless");
@@ -149,10 +142,14 @@ fn narrower_wire_stays_close() {
 #[test]
 fn handshake_mismatch_is_refused_with_the_difference_named() {
     let gemma = NodeProc::spawn(&gemma3(), "127.0.0.1:0", &[]);
-    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", gemma.addr), &smollm2(), opts())
-        .err()
-        .expect("a node with another model must be refused")
-        .to_string();
+    let e = PipelineSession::connect(
+        &format!("{}=0:15,local=15:end", gemma.addr),
+        &smollm2(),
+        pipeline_opts(),
+    )
+    .err()
+    .expect("a node with another model must be refused")
+    .to_string();
     assert!(
         e.contains("fingerprint") && e.contains("(gemma3)") && e.contains("(llama)"),
         "{e}"
@@ -166,22 +163,30 @@ fn handshake_mismatch_is_refused_with_the_difference_named() {
     );
 
     let pinned = NodeProc::spawn(&smollm2(), "127.0.0.1:0", &["--layers", "0:10"]);
-    let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", pinned.addr), &smollm2(), opts())
-        .err()
-        .unwrap()
-        .to_string();
+    let e = PipelineSession::connect(
+        &format!("{}=0:15,local=15:end", pinned.addr),
+        &smollm2(),
+        pipeline_opts(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("asks for layers 0:15, this node serves only 0:10"), "{e}");
-    let e = PipelineSession::connect(&format!("{}=0:14,local=15:end", pinned.addr), &smollm2(), opts())
-        .err()
-        .unwrap()
-        .to_string();
+    let e = PipelineSession::connect(
+        &format!("{}=0:14,local=15:end", pinned.addr),
+        &smollm2(),
+        pipeline_opts(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("layers 14 are not covered"), "{e}");
     let e = PipelineSession::connect(
         &format!("{}=0:10,local=10:end", pinned.addr),
         &smollm2(),
         PipelineOpts {
             n_ctx: 100_000,
-            ..opts()
+            ..pipeline_opts()
         },
     )
     .err()
@@ -209,14 +214,14 @@ fn authentication_is_required_off_loopback_and_checked() {
         &["--secret-file", secret.to_str().unwrap()],
     );
     let spec = format!("127.0.0.1:{port}=0:15,local=15:end");
-    let e = PipelineSession::connect(&spec, &model, opts())
+    let e = PipelineSession::connect(&spec, &model, pipeline_opts())
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("requires a shared secret"), "{e}");
     let wrong = PipelineOpts {
         secret: Some(b"wrong horse battery staple".to_vec()),
-        ..opts()
+        ..pipeline_opts()
     };
     let e = PipelineSession::connect(&spec, &model, wrong)
         .err()
@@ -228,7 +233,7 @@ fn authentication_is_required_off_loopback_and_checked() {
 
     let right = PipelineOpts {
         secret: Some(b"correct horse battery staple".to_vec()),
-        ..opts()
+        ..pipeline_opts()
     };
     let mut p = PipelineSession::connect(&spec, &model, right).unwrap();
     let s = p.eval(&prompt(8)).unwrap();
@@ -239,7 +244,7 @@ fn authentication_is_required_off_loopback_and_checked() {
     let open = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
     let with = PipelineOpts {
         secret: Some(b"correct horse battery staple".to_vec()),
-        ..opts()
+        ..pipeline_opts()
     };
     let e = PipelineSession::connect(&format!("{}=0:15,local=15:end", open.addr), &model, with)
         .err()
@@ -253,7 +258,7 @@ fn garbage_frames_drop_only_their_connection() {
     let model = smollm2();
     let node = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
     let spec = format!("{}=0:15,local=15:end", node.addr);
-    let mut p = PipelineSession::connect(&spec, &model, opts()).unwrap();
+    let mut p = PipelineSession::connect(&spec, &model, pipeline_opts()).unwrap();
     let first = p.eval(&prompt(12)).unwrap();
 
     // A peer that connects and says nothing must not block anyone.
@@ -320,7 +325,7 @@ fn garbage_frames_drop_only_their_connection() {
     let next = p.decode_step(first.token).unwrap();
     let (_, ref_toks) = local_reference(&model, &prompt(12), 2);
     assert_eq!([first.token, next.token], ref_toks[..]);
-    let mut q = PipelineSession::connect(&spec, &model, opts()).unwrap();
+    let mut q = PipelineSession::connect(&spec, &model, pipeline_opts()).unwrap();
     assert_eq!(q.eval(&prompt(12)).unwrap().token, ref_toks[0]);
     assert_eq!(p.stats()[0].reconnects, 0);
     let log = node.log();
@@ -342,7 +347,7 @@ fn killed_stage_mid_decode_errors_then_recovers_after_restart() {
         &model,
         PipelineOpts {
             verbose: true,
-            ..opts()
+            ..pipeline_opts()
         },
     )
     .unwrap();
@@ -381,7 +386,7 @@ fn stalled_stage_times_out_then_continues() {
     let (_, ref_toks) = local_reference(&model, &prompt, 6);
     let node = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
     let spec = format!("local=0:15,{}=15:end", node.addr);
-    let mut p = PipelineSession::connect(&spec, &model, opts()).unwrap();
+    let mut p = PipelineSession::connect(&spec, &model, pipeline_opts()).unwrap();
     let mut toks = vec![p.eval(&prompt).unwrap().token];
     toks.push(p.decode_step(toks[0]).unwrap().token);
 
@@ -454,7 +459,7 @@ fn bench_loopback() {
                 chunk,
                 threads: t,
                 top_k: 0,
-                ..opts()
+                ..pipeline_opts()
             };
             let (ppp, ptg, _) = bench_pipeline(spec, &model, o, &prompt, tg);
             println!(
@@ -474,7 +479,7 @@ fn bench_loopback() {
             threads: t,
             top_k: 0,
             wire,
-            ..opts()
+            ..pipeline_opts()
         };
         let (_, _, st) = bench_pipeline(&specs[1].1, &model, o, &prompt[..64], 32);
         println!(
@@ -543,7 +548,7 @@ fn bench_perplexity() {
             n_ctx: ctx,
             chunk: 128,
             wire,
-            ..opts()
+            ..pipeline_opts()
         };
         let mut p = PipelineSession::connect(&format!("{}=0:15,local=15:end", node.addr), &model, o).unwrap();
         let mut tot = 0.0;
@@ -614,8 +619,13 @@ fn sampled_pipeline_output_equals_the_local_run_with_the_same_seed() {
     let model = Arc::new(baton::model::Model::load(&smollm2()).unwrap());
     let pool = Arc::new(baton::kernels::ThreadPool::new(1));
     let mut local = LocalGenerator::new(model, pool, 512, 16).unwrap();
-    let mut piped =
-        PipelineGenerator::connect(&format!("{}=0:12,local=12:end", node.addr), &smollm2(), opts(), None).unwrap();
+    let mut piped = PipelineGenerator::connect(
+        &format!("{}=0:12,local=12:end", node.addr),
+        &smollm2(),
+        pipeline_opts(),
+        None,
+    )
+    .unwrap();
     let prompt = Prompt::Text("List some fruits: apple, banana,".into());
     let run = |g: &mut dyn Generator, sampler: SamplerParams| {
         let mut ids = Vec::new();

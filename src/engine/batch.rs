@@ -8,9 +8,9 @@
 use super::session::{self, Session};
 use crate::backend::{LayerKv, RowsKv};
 use crate::kernels::ThreadPool;
-use crate::kernels::ops::RopeTable;
 use crate::model::Model;
 use crate::model::blocks::{Buffers, Step};
+use crate::model::rope::RopeTables;
 use anyhow::{Result, bail};
 use half::f16;
 use std::ops::DerefMut;
@@ -23,7 +23,7 @@ pub struct Batch {
     pool: Arc<ThreadPool>,
     max_rows: usize,
     n_ctx: usize,
-    ropes: Vec<RopeTable>,
+    ropes: RopeTables,
     bufs: Buffers,
     /// Residual stream, one row per session.
     x: Vec<f32>,
@@ -68,7 +68,7 @@ impl Batch {
         }
         let hp = &model.hp;
         Ok(Batch {
-            ropes: session::rope_tables(&model, n_ctx),
+            ropes: RopeTables::new(&model.hp, model.range.clone(), n_ctx),
             bufs: Buffers::new(hp, max_rows, n_ctx, pool.n_threads()),
             x: vec![0.0; max_rows * hp.n_embd],
             head_in: vec![0.0; max_rows * hp.n_embd],
@@ -129,7 +129,7 @@ impl Batch {
             let step = Step {
                 hp,
                 pool: &self.pool,
-                rope: session::rope_of(&self.ropes, hp.rope_base_of(il)),
+                rope: self.ropes.of(il),
                 il,
                 n_tok: n,
                 be,

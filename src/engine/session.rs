@@ -10,8 +10,9 @@ use crate::backend::gpu::layers::{GpuLayers, Out};
 use crate::backend::{self, Backend, RowsKv, Scratch};
 use crate::kernels::ThreadPool;
 use crate::kernels::ggml::Numerics;
-use crate::kernels::ops::{self, RopeTable};
+use crate::kernels::ops;
 use crate::model::blocks::{self, Buffers, SeqKv, Step};
+use crate::model::rope::RopeTables;
 use crate::model::{Arch, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
@@ -45,8 +46,8 @@ pub struct Session {
     /// Most tokens one forward pass takes.
     n_batch: usize,
     bufs: Buffers,
-    /// One RoPE table per frequency base the range uses.
-    ropes: Vec<RopeTable>,
+    /// The RoPE tables of the range's layers.
+    ropes: RopeTables,
     /// Residual stream of the current batch.
     x: Vec<f32>,
     /// Output logits (grown on demand for `AllLogits`).
@@ -87,7 +88,7 @@ impl Session {
             Some(w) => Some(GpuLayers::new(w, n_ctx, n_batch)?),
             None => None,
         };
-        let ropes = rope_tables(&model, n_ctx);
+        let ropes = RopeTables::new(hp, model.range.clone(), n_ctx);
         let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
         Ok(Session {
             kv: KvCache::new(hp, model.range.clone(), n_ctx),
@@ -321,7 +322,7 @@ impl Session {
             let step = Step {
                 hp,
                 pool: &self.pool,
-                rope: rope_of(&self.ropes, hp.rope_base_of(il)),
+                rope: self.ropes.of(il),
                 il,
                 n_tok,
                 be: backend::for_numerics(self.numerics),
@@ -425,31 +426,6 @@ fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 /// One RoPE table per frequency base the model's layer range uses, for `n_ctx` positions.
-pub(super) fn rope_tables(model: &Model, n_ctx: usize) -> Vec<RopeTable> {
-    let hp = &model.hp;
-    let mut tables: Vec<RopeTable> = Vec::new();
-    for il in model.range.clone() {
-        let b = hp.rope_base_of(il);
-        if !tables.iter().any(|t| t.base == b) {
-            tables.push(RopeTable::scaled(
-                b,
-                hp.n_rot,
-                n_ctx,
-                hp.rope_freq_scale,
-                hp.rope_freqs.as_deref(),
-            ));
-        }
-    }
-    tables
-}
-
-pub(super) fn rope_of(tables: &[RopeTable], base: f32) -> &RopeTable {
-    tables
-        .iter()
-        .find(|r| r.base == base)
-        .expect("table built for every base")
-}
-
 /// Embeds `tokens` into the first rows of `x` (scaled where the architecture asks).
 pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> {
     let hp = &model.hp;

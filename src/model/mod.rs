@@ -11,6 +11,7 @@ pub mod hparams;
 pub mod llama;
 pub mod quantize;
 pub mod random;
+pub mod rope;
 
 pub use cache::ModelCache;
 pub use hparams::{Arch, Hparams, RopeType};

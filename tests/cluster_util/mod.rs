@@ -27,6 +27,21 @@ pub fn gemma3() -> PathBuf {
     model("gemma3")
 }
 
+/// Pipeline options for loopback tests: a short context, 16-token chunks, one thread, generous I/O timeouts.
+pub fn pipeline_opts() -> baton::cluster::PipelineOpts {
+    baton::cluster::PipelineOpts {
+        n_ctx: 512,
+        chunk: 16,
+        threads: 1,
+        timeouts: baton::cluster::handshake::Timeouts {
+            connect: Duration::from_secs(5),
+            io: Duration::from_secs(120),
+        },
+        top_k: 3,
+        ..Default::default()
+    }
+}
+
 /// The shape of an ignored benchmark test, from BENCH_PP, BENCH_TG, BENCH_THREADS and BENCH_CHUNKS.
 pub struct BenchEnv {
     pub pp: usize,
