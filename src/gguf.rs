@@ -357,13 +357,15 @@ impl<'a> Cursor<'a> {
         // Token texts may hold invalid UTF-8 in some converters; keep them lossily rather than fail the load.
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
-    /// An array's element type and count, checked: not nested too deeply, and no more elements than bytes remain
+    /// An array's element type and count, checked: not an array of arrays, and no more elements than bytes remain
     /// (every element takes at least one byte, so a larger count is a lie).
-    fn array_header(&mut self, depth: u32) -> Result<(u32, u64)> {
-        if depth > 2 {
-            bail!("corrupt GGUF: arrays nested too deeply");
-        }
+    fn array_header(&mut self) -> Result<(u32, u64)> {
         let elem_ty = self.u32()?;
+        if elem_ty == 9 {
+            // As in llama.cpp's reader. Parsed, each element of an inner array would also cost a `Value` (32 bytes)
+            // per byte of file.
+            bail!("corrupt GGUF: an array of arrays (not valid GGUF; llama.cpp refuses it too)");
+        }
         let n = self.u64()?;
         if n > self.remaining() as u64 {
             bail!(
@@ -375,7 +377,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// Steps over one value with the checks [`Cursor::value`] makes, keeping nothing.
-    fn skip(&mut self, ty: u32, depth: u32) -> Result<()> {
+    fn skip(&mut self, ty: u32) -> Result<()> {
         match ty {
             0 | 1 | 7 => _ = self.take(1, "u8")?,
             2 | 3 => _ = self.take(2, "u16")?,
@@ -383,9 +385,9 @@ impl<'a> Cursor<'a> {
             10..=12 => _ = self.take(8, "u64")?,
             8 => _ = self.string_bytes("string value")?,
             9 => {
-                let (elem_ty, n) = self.array_header(depth)?;
+                let (elem_ty, n) = self.array_header()?;
                 for _ in 0..n {
-                    self.skip(elem_ty, depth + 1)?;
+                    self.skip(elem_ty)?;
                 }
             }
             other => bail!("corrupt GGUF: unknown metadata value type {other}"),
@@ -405,11 +407,11 @@ impl<'a> Cursor<'a> {
             7 => Value::Bool(self.u8()? != 0),
             8 => Value::Str(self.string("string value")?),
             9 => {
-                let (elem_ty, n) = self.array_header(depth)?;
+                let (elem_ty, n) = self.array_header()?;
                 if depth == 0 && n > LAZY_MIN {
                     let start = self.pos;
                     for _ in 0..n {
-                        self.skip(elem_ty, depth + 1)?;
+                        self.skip(elem_ty)?;
                     }
                     return Ok(Value::Lazy(LazyArray {
                         elem_ty,

@@ -134,6 +134,15 @@ impl Hparams {
                  {head_dim_k}/{head_dim_v}, context {n_ctx_train})"
             );
         }
+        // Every layer has tensors of its own, so a count above the file's tensors is corrupt metadata; refused here,
+        // before anything is reserved per layer.
+        if n_layer > g.tensors.len() {
+            bail!(
+                "{} is {n_layer}, but the file holds only {} tensors",
+                key("block_count"),
+                g.tensors.len()
+            );
+        }
         let rope_freq_scale = rope_scaling(g, &key)?;
         let rope_freqs = rope_freqs(g, n_rot)?;
 
