@@ -107,7 +107,7 @@ enum EnsembleCmd {
         /// Each member's context in tokens.
         #[arg(long = "ctx", short = 'c', default_value_t = 512)]
         ctx: usize,
-        #[arg(short = 't', long)]
+        #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
         threads: Option<usize>,
     },
     /// Accuracy of each member and of the mixture on a cloze file (context, right ending, wrong endings; tab-separated).
@@ -119,7 +119,7 @@ enum EnsembleCmd {
         /// Mixture weights: mix:W1,W2,... (default equal).
         #[arg(long, default_value = "union")]
         combine: String,
-        #[arg(short = 't', long)]
+        #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
         threads: Option<usize>,
     },
 }
@@ -137,8 +137,8 @@ struct CommonModelArgs {
     /// Model: `smollm2`, `gemma3`, or a path to a GGUF file.
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
-    /// Threads (default: all cores).
-    #[arg(short = 't', long)]
+    /// Threads (default: all cores; at most 1024).
+    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
     threads: Option<usize>,
     /// Context size in tokens per session.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
@@ -256,8 +256,8 @@ struct RunArgs {
     kv_bits: String,
     /// With --prefill-node: seconds of silence before the prefill node is given up (the prompt is then prefilled
     /// here).
-    #[arg(long = "prefill-timeout", default_value_t = 10.0)]
-    prefill_timeout: f64,
+    #[arg(long = "prefill-timeout", default_value = "10", value_parser = baton::util::parse_timeout)]
+    prefill_timeout: std::time::Duration,
 }
 
 #[derive(Args)]
@@ -295,7 +295,8 @@ struct NodeArgs {
     /// Shared secret; required to listen on anything but loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
-    #[arg(short = 't', long)]
+    /// Threads (default: all cores; at most 1024).
+    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
     threads: Option<usize>,
     /// Largest context a session may ask for.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
@@ -306,9 +307,21 @@ struct NodeArgs {
     /// Sessions kept at once (least recently used evicted).
     #[arg(long = "max-sessions", default_value_t = 16)]
     max_sessions: usize,
-    /// Seconds to wait on a peer's frame or write.
-    #[arg(long, default_value_t = 30.0)]
-    timeout: f64,
+    /// Seconds a peer has for each whole frame once its first byte arrived, and for each write (also for each
+    /// handshake frame from the moment it connects).
+    #[arg(long, default_value = "30", value_parser = baton::util::parse_timeout)]
+    timeout: std::time::Duration,
+    /// Seconds of silence between requests before a connection is closed.
+    #[arg(long = "idle-timeout", default_value = "300", value_parser = baton::util::parse_timeout)]
+    idle_timeout: std::time::Duration,
+    /// Connections open at once; more are refused with an ERROR (each holds a thread).
+    #[arg(long = "max-connections", default_value_t = baton::cluster::node::DEFAULT_MAX_CONNECTIONS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+    max_connections: usize,
+    /// Connections that have not authenticated yet, at once; more are refused, so strangers cannot lock out peers.
+    #[arg(long = "max-handshakes", default_value_t = baton::cluster::node::DEFAULT_MAX_HANDSHAKES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+    max_handshakes: usize,
     /// Step each session's decode on its own instead of batching the steps that arrive together.
     #[arg(long = "no-batch")]
     no_batch: bool,
@@ -356,11 +369,11 @@ struct ServeArgs {
     /// Bearer key clients must send; required when not listening on loopback.
     #[arg(long = "api-key")]
     api_key: Option<String>,
-    /// Sessions generating at once (each with its own KV); per decode node with --cluster.
-    #[arg(long, default_value_t = 1)]
+    /// Sessions generating at once (each with its own KV); per decode node with --cluster (1..=256).
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     parallel: usize,
-    /// Requests that may wait for a free session; beyond them the answer is 429.
-    #[arg(long, default_value_t = 16)]
+    /// Requests that may wait for a free session; beyond them the answer is 429 (at most 65536).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=65536))]
     queue: usize,
     /// Local slots decode one session per forward, taking turns, instead of together in batched steps.
     #[arg(long = "no-batch")]
@@ -378,8 +391,18 @@ struct ServeArgs {
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
     /// Seconds to wait on a node's answer before the request fails.
-    #[arg(long = "node-timeout", default_value_t = 30.0)]
-    node_timeout: f64,
+    #[arg(long = "node-timeout", default_value = "30", value_parser = baton::util::parse_timeout)]
+    node_timeout: std::time::Duration,
+    /// Seconds a client has to send a request's headers; an idle keep-alive connection is closed after as long.
+    #[arg(long = "header-timeout", default_value = "30", value_parser = baton::util::parse_timeout)]
+    header_timeout: std::time::Duration,
+    /// Seconds a client has to send a request's whole body (at most 4 MiB).
+    #[arg(long = "body-timeout", default_value = "60", value_parser = baton::util::parse_timeout)]
+    body_timeout: std::time::Duration,
+    /// HTTP connections open at once; more are answered 503 and closed (default: from the open-file limit, half of
+    /// it less a reserve, at most 4096).
+    #[arg(long = "max-connections", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65536))]
+    max_connections: Option<usize>,
     #[command(flatten)]
     mix: MixArgs,
     /// Prefill prompts on these `baton node`s (HOST:PORT,...; the least-loaded healthy one per request); the server
@@ -394,8 +417,8 @@ struct ServeArgs {
     kv_bits: String,
     /// With prefill nodes: seconds of silence before a prefill node is given up (the prompt is then prefilled by
     /// the decode side).
-    #[arg(long = "prefill-timeout", default_value_t = 10.0)]
-    prefill_timeout: f64,
+    #[arg(long = "prefill-timeout", default_value = "10", value_parser = baton::util::parse_timeout)]
+    prefill_timeout: std::time::Duration,
 }
 
 #[derive(Args)]
@@ -411,7 +434,8 @@ struct PerplexityArgs {
     /// Tokens per forward pass.
     #[arg(short = 'b', long = "batch-size", default_value_t = 128)]
     batch_size: usize,
-    #[arg(short = 't', long)]
+    /// Threads (default: all cores; at most 1024).
+    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
     threads: Option<usize>,
     /// Score at most this many chunks.
     #[arg(long)]
@@ -435,7 +459,8 @@ struct BenchArgs {
     /// Generation lengths to test (comma-separated; 0 to skip).
     #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
     n_gen: Vec<usize>,
-    #[arg(short = 't', long)]
+    /// Threads (default: all cores; at most 1024).
+    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
     threads: Option<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
@@ -508,6 +533,9 @@ fn main() {
     }
 }
 
+/// Most threads `-t` may ask for: beyond it a typo would spawn threads until the system refuses (and panic).
+const MAX_THREADS: u64 = 1024;
+
 fn default_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
@@ -518,6 +546,7 @@ fn thread_pool(threads: Option<usize>) -> Arc<ThreadPool> {
 }
 
 fn cmd_run(a: RunArgs) -> Result<()> {
+    let sampler = sampler_params(&a)?;
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
         (None, Some(f)) => {
@@ -536,7 +565,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     } else {
         Prompt::Text(prompt)
     };
-    let mut generator = Builder::new(topology_args(&a)).generator()?;
+    let mut generator = Builder::new(topology_args(&a, sampler)).generator()?;
     if let Some(cache) = a.kv_cache.open()? {
         generator.set_disk_cache(cache)?;
     }
@@ -550,7 +579,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         } else {
             a.n_predict as usize
         },
-        sampler: sampler_params(&a),
+        sampler,
         top_logprobs: 0,
     };
     let mut out = std::io::stdout().lock();
@@ -597,8 +626,8 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// `baton run`'s sampling flags.
-fn sampler_params(a: &RunArgs) -> SamplerParams {
+/// `baton run`'s sampling flags, range-checked before anything is loaded.
+fn sampler_params(a: &RunArgs) -> Result<SamplerParams> {
     SamplerParams {
         temp: a.temp,
         top_k: a.top_k,
@@ -608,10 +637,11 @@ fn sampler_params(a: &RunArgs) -> SamplerParams {
         repeat_last_n: a.repeat_last_n,
         seed: a.seed,
     }
+    .checked_cli()
 }
 
 /// `baton run`'s topology flags, for the library's one builder.
-fn topology_args(a: &RunArgs) -> TopologyArgs {
+fn topology_args(a: &RunArgs, sampler: SamplerParams) -> TopologyArgs {
     let c = &a.common;
     TopologyArgs {
         model: c.model.clone(),
@@ -627,13 +657,13 @@ fn topology_args(a: &RunArgs) -> TopologyArgs {
         offload: a.offload.clone(),
         offload_layers: a.offload_layers,
         kv_bits: a.kv_bits.clone(),
-        prefill_timeout: std::time::Duration::from_secs_f64(a.prefill_timeout),
+        prefill_timeout: a.prefill_timeout,
         draft: a.mix.draft.clone(),
         draft_tokens: a.mix.draft_tokens.clone(),
         ensemble: a.mix.ensemble.clone(),
         combine: a.mix.combine.clone(),
         ensemble_degrade: a.mix.ensemble_degrade,
-        sampling: Some(sampler_params(a)),
+        sampling: Some(sampler),
         verbose: a.verbose,
     }
 }
@@ -1015,7 +1045,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         cluster: a.cluster,
         wire_bits: a.wire_bits,
         secret_file: a.secret_file,
-        node_timeout: std::time::Duration::from_secs_f64(a.node_timeout),
+        node_timeout: a.node_timeout,
         ensemble: a.mix.ensemble,
         combine: a.mix.combine,
         ensemble_degrade: a.mix.ensemble_degrade,
@@ -1024,9 +1054,12 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         prefill_node: a.prefill_node,
         offload: a.offload,
         kv_bits: a.kv_bits,
-        prefill_timeout: std::time::Duration::from_secs_f64(a.prefill_timeout),
+        prefill_timeout: a.prefill_timeout,
         kv_cache: a.kv_cache.open()?,
         slot_save_path: a.slot_save_path,
+        header_timeout: a.header_timeout,
+        body_timeout: a.body_timeout,
+        max_connections: a.max_connections.unwrap_or(0),
         ..Default::default()
     })
 }
@@ -1043,7 +1076,10 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.max_ctx = a.ctx_size;
     cfg.max_batch = a.batch_size;
     cfg.max_sessions = a.max_sessions;
-    cfg.io_timeout = std::time::Duration::from_secs_f64(a.timeout);
+    cfg.io_timeout = a.timeout;
+    cfg.idle_timeout = a.idle_timeout;
+    cfg.max_connections = a.max_connections;
+    cfg.max_handshakes = a.max_handshakes;
     cfg.batch = !a.no_batch;
     baton::cluster::run_node(cfg)
 }

@@ -67,3 +67,63 @@ pub fn hex(bytes: &[u8]) -> String {
     }
     s
 }
+
+/// Longest timeout any flag or request may ask for: a week (longer is a typo, and Duration would overflow at 2^64 s).
+pub const MAX_TIMEOUT_SECS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// The one checked parser of a timeout given in seconds (CLI flags, the HTTP API, config files): a finite number
+/// above zero and at most [`MAX_TIMEOUT_SECS`]. Zero is refused because a zero wait fails every operation at once;
+/// NaN, negative and infinite values because `Duration` cannot hold them.
+pub fn timeout_secs(secs: f64) -> Result<std::time::Duration> {
+    if !secs.is_finite() || secs <= 0.0 || secs > MAX_TIMEOUT_SECS {
+        bail!("timeout {secs} s must be a number of seconds above 0 and at most {MAX_TIMEOUT_SECS}");
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
+/// [`timeout_secs`] from text: clap's `value_parser` for every timeout flag.
+pub fn parse_timeout(s: &str) -> std::result::Result<std::time::Duration, String> {
+    let secs: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    timeout_secs(secs).map_err(|e| e.to_string())
+}
+
+/// `s` fit for one log line when it may come from a peer: control characters (newlines, terminal escapes)
+/// escaped, at most `max` characters kept, so a peer can neither forge log lines nor flood them.
+pub fn printable(s: &str, max: usize) -> String {
+    let mut out = String::with_capacity(s.len().min(max) + 8);
+    for (i, c) in s.chars().enumerate() {
+        if i == max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_text_is_one_bounded_line() {
+        assert_eq!(printable("a\nb\x1b[31m", 100), "a\\nb\\u{1b}[31m");
+        assert_eq!(printable(&"x".repeat(500), 10), format!("{}…", "x".repeat(10)));
+    }
+
+    #[test]
+    fn timeouts_outside_zero_to_a_week_are_refused() {
+        for bad in ["nan", "NaN", "-1", "0", "0.0", "inf", "1e300", "x", ""] {
+            assert!(parse_timeout(bad).is_err(), "{bad} accepted");
+        }
+        assert_eq!(parse_timeout("1.5").unwrap(), std::time::Duration::from_millis(1500));
+        assert_eq!(parse_timeout(" 30 ").unwrap(), std::time::Duration::from_secs(30));
+    }
+}

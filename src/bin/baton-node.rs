@@ -1,12 +1,18 @@
 //! `baton-node`: serves pipeline stages of one model (the same server as `baton node`).
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
-//!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--no-batch]
+//!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] [--max-handshakes N]
+//!        [--no-batch]
 
 use anyhow::{Context, Result, bail};
 use baton::cluster::{NodeConfig, auth, run_node};
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// A timeout flag's value, through the one checked parser.
+fn timeout(flag: &str, v: &str) -> Result<Duration> {
+    baton::util::parse_timeout(v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))
+}
 
 fn main() {
     if let Err(e) = real_main() {
@@ -31,13 +37,16 @@ fn real_main() -> Result<()> {
             "-c" | "--ctx-size" => cfg.max_ctx = val()?.parse().context("bad context size")?,
             "-b" | "--batch-size" => cfg.max_batch = val()?.parse().context("bad batch size")?,
             "--max-sessions" => cfg.max_sessions = val()?.parse().context("bad session count")?,
-            "--timeout" => cfg.io_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
-            "--idle-timeout" => cfg.idle_timeout = Duration::from_secs_f64(val()?.parse().context("bad timeout")?),
+            "--timeout" => cfg.io_timeout = timeout(&a, &val()?)?,
+            "--idle-timeout" => cfg.idle_timeout = timeout(&a, &val()?)?,
+            "--max-connections" => cfg.max_connections = val()?.parse().context("bad connection count")?,
+            "--max-handshakes" => cfg.max_handshakes = val()?.parse().context("bad handshake count")?,
             "--no-batch" => cfg.batch = false,
             "-h" | "--help" => {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
-                     [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--no-batch]"
+                     [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] \
+                     [--max-handshakes N] [--no-batch]"
                 );
                 return Ok(());
             }

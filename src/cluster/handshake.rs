@@ -65,6 +65,7 @@ impl Conn {
         let (m, n) = wire::read_msg(&mut self.stream).map_err(|e| describe(e, &self.peer, what, self.timeouts.io))?;
         self.bytes_recv += n as u64;
         if let Msg::Error { message } = &m {
+            let message = crate::util::printable(message, 2000);
             bail!("stage {} refused {what}: {message}", self.peer);
         }
         Ok(m)

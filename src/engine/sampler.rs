@@ -52,6 +52,77 @@ impl SamplerParams {
             ..Default::default()
         }
     }
+
+    /// The one range check of the sampling settings, used by the CLI, the HTTP API and a node's OPEN: `Err` names
+    /// the parameter (by the `name` its caller uses: a flag, a JSON field) and its range, in plain words. Outside
+    /// these ranges the sampler would keep no candidate (`min_p > 1`) or compute with NaN.
+    pub fn check(&self, name: impl Fn(SamplerField) -> &'static str) -> Result<(), (SamplerField, String)> {
+        let bad = |f: SamplerField, v: f32, range: &str| Err((f, format!("{} must be {range}, got {v}", name(f))));
+        if !(self.temp.is_finite() && self.temp >= 0.0) {
+            return bad(SamplerField::Temp, self.temp, "a number of at least 0 (0: greedy)");
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad(SamplerField::TopP, self.top_p, "between 0 and 1");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(SamplerField::MinP, self.min_p, "between 0 and 1");
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            return bad(
+                SamplerField::RepeatPenalty,
+                self.repeat_penalty,
+                "a number above 0 (1: off)",
+            );
+        }
+        Ok(())
+    }
+
+    /// `self` when [`SamplerParams::check`] passes, named by the CLI's flags.
+    pub fn checked_cli(self) -> anyhow::Result<Self> {
+        self.check(SamplerField::flag).map_err(|(_, m)| anyhow::Error::msg(m))?;
+        Ok(self)
+    }
+}
+
+/// A range-checked sampling setting, for [`SamplerParams::check`]'s messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SamplerField {
+    Temp,
+    TopP,
+    MinP,
+    RepeatPenalty,
+}
+
+impl SamplerField {
+    /// The command-line flag.
+    pub fn flag(self) -> &'static str {
+        match self {
+            SamplerField::Temp => "--temp",
+            SamplerField::TopP => "--top-p",
+            SamplerField::MinP => "--min-p",
+            SamplerField::RepeatPenalty => "--repeat-penalty",
+        }
+    }
+
+    /// The HTTP API's JSON field (OpenAI's names where it has them, llama.cpp's otherwise).
+    pub fn json(self) -> &'static str {
+        match self {
+            SamplerField::Temp => "temperature",
+            SamplerField::TopP => "top_p",
+            SamplerField::MinP => "min_p",
+            SamplerField::RepeatPenalty => "repeat_penalty",
+        }
+    }
+
+    /// The OPEN field (docs/protocol.md).
+    pub fn wire(self) -> &'static str {
+        match self {
+            SamplerField::Temp => "temperature",
+            SamplerField::TopP => "top_p",
+            SamplerField::MinP => "min_p",
+            SamplerField::RepeatPenalty => "repeat_penalty",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -954,6 +1025,37 @@ mod tests {
                 let sd = (pr * (1.0 - pr) / n as f32).sqrt();
                 assert!((f - pr).abs() <= 5.0 * sd + 1e-3, "token {t}: p {pr}, frequency {f}");
             }
+        }
+    }
+
+    #[test]
+    fn out_of_range_settings_are_refused_by_name() {
+        let ok = SamplerParams::default();
+        assert!(ok.check(SamplerField::flag).is_ok());
+        assert!(SamplerParams::greedy().check(SamplerField::flag).is_ok());
+        let cases: [(SamplerParams, &str); 8] = [
+            (
+                SamplerParams { min_p: 1.5, ..ok },
+                "--min-p must be between 0 and 1, got 1.5",
+            ),
+            (SamplerParams { min_p: f32::NAN, ..ok }, "--min-p"),
+            (SamplerParams { min_p: -0.1, ..ok }, "--min-p"),
+            (SamplerParams { top_p: 1.01, ..ok }, "--top-p"),
+            (SamplerParams { top_p: f32::NAN, ..ok }, "--top-p"),
+            (SamplerParams { temp: -1.0, ..ok }, "--temp"),
+            (SamplerParams { temp: f32::NAN, ..ok }, "--temp"),
+            (
+                SamplerParams {
+                    repeat_penalty: 0.0,
+                    ..ok
+                },
+                "--repeat-penalty",
+            ),
+        ];
+        for (p, want) in cases {
+            let (f, e) = p.check(SamplerField::flag).unwrap_err();
+            assert!(e.starts_with(want) && want.starts_with(f.flag()), "{e}");
+            assert!(p.check(SamplerField::json).unwrap_err().1.starts_with(f.json()));
         }
     }
 }

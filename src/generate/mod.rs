@@ -185,10 +185,35 @@ impl TextModel {
         }
     }
 
-    /// Tokens of the prompt: BOS only where the model's metadata asks; special tokens parsed (a chat template's
-    /// markers must become control tokens).
+    /// Tokens of the prompt: BOS only where the model's metadata asks; special tokens parsed in a text prompt and in
+    /// a chat template's own markers, never inside a chat message's content (llama.cpp's `parse_special` split:
+    /// users cannot forge role markers).
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let tokens = self.vocab.tokenize(&self.render(prompt)?, true, true);
+        let tokens = match prompt {
+            Prompt::Text(t) => self.vocab.tokenize(t, true, true),
+            Prompt::Chat(msgs) => {
+                let adds_bos = self.vocab.add_bos();
+                let (text, spans) = self.template.render_marked(msgs, true, adds_bos)?;
+                match spans {
+                    Some(spans) => self.vocab.tokenize_chat(&text, true, &spans),
+                    None => {
+                        // The template rewrites contents, so they cannot be located: refuse control-token text in
+                        // them rather than let it become control tokens.
+                        if let Some(m) = msgs.iter().find(|m| {
+                            self.vocab.tokenize(&m.content, false, true)
+                                != self.vocab.tokenize(&m.content, false, false)
+                        }) {
+                            bail!(
+                                "a {} message holds special-token text, and this model's chat template rewrites \
+                                 message contents, so it cannot be kept as plain text; remove it",
+                                m.role
+                            );
+                        }
+                        self.vocab.tokenize(&text, true, true)
+                    }
+                }
+            }
+        };
         if tokens.is_empty() {
             bail!("the prompt is empty");
         }

@@ -50,8 +50,8 @@ impl Histogram {
 
 #[derive(Default)]
 pub struct Metrics {
-    /// (path, status) → count.
-    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// (route label from a fixed set, status) → count.
+    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
@@ -84,13 +84,10 @@ fn esc(s: &str) -> String {
 }
 
 impl Metrics {
-    pub fn request(&self, path: &str, status: u16) {
-        *self
-            .requests
-            .lock()
-            .unwrap()
-            .entry((path.to_string(), status))
-            .or_default() += 1;
+    /// Counts one request under `label`: a `'static` route label (`routes::path_label`), never a path, so the
+    /// series stay a fixed set whatever clients send.
+    pub fn request(&self, label: &'static str, status: u16) {
+        *self.requests.lock().unwrap().entry((label, status)).or_default() += 1;
     }
     pub fn route(&self, node: &str, reason: &'static str) {
         *self

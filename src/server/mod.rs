@@ -85,6 +85,13 @@ pub struct ServeConfig {
     pub kv_cache: Option<Arc<DiskCache>>,
     /// Where `/slots/{id}?action=save|restore` keep sessions; `None`: those endpoints are off.
     pub slot_save_path: Option<PathBuf>,
+    /// A request's headers must arrive within this; also how long an idle keep-alive connection is kept.
+    pub header_timeout: Duration,
+    /// A request's whole body must arrive within this.
+    pub body_timeout: Duration,
+    /// HTTP connections open at once (more are answered 503 and closed); 0: from the file-descriptor limit
+    /// ([`auto_max_connections`]).
+    pub max_connections: usize,
 }
 
 impl Default for ServeConfig {
@@ -117,6 +124,9 @@ impl Default for ServeConfig {
             prefill_timeout: Duration::from_secs(10),
             kv_cache: None,
             slot_save_path: None,
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(60),
+            max_connections: 0,
         }
     }
 }
@@ -173,26 +183,104 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         slot_save_path: cfg.slot_save_path.clone(),
+        body_timeout: cfg.body_timeout,
     });
     // Two runtime threads are plenty to move bytes; compute runs on the slots' threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let http = HttpLimits {
+        header_timeout: cfg.header_timeout,
+        max_connections: match cfg.max_connections {
+            0 => auto_max_connections(),
+            n => n,
+        },
+    };
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
+        eprintln!(
+            "serve: at most {} connections; headers within {:.1} s, bodies within {:.1} s",
+            http.max_connections,
+            http.header_timeout.as_secs_f64(),
+            app.body_timeout.as_secs_f64()
+        );
         eprintln!(
             "serve: {} ({}) listening on http://{}",
             app.model_id,
             app.describe,
             listener.local_addr()?
         );
-        axum::serve(listener, routes::router(app)).await?;
-        Ok(())
+        accept_loop(listener, routes::router(app), &http).await
     })
 }
+
+/// HTTP connections at once when `--max-connections` is not given: half the file descriptors this process may
+/// open, less a reserve for the model, nodes and logs, so idle clients can never exhaust them.
+pub fn auto_max_connections() -> usize {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur as usize
+    } else {
+        1024
+    };
+    (soft.saturating_sub(64) / 2).clamp(8, 4096)
+}
+
+/// The HTTP limits the accept loop applies.
+struct HttpLimits {
+    header_timeout: Duration,
+    max_connections: usize,
+}
+
+/// Serves HTTP/1 connections: at most `max_connections` at once, each with hyper's header-read timeout, which also
+/// closes idle keep-alive connections. A connection over the cap is answered 503 at once (one non-blocking write)
+/// and closed, so it holds no descriptor and the clients that were there first, or /health a moment later, still
+/// get through. An accept error (e.g. out of descriptors) is logged and retried after a pause, never fatal.
+async fn accept_loop(listener: tokio::net::TcpListener, router: axum::Router, lim: &HttpLimits) -> Result<()> {
+    let permits = Arc::new(tokio::sync::Semaphore::new(lim.max_connections));
+    let timer = hyper_util::rt::TokioTimer::new();
+    let mut refused = 0u64;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                eprintln!("serve: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            refused += 1;
+            if refused.is_power_of_two() {
+                eprintln!(
+                    "serve: {} connections open, refusing more ({refused} refused so far)",
+                    lim.max_connections
+                );
+            }
+            let _ = stream.try_write(BUSY);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let mut b = hyper::server::conn::http1::Builder::new();
+        b.timer(timer.clone()).header_read_timeout(lim.header_timeout);
+        let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let _ = b.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+        });
+    }
+}
+
+/// The whole answer to a connection over the cap.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n\
+content-length: 82\r\n\r\n{\"error\":{\"message\":\"too many open connections, try again\",\"type\":\"server_error\"}}";
 
 /// The id `/v1/models` lists (`--served-name`, else the known model's short name, else the file stem) and the other
 /// names a request may use for the same model (short name, file name, file stem, the --model argument).
@@ -227,7 +315,7 @@ fn topology_args(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<Topolo
     let prefill_timeout = file
         .and_then(|f| f.prefill_timeout)
         .map_or(Ok(cfg.prefill_timeout), |s| {
-            Duration::try_from_secs_f64(s).map_err(|_| anyhow::anyhow!("prefill_timeout {s} is not a duration"))
+            crate::util::timeout_secs(s).map_err(|e| anyhow::anyhow!("cluster file prefill_timeout: {e}"))
         })?;
     Ok(TopologyArgs {
         model: cfg.model.clone(),

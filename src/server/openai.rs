@@ -3,7 +3,7 @@
 //! type-checked, and values we cannot honour are refused with a 400 that names the parameter.
 
 use crate::chat::ChatMessage;
-use crate::engine::sampler::SamplerParams;
+use crate::engine::sampler::{SamplerField, SamplerParams};
 use crate::generate::{Finish, GenParams, Outcome, Piece, Prompt};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -112,6 +112,10 @@ struct Common {
     max_tokens: Option<i64>,
     temperature: Option<f64>,
     top_p: Option<f64>,
+    /// llama.cpp's extensions, checked like the CLI's flags.
+    min_p: Option<f64>,
+    top_k: Option<i64>,
+    repeat_penalty: Option<f64>,
     seed: Option<i64>,
     stop: Option<StopSpec>,
     n: Option<i64>,
@@ -192,8 +196,43 @@ fn parse_err(e: serde_json::Error) -> ApiError {
     if e.is_syntax() || e.is_eof() {
         ApiError::new(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}"))
     } else {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request: {}", plain(&e.to_string())),
+        )
     }
+}
+
+/// serde's message in the API's words: no Rust type names (`i64`, `untagged enum PromptIn`) reach a client.
+fn plain(msg: &str) -> String {
+    const ENUMS: [(&str, &str); 3] = [
+        ("PromptIn", "prompt must be a string or an array of one string"),
+        ("StopSpec", "stop must be a string or an array of strings"),
+        ("Content", "message content must be a string or an array of text parts"),
+    ];
+    if let Some(rest) = msg.split_once("untagged enum ").map(|(_, r)| r) {
+        let name = rest.split(|c: char| !c.is_alphanumeric()).next().unwrap_or("");
+        return ENUMS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or("a field has the wrong type", |(_, m)| m)
+            .to_string();
+    }
+    let mut out = msg.to_string();
+    for (rust, words) in [
+        ("f64", "a number"),
+        ("f32", "a number"),
+        ("i64", "an integer"),
+        ("u64", "a non-negative integer"),
+        ("u32", "a non-negative integer"),
+        ("usize", "a non-negative integer"),
+    ] {
+        out = out.replace(&format!("expected {rust}"), &format!("expected {words}"));
+    }
+    if let Some((head, _)) = out.split_once("expected struct ") {
+        out = format!("{head}expected an object");
+    }
+    out
 }
 
 /// Rejects a body that is not a JSON object before field parsing, with a clear message.
@@ -321,6 +360,23 @@ fn common(
     if !(0.0..=1.0).contains(&top_p) {
         return Err(ApiError::bad("top_p", "top_p must be between 0 and 1"));
     }
+    let top_k = match c.top_k {
+        Some(k) if k < 0 => return Err(ApiError::bad("top_k", format!("top_k must be at least 0, got {k}"))),
+        Some(k) => k as usize,
+        None => 0,
+    };
+    let sampler = SamplerParams {
+        temp: temp as f32,
+        top_k,
+        top_p: top_p as f32,
+        min_p: c.min_p.unwrap_or(0.0) as f32,
+        repeat_penalty: c.repeat_penalty.unwrap_or(1.0) as f32,
+        repeat_last_n: if c.repeat_penalty.is_some() { 64 } else { 0 },
+        seed: c.seed.map(|s| s as u64),
+    };
+    sampler
+        .check(SamplerField::json)
+        .map_err(|(f, m)| ApiError::bad(f.json(), m))?;
     let stops = match c.stop {
         None => Vec::new(),
         Some(StopSpec::One(s)) => vec![s],
@@ -339,15 +395,7 @@ fn common(
         stream: c.stream.unwrap_or(false),
         include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         max_tokens,
-        sampler: SamplerParams {
-            temp: temp as f32,
-            top_k: 0,
-            top_p: top_p as f32,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 0,
-            seed: c.seed.map(|s| s as u64),
-        },
+        sampler,
         logprobs,
         stops,
     })
@@ -545,6 +593,36 @@ mod tests {
             let e = parse_chat(body).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
             assert_eq!(e.param, param, "{}", e.message);
+        }
+        for (field, body) in [
+            ("min_p", r#""min_p":1.5"#),
+            ("min_p", r#""min_p":-0.5"#),
+            ("top_p", r#""top_p":1.5"#),
+            ("temperature", r#""temperature":-1"#),
+            ("repeat_penalty", r#""repeat_penalty":0"#),
+            ("top_k", r#""top_k":-3"#),
+        ] {
+            let e = parse_completion(format!(r#"{{"prompt":"a",{body}}}"#).as_bytes()).unwrap_err();
+            assert_eq!(
+                (e.status, e.param),
+                (StatusCode::BAD_REQUEST, Some(field)),
+                "{}",
+                e.message
+            );
+            assert!(e.message.starts_with(field), "{}", e.message);
+        }
+        // serde's wording without Rust type names.
+        for body in [
+            &br#"{"prompt":5}"#[..],
+            br#"{"prompt":"a","max_tokens":1.5}"#,
+            br#"{"prompt":"a","stop":7}"#,
+            br#"{"prompt":"a","temperature":"hot"}"#,
+            br#"{"prompt":"a","stream_options":3}"#,
+        ] {
+            let e = parse_completion(body).unwrap_err();
+            for rust in ["PromptIn", "StopSpec", "i64", "f64", "struct", "enum"] {
+                assert!(!e.message.contains(rust), "{}", e.message);
+            }
         }
         assert!(parse_completion(br#"{"prompt":"a","logprobs":50}"#).is_err());
         assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());

@@ -32,6 +32,8 @@ pub struct App {
     pub created: u64,
     /// Where `/slots/{id}?action=save|restore` keep sessions (`--slot-save-path`).
     pub slot_save_path: Option<std::path::PathBuf>,
+    /// A request's whole body must arrive within this (`--body-timeout`).
+    pub body_timeout: std::time::Duration,
 }
 
 pub type AppState = Arc<App>;
@@ -57,19 +59,21 @@ pub fn router(app: AppState) -> Router {
         .with_state(app)
 }
 
-/// Bearer authentication (when an API key is set; `/health` stays open) and request accounting.
+/// Bearer authentication (when an API key is set; `/health` stays open), then the body read within the body
+/// timeout and size limit, then the route; every request counted under a label from a fixed set. The key is checked
+/// from the headers alone, so a stranger's body is never read.
 async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Response {
-    let path = req.uri().path().to_string();
+    let label = path_label(req.uri().path());
     if let Some(key) = &app.api_key
-        && path != "/health"
+        && label != "/health"
     {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
-            app.metrics.request(&path, 401);
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+            app.metrics.request(label, 401);
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "missing or wrong API key (Authorization: Bearer KEY)",
@@ -78,23 +82,69 @@ async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Res
             .into_response();
         }
     }
-    let resp = next.run(req).await;
-    let known = [
-        "/health",
-        "/metrics",
-        "/v1/models",
-        "/v1/chat/completions",
-        "/v1/completions",
-    ];
-    let label = if known.contains(&path.as_str()) || path.starts_with("/v1/models/") {
-        path.as_str()
-    } else if path.starts_with("/slots/") {
-        "/slots"
-    } else {
-        "other"
+    let req = match read_body(&app, req).await {
+        Ok(r) => r,
+        Err(e) => {
+            app.metrics.request(label, e.status.as_u16());
+            return e.into_response();
+        }
     };
+    let resp = next.run(req).await;
     app.metrics.request(label, resp.status().as_u16());
     resp
+}
+
+/// The metrics label of a request path: the route, never the path itself (ids and unknown paths would add a
+/// series per request).
+pub fn path_label(path: &str) -> &'static str {
+    match path {
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        "/v1/models" => "/v1/models",
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        p if p.starts_with("/v1/models/") => "/v1/models/{id}",
+        p if p.starts_with("/slots/") => "/slots",
+        _ => "other",
+    }
+}
+
+/// Compares a presented secret with ours in time independent of where they differ (both hashed first, so their
+/// lengths do not show either).
+fn same_secret(given: &[u8], ours: &[u8]) -> bool {
+    use sha2::{Digest, Sha256};
+    let (a, b) = (Sha256::digest(given), Sha256::digest(ours));
+    a.iter().zip(b.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Reads the whole body within the body timeout and [`MAX_BODY`]: a declared length over the limit is refused
+/// before a byte is read, a slow body with 408.
+async fn read_body(app: &App, req: HttpRequest) -> Result<HttpRequest, ApiError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(too_large());
+    }
+    let (parts, body) = req.into_parts();
+    let t = app.body_timeout;
+    match tokio::time::timeout(t, axum::body::to_bytes(body, MAX_BODY)).await {
+        Ok(Ok(bytes)) => Ok(HttpRequest::from_parts(parts, Body::from(bytes))),
+        Ok(Err(_)) => Err(too_large()),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {:.1} s", t.as_secs_f64()),
+        )),
+    }
+}
+
+fn too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the request body is larger than {} MiB", MAX_BODY >> 20),
+    )
 }
 
 async fn not_found() -> ApiError {

@@ -721,13 +721,17 @@ impl Vocab {
     /// the trie, then accepted in cache order (and left to right per token) unless they overlap an accepted
     /// one, which is what splitting fragment by fragment amounts to. Control and unknown tokens are matched
     /// only with `parse_special`; user-defined ones always.
-    fn partition(&self, text: &str, parse_special: bool) -> Vec<Fragment> {
+    /// `plain`: byte ranges where control and unknown tokens are not matched even with `parse_special` (chat
+    /// message contents, see [`Vocab::tokenize_chat`]).
+    fn partition(&self, text: &str, parse_special: bool, plain: &[std::ops::Range<usize>]) -> Vec<Fragment> {
         let bytes = text.as_bytes();
         let mut found: Vec<(u32, usize, usize, u32)> = Vec::new(); // (rank, start, len, id)
         for start in 0..bytes.len() {
             self.specials.prefixes(&bytes[start..], |id, len| {
                 let attr = self.attrs[id as usize];
-                if !parse_special && attr & (ATTR_CONTROL | ATTR_UNKNOWN) != 0 {
+                if attr & (ATTR_CONTROL | ATTR_UNKNOWN) != 0
+                    && (!parse_special || plain.iter().any(|r| start < r.end && r.start < start + len))
+                {
                     return;
                 }
                 found.push((self.special_rank[&id], start, len, id));
@@ -767,10 +771,27 @@ impl Vocab {
     /// `parse_special` recognises control-token texts such as `<|im_start|>` in the text (user-defined
     /// token texts are always recognised, as in llama.cpp).
     pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        self.tokenize_ranges(text, add_special, parse_special, &[])
+    }
+
+    /// A rendered chat prompt: the template's markers become control tokens, while inside `contents` (the
+    /// messages' text, [`crate::chat::ChatTemplate::render_marked`]) control-token texts stay plain text, so a
+    /// user cannot forge a role marker. Text without such tokens tokenizes exactly as with [`Vocab::tokenize`].
+    pub fn tokenize_chat(&self, text: &str, add_special: bool, contents: &[std::ops::Range<usize>]) -> Vec<u32> {
+        self.tokenize_ranges(text, add_special, true, contents)
+    }
+
+    fn tokenize_ranges(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Vec<u32> {
         let frags = if text.is_empty() {
             Vec::new()
         } else {
-            self.partition(text, parse_special)
+            self.partition(text, parse_special, plain)
         };
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special

@@ -222,3 +222,22 @@ fn stream_decoder_holds_back_split_characters() {
     assert_eq!(d.flush(), "\u{FFFD}");
     assert_eq!(d.flush(), "");
 }
+
+#[test]
+fn chat_contents_are_plain_text_and_the_rest_is_unchanged() {
+    let v = bpe_vocab("gpt-2", &[("<|im_start|>", CONTROL), ("<tag>", USER)], &[], &no_meta());
+    let im = v.token_id("<|im_start|>").unwrap();
+    let tag = v.token_id("<tag>").unwrap();
+    let text = "<|im_start|>u\n<|im_start|>x<tag><|im_start|>";
+    let content = 14..32; // "<|im_start|>x<tag>"
+    assert_eq!(&text[content.clone()], "<|im_start|>x<tag>");
+    let ids = v.tokenize_chat(text, false, std::slice::from_ref(&content));
+    assert_eq!(
+        ids.iter().filter(|&&i| i == im).count(),
+        2,
+        "only the template's two markers"
+    );
+    assert!(ids.contains(&tag), "user-defined tokens still match");
+    // Without contents, exactly tokenize(.., true).
+    assert_eq!(v.tokenize_chat(text, false, &[]), v.tokenize(text, false, true));
+}

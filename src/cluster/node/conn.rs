@@ -13,8 +13,9 @@ use std::net::TcpStream;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-/// Serves the connection `s` from `peer` to its end.
-pub(super) fn serve(s: TcpStream, st: &State, peer: &str) -> Result<()> {
+/// Serves the connection `s` from `peer` to its end; `authenticated` is called once the peer has proved it knows
+/// the secret (or, without one, has completed HELLO/AUTH), which frees its place among the pending handshakes.
+pub(super) fn serve(s: TcpStream, st: &State, peer: &str, authenticated: impl FnOnce()) -> Result<()> {
     s.set_nodelay(true)?;
     s.set_write_timeout(Some(st.cfg.io_timeout))?;
     let mut c = Conn { s, st, peer };
@@ -22,9 +23,10 @@ pub(super) fn serve(s: TcpStream, st: &State, peer: &str) -> Result<()> {
         return Ok(());
     };
     c.auth(nonces)?;
+    authenticated();
     let o = c.open()?;
     loop {
-        match read_frame(&mut c.s, st.cfg.idle_timeout, st.cfg.io_timeout) {
+        match read_frame(&mut c.s, st.cfg.idle_timeout, st.cfg.io_timeout, wire::MAX_FRAME) {
             Ok(Msg::Forward(f)) => c.forward(&o, f)?,
             Ok(Msg::Prefill(p)) => c.prefill(&o, &p)?,
             Ok(Msg::Pull(p)) => c.pull(&o, &p)?,
@@ -58,11 +60,12 @@ impl Conn<'_> {
     /// `None` when the peer connected and closed without a word: a health check (`baton serve`'s router), not worth
     /// a log line.
     fn hello(&mut self) -> Result<Option<([u8; 32], [u8; 32])>> {
-        let nonce_c = match self.read_handshake() {
+        let nonce_c = match self.read_handshake(wire::MAX_PREAUTH_FRAME) {
             Ok(Msg::Hello { nonce }) => nonce,
             Ok(m) => return Err(self.refuse(format!("expected HELLO, got {}", m.name()))),
             Err(WireError::Malformed(m)) => return Err(self.refuse(m)),
             Err(WireError::Closed) => return Ok(None),
+            Err(WireError::Timeout) => return Err(self.stalled("HELLO")),
             Err(e) => return Err(wire_err(e, "reading HELLO")),
         };
         let nonce_n = auth::nonce();
@@ -75,10 +78,11 @@ impl Conn<'_> {
 
     /// AUTH: checks the peer's proof of the shared secret (when this node has one) and answers AUTH_OK with its own.
     fn auth(&mut self, (nonce_c, nonce_n): ([u8; 32], [u8; 32])) -> Result<()> {
-        let mac = match self.read_handshake() {
+        let mac = match self.read_handshake(wire::MAX_PREAUTH_FRAME) {
             Ok(Msg::Auth { mac }) => mac,
             Ok(m) => return Err(self.refuse(format!("expected AUTH, got {}", m.name()))),
             Err(WireError::Malformed(m)) => return Err(self.refuse(m)),
+            Err(WireError::Timeout) => return Err(self.stalled("AUTH")),
             Err(e) => return Err(wire_err(e, "reading AUTH")),
         };
         let our_mac = match &self.st.cfg.secret {
@@ -96,7 +100,7 @@ impl Conn<'_> {
     /// OPEN (model, layers, context, sampling): opens the session, or finds it again with its KV, and answers READY
     /// with the positions it holds.
     fn open(&mut self) -> Result<Opened> {
-        let open = match self.read_handshake() {
+        let open = match self.read_handshake(wire::MAX_SMALL_FRAME) {
             Ok(Msg::Open(o)) => o,
             Ok(m) => return Err(self.refuse(format!("expected OPEN, got {}", m.name()))),
             Err(WireError::Malformed(m)) => return Err(self.refuse(m)),
@@ -235,10 +239,17 @@ impl Conn<'_> {
         }
     }
 
-    /// Reads a handshake message: the I/O timeout for all of it.
-    fn read_handshake(&mut self) -> Result<Msg, WireError> {
+    /// Reads a handshake message of at most `max` payload bytes: the I/O timeout for the first byte and again for
+    /// the rest of the frame.
+    fn read_handshake(&mut self, max: usize) -> Result<Msg, WireError> {
         let io = self.st.cfg.io_timeout;
-        read_frame(&mut self.s, io, io)
+        read_frame(&mut self.s, io, io, max)
+    }
+
+    /// The peer did not complete a handshake frame in time: told why (best effort), then dropped.
+    fn stalled(&mut self, what: &str) -> anyhow::Error {
+        let t = self.st.cfg.io_timeout.as_secs_f64();
+        self.refuse(format!("{what} not received within {t:.1} s"))
     }
 
     fn send(&mut self, m: &Msg) -> Result<()> {
@@ -253,17 +264,50 @@ impl Conn<'_> {
     }
 }
 
-/// Reads one message: the header may take up to `first` (idle wait), the rest at most the I/O timeout.
-fn read_frame(s: &mut TcpStream, first: Duration, io: Duration) -> Result<Msg, WireError> {
+/// Reads one message of at most `max` payload bytes. The first byte may take up to `first` (the idle wait); from
+/// then on the whole rest of the frame has `io` in all (a deadline, not a per-read timeout, so a peer trickling a
+/// byte at a time cannot hold the connection). A larger announced length is refused before anything is allocated,
+/// and the payload buffer grows only as its bytes arrive.
+fn read_frame(s: &mut TcpStream, first: Duration, io: Duration, max: usize) -> Result<Msg, WireError> {
     s.set_read_timeout(Some(first))?;
     let mut head = [0u8; wire::HEADER_LEN];
     s.read_exact(&mut head[..1])?;
-    s.set_read_timeout(Some(io))?;
-    s.read_exact(&mut head[1..])?;
+    let deadline = Instant::now() + io;
+    read_by(s, &mut head[1..], deadline)?;
     let (code, len) = wire::check_header(&head)?;
-    let mut payload = vec![0u8; len];
-    s.read_exact(&mut payload)?;
+    if len > max {
+        return Err(WireError::Malformed(format!(
+            "{} frame of {len} bytes exceeds the limit of {max} bytes at this point of the connection",
+            wire::type_name(code)
+        )));
+    }
+    const STEP: usize = 1 << 20;
+    let mut payload = Vec::new();
+    while payload.len() < len {
+        let got = payload.len();
+        payload.resize((got + STEP).min(len), 0);
+        read_by(s, &mut payload[got..], deadline)?;
+    }
     Msg::decode(code, &payload)
+}
+
+/// Fills `buf` from `s` by `deadline`.
+fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), WireError> {
+    let mut done = 0;
+    while done < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(WireError::Timeout);
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[done..]) {
+            Ok(0) => return Err(WireError::Closed),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 fn wire_err(e: WireError, what: &str) -> anyhow::Error {

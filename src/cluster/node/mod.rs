@@ -21,7 +21,13 @@ use state::State;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+/// Default of [`NodeConfig::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// Default of [`NodeConfig::max_handshakes`].
+pub const DEFAULT_MAX_HANDSHAKES: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -46,6 +52,11 @@ pub struct NodeConfig {
     /// Decode steps of different sessions that arrive together run as one batched forward (`engine::batcher`);
     /// off: one session per forward.
     pub batch: bool,
+    /// Connections open at once (each holds a thread); one more is refused with ERROR and closed.
+    pub max_connections: usize,
+    /// Of those, connections that have not yet authenticated: a flood of strangers cannot lock out the peers that
+    /// know the secret, since each stranger is gone within two I/O timeouts.
+    pub max_handshakes: usize,
 }
 
 impl NodeConfig {
@@ -62,7 +73,20 @@ impl NodeConfig {
             batch: true,
             io_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(300),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
         }
+    }
+
+    /// Refuses limits that would make the node refuse or drop every connection.
+    pub fn check(&self) -> Result<()> {
+        if self.max_connections == 0 || self.max_handshakes == 0 {
+            bail!("--max-connections and --max-handshakes must be at least 1");
+        }
+        if self.io_timeout.is_zero() || self.idle_timeout.is_zero() {
+            bail!("node timeouts must be above zero");
+        }
+        Ok(())
     }
 }
 
@@ -74,6 +98,7 @@ pub struct Node {
 impl Node {
     /// Opens the model, checks the configuration and binds the listening socket.
     pub fn bind(cfg: NodeConfig) -> Result<Node> {
+        cfg.check()?;
         let file = Arc::new(GgufFile::open(&cfg.model)?);
         let hp = Hparams::from_gguf(&file)?;
         let fp = crate::fingerprint::fingerprint(&cfg.model)
@@ -102,8 +127,14 @@ impl Node {
         Ok(self.listener.local_addr()?)
     }
 
-    /// Serves until the process ends: a thread per connection.
+    /// Serves until the process ends: a thread per connection, at most `max_connections` of them and at most
+    /// `max_handshakes` not yet authenticated. A connection over either cap, or whose thread cannot be started, is
+    /// refused on its own; the node goes on.
     pub fn serve(self) -> Result<()> {
+        let open = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(AtomicUsize::new(0));
+        let cfg = &self.state.cfg;
+        let mut refused = 0u64;
         for conn in self.listener.incoming() {
             let stream = match conn {
                 Ok(s) => s,
@@ -113,15 +144,75 @@ impl Node {
                     continue;
                 }
             };
+            let peer = stream.peer_addr().map_or("?".to_string(), |a| a.to_string());
+            let Some(conn_slot) = Slot::take(&open, cfg.max_connections) else {
+                refuse_busy(
+                    stream,
+                    &peer,
+                    &format!("{} connections open", cfg.max_connections),
+                    &mut refused,
+                );
+                continue;
+            };
+            let Some(hs_slot) = Slot::take(&pending, cfg.max_handshakes) else {
+                refuse_busy(
+                    stream,
+                    &peer,
+                    &format!("{} handshakes pending", cfg.max_handshakes),
+                    &mut refused,
+                );
+                continue;
+            };
             let state = self.state.clone();
-            std::thread::spawn(move || {
-                let peer = stream.peer_addr().map_or("?".to_string(), |a| a.to_string());
-                if let Err(e) = conn::serve(stream, &state, &peer) {
-                    eprintln!("baton node: dropped connection from {peer}: {e:#}");
-                }
-            });
+            let spawned = std::thread::Builder::new()
+                .name("baton-node-conn".into())
+                .spawn(move || {
+                    let _conn_slot = conn_slot;
+                    let mut hs_slot = Some(hs_slot);
+                    if let Err(e) = conn::serve(stream, &state, &peer, || drop(hs_slot.take())) {
+                        // The error may quote the peer (a model name, a message): one escaped, bounded line.
+                        let why = crate::util::printable(&format!("{e:#}"), 2000);
+                        eprintln!("baton node: dropped connection from {peer}: {why}");
+                    }
+                });
+            if let Err(e) = spawned {
+                // The closure (stream and slots) is dropped with the error: that connection closes, nothing else.
+                eprintln!("baton node: cannot start a thread for a connection: {e}");
+            }
         }
         Ok(())
+    }
+}
+
+/// One place under a cap; given back on drop.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(count: &Arc<AtomicUsize>, cap: usize) -> Option<Slot> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1))
+            .ok()
+            .map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Answers a connection over a cap with ERROR (without blocking the accept loop) and closes it. Logged at the 1st,
+/// 2nd, 4th, 8th… refusal, so a flood cannot fill the log.
+fn refuse_busy(stream: std::net::TcpStream, peer: &str, why: &str, refused: &mut u64) {
+    *refused += 1;
+    if refused.is_power_of_two() {
+        eprintln!("baton node: refused a connection from {peer}: busy ({why}; {refused} refused so far)");
+    }
+    let mut s = stream;
+    if s.set_nonblocking(true).is_ok() {
+        let message = format!("node busy: {why}; try again later");
+        let _ = super::wire::write_msg(&mut s, &super::wire::Msg::Error { message });
     }
 }
 

@@ -299,13 +299,8 @@ impl State {
                 o.n_batch, self.cfg.max_batch
             ));
         }
-        if !(o.temperature.is_finite() && o.top_p.is_finite() && o.min_p.is_finite() && o.repeat_penalty > 0.0)
-            || o.repeat_penalty.is_infinite()
-        {
-            d.push(format!(
-                "{peer} asks for sampling settings out of range (temperature {}, top-p {}, min-p {}, repeat penalty {})",
-                o.temperature, o.top_p, o.min_p, o.repeat_penalty
-            ));
+        if let Err((_, e)) = o.sampler().check(crate::engine::sampler::SamplerField::wire) {
+            d.push(format!("{peer} asks for a sampling setting out of range: {e}"));
         }
         if o.repeat_last_n > o.n_ctx {
             d.push(format!(

@@ -31,6 +31,9 @@ pub const HEADER_LEN: usize = 12;
 pub const MAX_FRAME: usize = 256 << 20;
 /// Largest payload of a handshake frame (HELLO .. READY, ERROR).
 pub const MAX_SMALL_FRAME: usize = 64 << 10;
+/// Largest payload a node accepts before the peer has authenticated (HELLO and AUTH carry 32 bytes each): an
+/// unauthenticated peer can make it hold no more than this per connection.
+pub const MAX_PREAUTH_FRAME: usize = 1 << 10;
 
 /// Message type codes (byte 5 of the header).
 pub mod ty {
