@@ -144,8 +144,9 @@ pub fn route(logits: &[f32], r: &Routing, picks: &mut [(usize, f32)]) {
             if picks[..j].iter().any(|&(p, _)| p == e) {
                 continue;
             }
-            // Strictly greater: the lowest index wins a tie. NaN logits never win, so a row of NaNs picks 0, 1, ...
-            if best.is_none_or(|b| logits[e] > logits[b]) {
+            // Strictly greater: the lowest index wins a tie. A NaN logit (a broken model) ranks below every number
+            // and picks nothing it should not: a row of NaNs picks 0, 1, ...
+            if best.is_none_or(|b| logits[e] > logits[b] || (logits[b].is_nan() && !logits[e].is_nan())) {
                 best = Some(e);
             }
         }
@@ -308,6 +309,8 @@ mod tests {
         let mut one = [(9, 0.0)];
         route(&[3.0, 3.0, 3.0], &softmax(), &mut one);
         assert_eq!(one, [(0, 1.0)]);
+        route(&[f32::NAN, 1.0, 2.0], &softmax(), &mut picks);
+        assert_eq!((picks[0].0, picks[1].0), (2, 1));
     }
 
     /// Layer `il`'s mixture over the rows of `x` in one pass of `n_rows`-row buffers.
