@@ -17,6 +17,10 @@ const FLASH_ATTN_EXT: u32 = 74;
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let model = Model::load(Path::new(&args[1])).unwrap();
+    if model.hp.moe.is_some() {
+        eprintln!("ggml_check compares dense feed-forwards only; this model has experts");
+        std::process::exit(2);
+    }
     let dir = Path::new(&args[2]);
     let n_layers: usize = args.get(3).map_or(2, |s| s.parse().unwrap());
     let mut shapes = HashMap::new();
@@ -67,6 +71,7 @@ fn main() {
     let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
     for il in 0..n_layers {
         let lw = model.layer(il);
+        let dense = lw.dense_ffn().expect("checked above: no experts");
         let gemma = hp.arch == baton::model::Arch::Gemma3;
         let inp = if il == 0 && gemma {
             load("inp_scaled")
@@ -190,9 +195,9 @@ fn main() {
         }
         cmp(&format!("ffn_norm-{il}"), &xn, &load(&format!("ffn_norm-{il}")));
         let xn = load(&format!("ffn_norm-{il}"));
-        let g = mm(&lw.ffn_gate, &xn);
+        let g = mm(&dense.gate, &xn);
         cmp(&format!("ffn_gate-{il}"), &g, &load(&format!("ffn_gate-{il}")));
-        let u = mm(&lw.ffn_up, &xn);
+        let u = mm(&dense.up, &xn);
         cmp(&format!("ffn_up-{il}"), &u, &load(&format!("ffn_up-{il}")));
         let mut g = load(&format!("ffn_gate-{il}"));
         let u = load(&format!("ffn_up-{il}"));
@@ -210,7 +215,7 @@ fn main() {
         };
         cmp(
             &format!("ffn_out-{il}"),
-            &mm(&lw.ffn_down, &load(&format!("{act}-{il}"))),
+            &mm(&dense.down, &load(&format!("{act}-{il}"))),
             &load(&format!("ffn_out-{il}")),
         );
     }

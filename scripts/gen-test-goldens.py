@@ -90,7 +90,7 @@ def greedy(ref, name, prompts, tmp):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-ref", default=os.path.join(ROOT, "tools/llama-ref/target/avx2/release/llama-ref"))
-    ap.add_argument("names", nargs="*", default=["llama3", "qwen2", "qwen3"])
+    ap.add_argument("names", nargs="*", default=["llama3", "qwen2", "qwen3", "qwen3moe"])
     a = ap.parse_args()
     ref = a.llama_ref
     if not os.access(ref, os.X_OK):

@@ -32,6 +32,11 @@ MODELS = {
     # RoPE scaling (factor 4), which no other model here has.
     "qwen3": dict(arch="qwen3", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
                   head_dim=32, rope_base=1000000.0, ty="F16", qk_norm=True, rope_linear=4.0),
+    # Qwen 3 MoE: qwen3's attention, and a mixture of 8 experts of width 32 of which each token uses 2 (softmax
+    # router, top-k weights renormalised); the experts are 3-D tensors, one per matrix per layer; F32 matrices.
+    "qwen3moe": dict(arch="qwen3moe", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                     head_dim=32, rope_base=1000000.0, ty="F32", qk_norm=True, n_expert=8, n_expert_used=2,
+                     n_ff_exp=32),
 }
 
 
@@ -91,6 +96,10 @@ def write_model(path, name, spec, vocab, rng):
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(spec["rope_base"])
+    if "n_expert" in spec:
+        w.add_expert_count(spec["n_expert"])
+        w.add_expert_used_count(spec["n_expert_used"])
+        w.add_expert_feed_forward_length(spec["n_ff_exp"])
     if "rope_linear" in spec:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec["rope_linear"])
@@ -115,6 +124,9 @@ def write_model(path, name, spec, vocab, rng):
         if ty == gguf.GGMLQuantizationType.F16:
             return dict(tensor=v.astype(np.float16))
         return dict(tensor=gguf.quants.quantize(v, ty), raw_dtype=ty)
+
+    def stack(mats):
+        return dict(tensor=np.stack([m["tensor"] for m in mats]), raw_dtype=mats[0].get("raw_dtype"))
 
     def vec(n, lo=0.8, hi=1.2):
         return dict(tensor=rng.uniform(lo, hi, n).astype(np.float32))
@@ -142,9 +154,19 @@ def write_model(path, name, spec, vocab, rng):
             t[p + "attn_k_norm.weight"] = vec(hd)
         t[p + "attn_output.weight"] = mat(e, nq)
         t[p + "ffn_norm.weight"] = vec(e)
-        t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e)
-        t[p + "ffn_up.weight"] = mat(spec["n_ff"], e)
-        t[p + "ffn_down.weight"] = mat(e, spec["n_ff"])
+        if "n_expert" in spec:
+            # The router stays F32 (as llama.cpp's quantizer leaves it), with logits spread wide enough that the
+            # k-th and (k+1)-th experts rarely tie. A 3-D tensor is written in numpy's order [expert, row, col],
+            # which gguf reverses into llama.cpp's {cols, rows, n_expert}.
+            n_x, f = spec["n_expert"], spec["n_ff_exp"]
+            t[p + "ffn_gate_inp.weight"] = dict(
+                tensor=(rng.uniform(-1.0, 1.0, (n_x, e)) * 4.0 / np.sqrt(e)).astype(np.float32))
+            for name, rows, cols in (("ffn_gate_exps", f, e), ("ffn_up_exps", f, e), ("ffn_down_exps", e, f)):
+                t[p + name + ".weight"] = stack([mat(rows, cols) for _ in range(n_x)])
+        else:
+            t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e)
+            t[p + "ffn_up.weight"] = mat(spec["n_ff"], e)
+            t[p + "ffn_down.weight"] = mat(e, spec["n_ff"])
     for k, v in t.items():
         w.add_tensor(k, v["tensor"], raw_dtype=v.get("raw_dtype"))
     w.write_header_to_file()
@@ -164,12 +186,14 @@ def main():
         sys.exit(f"{a.vocab_from} not found (`baton models fetch` downloads it)")
     vocab = cut_vocab(gguf.GGUFReader(a.vocab_from), N_VOCAB)
     os.makedirs(a.out, exist_ok=True)
-    for i, name in enumerate(a.names or MODELS):
+    for name in a.names or MODELS:
         if name not in MODELS:
             sys.exit(f"unknown model {name!r} (known: {', '.join(MODELS)})")
         path = os.path.join(a.out, f"{name}.gguf")
-        # One generator per model, seeded by its position, so adding a model leaves the others' bytes alone.
-        write_model(path, name, MODELS[name], vocab, np.random.default_rng(SEED + i))
+        # One generator per model, seeded by its position in MODELS, so adding a model leaves the others' bytes
+        # alone and writing one model alone writes the bytes of a full run.
+        seed = SEED + list(MODELS).index(name)
+        write_model(path, name, MODELS[name], vocab, np.random.default_rng(seed))
         print(f"{path}: {os.path.getsize(path)} bytes")
 
 

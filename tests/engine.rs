@@ -66,7 +66,7 @@ fn check_split_bit_exact(path: &Path) {
 #[test]
 fn split_is_bit_exact_random_models() {
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe] {
         check_split_bit_exact(&random_model(arch, dir.path()));
     }
 }
@@ -93,7 +93,7 @@ fn greedy(s: &mut Session, toks: &[u32], n: usize) -> Vec<u32> {
 fn batched_prefill_matches_token_by_token_and_window_holds_at_decode() {
     // The random gemma3 has a window of 16, so 40 positions cross it at prefill and decode alike.
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe] {
         let path = random_model(arch, dir.path());
         let m = Arc::new(Model::load(&path).unwrap());
         let toks = prompt(40);
@@ -123,7 +123,7 @@ fn layer_slices_give_the_bits_of_separate_batches() {
     let dir = tempfile::tempdir().unwrap();
     let slice = baton::model::blocks::LAYER_SLICE;
     let toks = prompt(2 * slice + 44);
-    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe] {
         let m = Arc::new(Model::load(&random_model(arch, dir.path())).unwrap());
         let mut whole = Session::new(m.clone(), pool(), 512, toks.len()).unwrap();
         let one_pass = whole.forward(Input::Tokens(&toks), Want::AllLogits).unwrap().to_vec();

@@ -274,6 +274,13 @@ fn greedy_matches_llama_cpp_qwen3() {
     check_generated("qwen3", FLOAT_TOL);
 }
 
+/// Qwen 3's attention with a mixture of 8 experts, 2 per token (softmax router, top-2 weights renormalised); F32
+/// matrices, the experts as 3-D tensors.
+#[test]
+fn greedy_matches_llama_cpp_qwen3moe() {
+    check_generated("qwen3moe", FLOAT_TOL);
+}
+
 /// What a perplexity run must achieve against llama.cpp.
 struct Expect {
     numerics: Numerics,

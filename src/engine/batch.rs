@@ -208,7 +208,7 @@ pub(crate) mod tests {
     fn batched_step_matches_single_steps_random_models() {
         let dir = tempfile::tempdir().unwrap();
         let pool = Arc::new(ThreadPool::new(2));
-        for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3] {
+        for arch in [Arch::Llama, Arch::Gemma3, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe] {
             let m = tiny(arch, dir.path());
             let nv = m.hp.n_vocab;
             let lens = [3, 20, 41];

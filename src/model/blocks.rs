@@ -2,7 +2,8 @@
 //! forward pass, the view of one layer's KV cache, and the attention steps. Each architecture file is then a short
 //! script calling these in its own order.
 
-use super::{Hparams, LayerWeights};
+use super::moe::{self, MoeScratch};
+use super::{Ffn, Hparams, LayerWeights};
 use crate::backend::{AttnShape, Backend, LayerKv, RowsKv, Scratch};
 use crate::kernels::ops::RopeTable;
 use crate::kernels::{Glu, Matrix, ThreadPool};
@@ -32,6 +33,8 @@ pub struct Buffers {
     n_ff: usize,
     /// The backend's working memory (matmul activations, attention partials).
     pub sc: Scratch,
+    /// The mixture of experts' buffers (MoE models only).
+    pub moe: Option<MoeScratch>,
 }
 
 /// The attention's views of the working buffer.
@@ -52,13 +55,16 @@ impl Buffers {
         let n_rows = n_batch.min(LAYER_SLICE);
         let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_rows * w);
         let attn_len = qkv_len.iter().sum::<usize>() + n_rows * hp.n_head * hp.head_dim_v;
+        // A mixture's hidden activations live in its own buffers.
+        let ffn_len = if hp.moe.is_some() { 0 } else { n_rows * hp.n_ff };
         Buffers {
             n_rows,
             xn: vec![0.0; n_rows * hp.n_embd],
-            work: vec![0.0; attn_len.max(n_rows * hp.n_ff)],
+            work: vec![0.0; attn_len.max(ffn_len)],
             qkv_len,
             n_ff: hp.n_ff,
             sc: Scratch::new(n_threads, n_ctx, hp.n_head / hp.n_head_kv, hp.head_dim_v),
+            moe: hp.moe.as_ref().map(|m| MoeScratch::new(m, hp.n_embd, n_rows)),
         }
     }
 
@@ -226,12 +232,20 @@ pub fn attn_output(s: &Step, lw: &LayerWeights, b: &mut Buffers) {
     project(s, &lw.wo, a.att, &mut b.xn, &mut b.sc);
 }
 
-/// The gated feed-forward of the normalised input: `b.xn = down(act(gate(b.xn)) · up(b.xn))`.
+/// The gated feed-forward of the normalised input: `b.xn = down(act(gate(b.xn)) · up(b.xn))`, or, in a layer of
+/// experts, the sum of its rows' experts' feed-forwards weighted by the router ([`moe::ffn`], SwiGLU experts).
 pub fn ffn(s: &Step, lw: &LayerWeights, b: &mut Buffers, glu: Glu) {
+    let d = match &lw.ffn {
+        Ffn::Dense(d) => d,
+        Ffn::Moe(m) => {
+            debug_assert_eq!(glu, Glu::Silu, "experts are SwiGLU");
+            return moe::ffn(s, m, b);
+        }
+    };
     let h = &mut b.work[..s.n_tok * b.n_ff];
-    let x = &b.xn[..s.n_tok * lw.ffn_gate.cols];
-    s.be.matmul_glu(s.pool, &lw.ffn_gate, &lw.ffn_up, glu, x, s.n_tok, h, &mut b.sc);
-    project(s, &lw.ffn_down, h, &mut b.xn, &mut b.sc);
+    let x = &b.xn[..s.n_tok * d.gate.cols];
+    s.be.matmul_glu(s.pool, &d.gate, &d.up, glu, x, s.n_tok, h, &mut b.sc);
+    project(s, &d.down, h, &mut b.xn, &mut b.sc);
 }
 
 /// The attention sub-block up to its output projection, which it leaves in `b.xn`: pre-norm of `x`, Q/K/V (with

@@ -12,6 +12,8 @@ pub enum Arch {
     Qwen2,
     /// Qwen 3 (dense): llama's math with per-head RMSNorm of Q and K before RoPE, and NeoX RoPE.
     Qwen3,
+    /// Qwen 3 MoE: Qwen 3's attention, and a mixture of experts in place of the feed-forward ([`Moe`]).
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -21,6 +23,7 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 }
@@ -65,6 +68,59 @@ pub struct Hparams {
     /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, one per rotated pair): pair i's angle is divided by
     /// factor i, on every layer.
     pub rope_freqs: Option<Vec<f32>>,
+    /// The mixture of experts that replaces the feed-forward (`qwen3moe`); `None` for dense models.
+    pub moe: Option<Moe>,
+}
+
+/// A mixture-of-experts feed-forward's shape and how it routes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moe {
+    pub n_expert: usize,
+    /// Experts each token runs (top-k).
+    pub n_expert_used: usize,
+    /// Width of one expert's feed-forward.
+    pub n_ff_exp: usize,
+    pub routing: Routing,
+}
+
+/// How a token's experts and their weights follow from the router's logits, as data, so that another
+/// architecture's routing (DeepSeek 2's sigmoid, scale and shared experts) is a different value rather than a copy
+/// of the layer. The loader refuses what [`Routing::unsupported`] names.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub gating: Gating,
+    /// Renormalise the selected experts' probabilities to sum to 1.
+    pub normalise: bool,
+    /// Factor on the weights after normalising.
+    pub scale: f32,
+    /// Experts every token runs besides the routed ones.
+    pub n_shared: usize,
+}
+
+/// The function from router logits to expert probabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+impl Routing {
+    /// What of this routing Baton does not compute, if anything.
+    pub fn unsupported(&self) -> Option<String> {
+        if self.gating != Gating::Softmax {
+            return Some(format!(
+                "expert gating function {:?} (only softmax is implemented)",
+                self.gating
+            ));
+        }
+        if self.scale != 1.0 {
+            return Some(format!("expert weights scale {} (only 1 is implemented)", self.scale));
+        }
+        if self.n_shared != 0 {
+            return Some(format!("{} shared experts (none are implemented)", self.n_shared));
+        }
+        None
+    }
 }
 
 impl Hparams {
@@ -75,14 +131,20 @@ impl Hparams {
             "gemma3" => Arch::Gemma3,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
-            other => bail!("unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3)"),
+            "qwen3moe" => Arch::Qwen3Moe,
+            other => bail!("unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe)"),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let u = |k: &str| -> Result<usize> { Ok(g.require_u64(&key(k))? as usize) };
 
         let n_layer = u("block_count")?;
         let n_embd = u("embedding_length")?;
-        let n_ff = u("feed_forward_length")?;
+        // A mixture of experts has its own width (`expert_feed_forward_length`); llama.cpp does not need this one.
+        let n_ff = if arch == Arch::Qwen3Moe {
+            g.get_u64(&key("feed_forward_length")).unwrap_or(0) as usize
+        } else {
+            u("feed_forward_length")?
+        };
         let n_head = u("attention.head_count")?;
         let n_head_kv = g
             .get_u64(&key("attention.head_count_kv"))
@@ -128,7 +190,13 @@ impl Hparams {
                 key("attention.layer_norm_rms_epsilon")
             );
         }
-        if n_layer == 0 || n_embd == 0 || n_ff == 0 || head_dim_k == 0 || head_dim_v == 0 || n_ctx_train == 0 {
+        if n_layer == 0
+            || n_embd == 0
+            || (n_ff == 0 && arch != Arch::Qwen3Moe)
+            || head_dim_k == 0
+            || head_dim_v == 0
+            || n_ctx_train == 0
+        {
             bail!(
                 "a size in the metadata is zero (layers {n_layer}, embedding {n_embd}, feed-forward {n_ff}, head sizes \
                  {head_dim_k}/{head_dim_v}, context {n_ctx_train})"
@@ -169,8 +237,19 @@ impl Hparams {
             embd_scale: 1.0,
             rope_freq_scale,
             rope_freqs,
+            moe: None,
         };
-        if matches!(arch, Arch::Qwen2 | Arch::Qwen3) {
+        if arch == Arch::Qwen3Moe {
+            hp.moe = Some(moe_hparams(g, &key)?);
+        } else if let Some(k) = ["expert_count", "expert_used_count"]
+            .map(&key)
+            .into_iter()
+            .find(|k| g.get(k).is_some() && g.get_u64(k) != Some(0))
+        {
+            // Mixtral, say, is `llama` with experts: refused rather than run as a dense model. A count of 0 is dense.
+            bail!("{k} is set, but Baton's {arch_name} is a dense architecture; its experts would be ignored");
+        }
+        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
             hp.rope_type = RopeType::Neox;
         }
         if arch == Arch::Gemma3 {
@@ -240,7 +319,22 @@ impl fmt::Display for Hparams {
         writeln!(f, "architecture:     {}", self.arch.name())?;
         writeln!(f, "layers:           {}", self.n_layer)?;
         writeln!(f, "embedding:        {}", self.n_embd)?;
-        writeln!(f, "feed-forward:     {}", self.n_ff)?;
+        match &self.moe {
+            None => writeln!(f, "feed-forward:     {}", self.n_ff)?,
+            Some(m) => writeln!(
+                f,
+                "experts:          {} of {}, feed-forward {} each, {:?} routing{}",
+                m.n_expert_used,
+                m.n_expert,
+                m.n_ff_exp,
+                m.routing.gating,
+                if m.routing.normalise {
+                    ", weights renormalised"
+                } else {
+                    ""
+                }
+            )?,
+        }
         writeln!(f, "heads (q/kv):     {}/{}", self.n_head, self.n_head_kv)?;
         writeln!(f, "head size (k/v):  {}/{}", self.head_dim_k, self.head_dim_v)?;
         writeln!(f, "vocabulary:       {}", self.n_vocab)?;
@@ -269,6 +363,77 @@ impl fmt::Display for Hparams {
         }
         write!(f, "attention scale:  {}", self.attn_scale)
     }
+}
+
+/// The mixture of experts of `qwen3moe`, checked: llama.cpp's qwen3moe routes with a softmax over all experts, takes
+/// the top `expert_used_count` and renormalises their weights to sum to 1 (`build_moe_ffn` with `norm_w`), with no
+/// scale and no shared expert. A key saying otherwise is a load error, not ignored.
+fn moe_hparams(g: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<Moe> {
+    let req = |k: &str| -> Result<usize> {
+        let k = key(k);
+        let v = g.get_u64(&k).with_context(|| format!("missing or non-integer {k}"))?;
+        usize::try_from(v).with_context(|| format!("{k} = {v} is too large"))
+    };
+    let n_expert = req("expert_count")?;
+    let n_expert_used = req("expert_used_count")?;
+    let n_ff_exp = req("expert_feed_forward_length")?;
+    if n_expert == 0 || n_expert > 4096 {
+        bail!("{} is {n_expert}; expected 1 to 4096", key("expert_count"));
+    }
+    if n_expert_used == 0 || n_expert_used > n_expert {
+        bail!(
+            "{} is {n_expert_used}; expected 1 to expert_count ({n_expert})",
+            key("expert_used_count")
+        );
+    }
+    if n_ff_exp == 0 {
+        bail!("{} is 0", key("expert_feed_forward_length"));
+    }
+    let mut routing = Routing {
+        gating: Gating::Softmax,
+        normalise: true,
+        scale: 1.0,
+        n_shared: 0,
+    };
+    // llama.cpp's enum: 1 softmax, 2 sigmoid.
+    let k = key("expert_gating_func");
+    if let Some(v) = g.get(&k) {
+        routing.gating = match g.get_u64(&k) {
+            Some(1) => Gating::Softmax,
+            Some(2) => Gating::Sigmoid,
+            _ => bail!("{k} is {v:?}, not a gating function Baton knows (1 softmax, 2 sigmoid)"),
+        };
+    }
+    let k = key("expert_weights_norm");
+    if let Some(v) = g.get(&k) {
+        routing.normalise = g.get_bool(&k).with_context(|| format!("{k} is {v:?}, not a bool"))?;
+        if !routing.normalise {
+            bail!("{k} is false, but qwen3moe renormalises its experts' weights (as llama.cpp does regardless)");
+        }
+    }
+    let k = key("expert_weights_scale");
+    if let Some(v) = g.get(&k) {
+        routing.scale = g.get_f32(&k).with_context(|| format!("{k} is {v:?}, not a number"))?;
+    }
+    let k = key("expert_shared_count");
+    if let Some(v) = g.get(&k) {
+        routing.n_shared = g.get_u64(&k).with_context(|| format!("{k} is {v:?}, not an integer"))? as usize;
+    }
+    for k in ["expert_group_count", "expert_group_used_count"].map(key) {
+        let v = g.get(&k);
+        if v.is_some() && !matches!(g.get_u64(&k), Some(0 | 1)) {
+            bail!("{k} is {v:?}: grouped expert selection is not implemented");
+        }
+    }
+    if let Some(what) = routing.unsupported() {
+        bail!("this qwen3moe model asks for {what}; computing without it would give wrong output");
+    }
+    Ok(Moe {
+        n_expert,
+        n_expert_used,
+        n_ff_exp,
+        routing,
+    })
 }
 
 /// The linear position scale from `<arch>.rope.scaling.*`, as llama.cpp reads it: `rope.scaling.factor` (or the

@@ -4,6 +4,8 @@
 //! than `n_embd / n_head`. [`blocks::self_attention`] applies both where a layer has the tensors (as llama.cpp's
 //! llama graph adds Q/K/V biases where present); the loader requires them of qwen2/qwen3 and refuses norms on llama.
 //! Both Qwens rotate the two halves of each head (NeoX RoPE), llama adjacent pairs: [`super::Hparams::rope_type`].
+//! `qwen3moe` is qwen3's block with a mixture of experts for its feed-forward (as llama.cpp's qwen3moe graph is
+//! qwen3's with `build_moe_ffn`): [`blocks::ffn`] runs whichever feed-forward the layer has ([`super::moe`]).
 
 use super::LayerWeights;
 use super::blocks::{self, Buffers, Step};

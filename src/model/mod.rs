@@ -9,12 +9,13 @@ pub mod cache;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
+pub mod moe;
 pub mod quantize;
 pub mod random;
 pub mod rope;
 
 pub use cache::ModelCache;
-pub use hparams::{Arch, Hparams, RopeType};
+pub use hparams::{Arch, Gating, Hparams, Moe, RopeType, Routing};
 
 use crate::gguf::GgufFile;
 use crate::kernels::Matrix;
@@ -38,24 +39,41 @@ pub struct LayerWeights {
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    pub ffn_gate: Matrix,
-    pub ffn_up: Matrix,
-    pub ffn_down: Matrix,
+    pub ffn: Ffn,
     pub post_ffn_norm: Option<Vec<f32>>,
 }
 
+/// A layer's feed-forward: one gated MLP, or a mixture of experts.
+pub enum Ffn {
+    Dense(DenseFfn),
+    Moe(moe::MoeWeights),
+}
+
+/// The gated feed-forward `down(act(gate · x) * (up · x))`.
+pub struct DenseFfn {
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+}
+
 impl LayerWeights {
-    /// The matrices the layer multiplies by.
-    pub fn matrices_mut(&mut self) -> [&mut Matrix; 7] {
-        [
-            &mut self.wq,
-            &mut self.wk,
-            &mut self.wv,
-            &mut self.wo,
-            &mut self.ffn_gate,
-            &mut self.ffn_up,
-            &mut self.ffn_down,
-        ]
+    /// The matrices the layer multiplies by that loading may repack or copy out of the map: all of them but the
+    /// experts, which stay mapped so that a token reads only its own experts' pages.
+    pub fn matrices_mut(&mut self) -> Vec<&mut Matrix> {
+        let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
+        match &mut self.ffn {
+            Ffn::Dense(d) => v.extend([&mut d.gate, &mut d.up, &mut d.down]),
+            Ffn::Moe(m) => v.push(&mut m.router),
+        }
+        v
+    }
+
+    /// The dense feed-forward, where the layer has one.
+    pub fn dense_ffn(&self) -> Option<&DenseFfn> {
+        match &self.ffn {
+            Ffn::Dense(d) => Some(d),
+            Ffn::Moe(_) => None,
+        }
     }
 }
 
@@ -86,6 +104,13 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
     };
     let qkv_bias: &[&str] = &["attn_q.bias", "attn_k.bias", "attn_v.bias"];
     let qk_norm: &[&str] = &["attn_q_norm.weight", "attn_k_norm.weight"];
+    let dense: &[&str] = &["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"];
+    let experts: &[&str] = &[
+        "ffn_gate_inp.weight",
+        "ffn_gate_exps.weight",
+        "ffn_up_exps.weight",
+        "ffn_down_exps.weight",
+    ];
     let layer = |t: &str| -> bool {
         let common = [
             "attn_norm.weight",
@@ -94,14 +119,12 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             "attn_v.weight",
             "attn_output.weight",
             "ffn_norm.weight",
-            "ffn_gate.weight",
-            "ffn_up.weight",
-            "ffn_down.weight",
         ];
         let extra: &[&[&str]] = match hp.arch {
-            Arch::Llama | Arch::Qwen2 => &[qkv_bias],
-            Arch::Qwen3 => &[qk_norm],
-            Arch::Gemma3 => &[qk_norm, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
+            Arch::Llama | Arch::Qwen2 => &[qkv_bias, dense],
+            Arch::Qwen3 => &[qk_norm, dense],
+            Arch::Qwen3Moe => &[qk_norm, experts],
+            Arch::Gemma3 => &[qk_norm, dense, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
         };
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
     };
@@ -192,6 +215,25 @@ impl Model {
         let mut layers = Vec::with_capacity(range.len());
         for il in range.clone() {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
+            let ffn = match &hp.moe {
+                None => Ffn::Dense(DenseFfn {
+                    gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
+                    up: matrix(&p("ffn_up"), e, hp.n_ff)?,
+                    down: matrix(&p("ffn_down"), hp.n_ff, e)?,
+                }),
+                Some(m) => {
+                    let (n_x, ff) = (m.n_expert, m.n_ff_exp);
+                    let experts = |t: &str, cols: usize, rows: usize| {
+                        moe::Experts::mapped(f, f.tensor_info(&p(t))?, cols, rows, n_x)
+                    };
+                    Ffn::Moe(moe::MoeWeights {
+                        router: matrix(&p("ffn_gate_inp"), e, n_x)?,
+                        gate: experts("ffn_gate_exps", e, ff)?,
+                        up: experts("ffn_up_exps", e, ff)?,
+                        down: experts("ffn_down_exps", ff, e)?,
+                    })
+                }
+            };
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,
                 wq: matrix(&p("attn_q"), e, hp.n_embd_q())?,
@@ -205,9 +247,7 @@ impl Model {
                 k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
                 post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
                 ffn_norm: vector(&p("ffn_norm"), e)?,
-                ffn_gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
-                ffn_up: matrix(&p("ffn_up"), e, hp.n_ff)?,
-                ffn_down: matrix(&p("ffn_down"), hp.n_ff, e)?,
+                ffn,
                 post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
             };
             if hp.arch == Arch::Gemma3
@@ -218,8 +258,8 @@ impl Model {
             {
                 bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
             }
-            if hp.arch == Arch::Qwen3 && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
-                bail!("qwen3 layer {il} lacks its attn_q_norm/attn_k_norm");
+            if matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe) && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
+                bail!("{} layer {il} lacks its attn_q_norm/attn_k_norm", hp.arch.name());
             }
             if hp.arch == Arch::Qwen2 && (lw.bq.is_none() || lw.bk.is_none() || lw.bv.is_none()) {
                 bail!("qwen2 layer {il} lacks one of its attn_q/attn_k/attn_v biases");
@@ -305,19 +345,19 @@ impl Model {
         &self.layers[il - self.range.start]
     }
 
-    /// Bytes of weights one decoded token reads through this range (layers + head), for bandwidth figures.
+    /// Bytes of weights one decoded token reads through this range (layers + head), for bandwidth figures: of a
+    /// mixture of experts, the router and the `expert_used_count` experts a token runs (its active parameters).
     pub fn weight_bytes_per_token(&self) -> usize {
+        let k = self.hp.moe.as_ref().map_or(0, |m| m.n_expert_used);
         let per_layer: usize = self
             .layers
             .iter()
             .map(|l| {
-                l.wq.size_bytes()
-                    + l.wk.size_bytes()
-                    + l.wv.size_bytes()
-                    + l.wo.size_bytes()
-                    + l.ffn_gate.size_bytes()
-                    + l.ffn_up.size_bytes()
-                    + l.ffn_down.size_bytes()
+                let ffn = match &l.ffn {
+                    Ffn::Dense(d) => d.gate.size_bytes() + d.up.size_bytes() + d.down.size_bytes(),
+                    Ffn::Moe(m) => m.active_bytes(k),
+                };
+                l.wq.size_bytes() + l.wk.size_bytes() + l.wv.size_bytes() + l.wo.size_bytes() + ffn
             })
             .sum();
         per_layer + self.output.as_ref().map_or(0, |m| m.size_bytes())
@@ -441,6 +481,102 @@ mod tests {
         // llama.cpp's qwen2 has no frequency factors either: a qwen2 file with them is refused, not run without.
         let e = load_error("qwen2", &[], &[("rope_freqs.weight", vec![1.0; 8])], &[]);
         assert!(e.contains("\"rope_freqs.weight\" is not part of Baton's qwen2"), "{e}");
+    }
+
+    /// The generated qwen3moe: its experts are per-expert views of the mapped 3-D tensors, and a token reads the
+    /// router and two experts of each layer.
+    #[test]
+    fn generated_qwen3moe_loads_its_experts() {
+        let m = load_edited("qwen3moe", &[], &[], &[]).unwrap();
+        assert_eq!(m.hp.arch, Arch::Qwen3Moe);
+        assert_eq!(m.hp.rope_type, RopeType::Neox);
+        let moe = m.hp.moe.clone().unwrap();
+        assert_eq!((moe.n_expert, moe.n_expert_used, moe.n_ff_exp), (8, 2, 32));
+        assert_eq!(moe.routing.gating, Gating::Softmax);
+        assert!(moe.routing.normalise);
+        let Ffn::Moe(x) = &m.layers[1].ffn else {
+            panic!("qwen3moe layer 1 has a dense feed-forward");
+        };
+        assert_eq!(x.gate.mats.len(), 8);
+        let (g0, g1) = (&x.gate.mats[0], &x.gate.mats[1]);
+        assert_eq!((g0.rows, g0.cols, g1.rows, g1.cols), (32, 64, 32, 64));
+        let info = m.file.tensor_info("blk.1.ffn_gate_exps.weight").unwrap();
+        let whole = m.file.tensor_data(info);
+        assert_eq!(g1.bytes(), &whole[g0.size_bytes()..2 * g0.size_bytes()]);
+        let down = m
+            .file
+            .tensor_data(m.file.tensor_info("blk.1.ffn_down_exps.weight").unwrap());
+        assert_eq!(x.down.mats[7].bytes(), &down[7 * 64 * 32 * 4..]);
+        let attn = 64 * 4 * (128 + 64 + 64 + 128);
+        let experts = 2 * 3 * 32 * 64 * 4;
+        let router = 8 * 64 * 4;
+        let head = 4096 * 64 * 2;
+        assert_eq!(m.weight_bytes_per_token(), 2 * (attn + experts + router) + head);
+    }
+
+    #[test]
+    fn bad_expert_metadata_and_tensors_are_refused() {
+        let k = |s: &str| format!("qwen3moe.{s}");
+        let cases = [
+            ("expert_used_count", Some(Value::U32(9)), "expert_used_count is 9"),
+            ("expert_used_count", Some(Value::U32(0)), "expert_used_count is 0"),
+            ("expert_count", Some(Value::U32(0)), "expert_count is 0"),
+            ("expert_count", None, "expert_count"),
+            (
+                "expert_feed_forward_length",
+                Some(Value::U32(0)),
+                "expert_feed_forward_length is 0",
+            ),
+            ("expert_gating_func", Some(Value::U32(2)), "Sigmoid"),
+            ("expert_gating_func", Some(Value::U32(7)), "expert_gating_func"),
+            ("expert_weights_scale", Some(Value::F32(2.5)), "scale 2.5"),
+            ("expert_shared_count", Some(Value::U32(1)), "1 shared experts"),
+            (
+                "expert_weights_norm",
+                Some(Value::Bool(false)),
+                "expert_weights_norm is false",
+            ),
+            ("expert_group_count", Some(Value::U32(4)), "expert_group_count"),
+            // The expert width does not match the tensors'.
+            (
+                "expert_feed_forward_length",
+                Some(Value::U32(16)),
+                "ffn_gate_exps.weight\" has dimensions",
+            ),
+        ];
+        for (key, v, want) in cases {
+            let key = k(key);
+            let e = load_error("qwen3moe", &[(key.as_str(), v.clone())], &[], &[]);
+            assert!(e.contains(want), "{key} = {v:?}: {e}");
+        }
+        // Scale 1, norm true, one group, no shared expert and softmax spelled out are what qwen3moe computes.
+        let fine = [
+            (k("expert_weights_scale"), Some(Value::F32(1.0))),
+            (k("expert_weights_norm"), Some(Value::Bool(true))),
+            (k("expert_shared_count"), Some(Value::U32(0))),
+            (k("expert_gating_func"), Some(Value::U32(1))),
+        ];
+        let fine: Vec<(&str, Option<Value>)> = fine.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
+        load_edited("qwen3moe", &fine, &[], &[]).unwrap();
+
+        let e = load_error("qwen3moe", &[], &[("blk.0.ffn_gate_shexp.weight", vec![0.0; 64])], &[]);
+        assert!(
+            e.contains("\"blk.0.ffn_gate_shexp.weight\" is not part of Baton's qwen3moe"),
+            "{e}"
+        );
+        let e = load_error("qwen3moe", &[], &[], &["blk.1.ffn_up_exps.weight"]);
+        assert!(e.contains("blk.1.ffn_up_exps.weight"), "{e}");
+        let down = "blk.0.ffn_down_exps.weight";
+        let e = load_error("qwen3moe", &[], &[(down, vec![0.0; 8 * 32 * 64])], &[down]);
+        assert!(e.contains("has dimensions [16384]"), "{e}");
+        let e = load_error("qwen3moe", &[], &[("blk.0.ffn_gate.weight", vec![0.0; 64])], &[]);
+        assert!(
+            e.contains("\"blk.0.ffn_gate.weight\" is not part of Baton's qwen3moe"),
+            "{e}"
+        );
+        // A dense architecture with experts is refused, not run without them.
+        let e = load_error("qwen3", &[("qwen3.expert_count", Some(Value::U32(8)))], &[], &[]);
+        assert!(e.contains("qwen3.expert_count is set") && e.contains("dense"), "{e}");
     }
 
     #[test]

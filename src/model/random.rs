@@ -19,6 +19,8 @@ pub struct RandomSpec {
     pub head_dim: usize,
     /// Storage type of the block matrices (F32 or F16; norms are always F32).
     pub ty: GgmlType,
+    /// Experts, experts used per token and their width (`qwen3moe`; ignored by dense architectures).
+    pub experts: (usize, usize, usize),
     pub seed: u64,
 }
 
@@ -33,6 +35,7 @@ impl RandomSpec {
             n_head_kv: 2,
             head_dim: 16,
             ty: GgmlType::F32,
+            experts: (8, 2, 32),
             seed: 1,
         }
     }
@@ -74,6 +77,13 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
     if spec.arch == Arch::Gemma3 {
         w.meta(&k("attention.sliding_window"), Value::U32(16));
     }
+    let moe = spec.arch == Arch::Qwen3Moe;
+    let (n_x, n_used, n_ff_exp) = spec.experts;
+    if moe {
+        w.meta(&k("expert_count"), Value::U32(n_x as u32));
+        w.meta(&k("expert_used_count"), Value::U32(n_used as u32));
+        w.meta(&k("expert_feed_forward_length"), Value::U32(n_ff_exp as u32));
+    }
     for (key, v) in &vocab_from.metadata {
         if key.starts_with("tokenizer.") {
             w.meta(key, vocab_from.owned_value(v)?);
@@ -107,10 +117,29 @@ pub fn write_random_model(vocab_from: &GgufFile, spec: &RandomSpec, path: &Path)
         tensors.push((p("attn_v"), mat(kv, e, spec.ty)?));
         tensors.push((p("attn_output"), mat(e, q, spec.ty)?));
         tensors.push((p("ffn_norm"), norm(e)));
-        tensors.push((p("ffn_gate"), mat(spec.n_ff, e, spec.ty)?));
-        tensors.push((p("ffn_up"), mat(spec.n_ff, e, spec.ty)?));
-        tensors.push((p("ffn_down"), mat(e, spec.n_ff, spec.ty)?));
-        if matches!(spec.arch, Arch::Gemma3 | Arch::Qwen3) {
+        if moe {
+            // The router scaled up (logits of spread ~4) so that a token's experts are clear choices.
+            let (dims, ty, data) = mat(n_x, e, GgmlType::F32)?;
+            let data = data
+                .chunks_exact(4)
+                .flat_map(|b| (4.0 * f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes())
+                .collect();
+            tensors.push((p("ffn_gate_inp"), (dims, ty, data)));
+            // A 3-D tensor is its experts' matrices one after another.
+            for (t, rows, cols) in [
+                ("ffn_gate_exps", n_ff_exp, e),
+                ("ffn_up_exps", n_ff_exp, e),
+                ("ffn_down_exps", e, n_ff_exp),
+            ] {
+                let (_, ty, data) = mat(n_x * rows, cols, spec.ty)?;
+                tensors.push((p(t), (vec![cols as u64, rows as u64, n_x as u64], ty, data)));
+            }
+        } else {
+            tensors.push((p("ffn_gate"), mat(spec.n_ff, e, spec.ty)?));
+            tensors.push((p("ffn_up"), mat(spec.n_ff, e, spec.ty)?));
+            tensors.push((p("ffn_down"), mat(e, spec.n_ff, spec.ty)?));
+        }
+        if matches!(spec.arch, Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe) {
             tensors.push((p("attn_q_norm"), norm(spec.head_dim)));
             tensors.push((p("attn_k_norm"), norm(spec.head_dim)));
         }

@@ -5,7 +5,7 @@ use baton::generate::{GenParams, Generator, Outcome, Prompt};
 use std::path::PathBuf;
 
 /// The small random-weight models committed in tests/models/ (written by scripts/gen-test-models.py).
-pub const GENERATED: [&str; 3] = ["llama3", "qwen2", "qwen3"];
+pub const GENERATED: [&str; 4] = ["llama3", "qwen2", "qwen3", "qwen3moe"];
 
 /// Path of a default model (`smollm2` or `gemma3`), fetched into the cache on first use, or of a generated one
 /// ([`GENERATED`]), which must be there.
