@@ -107,12 +107,12 @@ impl GgmlType {
         }
     }
 
-    /// Bytes of a row of `n` weights; `None` if `n` is not a whole number of blocks.
+    /// Bytes of a row of `n` weights; `None` if `n` is not a whole number of blocks, or its bytes overflow.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
         if !n.is_multiple_of(self.block_size()) {
             return None;
         }
-        Some(n / self.block_size() * self.type_size())
+        (n / self.block_size()).checked_mul(self.type_size())
     }
 
     pub fn name(self) -> &'static str {
@@ -588,7 +588,7 @@ impl GgufFile {
             let ne0 = dims[0] as usize;
             let Some(row) = ty.row_bytes(ne0) else {
                 bail!(
-                    "tensor {name:?}: row length {ne0} is not a multiple of the {ty} block size {}",
+                    "tensor {name:?}: row length {ne0} is not a multiple of the {ty} block size {}, or too large",
                     ty.block_size()
                 );
             };

@@ -431,6 +431,9 @@ fn gguf_findings_are_clear_errors() {
         )
     });
     assert!(e.contains("an array of arrays"), "{e}");
+    // A row length of 2^63 - 1: its bytes overflowed (a panic with overflow checks, a wrapped size without).
+    let e = load(&|w| w.tensors[0].1[0] = i64::MAX as u64);
+    assert!(e.contains("or too large"), "{e}");
 }
 
 /// The tokenizers of the two default models and of the generated ones (SentencePiece, and byte-level BPE with the
