@@ -75,6 +75,8 @@ pub struct Gauges {
     pub queue_depth: usize,
     pub slots: usize,
     pub busy: usize,
+    /// Why each slot out of service is (crashed and could not be restarted).
+    pub dead: Vec<String>,
     /// (node label, up, busy slots, slots).
     pub nodes: Vec<(String, bool, usize, usize)>,
 }
@@ -203,6 +205,11 @@ impl Metrics {
         let _ = writeln!(o, "baton_slots_busy {}", g.busy);
         let _ = writeln!(
             o,
+            "# HELP baton_slots_dead Slots out of service (crashed, could not be restarted).\n# TYPE baton_slots_dead gauge"
+        );
+        let _ = writeln!(o, "baton_slots_dead {}", g.dead.len());
+        let _ = writeln!(
+            o,
             "# HELP baton_node_up Whether a node answers (1) or is taken out (0)."
         );
         let _ = writeln!(o, "# TYPE baton_node_up gauge");
@@ -287,6 +294,7 @@ mod tests {
             queue_depth: 2,
             slots: 1,
             busy: 1,
+            dead: Vec::new(),
             nodes: vec![("a\"b".into(), true, 1, 1)],
         };
         let s = m.render(&g);

@@ -11,6 +11,7 @@ use crate::generate::{Finish, Generator, Outcome, Piece, Prompt};
 use anyhow::Result;
 use axum::http::StatusCode;
 use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -71,6 +72,9 @@ struct SlotState {
     key: String,
     last_used: u64,
     tx: mpsc::Sender<Work>,
+    /// Why the slot serves no more (its generator crashed and could not be rebuilt). A dead slot stays `busy`, so
+    /// the router never picks it, and `/health` reports it.
+    dead: Option<String>,
 }
 
 struct NodeState {
@@ -128,6 +132,7 @@ impl Scheduler {
                     key: String::new(),
                     last_used: 0,
                     tx,
+                    dead: None,
                 });
                 let s = sched.clone();
                 let factory = n.factory.clone();
@@ -158,6 +163,9 @@ impl Scheduler {
                 "no node is up to serve the request",
             ));
         }
+        if !(0..st.nodes.len()).any(|ni| usable(&st, ni)) {
+            return Err(no_live_slot());
+        }
         let free = st.slots.iter().any(|s| !s.busy && st.nodes[s.node].up);
         if !free && st.queue.len() >= self.max_queue {
             Metrics::add(&self.metrics.rejected, 1);
@@ -182,13 +190,12 @@ impl Scheduler {
                 Metrics::add(&self.metrics.cancelled, 1);
                 continue;
             }
-            if !st
-                .nodes
-                .iter()
-                .enumerate()
-                .any(|(ni, n)| n.up && !job.tried.contains(&ni))
-            {
+            if !(0..st.nodes.len()).any(|ni| usable(st, ni) && !job.tried.contains(&ni)) {
                 let job = st.queue.remove(i).unwrap();
+                if !(0..st.nodes.len()).any(|ni| usable(st, ni)) && st.nodes.iter().any(|n| n.up) {
+                    let _ = job.tx.send(Event::Error(no_live_slot()));
+                    continue;
+                }
                 let why = job.last_error.as_deref().unwrap_or("every node is down");
                 let _ = job.tx.send(Event::Error(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -219,11 +226,11 @@ impl Scheduler {
             slot.last_used = clock;
             self.metrics.route(&st.nodes[slot.node].label, why.name());
             if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(job)) {
-                // The slot's thread is gone (it panicked): never use it again.
-                let _ = job.tx.send(Event::Error(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "slot thread died",
-                )));
+                // The slot's thread is gone (panics are caught in it, so this should not happen): never use it
+                // again, and give the job back to the queue for the other slots.
+                eprintln!("serve: slot {si} is out of service: its thread has exited");
+                slot.dead = Some(format!("slot {si}: its thread has exited"));
+                st.queue.insert(i, job);
             }
         }
     }
@@ -239,6 +246,12 @@ impl Scheduler {
                 format!("no slot {slot}: this server has slots 0 to {}", n - 1),
             ));
         };
+        if let Some(why) = &s.dead {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("slot {slot} is out of service: {why}"),
+            ));
+        }
         if s.busy {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
@@ -262,6 +275,18 @@ impl Scheduler {
             Metrics::add(&self.metrics.retries, 1);
             st.queue.push_front(job);
         }
+        self.dispatch(&mut st);
+    }
+
+    /// Takes a slot whose generator could not be rebuilt out of service for good, and hands the queue to the
+    /// others (or refuses it when none is left).
+    fn retire(&self, slot: usize, why: String) {
+        let mut st = self.state.lock().unwrap();
+        eprintln!("serve: slot {slot} is out of service: {why}");
+        let s = &mut st.slots[slot];
+        s.busy = true;
+        s.key.clear();
+        s.dead = Some(why);
         self.dispatch(&mut st);
     }
 
@@ -319,7 +344,8 @@ impl Scheduler {
         Gauges {
             queue_depth: st.queue.len(),
             slots: st.slots.len(),
-            busy: st.slots.iter().filter(|s| s.busy).count(),
+            busy: st.slots.iter().filter(|s| s.busy && s.dead.is_none()).count(),
+            dead: st.slots.iter().filter_map(|s| s.dead.clone()).collect(),
             nodes: st
                 .nodes
                 .iter()
@@ -329,6 +355,21 @@ impl Scheduler {
         }
     }
 }
+
+/// Whether node `ni` can take work: up, with a slot still in service.
+fn usable(st: &State, ni: usize) -> bool {
+    st.nodes[ni].up && st.slots.iter().any(|s| s.node == ni && s.dead.is_none())
+}
+
+fn no_live_slot() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no slot can serve the request: every slot crashed and could not be restarted (see /health)",
+    )
+}
+
+/// What the request that hit a crash is told: no panic text or Rust internals (the server's log has those).
+const CRASHED: &str = "the generator crashed while serving this request (an internal error, logged on the server)";
 
 fn node_views(st: &State) -> Vec<NodeView> {
     let mut v: Vec<NodeView> = st
@@ -357,18 +398,44 @@ fn worker(
     rx: mpsc::Receiver<Work>,
 ) {
     let mut generator: Option<Box<dyn Generator>> = None;
+    // A panic in the generator is caught per job so the slot (and the requests queued for it) survive it.
     for work in rx {
         let mut job = match work {
             Work::Generate(job) => job,
             Work::Session(op, reply) => {
-                let (res, keep_key) = session_op(&mut generator, &factory, &op);
-                let key = if keep_key { sched.slot_key(slot) } else { String::new() };
-                let _ = reply.send(res);
-                sched.release(slot, key, None);
+                match catch_unwind(AssertUnwindSafe(|| session_op(&mut generator, &factory, &op))) {
+                    Ok((res, keep_key)) => {
+                        let key = if keep_key { sched.slot_key(slot) } else { String::new() };
+                        let _ = reply.send(res);
+                        sched.release(slot, key, None);
+                    }
+                    Err(_) => {
+                        let restarted = restart(&sched, &mut generator, &factory, slot, node, &label, remote);
+                        let _ = reply.send(Err(anyhow::anyhow!("{CRASHED}")));
+                        if !restarted {
+                            return;
+                        }
+                    }
+                }
                 continue;
             }
         };
-        let ran = run_job(&mut generator, &factory, &job, &sched.metrics);
+        let ran = match catch_unwind(AssertUnwindSafe(|| {
+            run_job(&mut generator, &factory, &job, &sched.metrics)
+        })) {
+            Ok(ran) => ran,
+            Err(_) => {
+                // Restart (or retire) the slot before answering, so a client that retries at once finds it ready.
+                let restarted = restart(&sched, &mut generator, &factory, slot, node, &label, remote);
+                let _ = job
+                    .tx
+                    .send(Event::Error(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, CRASHED)));
+                if !restarted {
+                    return;
+                }
+                continue;
+            }
+        };
         match ran {
             Ran::Done(key, last) => {
                 sched.release(slot, key, None);
@@ -394,6 +461,44 @@ fn worker(
             }
         }
     }
+}
+
+/// After a panic the slot's generator is poisoned: it may have stopped halfway through updating its KV, positions
+/// or a batch, so it is dropped and a fresh one built from the factory. Then the slot is free again (`true`). When
+/// the rebuild fails, a local slot is retired for good (`/health` fails and names it) and the thread ends
+/// (`false`); a remote slot's node is marked down instead, to be rebuilt when its health check passes again.
+fn restart(
+    sched: &Scheduler,
+    generator: &mut Option<Box<dyn Generator>>,
+    factory: &Factory,
+    slot: usize,
+    node: usize,
+    label: &str,
+    remote: bool,
+) -> bool {
+    eprintln!("serve: the generator of slot {slot} on {label} crashed; rebuilding it");
+    let old = generator.take();
+    // Its destructor runs on the same broken state and may panic too.
+    if catch_unwind(AssertUnwindSafe(move || drop(old))).is_err() {
+        eprintln!("serve: dropping the crashed generator of slot {slot} panicked as well");
+    }
+    let why = match catch_unwind(AssertUnwindSafe(|| factory())) {
+        Ok(Ok(g)) => {
+            *generator = Some(g);
+            sched.release(slot, String::new(), None);
+            return true;
+        }
+        Ok(Err(e)) => format!("{e:#}"),
+        Err(_) => "building its generator panicked".to_string(),
+    };
+    let why = format!("slot {slot} on {label} crashed and could not be restarted: {why}");
+    if remote {
+        sched.set_up(node, false, &why);
+        sched.release(slot, String::new(), None);
+        return true;
+    }
+    sched.retire(slot, why);
+    false
 }
 
 /// Saves or restores the slot's session; also says whether the slot still holds what its affinity key names.
@@ -524,6 +629,186 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
                 format!("generation failed after {sent} pieces: {e:#}"),
             )));
             Ran::Over
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::generate::TextModel;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+    /// Every wait in these tests ends within this.
+    const WAIT: Duration = Duration::from_secs(10);
+
+    /// A stand-in generator: panics on the prompt "boom"; on "break" it also makes the factory's next build fail
+    /// (so exactly the crashed slot's restart fails); otherwise answers "ok".
+    struct Fake(Arc<AtomicBool>);
+
+    impl Generator for Fake {
+        fn describe(&self) -> String {
+            "fake".into()
+        }
+        fn n_ctx(&self) -> usize {
+            64
+        }
+        fn text(&self) -> &TextModel {
+            unimplemented!("the fake generator has no tokenizer; count_prompt is overridden")
+        }
+        fn count_prompt(&self, _prompt: &Prompt) -> Result<usize> {
+            Ok(1)
+        }
+        fn generate(
+            &mut self,
+            prompt: &Prompt,
+            _: &GenParams,
+            sink: &mut dyn FnMut(&Piece) -> bool,
+        ) -> Result<Outcome> {
+            if let Prompt::Text(t) = prompt {
+                if t == "break" {
+                    self.0.store(true, Ordering::SeqCst);
+                }
+                if t == "boom" || t == "break" {
+                    panic!("fake generator crash");
+                }
+            }
+            sink(&Piece {
+                text: "ok".into(),
+                token: None,
+                logprob: None,
+                top: Vec::new(),
+            });
+            Ok(Outcome {
+                prompt_tokens: 1,
+                cached_tokens: 0,
+                completion_tokens: 1,
+                finish: Finish::Length,
+                t_prompt: Duration::ZERO,
+                t_gen: Duration::ZERO,
+                detail: Vec::new(),
+            })
+        }
+    }
+
+    /// A scheduler with one local node of `slots` fake slots.
+    pub(crate) fn fake_scheduler(slots: usize) -> Arc<Scheduler> {
+        let broken = Arc::new(AtomicBool::new(false));
+        let factory: Factory = Arc::new(move || {
+            if broken.swap(false, Ordering::SeqCst) {
+                anyhow::bail!("the model file is gone");
+            }
+            Ok(Box::new(Fake(broken.clone())) as Box<dyn Generator>)
+        });
+        let node = NodeSpec {
+            label: "local".into(),
+            addr: None,
+            slots,
+            factory,
+        };
+        Scheduler::start(vec![node], 8, Arc::new(Metrics::default()))
+    }
+
+    pub(crate) fn submit(s: &Scheduler, prompt: &str) -> Result<UnboundedReceiver<Event>, ApiError> {
+        let (tx, rx) = unbounded_channel();
+        s.submit(Job {
+            prompt: Prompt::Text(prompt.into()),
+            max_tokens: Some(4),
+            params: GenParams::default(),
+            stops: Vec::new(),
+            key: prompt.into(),
+            tx,
+            arrived: Instant::now(),
+            tried: Vec::new(),
+            last_error: None,
+        })?;
+        Ok(rx)
+    }
+
+    /// The first event, or a panic naming what hung.
+    pub(crate) async fn first(rx: &mut UnboundedReceiver<Event>, what: &str) -> Option<Event> {
+        tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no answer within {WAIT:?}"))
+    }
+
+    pub(crate) async fn answered(rx: &mut UnboundedReceiver<Event>, what: &str) {
+        match first(rx, what).await {
+            Some(Event::Piece(p)) => assert_eq!(p.text, "ok", "{what}"),
+            Some(Event::Error(e)) => panic!("{what}: error {} {}", e.status, e.message),
+            Some(Event::Done { .. }) => panic!("{what}: done without text"),
+            None => panic!("{what}: channel closed without an answer"),
+        }
+        assert!(
+            matches!(first(rx, what).await, Some(Event::Done { .. })),
+            "{what}: no Done after the text"
+        );
+    }
+
+    /// The request that hit a panic gets a 500 that says what happened without Rust internals.
+    pub(crate) async fn crashed(rx: &mut UnboundedReceiver<Event>) {
+        match first(rx, "the panicking request").await {
+            Some(Event::Error(e)) => {
+                assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
+                assert!(e.message.contains("crashed"), "{}", e.message);
+                assert!(!e.message.contains("panick"), "{}", e.message);
+                assert!(!e.message.contains("fake generator crash"), "{}", e.message);
+            }
+            Some(_) => panic!("the panicking request got an answer"),
+            None => panic!("the panicking request's channel closed without an error"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_slot_is_restarted_and_serves_the_queue() {
+        let s = fake_scheduler(1);
+        let mut boom = submit(&s, "boom").unwrap();
+        // Queued behind the crash on the only slot.
+        let mut a = submit(&s, "a").unwrap();
+        let mut b = submit(&s, "b").unwrap();
+        // The queued requests are checked first so that a slot left dead shows as the hang it would be.
+        answered(&mut a, "first request queued behind the panic").await;
+        answered(&mut b, "second request queued behind the panic").await;
+        crashed(&mut boom).await;
+        // The slot keeps working, and crashes again cleanly.
+        let mut boom = submit(&s, "boom").unwrap();
+        crashed(&mut boom).await;
+        answered(&mut submit(&s, "c").unwrap(), "a later request").await;
+        let g = s.gauges();
+        assert!(g.dead.is_empty(), "{:?}", g.dead);
+        assert_eq!(g.busy, 0);
+    }
+
+    #[tokio::test]
+    async fn a_slot_that_cannot_restart_is_taken_out_and_others_serve() {
+        let s = fake_scheduler(2);
+        let mut boom = submit(&s, "break").unwrap();
+        crashed(&mut boom).await;
+        for i in 0..3 {
+            answered(
+                &mut submit(&s, "z").unwrap(),
+                &format!("request {i} after the slot died"),
+            )
+            .await;
+        }
+        let g = s.gauges();
+        assert_eq!(g.dead.len(), 1, "{:?}", g.dead);
+        assert!(g.dead[0].contains("the model file is gone"), "{:?}", g.dead);
+    }
+
+    #[tokio::test]
+    async fn no_live_slot_refuses_instead_of_queueing() {
+        let s = fake_scheduler(1);
+        let mut boom = submit(&s, "break").unwrap();
+        crashed(&mut boom).await;
+        // Either refused at once or answered with an error: never left waiting.
+        match submit(&s, "a") {
+            Err(e) => assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message),
+            Ok(mut rx) => match first(&mut rx, "a request with no live slot").await {
+                Some(Event::Error(e)) => assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message),
+                _ => panic!("a request with no live slot got no 503"),
+            },
         }
     }
 }

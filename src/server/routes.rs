@@ -151,16 +151,19 @@ async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such route")
 }
 
+/// 200 while every slot can serve; 503 when no node is up, or when a slot crashed and could not be restarted
+/// (`dead_slots` says why): such a server needs its operator, even while its other slots still answer.
 async fn health(State(app): State<AppState>) -> Response {
     let g = app.sched.gauges();
-    let up = g.nodes.iter().any(|n| n.1);
+    let up = g.nodes.iter().any(|n| n.1) && g.dead.is_empty();
     let nodes: Vec<Value> = g
         .nodes
         .iter()
         .map(|(n, up, busy, slots)| json!({"node": n, "up": up, "busy": busy, "slots": slots}))
         .collect();
     let body = json!({"status": if up { "ok" } else { "unavailable" }, "model": app.model_id, "generator": app.describe,
-                      "slots": g.slots, "busy": g.busy, "queue": g.queue_depth, "nodes": nodes});
+                      "slots": g.slots, "busy": g.busy, "queue": g.queue_depth, "nodes": nodes,
+                      "dead_slots": g.dead});
     let code = if up {
         StatusCode::OK
     } else {
@@ -342,5 +345,50 @@ impl Sse {
                 self.finished = true;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::queue::tests::{crashed, fake_scheduler, submit};
+
+    async fn health_of(sched: Arc<Scheduler>) -> (StatusCode, Value) {
+        let app = Arc::new(App {
+            sched,
+            metrics: Arc::new(Metrics::default()),
+            model_id: "fake".into(),
+            aliases: Vec::new(),
+            api_key: None,
+            describe: "fake".into(),
+            created: 0,
+            slot_save_path: None,
+            body_timeout: std::time::Duration::from_secs(1),
+        });
+        let resp = health(State(app)).await;
+        let code = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), MAX_BODY).await.unwrap();
+        (code, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test]
+    async fn health_fails_when_a_slot_cannot_be_restarted() {
+        let s = fake_scheduler(1);
+        let (code, _) = health_of(s.clone()).await;
+        assert_eq!(code, StatusCode::OK);
+        // "boom" crashes and the slot is rebuilt: still healthy.
+        crashed(&mut submit(&s, "boom").unwrap()).await;
+        let (code, body) = health_of(s.clone()).await;
+        assert_eq!(code, StatusCode::OK, "{body}");
+        // "break" crashes and the rebuild fails.
+        crashed(&mut submit(&s, "break").unwrap()).await;
+        let (code, body) = health_of(s).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert_eq!(body["status"], "unavailable", "{body}");
+        let why = body["dead_slots"][0].as_str().unwrap_or_default();
+        assert!(
+            why.contains("could not be restarted") && why.contains("the model file is gone"),
+            "{body}"
+        );
     }
 }
