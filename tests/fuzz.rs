@@ -432,7 +432,14 @@ fn gguf_findings_are_clear_errors() {
     });
     assert!(e.contains("an array of arrays"), "{e}");
     // A row length of 2^63 - 1: its bytes overflowed (a panic with overflow checks, a wrapped size without).
-    let e = load(&|w| w.tensors[0].1[0] = i64::MAX as u64);
+    let e = load(&|w| {
+        let vector = w
+            .tensors
+            .iter_mut()
+            .find(|t| t.1.len() == 1 && t.2 == GgmlType::F32)
+            .unwrap();
+        vector.1[0] = i64::MAX as u64;
+    });
     assert!(e.contains("or too large"), "{e}");
 }
 
