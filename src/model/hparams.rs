@@ -202,6 +202,18 @@ impl Hparams {
                  {head_dim_k}/{head_dim_v}, context {n_ctx_train})"
             );
         }
+        // No real model has a width, head count or head size near 2^24; bounding them keeps every product of two
+        // (`n_head * head_dim`, ...) far from overflow.
+        const MAX_SIZE: usize = 1 << 24;
+        if [n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, n_rot]
+            .iter()
+            .any(|&v| v > MAX_SIZE)
+        {
+            bail!(
+                "a size in the metadata is larger than {MAX_SIZE} (embedding {n_embd}, feed-forward {n_ff}, heads \
+                 {n_head}/{n_head_kv}, head sizes {head_dim_k}/{head_dim_v}, rope dimensions {n_rot})"
+            );
+        }
         // Every layer has tensors of its own, so a count above the file's tensors is corrupt metadata; refused here,
         // before anything is reserved per layer.
         if n_layer > g.tensors.len() {
