@@ -398,6 +398,44 @@ impl Session {
         self.kv.set_n_pos(pos + 1);
     }
 
+    /// The mean over `tokens` of the hidden state after the final norm (what the output head reads), evaluated
+    /// from position 0: llama.cpp's mean pooling, unnormalised. Whole-model sessions only; the session then holds
+    /// `tokens`.
+    pub fn mean_pooled(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let model = self.model.clone();
+        if model.range.start != 0 || !model.is_last() {
+            bail!("this session holds layers {:?}, not the whole model", model.range);
+        }
+        if tokens.is_empty() {
+            bail!("nothing to embed");
+        }
+        if tokens.len() > self.n_ctx() {
+            bail!(
+                "{} tokens do not fit the context of {} positions",
+                tokens.len(),
+                self.n_ctx()
+            );
+        }
+        let norm = model.output_norm.as_deref().unwrap();
+        let (e, eps) = (model.hp.n_embd, model.hp.rms_eps);
+        let be = backend::for_numerics(self.numerics);
+        let mut sum = vec![0f64; e];
+        let mut normed = Vec::new();
+        self.rewind(0);
+        for chunk in tokens.chunks(self.n_batch()) {
+            let hidden = self.forward(Input::Tokens(chunk), Want::Hidden)?;
+            normed.resize(hidden.len(), 0.0);
+            be.rms_norm(hidden, norm, eps, &mut normed);
+            for row in normed.chunks_exact(e) {
+                for (s, &v) in sum.iter_mut().zip(row) {
+                    *s += v as f64;
+                }
+            }
+        }
+        let n = tokens.len() as f64;
+        Ok(sum.iter().map(|&s| (s / n) as f32).collect())
+    }
+
     /// Feeds `tokens` in batches and returns the logits of the last one (full-model sessions).
     pub fn eval(&mut self, tokens: &[u32]) -> Result<&[f32]> {
         if tokens.is_empty() {

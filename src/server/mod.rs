@@ -5,12 +5,14 @@
 //! - [`queue`]: slots (one Generator and one thread each), the bounded queue, retries, health checks;
 //! - [`router`]: which slot takes a request (longest cached prefix unless overloaded, else least loaded);
 //! - [`slots`]: `/slots/{id}?action=save|restore`, a slot's session to and from a file;
+//! - [`embeddings`]: `/v1/embeddings` (mean pooling on its own session), `/tokenize`, `/detokenize`;
 //! - [`stop`]: stop strings over a token stream; [`metrics`]: Prometheus text; [`cluster_file`]: `--cluster`.
 //!
 //! Data flow: HTTP handler → parse → `Scheduler::submit` → a slot's thread runs `Generator::generate` → events on
 //! a channel → JSON body or SSE chunks. The async runtime only moves bytes; engine work runs on slot threads.
 
 pub mod cluster_file;
+pub mod embeddings;
 pub mod metrics;
 pub mod multi_model;
 pub mod openai;
@@ -29,6 +31,7 @@ use crate::model::Model;
 use crate::topology::{Builder, PipelineGenerator, TopologyArgs};
 use anyhow::{Context, Result, bail};
 use cluster_file::{ClusterFile, NodeEntry, Topology};
+use embeddings::Embedder;
 use metrics::Metrics;
 use queue::{Factory, NodeSpec, Scheduler};
 use std::net::SocketAddr;
@@ -151,14 +154,15 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     }
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
     let metrics = Arc::new(Metrics::default());
-    let (model_id, aliases, nodes, describe) = if let Some(spec) = &cfg.ensemble {
+    let (model_id, aliases, nodes, describe, text, embedder) = if let Some(spec) = &cfg.ensemble {
         if file.is_some() || cfg.pipeline.is_some() || cfg.draft.is_some() || cfg.prefill_node.is_some() {
             bail!("--ensemble cannot be combined with --cluster, --pipeline, --draft or --prefill-node");
         }
         let builder = Builder::new(topology_args(&cfg, None)?);
         let (node, describe) = multi_model::ensemble_slots(&cfg, &builder, spec, multi_model::cache(&cfg))?;
         let id = cfg.served_name.clone().unwrap_or(multi_model::ensemble_id(spec)?);
-        (id, vec!["ensemble".to_string(), spec.clone()], vec![node], describe)
+        let aliases = vec!["ensemble".to_string(), spec.clone()];
+        (id, aliases, vec![node], describe, None, None)
     } else {
         let model_arg = file
             .as_ref()
@@ -166,8 +170,10 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             .unwrap_or_else(|| cfg.model.clone());
         let path = crate::fetch::resolve(&model_arg)?;
         let (model_id, aliases) = model_ids(&cfg, &model_arg, &path);
-        let (nodes, describe) = build_nodes(&cfg, file.as_ref(), &path, &metrics)?;
-        (model_id, aliases, nodes, describe)
+        let (nodes, describe, embedder) = build_nodes(&cfg, file.as_ref(), &path, &metrics)?;
+        // The tokenizer `/tokenize` and `/detokenize` use (this process reads no weights for it).
+        let text = Arc::new(TextModel::open(&path)?);
+        (model_id, aliases, nodes, describe, Some(text), embedder)
     };
     let sched = Scheduler::start(nodes, cfg.queue, metrics.clone());
     sched.clone().health_loop(cfg.health_every);
@@ -184,6 +190,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             .map_or(0, |d| d.as_secs()),
         slot_save_path: cfg.slot_save_path.clone(),
         body_timeout: cfg.body_timeout,
+        text,
+        embedder,
     });
     // Two runtime threads are plenty to move bytes; compute runs on the slots' threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -350,7 +358,7 @@ fn build_nodes(
     file: Option<&ClusterFile>,
     path: &Path,
     metrics: &Arc<Metrics>,
-) -> Result<(Vec<NodeSpec>, String)> {
+) -> Result<(Vec<NodeSpec>, String, Option<Arc<Embedder>>)> {
     let topology = match (file, &cfg.pipeline, &cfg.prefill_node) {
         (Some(_), Some(_), _) => bail!("give either --pipeline or --cluster, not both"),
         (Some(_), _, Some(_)) => bail!("with --cluster, name prefill nodes in the cluster file (role = \"prefill\")"),
@@ -377,7 +385,7 @@ fn build_nodes(
             );
         }
         let (node, describe) = multi_model::draft_slots(cfg, &builder, path, draft, multi_model::cache(cfg))?;
-        return Ok((vec![node], format!("{name}, {describe}")));
+        return Ok((vec![node], format!("{name}, {describe}"), None));
     }
     match topology {
         None => {
@@ -399,6 +407,13 @@ fn build_nodes(
                 })
                 .transpose()?;
             let disk = cfg.kv_cache.clone();
+            let embedder = Some(Arc::new(Embedder::new(
+                model.clone(),
+                pool.clone(),
+                ctx,
+                batch,
+                cfg.queue,
+            )));
             let factory: Factory = Arc::new(move || {
                 let g = LocalGenerator::new(model.clone(), pool.clone(), ctx, batch)?;
                 let mut g = match &batcher {
@@ -416,7 +431,7 @@ fn build_nodes(
                 slots: cfg.parallel,
                 factory,
             };
-            Ok((vec![node], format!("{name}, local, {} slots", cfg.parallel)))
+            Ok((vec![node], format!("{name}, local, {} slots", cfg.parallel), embedder))
         }
         Some(Topology::Pipeline(spec)) => {
             // Fail at start on bad flags, a bad spec or an unreachable stage.
@@ -431,7 +446,11 @@ fn build_nodes(
                 slots: cfg.parallel,
                 factory,
             };
-            Ok((vec![node], format!("{name}, pipeline {spec}, {} slots", cfg.parallel)))
+            Ok((
+                vec![node],
+                format!("{name}, pipeline {spec}, {} slots", cfg.parallel),
+                None,
+            ))
         }
         Some(Topology::Decode { decode, prefill }) => {
             builder.pipeline_opts()?;
@@ -467,7 +486,7 @@ fn build_nodes(
                     format!(" and {} prefill node(s), offload {}", prefill.len(), dis.offload_text)
                 }
             );
-            Ok((nodes, desc))
+            Ok((nodes, desc, None))
         }
     }
 }

@@ -192,7 +192,7 @@ impl Request {
     }
 }
 
-fn parse_err(e: serde_json::Error) -> ApiError {
+pub(super) fn parse_err(e: serde_json::Error) -> ApiError {
     if e.is_syntax() || e.is_eof() {
         ApiError::new(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}"))
     } else {
@@ -236,7 +236,7 @@ fn plain(msg: &str) -> String {
 }
 
 /// Rejects a body that is not a JSON object before field parsing, with a clear message.
-fn object(body: &[u8]) -> Result<Value, ApiError> {
+pub(super) fn object(body: &[u8]) -> Result<Value, ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(parse_err)?;
     if !v.is_object() {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "the body must be a JSON object"));

@@ -34,12 +34,16 @@ pub struct App {
     pub slot_save_path: Option<std::path::PathBuf>,
     /// A request's whole body must arrive within this (`--body-timeout`).
     pub body_timeout: std::time::Duration,
+    /// The served model's tokenizer (`None` for an ensemble of several vocabularies).
+    pub text: Option<Arc<crate::generate::TextModel>>,
+    /// Computes `/v1/embeddings` where the whole model is in this process.
+    pub embedder: Option<Arc<super::embeddings::Embedder>>,
 }
 
 pub type AppState = Arc<App>;
 
 impl App {
-    fn serves(&self, model: &str) -> bool {
+    pub fn serves(&self, model: &str) -> bool {
         model == self.model_id || self.aliases.iter().any(|a| a == model)
     }
 }
@@ -52,6 +56,9 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(super::embeddings::embeddings))
+        .route("/tokenize", post(super::embeddings::tokenize))
+        .route("/detokenize", post(super::embeddings::detokenize))
         .route("/slots/{id}", post(super::slots::slot_action))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY))
@@ -103,6 +110,9 @@ pub fn path_label(path: &str) -> &'static str {
         "/v1/models" => "/v1/models",
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
+        "/v1/embeddings" => "/v1/embeddings",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         p if p.starts_with("/slots/") => "/slots",
         _ => "other",
@@ -193,7 +203,7 @@ async fn model(State(app): State<AppState>, axum::extract::Path(id): axum::extra
     }
 }
 
-fn unknown_model(app: &App, id: &str) -> ApiError {
+pub fn unknown_model(app: &App, id: &str) -> ApiError {
     ApiError {
         param: Some("model"),
         ..ApiError::new(
@@ -364,6 +374,8 @@ mod tests {
             created: 0,
             slot_save_path: None,
             body_timeout: std::time::Duration::from_secs(1),
+            text: None,
+            embedder: None,
         });
         let resp = health(State(app)).await;
         let code = resp.status();

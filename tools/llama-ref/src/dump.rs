@@ -47,7 +47,9 @@ struct State {
 
 fn tensor_name(t: &sys::ggml_tensor) -> String {
     // SAFETY: ggml keeps the name NUL-terminated within its 64 bytes.
-    unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(t.name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 unsafe extern "C" fn callback(t: *mut sys::ggml_tensor, ask: bool, user: *mut std::ffi::c_void) -> bool {
@@ -85,7 +87,8 @@ unsafe extern "C" fn callback(t: *mut sys::ggml_tensor, ask: bool, user: *mut st
     if let Err(e) = std::fs::write(st.out.join(format!("{file}.f32")), &vals) {
         st.error = Some(format!("writing {file}: {e}"));
     }
-    st.index.push(format!("{file} {} {} {} {} {}", ne[0], ne[1], ne[2], ne[3], t.op));
+    st.index
+        .push(format!("{file} {} {} {} {} {}", ne[0], ne[1], ne[2], ne[3], t.op));
     true
 }
 
@@ -103,7 +106,12 @@ pub fn dump_cmd(a: &DumpArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out)?;
     let mut st = Box::new(State {
-        filters: a.filter.split(',').filter(|s| !s.is_empty()).map(String::from).collect(),
+        filters: a
+            .filter
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect(),
         out: a.out.clone(),
         seen: HashMap::new(),
         index: Vec::new(),
@@ -145,6 +153,11 @@ pub fn dump_cmd(a: &DumpArgs) -> Result<()> {
     for l in &st.index {
         writeln!(f, "{l}")?;
     }
-    println!("{}: {} tensors from {} tokens", a.out.display(), st.index.len(), ids.len());
+    println!(
+        "{}: {} tensors from {} tokens",
+        a.out.display(),
+        st.index.len(),
+        ids.len()
+    );
     Ok(())
 }

@@ -45,6 +45,20 @@ enum Cmd {
     All(AllArgs),
     /// Evaluates token ids in one batch and writes llama.cpp's intermediate f32 tensors (op-by-op debugging).
     Dump(dump::DumpArgs),
+    /// Mean-pooled embeddings (llama-server's `/v1/embeddings` pooling, before normalisation) of every text of a
+    /// JSON file.
+    Embed(EmbedArgs),
+}
+
+#[derive(Args)]
+struct EmbedArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// JSON file with {"texts": [...]}.
+    #[arg(long)]
+    texts: PathBuf,
+    #[arg(long, short)]
+    out: PathBuf,
 }
 
 #[derive(Args, Clone)]
@@ -130,10 +144,7 @@ struct BenchArgs {
 
 #[derive(Args)]
 struct AllArgs {
-    #[arg(
-        long,
-        default_value = "~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    )]
+    #[arg(long, default_value = "~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     smollm2: String,
     #[arg(long, default_value = "~/.cache/baton/models/gemma-3-270m-q4_k_m.gguf")]
     gemma3: String,
@@ -172,6 +183,7 @@ fn run() -> Result<()> {
         Cmd::Bench(a) => bench_cmd(&backend, &a),
         Cmd::All(a) => all_cmd(&backend, &a),
         Cmd::Dump(a) => dump::dump_cmd(&a),
+        Cmd::Embed(a) => embed_cmd(&backend, &a.model, &a.texts, &a.out),
     }
 }
 
@@ -208,12 +220,7 @@ fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
             name: name.to_string(),
             threads: a.threads,
         };
-        tokens_cmd(
-            backend,
-            &m,
-            &texts,
-            &a.golden.join(format!("tokens-{name}.json")),
-        )?;
+        tokens_cmd(backend, &m, &texts, &a.golden.join(format!("tokens-{name}.json")))?;
         greedy_cmd(
             backend,
             &m,
@@ -334,11 +341,7 @@ fn top_k(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
 fn mean_std(logits: &[f32]) -> (f64, f64) {
     let n = logits.len() as f64;
     let mean = logits.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = logits
-        .iter()
-        .map(|&v| (v as f64 - mean).powi(2))
-        .sum::<f64>()
-        / n;
+    let var = logits.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
     (mean, var.sqrt())
 }
 
@@ -360,10 +363,8 @@ fn file_size(path: &Path) -> u64 {
 // tokens
 
 fn tokens_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -> Result<()> {
-    let raw =
-        std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
-    let parsed: Value =
-        serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
+    let raw = std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
+    let parsed: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
     let list = parsed
         .get("texts")
         .and_then(Value::as_array)
@@ -403,6 +404,54 @@ fn tokens_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -
     Ok(())
 }
 
+/// Each text tokenized as llama-server tokenizes an embeddings input (special tokens added and parsed), evaluated
+/// alone in a fresh context with mean pooling; the pooled vector is written as llama.cpp returns it (unnormalised).
+fn embed_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -> Result<()> {
+    use llama_cpp_2::context::params::LlamaPoolingType;
+    let raw = std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
+    let parsed: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
+    let list = parsed
+        .get("texts")
+        .and_then(Value::as_array)
+        .ok_or_else(|| anyhow!("{} has no \"texts\" array", texts.display()))?;
+    let model = load_model(backend, &m.model)?;
+    let mut cases = Vec::new();
+    for t in list {
+        let text = t
+            .as_str()
+            .ok_or_else(|| anyhow!("a text in {} is not a string", texts.display()))?;
+        let tokens = model.vocab().tokenize(text.as_bytes(), true, true);
+        let n = tokens.len() as u32;
+        let params = LlamaContextParams::default()
+            .with_n_ctx(NonZeroU32::new(n.max(64)))
+            .with_n_batch(n.max(64))
+            .with_n_ubatch(n.max(64))
+            .with_n_threads(m.threads)
+            .with_n_threads_batch(m.threads)
+            .with_embeddings(true)
+            .with_pooling_type(LlamaPoolingType::Mean);
+        let mut ctx = model
+            .new_context(backend, params)
+            .map_err(|e| anyhow!("llama.cpp could not create a context: {e}"))?;
+        let mut batch = LlamaBatch::new(tokens.len(), 1);
+        for (i, &tok) in tokens.iter().enumerate() {
+            batch.add(tok, i as i32, &[0], true)?;
+        }
+        ctx.decode(&mut batch)
+            .map_err(|e| anyhow!("llama.cpp decode failed: {e}"))?;
+        let emb = ctx
+            .embeddings_seq_ith(0)
+            .map_err(|e| anyhow!("llama.cpp gave no pooled embedding: {e}"))?;
+        cases.push(json!({"text": text, "tokens": ids(&tokens), "embedding": emb}));
+    }
+    let mut doc = model_info(&model, &m.name, &m.model);
+    doc["pooling"] = json!("mean");
+    doc["cases"] = Value::Array(cases);
+    write_json(out, &doc)?;
+    println!("{}: {} texts ({} bytes)", out.display(), list.len(), file_size(out));
+    Ok(())
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -437,25 +486,14 @@ fn chat_prompt(arch: &str) -> Result<String> {
     }
 }
 
-fn greedy_cmd(
-    backend: &LlamaBackend,
-    m: &ModelArgs,
-    n_predict: usize,
-    n_ctx: u32,
-    out: &Path,
-) -> Result<()> {
+fn greedy_cmd(backend: &LlamaBackend, m: &ModelArgs, n_predict: usize, n_ctx: u32, out: &Path) -> Result<()> {
     let model = load_model(backend, &m.model)?;
-    let arch = model
-        .meta_val_str("general.architecture")
-        .unwrap_or_default();
+    let arch = model.meta_val_str("general.architecture").unwrap_or_default();
     let prompts: Vec<(&str, String)> = vec![
         ("capital", "The capital of France is".to_string()),
         ("code", "def fibonacci(n):".to_string()),
         ("question", "Why is the sky blue?".to_string()),
-        (
-            "story",
-            "Once upon a time, in a small village by the sea,".to_string(),
-        ),
+        ("story", "Once upon a time, in a small village by the sea,".to_string()),
         ("paragraph", LONG_PARAGRAPH.to_string()),
         ("chat", chat_prompt(&arch)?),
     ];
@@ -483,10 +521,7 @@ fn greedy_cmd(
 
         let logits = ctx.get_logits_ith(batch.n_tokens() - 1).to_vec();
         let (mean, std) = mean_std(&logits);
-        let top20: Vec<Value> = top_k(&logits, 20)
-            .into_iter()
-            .map(|(i, v)| json!([i, v]))
-            .collect();
+        let top20: Vec<Value> = top_k(&logits, 20).into_iter().map(|(i, v)| json!([i, v])).collect();
 
         let mut steps = Vec::new();
         let mut output = Vec::new();
@@ -516,8 +551,7 @@ fn greedy_cmd(
             cur = ctx.get_logits_ith(0).to_vec();
         }
         total_steps += output.len();
-        let text_out =
-            String::from_utf8_lossy(&vocab.detokenize(&output, false, true)).into_owned();
+        let text_out = String::from_utf8_lossy(&vocab.detokenize(&output, false, true)).into_owned();
         results.push(json!({
             "label": label,
             "prompt": text,
@@ -570,8 +604,7 @@ fn ppl_cmd(
     if n_seq == 0 {
         bail!("--n-seq must be at least 1");
     }
-    let mut text = std::fs::read_to_string(text_path)
-        .with_context(|| format!("reading {}", text_path.display()))?;
+    let mut text = std::fs::read_to_string(text_path).with_context(|| format!("reading {}", text_path.display()))?;
     // llama-perplexity's `-f` drops one trailing newline from the file before tokenizing.
     if text.ends_with('\n') {
         text.pop();
@@ -735,10 +768,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
     let n_batch = a.n_batch.max(1);
     let mut ctx = new_context(backend, &model, n_ctx, n_batch, n_batch.min(512), a.threads)?;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let file = a
-        .model
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned());
+    let file = a.model.file_name().map(|f| f.to_string_lossy().into_owned());
 
     // Decodes `toks` at positions `pos0..` in batches of `n_batch`, logits for the last token only.
     let feed = |ctx: &mut LlamaContext, toks: &[LlamaToken], pos0: usize| -> Result<()> {
@@ -748,8 +778,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
             for (i, &tok) in chunk.iter().enumerate() {
                 batch.add(tok, (base + i) as i32, &[0], i == chunk.len() - 1)?;
             }
-            ctx.decode(&mut batch)
-                .map_err(|e| anyhow!("decode failed: {e}"))?;
+            ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed: {e}"))?;
         }
         Ok(())
     };
@@ -783,8 +812,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
         for (i, &next) in toks.iter().enumerate() {
             batch.clear();
             batch.add(tok, (a.depth + i) as i32, &[0], true)?;
-            ctx.decode(&mut batch)
-                .map_err(|e| anyhow!("decode failed: {e}"))?;
+            ctx.decode(&mut batch).map_err(|e| anyhow!("decode failed: {e}"))?;
             let _ = ctx.get_logits_ith(0);
             tok = next;
         }
