@@ -734,6 +734,20 @@ impl GgufWriter {
         }
     }
 
+    /// A copy of `file`, metadata and tensors in its order, to edit and write back (tests make malformed and
+    /// variant models this way).
+    pub fn from_file(file: &GgufFile) -> Result<Self> {
+        let mut w = GgufWriter::new();
+        for (k, v) in &file.metadata {
+            w.meta(k, file.owned_value(v)?);
+        }
+        for name in &file.tensor_order {
+            let t = &file.tensors[name];
+            w.tensor(name, t.dims.clone(), t.ty, file.tensor_data(t).to_vec());
+        }
+        Ok(w)
+    }
+
     /// Adds a metadata entry; a [`Value::Lazy`] must be parsed first ([`GgufFile::owned_value`]).
     pub fn meta(&mut self, key: &str, v: Value) {
         assert!(

@@ -296,16 +296,7 @@ fn edit() -> impl Strategy<Value = Edit> {
 
 /// A seed model as a writer: its metadata (lazy arrays parsed) and tensors, to edit and write again.
 fn gguf_writer(name: &str) -> GgufWriter {
-    let g = GgufFile::open(&model_path(name)).unwrap();
-    let mut w = GgufWriter::new();
-    for (k, v) in &g.metadata {
-        w.meta(k, g.owned_value(v).unwrap());
-    }
-    for name in &g.tensor_order {
-        let t = &g.tensors[name];
-        w.tensor(name, t.dims.clone(), t.ty, g.tensor_data(t).to_vec());
-    }
-    w
+    GgufWriter::from_file(&GgufFile::open(&model_path(name)).unwrap()).unwrap()
 }
 
 fn apply_edit(w: &mut GgufWriter, e: &Edit) {

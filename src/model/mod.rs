@@ -378,24 +378,14 @@ mod tests {
         drop: &[&str],
     ) -> Result<Model> {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
-        let g = GgufFile::open(&src).unwrap();
-        let mut w = GgufWriter::new();
-        for (k, v) in &g.metadata {
-            if !set.iter().any(|(s, _)| s == k) {
-                w.meta(k, g.owned_value(v).unwrap());
-            }
-        }
+        let mut w = GgufWriter::from_file(&GgufFile::open(&src).unwrap()).unwrap();
+        w.metadata.retain(|(k, _)| !set.iter().any(|(s, _)| s == k));
         for (k, v) in set {
             if let Some(v) = v {
                 w.meta(k, v.clone());
             }
         }
-        for n in &g.tensor_order {
-            if !drop.contains(&n.as_str()) {
-                let t = &g.tensors[n];
-                w.tensor(n, t.dims.clone(), t.ty, g.tensor_data(t).to_vec());
-            }
-        }
+        w.tensors.retain(|(n, ..)| !drop.contains(&n.as_str()));
         for (n, v) in add {
             let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
             w.tensor(n, vec![v.len() as u64], GgmlType::F32, bytes);
