@@ -19,6 +19,7 @@ pub mod router;
 pub mod routes;
 pub mod slots;
 pub mod stop;
+pub mod tools;
 
 use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
 use crate::engine::batcher::Batcher;
