@@ -324,7 +324,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
                     .rev()
                     .filter_map(|p| p.tool_calls.as_ref()?.as_array())
                     .flatten()
-                    .find(|c| c["id"].as_str() == Some(id))
+                    .find(|c| c["id"].as_str() == Some(id.as_str()))
                     .and_then(|c| c["function"]["name"].as_str().map(String::from))
             });
             msg.name = m.name.or(by_id);
@@ -332,7 +332,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
         }
         msgs.push(msg);
     }
-    let tools = Tools::parse(b.tools, b.tool_choice)?;
+    let tools = Tools::parse(b.tools, b.tool_choice).map_err(|(p, m)| ApiError::bad(p, m))?;
     let top = match (b.logprobs, b.top_logprobs) {
         (_, Some(n)) if !(0..=20).contains(&n) => {
             return Err(ApiError::bad("top_logprobs", "top_logprobs must be between 0 and 20"));
@@ -352,7 +352,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     };
     let mut r = common(Endpoint::Chat, b.common, prompt, max, param, top)?;
     if let Some(t) = tools.filter(|t| t.active()) {
-        if let Some(c) = t.constraint()? {
+        if let Some(c) = t.constraint().map_err(|(p, m)| ApiError::bad(p, m))? {
             if r.constraint.is_some() {
                 return Err(ApiError::bad(
                     "response_format",
@@ -809,5 +809,46 @@ mod tests {
         assert_eq!(v["choices"][0]["logprobs"]["text_offset"], json!([0, 2]));
         assert_eq!(v["usage"]["total_tokens"], 5);
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+    }
+
+    #[test]
+    fn response_format_and_tools_parse() {
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"hi"}],
+                 "response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"integer"}}}}"#,
+        )
+        .unwrap();
+        assert!(r.constraint.is_some() && r.tools.is_none());
+        let e = parse_completion(br#"{"prompt":"a","response_format":{"type":"json_schema","json_schema":
+            {"schema":{"type":"string","format":"email"}}}}"#)
+        .unwrap_err();
+        assert_eq!(e.param, Some("response_format"));
+        assert!(e.message.contains("format"), "{}", e.message);
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"add"},
+                 {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                   "function":{"name":"add","arguments":"{\"a\":1}"}}]},
+                 {"role":"tool","tool_call_id":"c1","content":"2"}],
+                 "tools":[{"type":"function","function":{"name":"add","parameters":{"type":"object"}}}],
+                 "tool_choice":"required"}"#,
+        )
+        .unwrap();
+        assert!(r.constraint.is_some());
+        let Prompt::ChatTools(msgs, tools) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!(tools[0]["function"]["name"], "add");
+        assert_eq!(msgs[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"]["a"], 1);
+        assert_eq!(msgs[2].name.as_deref(), Some("add"));
+        // A forced call shapes the reply: tool_calls, finish_reason tool_calls.
+        let mut resp = Responder::new(Endpoint::Chat, "m", None).with_tools(r.tools.clone());
+        let piece = Piece {
+            text: r#"{"name":"add","arguments":{"a":1,"b":2}}"#.into(),
+            ..Default::default()
+        };
+        assert!(resp.piece_chunk(&piece).is_none(), "held back");
+        let chunks = resp.finish_chunks("stop");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "add");
+        assert_eq!(chunks[1]["choices"][0]["finish_reason"], "tool_calls");
     }
 }

@@ -1,7 +1,6 @@
 //! Tools in chat completions: the `tools`/`tool_choice` request fields, the grammar that forces a call, and the
 //! calls read back from the model's text by the conventions of [`ToolStyle`].
 
-use super::openai::ApiError;
 use crate::constrain::{Constraint, Grammar};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -35,13 +34,16 @@ pub struct Call {
     pub arguments: String,
 }
 
-fn bad(param: &'static str, m: impl Into<String>) -> ApiError {
-    ApiError::bad(param, m)
+/// A refusal: the request field at fault and why (the caller makes it a 400).
+pub type Refusal = (&'static str, String);
+
+fn bad(param: &'static str, m: impl Into<String>) -> Refusal {
+    (param, m.into())
 }
 
 impl Tools {
     /// Validates `tools` and `tool_choice`; `None` when no tools are given.
-    pub fn parse(tools: Option<Value>, choice: Option<Value>) -> Result<Option<Tools>, ApiError> {
+    pub fn parse(tools: Option<Value>, choice: Option<Value>) -> Result<Option<Tools>, Refusal> {
         let list = match tools {
             None | Some(Value::Null) => {
                 return match choice {
@@ -126,7 +128,7 @@ impl Tools {
     }
 
     /// A constraint forcing one valid call, for `required` or a named function.
-    pub fn constraint(&self) -> Result<Option<Constraint>, ApiError> {
+    pub fn constraint(&self) -> Result<Option<Constraint>, Refusal> {
         let only = match &self.choice {
             Choice::None | Choice::Auto => return Ok(None),
             Choice::Required => None,
@@ -137,7 +139,7 @@ impl Tools {
         }))
     }
 
-    fn grammar(&self, only: Option<&str>) -> Result<Grammar, ApiError> {
+    fn grammar(&self, only: Option<&str>) -> Result<Grammar, Refusal> {
         let list: Vec<(&str, &Value)> = self
             .names
             .iter()
@@ -205,7 +207,7 @@ impl Tools {
 
 /// A fresh call id in OpenAI's shape.
 pub fn call_id() -> String {
-    format!("call_{:016x}", rand::random::<u64>() & 0xffff_ffff_ffff_ffff)
+    format!("call_{:016x}", rand::random::<u64>())
 }
 
 /// `message.tool_calls` (streaming: with `index`).
@@ -279,7 +281,7 @@ mod tests {
              json!({"type":"function","function":{"name":"g"}}), "tool_choice"),
         ] {
             let e = Tools::parse(Some(tools), Some(choice)).unwrap_err();
-            assert_eq!(e.param, Some(param), "{}", e.message);
+            assert_eq!(e.0, param, "{}", e.1);
         }
     }
 
