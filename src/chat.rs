@@ -450,7 +450,9 @@ mod tests {
              <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
         );
         // SmolLM2's BOS text is `<|im_start|>`, but the template never emits `bos_token`: nothing is stripped.
-        let out = t.render_for_tokenizer(&[ChatMessage::user("x")], None, true, true).unwrap();
+        let out = t
+            .render_for_tokenizer(&[ChatMessage::user("x")], None, true, true)
+            .unwrap();
         assert!(out.starts_with("<|im_start|>system\n"));
     }
 
@@ -531,7 +533,10 @@ mod tests {
         let msgs = [ChatMessage::user("  xy "), ChatMessage::user("ab")];
         assert_eq!(t.render(&msgs, false).unwrap(), "<bos>XY!AB<eos>");
         assert_eq!(t.render_for_tokenizer(&msgs, None, false, true).unwrap(), "XY!AB<eos>");
-        assert_eq!(t.render_for_tokenizer(&msgs, None, false, false).unwrap(), "<bos>XY!AB<eos>");
+        assert_eq!(
+            t.render_for_tokenizer(&msgs, None, false, false).unwrap(),
+            "<bos>XY!AB<eos>"
+        );
 
         // trim_blocks + lstrip_blocks: block tags leave no stray newlines or indentation.
         let blocks = "{% for m in messages %}\n    {% if true %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";

@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 /// Validates `v` against the schema subset the server enforces (docs/server.md); `root` resolves `$ref`s.
 fn validate(v: &Value, s: &Value, root: &Value) -> Result<(), String> {
     let Some(m) = s.as_object() else {
-        return if s == &json!(true) { Ok(()) } else { Err(format!("schema {s}")) };
+        return if s == &json!(true) {
+            Ok(())
+        } else {
+            Err(format!("schema {s}"))
+        };
     };
     if let Some(r) = m.get("$ref").and_then(Value::as_str) {
         let target = if r == "#" {
@@ -24,10 +28,18 @@ fn validate(v: &Value, s: &Value, root: &Value) -> Result<(), String> {
         return validate(v, target, root);
     }
     if let Some(c) = m.get("const") {
-        return if v == c { Ok(()) } else { Err(format!("{v} is not const {c}")) };
+        return if v == c {
+            Ok(())
+        } else {
+            Err(format!("{v} is not const {c}"))
+        };
     }
     if let Some(e) = m.get("enum").and_then(Value::as_array) {
-        return if e.contains(v) { Ok(()) } else { Err(format!("{v} not in enum")) };
+        return if e.contains(v) {
+            Ok(())
+        } else {
+            Err(format!("{v} not in enum"))
+        };
     }
     if let Some(alts) = m.get("anyOf").and_then(Value::as_array) {
         return if alts.iter().any(|a| validate(v, a, root).is_ok()) {
@@ -38,7 +50,11 @@ fn validate(v: &Value, s: &Value, root: &Value) -> Result<(), String> {
     }
     if let Some(alts) = m.get("oneOf").and_then(Value::as_array) {
         let n = alts.iter().filter(|a| validate(v, a, root).is_ok()).count();
-        return if n == 1 { Ok(()) } else { Err(format!("{v} matches {n} oneOf branches")) };
+        return if n == 1 {
+            Ok(())
+        } else {
+            Err(format!("{v} matches {n} oneOf branches"))
+        };
     }
     let types: Vec<&str> = match m.get("type") {
         Some(Value::String(t)) => vec![t],
@@ -111,13 +127,28 @@ fn obj(props: Value, required: &[&str]) -> Value {
 fn schemas() -> Vec<(&'static str, Value)> {
     let short = json!({"type": "string", "maxLength": 16});
     vec![
-        ("Describe a person as JSON.", obj(json!({"name": short, "age": {"type": "integer"}}), &["name", "age"])),
-        ("Pick a color.", json!({"type": "string", "enum": ["red", "green", "blue"]})),
+        (
+            "Describe a person as JSON.",
+            obj(json!({"name": short, "age": {"type": "integer"}}), &["name", "age"]),
+        ),
+        (
+            "Pick a color.",
+            json!({"type": "string", "enum": ["red", "green", "blue"]}),
+        ),
         ("Is the sky blue?", json!({"type": "boolean"})),
         ("How many legs has a cat?", json!({"type": "integer"})),
-        ("Price of a coffee as JSON.", obj(json!({"price": {"type": "number"}}), &["price"])),
-        ("List some numbers.", json!({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4})),
-        ("List fruits.", json!({"type": "array", "items": short, "minItems": 2, "maxItems": 3})),
+        (
+            "Price of a coffee as JSON.",
+            obj(json!({"price": {"type": "number"}}), &["price"]),
+        ),
+        (
+            "List some numbers.",
+            json!({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4}),
+        ),
+        (
+            "List fruits.",
+            json!({"type": "array", "items": short, "minItems": 2, "maxItems": 3}),
+        ),
         (
             "Where does Ann live?",
             obj(
@@ -126,13 +157,28 @@ fn schemas() -> Vec<(&'static str, Value)> {
                 &["name", "address"],
             ),
         ),
-        ("Give a nickname or null.", obj(json!({"nick": {"type": ["string", "null"], "maxLength": 12}}), &["nick"])),
-        ("Status as JSON.", obj(json!({"version": {"const": 2}, "ok": {"type": "boolean"}}), &["version", "ok"])),
+        (
+            "Give a nickname or null.",
+            obj(
+                json!({"nick": {"type": ["string", "null"], "maxLength": 12}}),
+                &["nick"],
+            ),
+        ),
+        (
+            "Status as JSON.",
+            obj(
+                json!({"version": {"const": 2}, "ok": {"type": "boolean"}}),
+                &["version", "ok"],
+            ),
+        ),
         (
             "Describe a pet.",
             json!({"anyOf": [obj(json!({"cat": short}), &["cat"]), obj(json!({"dog": {"type": "integer"}}), &["dog"])]}),
         ),
-        ("A number or a word.", json!({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}]})),
+        (
+            "A number or a word.",
+            json!({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}]}),
+        ),
         (
             "A line from one point to another.",
             json!({"type": "object", "properties": {"from": {"$ref": "#/$defs/pt"}, "to": {"$ref": "#/$defs/pt"}},
@@ -153,13 +199,19 @@ fn schemas() -> Vec<(&'static str, Value)> {
                 "leaf": obj(json!({"v": {"type": "integer"}}), &["v"])}}),
         ),
         ("Pick anything.", json!({"enum": [1, "two", null, true]})),
-        ("A short word.", json!({"type": "string", "minLength": 3, "maxLength": 6})),
+        (
+            "A short word.",
+            json!({"type": "string", "minLength": 3, "maxLength": 6}),
+        ),
         (
             "Some events.",
             json!({"type": "array", "maxItems": 3, "items": obj(json!({"kind": {"enum": ["start", "stop"]},
                    "at": {"type": "integer"}}), &["kind", "at"])}),
         ),
-        ("A count or nothing.", obj(json!({"count": {"type": "integer", "nullable": true}}), &["count"])),
+        (
+            "A count or nothing.",
+            obj(json!({"count": {"type": "integer", "nullable": true}}), &["count"]),
+        ),
         (
             "Flags.",
             json!({"properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}, "additionalProperties": false}),
@@ -258,9 +310,18 @@ fn constrained_replies_follow_every_schema() {
 
     // Unsupported keywords and bad formats are 400s that name them.
     for (rf, word) in [
-        (json!({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}), "pattern"),
-        (json!({"type": "json_schema", "json_schema": {"schema": {"type": "number", "minimum": 1}}}), "minimum"),
-        (json!({"type": "json_schema", "json_schema": {"schema": {"allOf": []}}}), "allOf"),
+        (
+            json!({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}),
+            "pattern",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"schema": {"type": "number", "minimum": 1}}}),
+            "minimum",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"schema": {"allOf": []}}}),
+            "allOf",
+        ),
         (json!({"type": "yaml"}), "response_format.type"),
     ] {
         let mut b = request("x", &json!({}), false);
@@ -301,7 +362,12 @@ fn check_call(call: &Value, name: Option<&str>) {
     }
     let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
     let tools = weather_tools();
-    let t = tools.as_array().unwrap().iter().find(|t| t["function"]["name"] == n).unwrap();
+    let t = tools
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["function"]["name"] == n)
+        .unwrap();
     let schema = &t["function"]["parameters"];
     validate(&args, schema, schema).unwrap_or_else(|e| panic!("{call}: {e}"));
 }
@@ -337,11 +403,17 @@ fn forced_tool_calls_come_back_in_openai_shape() {
         .split("data: ")
         .filter_map(|e| serde_json::from_str(e.trim()).ok())
         .collect();
-    let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0)).collect();
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0))
+        .collect();
     assert_eq!(deltas.len(), 1, "{raw}");
     assert_eq!(deltas[0]["index"], 0);
     check_call(deltas[0], None);
-    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "tool_calls"), "{raw}");
+    assert!(
+        chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "tool_calls"),
+        "{raw}"
+    );
 
     // The call and its result in the history, then a plain answer (tool_choice none).
     let call = r["choices"][0]["message"]["tool_calls"][0].clone();

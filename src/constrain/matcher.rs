@@ -52,7 +52,10 @@ enum Num {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Frame {
     /// A value of `node` is next (after at most [`MAX_WS`] whitespace bytes).
-    Value { node: NodeId, ws: u8 },
+    Value {
+        node: NodeId,
+        ws: u8,
+    },
     Obj {
         node: NodeId,
         st: Obj,
@@ -65,7 +68,12 @@ enum Frame {
         khi: u8,
         kfree: bool,
     },
-    Arr { node: NodeId, st: Arr, ws: u8, n: u32 },
+    Arr {
+        node: NodeId,
+        st: Arr,
+        ws: u8,
+        n: u32,
+    },
     Str {
         node: NodeId,
         open: bool,
@@ -78,9 +86,18 @@ enum Frame {
         lo: u8,
         hi: u8,
     },
-    Num { integer: bool, st: Num, digits: u8 },
+    Num {
+        integer: bool,
+        st: Num,
+        digits: u8,
+    },
     /// The literals of `node` in `lo..hi` (sorted) all start with the `pos` bytes read so far.
-    Lit { node: NodeId, pos: u32, lo: u32, hi: u32 },
+    Lit {
+        node: NodeId,
+        pos: u32,
+        lo: u32,
+        hi: u32,
+    },
 }
 
 enum Step {
@@ -328,7 +345,7 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                 return Step::Reject;
             }
             if *cont > 0 {
-                if b < *lo || b > *hi {
+                if !(*lo..=*hi).contains(&b) {
                     return Step::Reject;
                 }
                 *cont -= 1;
@@ -436,7 +453,10 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                     *n += 1;
                     *st = Arr::After;
                     *ws = 0;
-                    Step::Push(Frame::Value { node: items, ws: MAX_WS })
+                    Step::Push(Frame::Value {
+                        node: items,
+                        ws: MAX_WS,
+                    })
                 }
                 Arr::After => {
                     if is_ws(b) {

@@ -206,10 +206,7 @@ fn count(m: &Map<String, Value>, key: &str) -> Result<Option<u32>, SchemaError> 
         None => Ok(None),
         Some(v) => match v.as_u64() {
             Some(n) if n <= MAX_COUNT => Ok(Some(n as u32)),
-            _ => err(
-                key,
-                format!("{key} must be an integer between 0 and {MAX_COUNT}"),
-            ),
+            _ => err(key, format!("{key} must be an integer between 0 and {MAX_COUNT}")),
         },
     }
 }
@@ -446,7 +443,11 @@ impl<'a> Compiler<'a> {
             };
             ids.push(id);
         }
-        Ok(if ids.len() == 1 { ids[0] } else { self.push(Node::Union(ids)) })
+        Ok(if ids.len() == 1 {
+            ids[0]
+        } else {
+            self.push(Node::Union(ids))
+        })
     }
 
     fn object(&mut self, m: &Map<String, Value>, depth: usize) -> Result<NodeId, SchemaError> {
@@ -564,7 +565,10 @@ impl<'a> Compiler<'a> {
                 return Ok(s.clone());
             }
             if visiting[i] {
-                return err("$ref", "a $ref or anyOf refers to itself without an object or array between");
+                return err(
+                    "$ref",
+                    "a $ref or anyOf refers to itself without an object or array between",
+                );
             }
             visiting[i] = true;
             let out = match &nodes[i] {
@@ -579,10 +583,7 @@ impl<'a> Compiler<'a> {
                         }
                     }
                     if v.len() > MAX_ALTS {
-                        return err(
-                            "anyOf",
-                            format!("a value may take more than {MAX_ALTS} shapes"),
-                        );
+                        return err("anyOf", format!("a value may take more than {MAX_ALTS} shapes"));
                     }
                     v
                 }

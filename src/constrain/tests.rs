@@ -34,7 +34,15 @@ fn objects_follow_properties_required_and_additional() {
     check(
         s.clone(),
         &[r#"{"a":1}"#, r#"{"b":"x","a":-20}"#, "{ \"a\" : 0 ,\n \"b\": \"\" }"],
-        &[r#"{}"#, r#"{"b":"x"}"#, r#"{"a":1,"a":2}"#, r#"{"a":1,"c":2}"#, r#"{"a":1.5}"#, r#"{"a":1,}"#, r#"{"a":01}"#],
+        &[
+            r#"{}"#,
+            r#"{"b":"x"}"#,
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":1,"c":2}"#,
+            r#"{"a":1.5}"#,
+            r#"{"a":1,}"#,
+            r#"{"a":01}"#,
+        ],
     );
     let g = grammar(s);
     assert!(!prefix_ok(&g, r#"{"c"#), "no key starts with c");
@@ -103,7 +111,11 @@ fn any_of_one_of_and_refs() {
         &[r#"{"cat":"tom"}"#, r#"{"dog":3}"#],
         &[r#"{"cat":3}"#, r#"{"dog":"x"}"#, "{}"],
     );
-    check(json!({"oneOf":[{"type":"integer"},{"type":"string"}]}), &["1", r#""1""#], &["true"]);
+    check(
+        json!({"oneOf":[{"type":"integer"},{"type":"string"}]}),
+        &["1", r#""1""#],
+        &["true"],
+    );
     // A recursive list through $defs.
     let tree = json!({"$ref":"#/$defs/node","$defs":{"node":{"type":"object","properties":{
         "v":{"type":"integer"},"kids":{"type":"array","items":{"$ref":"#/$defs/node"}}},
@@ -144,11 +156,17 @@ fn unsupported_and_hostile_schemas_are_refused_by_name() {
         (json!({"$ref":"http://example.com/s"}), "$ref"),
         (json!({"$ref":"#/$defs/missing"}), "$ref"),
         (json!({"$ref":"#/$defs/a","$defs":{"a":{"$ref":"#/$defs/a"}}}), "$ref"),
-        (json!({"$ref":"#/$defs/a","$defs":{"a":{"anyOf":[{"$ref":"#/$defs/a"},{"type":"null"}]}}}), "$ref"),
+        (
+            json!({"$ref":"#/$defs/a","$defs":{"a":{"anyOf":[{"$ref":"#/$defs/a"},{"type":"null"}]}}}),
+            "$ref",
+        ),
         (json!({"enum":[]}), "enum"),
         (json!(false), "schema"),
         (json!({"type":"bogus"}), "type"),
-        (json!({"type":"object","required":["x"],"additionalProperties":false}), "required"),
+        (
+            json!({"type":"object","required":["x"],"additionalProperties":false}),
+            "required",
+        ),
     ] {
         let e = Grammar::compile(&schema).expect_err(&schema.to_string());
         assert_eq!(e.keyword, keyword, "{schema}: {}", e.message);
@@ -159,7 +177,9 @@ fn unsupported_and_hostile_schemas_are_refused_by_name() {
     let props: serde_json::Map<String, serde_json::Value> =
         (0..100).map(|i| (format!("p{i}"), json!({"type":"null"}))).collect();
     assert_eq!(
-        Grammar::compile(&json!({"type":"object","properties":props})).unwrap_err().keyword,
+        Grammar::compile(&json!({"type":"object","properties":props}))
+            .unwrap_err()
+            .keyword,
         "properties"
     );
     let mut deep = json!({"type":"string"});

@@ -88,8 +88,7 @@ impl Generator for LocalGenerator {
         let text = &self.text;
         let slot = &mut self.session;
         let mut guide = text.guide(params);
-        let mut pick =
-            |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, k);
+        let mut pick = |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, k);
         let disk = self.disk.as_deref();
         let (cached, first) = {
             let session = session_mut(slot)?;

@@ -819,8 +819,10 @@ mod tests {
         )
         .unwrap();
         assert!(r.constraint.is_some() && r.tools.is_none());
-        let e = parse_completion(br#"{"prompt":"a","response_format":{"type":"json_schema","json_schema":
-            {"schema":{"type":"string","format":"email"}}}}"#)
+        let e = parse_completion(
+            br#"{"prompt":"a","response_format":{"type":"json_schema","json_schema":
+            {"schema":{"type":"string","format":"email"}}}}"#,
+        )
         .unwrap_err();
         assert_eq!(e.param, Some("response_format"));
         assert!(e.message.contains("format"), "{}", e.message);
@@ -848,7 +850,10 @@ mod tests {
         };
         assert!(resp.piece_chunk(&piece).is_none(), "held back");
         let chunks = resp.finish_chunks("stop");
-        assert_eq!(chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "add");
+        assert_eq!(
+            chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+            "add"
+        );
         assert_eq!(chunks[1]["choices"][0]["finish_reason"], "tool_calls");
     }
 }

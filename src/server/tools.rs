@@ -72,7 +72,9 @@ impl Tools {
                 .ok_or_else(|| bad("tools", "each function needs a name"))?;
             if name.is_empty()
                 || name.len() > MAX_NAME
-                || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
             {
                 return Err(bad(
                     "tools",
@@ -147,8 +149,12 @@ impl Tools {
             .filter(|(n, _)| only.is_none_or(|o| o == n.as_str()))
             .map(|(n, p)| (n.as_str(), p))
             .collect();
-        Grammar::tool_call(&list)
-            .map_err(|e| bad("tools", format!("a function's parameters: {} ({})", e.message, e.keyword)))
+        Grammar::tool_call(&list).map_err(|e| {
+            bad(
+                "tools",
+                format!("a function's parameters: {} ({})", e.message, e.keyword),
+            )
+        })
     }
 
     /// The calls in `text`, and the text outside them; `None` when it holds no call of a known tool. Reads
@@ -190,7 +196,11 @@ impl Tools {
             if !self.names.iter().any(|n| n == name) {
                 return None;
             }
-            let args = it.get("arguments").or_else(|| it.get("parameters")).cloned().unwrap_or(json!({}));
+            let args = it
+                .get("arguments")
+                .or_else(|| it.get("parameters"))
+                .cloned()
+                .unwrap_or(json!({}));
             let arguments = match args {
                 Value::String(s) if serde_json::from_str::<Value>(&s).is_ok() => s,
                 Value::Object(_) => args.to_string(),
@@ -234,8 +244,10 @@ mod tests {
 
     fn weather() -> Tools {
         Tools::parse(
-            Some(json!([{"type":"function","function":{"name":"get_weather","parameters":{"type":"object",
-                "properties":{"city":{"type":"string"}},"required":["city"]}}}])),
+            Some(
+                json!([{"type":"function","function":{"name":"get_weather","parameters":{"type":"object",
+                "properties":{"city":{"type":"string"}},"required":["city"]}}}]),
+            ),
             Some(json!("required")),
         )
         .unwrap()
@@ -273,12 +285,26 @@ mod tests {
     fn bad_tools_are_refused_by_field() {
         for (tools, choice, param) in [
             (json!("x"), json!("auto"), "tools"),
-            (json!([{"type":"function","function":{"name":"a b"}}]), json!("auto"), "tools"),
-            (json!([{"type":"function","function":{"name":"f","parameters":{"type":"string","pattern":"x"}}}]),
-             json!("auto"), "tools"),
-            (json!([{"type":"function","function":{"name":"f"}}]), json!("sometimes"), "tool_choice"),
-            (json!([{"type":"function","function":{"name":"f"}}]),
-             json!({"type":"function","function":{"name":"g"}}), "tool_choice"),
+            (
+                json!([{"type":"function","function":{"name":"a b"}}]),
+                json!("auto"),
+                "tools",
+            ),
+            (
+                json!([{"type":"function","function":{"name":"f","parameters":{"type":"string","pattern":"x"}}}]),
+                json!("auto"),
+                "tools",
+            ),
+            (
+                json!([{"type":"function","function":{"name":"f"}}]),
+                json!("sometimes"),
+                "tool_choice",
+            ),
+            (
+                json!([{"type":"function","function":{"name":"f"}}]),
+                json!({"type":"function","function":{"name":"g"}}),
+                "tool_choice",
+            ),
         ] {
             let e = Tools::parse(Some(tools), Some(choice)).unwrap_err();
             assert_eq!(e.0, param, "{}", e.1);

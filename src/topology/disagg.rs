@@ -149,8 +149,7 @@ impl Generator for DisaggGenerator {
         let top_k = params.top_logprobs;
         let text = &self.text;
         let mut guide = text.guide(params);
-        let mut pick =
-            |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, top_k);
+        let mut pick = |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, top_k);
         let ts = Instant::now();
         let first = pick(&mut sampler, &logits);
         let t_sample = ts.elapsed();
