@@ -74,7 +74,8 @@ fn validate(v: &Value, s: &Value, root: &Value) -> Result<(), String> {
         Value::Array(_) => "array",
         Value::Object(_) => "object",
     };
-    if !types.is_empty() && !types.contains(&ty) && !(ty == "integer" && types.contains(&"number")) {
+    let allowed = types.is_empty() || types.contains(&ty) || (ty == "integer" && types.contains(&"number"));
+    if !allowed {
         return Err(format!("{v} is {ty}, not {types:?}"));
     }
     let num = |k: &str| m.get(k).and_then(Value::as_u64);
