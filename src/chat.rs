@@ -10,11 +10,34 @@ use anyhow::{Result, anyhow};
 use minijinja::{Environment, Error, ErrorKind, Value, context};
 use serde::{Deserialize, Serialize};
 
-/// One message of a conversation (`role` is usually "system", "user" or "assistant").
+/// One message of a conversation (`role` is usually "system", "user" or "assistant"; "tool" for a tool's result).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls as Hugging Face templates read them: `[{id, type, function: {name, arguments}}]`
+    /// with `arguments` an object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool message's call id and function name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// How a template's model writes tool calls, read from the template's text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolStyle {
+    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen 2.5/3).
+    Hermes,
+    /// A bare `{"name": …, "parameters": …}` (Llama 3.1+).
+    Llama3,
+    /// The template renders `tools` its own way; calls are parsed by every known convention.
+    Template,
+    /// The template knows no tools: Baton describes them in a system message and asks for the Hermes form
+    /// (docs/server.md).
+    Generic,
 }
 
 impl ChatMessage {
@@ -22,6 +45,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
@@ -89,6 +115,7 @@ pub struct ChatTemplate {
     /// The template refers to `bos_token`: only then can a leading BOS text be its doing (SmolLM2's BOS is
     /// `<|im_start|>`, which its template emits literally as the start of every turn).
     uses_bos: bool,
+    tool_style: ToolStyle,
 }
 
 impl ChatTemplate {
@@ -111,6 +138,15 @@ impl ChatTemplate {
         // A template is data from the model file: bounded like any other input.
         env.set_fuel(Some(TEMPLATE_FUEL));
         let uses_bos = text.contains("bos_token");
+        let tool_style = if text.contains("<tool_call>") {
+            ToolStyle::Hermes
+        } else if text.contains("tools") && (text.contains("ipython") || text.contains("<|python_tag|>")) {
+            ToolStyle::Llama3
+        } else if text.contains("tools") {
+            ToolStyle::Template
+        } else {
+            ToolStyle::Generic
+        };
         env.add_template_owned(NAME, text)
             .map_err(|e| anyhow!("chat template ({source}) does not compile: {}", one_line(&e)))?;
         Ok(ChatTemplate {
@@ -119,6 +155,7 @@ impl ChatTemplate {
             bos: bos.to_owned(),
             eos: eos.to_owned(),
             uses_bos,
+            tool_style,
         })
     }
 
@@ -127,15 +164,41 @@ impl ChatTemplate {
         self.source
     }
 
+    /// How this template's model writes tool calls.
+    pub fn tool_style(&self) -> ToolStyle {
+        self.tool_style
+    }
+
     /// Renders the conversation exactly as the template says; with `add_generation_prompt` the text ends where the
     /// assistant's reply should begin.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with the request's tool definitions (OpenAI's `tools` array): given to the template
+    /// as `tools` with each entry's `function` (the Hugging Face convention), or, for a template without tool
+    /// support, written into a system message ([`ToolStyle::Generic`]).
+    pub fn render_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template(NAME)
             .map_err(|e| anyhow!("chat template missing: {e}"))?;
+        let generic;
+        let messages = match tools {
+            Some(t) if self.tool_style == ToolStyle::Generic => {
+                generic = generic_tool_messages(messages, t);
+                &generic[..]
+            }
+            _ => messages,
+        };
         tmpl.render(context! {
             messages => Value::from_serialize(messages),
+            tools => tools.map(Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
@@ -157,16 +220,20 @@ impl ChatTemplate {
     pub fn render_marked(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         tokenizer_adds_bos: bool,
     ) -> Result<(String, Option<Vec<std::ops::Range<usize>>>)> {
-        let text = self.render_for_tokenizer(messages, add_generation_prompt, tokenizer_adds_bos)?;
+        let text = self.render_for_tokenizer(messages, tools, add_generation_prompt, tokenizer_adds_bos)?;
         let marked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| ChatMessage::new(m.role.clone(), format!("{MARK_OPEN}{i}{MARK_CLOSE}")))
+            .map(|(i, m)| ChatMessage {
+                content: format!("{MARK_OPEN}{i}{MARK_CLOSE}"),
+                ..m.clone()
+            })
             .collect();
-        let spans = match self.render_for_tokenizer(&marked, add_generation_prompt, tokenizer_adds_bos) {
+        let spans = match self.render_for_tokenizer(&marked, tools, add_generation_prompt, tokenizer_adds_bos) {
             Ok(with_marks) => content_spans(&text, &with_marks, messages),
             Err(_) => None,
         };
@@ -178,15 +245,56 @@ impl ChatTemplate {
     pub fn render_for_tokenizer(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         tokenizer_adds_bos: bool,
     ) -> Result<String> {
-        let text = self.render(messages, add_generation_prompt)?;
+        let text = self.render_tools(messages, tools, add_generation_prompt)?;
         Ok(match text.strip_prefix(self.bos.as_str()) {
             Some(rest) if tokenizer_adds_bos && self.uses_bos && !self.bos.is_empty() => rest.to_owned(),
             _ => text,
         })
     }
+}
+
+/// The conversation for a template without tool support: the tools and the expected reply form in a system message
+/// (added to the first one, or a new one first), earlier calls as `<tool_call>` text in the assistant's turn, and
+/// tool results as user turns naming the tool.
+fn generic_tool_messages(messages: &[ChatMessage], tools: &serde_json::Value) -> Vec<ChatMessage> {
+    let list: Vec<String> = tools
+        .as_array()
+        .map(|a| a.iter().map(|t| t.get("function").unwrap_or(t).to_string()).collect())
+        .unwrap_or_default();
+    let intro = format!(
+        "You can call these functions:\n{}\nTo call one, reply with only <tool_call>{{\"name\": NAME, \"arguments\": \
+         {{...}}}}</tool_call>.",
+        list.join("\n")
+    );
+    let mut out = Vec::with_capacity(messages.len() + 1);
+    let mut rest = messages;
+    match messages.first() {
+        Some(m) if m.role == "system" => {
+            out.push(ChatMessage::system(format!("{}\n\n{intro}", m.content)));
+            rest = &messages[1..];
+        }
+        _ => out.push(ChatMessage::system(intro)),
+    }
+    for m in rest {
+        let mut m = m.clone();
+        if let Some(calls) = m.tool_calls.take().and_then(|c| c.as_array().cloned()) {
+            for c in calls {
+                let f = c.get("function").unwrap_or(&c);
+                let call = serde_json::json!({"name": f.get("name"), "arguments": f.get("arguments")});
+                m.content.push_str(&format!("<tool_call>{call}</tool_call>"));
+            }
+        }
+        if m.role == "tool" {
+            let name = m.name.take().unwrap_or_else(|| "tool".into());
+            m = ChatMessage::user(format!("Result of {name}: {}", m.content));
+        }
+        out.push(m);
+    }
+    out
 }
 
 /// Walks `text` (the real render) beside `marked` (the render with placeholders for contents): the template's text
@@ -342,7 +450,9 @@ mod tests {
              <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
         );
         // SmolLM2's BOS text is `<|im_start|>`, but the template never emits `bos_token`: nothing is stripped.
-        let out = t.render_for_tokenizer(&[ChatMessage::user("x")], true, true).unwrap();
+        let out = t
+            .render_for_tokenizer(&[ChatMessage::user("x")], None, true, true)
+            .unwrap();
         assert!(out.starts_with("<|im_start|>system\n"));
     }
 
@@ -422,8 +532,11 @@ mod tests {
         assert_eq!(t.source(), "gguf");
         let msgs = [ChatMessage::user("  xy "), ChatMessage::user("ab")];
         assert_eq!(t.render(&msgs, false).unwrap(), "<bos>XY!AB<eos>");
-        assert_eq!(t.render_for_tokenizer(&msgs, false, true).unwrap(), "XY!AB<eos>");
-        assert_eq!(t.render_for_tokenizer(&msgs, false, false).unwrap(), "<bos>XY!AB<eos>");
+        assert_eq!(t.render_for_tokenizer(&msgs, None, false, true).unwrap(), "XY!AB<eos>");
+        assert_eq!(
+            t.render_for_tokenizer(&msgs, None, false, false).unwrap(),
+            "<bos>XY!AB<eos>"
+        );
 
         // trim_blocks + lstrip_blocks: block tags leave no stray newlines or indentation.
         let blocks = "{% for m in messages %}\n    {% if true %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
@@ -499,12 +612,12 @@ mod tests {
             ChatMessage::user("<|im_start|>assistant\nhi"),
         ];
         let t = smollm2();
-        let (text, spans) = t.render_marked(&msgs, true, false).unwrap();
+        let (text, spans) = t.render_marked(&msgs, None, true, false).unwrap();
         let spans = spans.expect("ChatML puts contents verbatim");
         let got: Vec<&str> = spans.iter().map(|r| &text[r.clone()]).collect();
         assert_eq!(got, [msgs[0].content.as_str(), msgs[1].content.as_str()]);
         // Gemma trims contents and folds the system message into the first user turn.
-        let (text, spans) = gemma().render_marked(&msgs, true, true).unwrap();
+        let (text, spans) = gemma().render_marked(&msgs, None, true, true).unwrap();
         let got: Vec<&str> = spans.unwrap().iter().map(|r| &text[r.clone()]).collect();
         assert_eq!(got, [msgs[0].content.as_str(), "<|im_start|>assistant\nhi"]);
         // A template that rewrites contents gives no spans.
@@ -515,6 +628,6 @@ mod tests {
             "",
         )
         .unwrap();
-        assert!(upper.render_marked(&msgs, false, false).unwrap().1.is_none());
+        assert!(upper.render_marked(&msgs, None, false, false).unwrap().1.is_none());
     }
 }

@@ -24,6 +24,7 @@ pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod cluster;
+pub mod constrain;
 pub mod engine;
 pub mod ensemble;
 pub mod fetch;

@@ -581,6 +581,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         },
         sampler,
         top_logprobs: 0,
+        constraint: None,
     };
     let mut out = std::io::stdout().lock();
     if a.echo {

@@ -71,6 +71,10 @@ impl Generator for LocalGenerator {
         self.n_ctx
     }
 
+    fn constrains(&self) -> bool {
+        true
+    }
+
     fn generate(
         &mut self,
         prompt: &Prompt,
@@ -83,7 +87,8 @@ impl Generator for LocalGenerator {
         let k = params.top_logprobs;
         let text = &self.text;
         let slot = &mut self.session;
-        let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, k);
+        let mut guide = text.guide(params);
+        let mut pick = |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, k);
         let disk = self.disk.as_deref();
         let (cached, first) = {
             let session = session_mut(slot)?;

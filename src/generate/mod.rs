@@ -10,6 +10,7 @@ mod local;
 pub use local::LocalGenerator;
 
 use crate::chat::{ChatMessage, ChatTemplate};
+use crate::constrain::{Constraint, Guide, TokenTrie};
 use crate::engine::disk_cache::DiskCache;
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::gguf::GgufFile;
@@ -25,6 +26,19 @@ use std::time::Duration;
 pub enum Prompt {
     Text(String),
     Chat(Vec<ChatMessage>),
+    /// A conversation with the tool definitions the template is given (OpenAI's `tools` array).
+    ChatTools(Vec<ChatMessage>, Arc<serde_json::Value>),
+}
+
+impl Prompt {
+    /// The conversation's messages, and its tools (a text prompt has neither).
+    pub fn chat(&self) -> Option<(&[ChatMessage], Option<&serde_json::Value>)> {
+        match self {
+            Prompt::Text(_) => None,
+            Prompt::Chat(m) => Some((m, None)),
+            Prompt::ChatTools(m, t) => Some((m, Some(t))),
+        }
+    }
 }
 
 /// Per-request generation settings.
@@ -35,6 +49,9 @@ pub struct GenParams {
     pub sampler: SamplerParams,
     /// Alternatives reported with each piece (0: none).
     pub top_logprobs: usize,
+    /// Output restricted to a grammar (`response_format`, forced tool calls); only generators that sample on this
+    /// machine with the one vocabulary apply it ([`Generator::constrains`]).
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for GenParams {
@@ -43,6 +60,7 @@ impl Default for GenParams {
             max_tokens: 256,
             sampler: SamplerParams::default(),
             top_logprobs: 0,
+            constraint: None,
         }
     }
 }
@@ -116,6 +134,11 @@ pub trait Generator: Send {
     fn render(&self, prompt: &Prompt) -> Result<String> {
         self.text().render(prompt)
     }
+    /// Whether [`GenParams::constraint`] is applied. Generators that sample elsewhere (a pipeline's last stage),
+    /// over several vocabularies (ensembles) or from drafts (speculative) say no, and the server refuses the request.
+    fn constrains(&self) -> bool {
+        false
+    }
     /// Generates until end of generation, `max_tokens`, a full context, or until `sink` returns false.
     fn generate(
         &mut self,
@@ -152,6 +175,8 @@ pub struct TextModel {
     pub vocab: Vocab,
     pub template: ChatTemplate,
     pub path: PathBuf,
+    /// The vocabulary as a byte trie for constrained sampling, built on first use.
+    trie: std::sync::OnceLock<TokenTrie>,
 }
 
 impl TextModel {
@@ -168,6 +193,7 @@ impl TextModel {
             vocab,
             template,
             path: file.path.clone(),
+            trie: std::sync::OnceLock::new(),
         })
     }
 
@@ -179,9 +205,11 @@ impl TextModel {
     /// The text the model reads: the prompt as given, or the conversation rendered with the chat template (a
     /// leading BOS text dropped when the tokenizer adds BOS itself).
     pub fn render(&self, prompt: &Prompt) -> Result<String> {
-        match prompt {
-            Prompt::Text(t) => Ok(t.clone()),
-            Prompt::Chat(msgs) => self.template.render_for_tokenizer(msgs, true, self.vocab.add_bos()),
+        match prompt.chat() {
+            None => Ok(self.text_of(prompt)),
+            Some((msgs, tools)) => self
+                .template
+                .render_for_tokenizer(msgs, tools, true, self.vocab.add_bos()),
         }
     }
 
@@ -189,11 +217,11 @@ impl TextModel {
     /// a chat template's own markers, never inside a chat message's content (llama.cpp's `parse_special` split:
     /// users cannot forge role markers).
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let tokens = match prompt {
-            Prompt::Text(t) => self.vocab.tokenize(t, true, true),
-            Prompt::Chat(msgs) => {
+        let tokens = match prompt.chat() {
+            None => self.vocab.tokenize(&self.text_of(prompt), true, true),
+            Some((msgs, tools)) => {
                 let adds_bos = self.vocab.add_bos();
-                let (text, spans) = self.template.render_marked(msgs, true, adds_bos)?;
+                let (text, spans) = self.template.render_marked(msgs, tools, true, adds_bos)?;
                 match spans {
                     Some(spans) => self.vocab.tokenize_chat(&text, true, &spans),
                     None => {
@@ -220,6 +248,13 @@ impl TextModel {
         Ok(tokens)
     }
 
+    fn text_of(&self, prompt: &Prompt) -> String {
+        match prompt {
+            Prompt::Text(t) => t.clone(),
+            _ => String::new(),
+        }
+    }
+
     /// The prompt's tokens, refused when they leave no room to generate in `n_ctx`: where every generator starts.
     pub fn prompt_tokens(&self, prompt: &Prompt, n_ctx: usize) -> Result<Vec<u32>> {
         let tokens = self.tokenize(prompt)?;
@@ -232,6 +267,39 @@ impl TextModel {
         self.path
             .file_name()
             .map_or_else(|| self.path.display().to_string(), |f| f.to_string_lossy().into_owned())
+    }
+
+    /// The vocabulary's text tokens as a byte trie (control tokens and end-of-generation ids left out; the mask adds
+    /// those when a value is complete), built once per model.
+    pub fn token_trie(&self) -> &TokenTrie {
+        self.trie.get_or_init(|| {
+            let v = &self.vocab;
+            let ids = (0..v.n_tokens() as u32).filter(|&i| !v.is_control(i) && !v.is_eog(i));
+            TokenTrie::new(ids.map(|i| (i, v.token_bytes(i))), v.eog_ids())
+        })
+    }
+
+    /// A request's constrained-decoding state, when it has a constraint.
+    pub fn guide<'a>(&'a self, params: &'a GenParams) -> Option<Guide<'a>> {
+        params
+            .constraint
+            .as_ref()
+            .map(|c| Guide::new(&c.grammar, self.token_trie()))
+    }
+
+    /// [`pick`](Self::pick) under a constraint: the logits masked to the tokens the grammar allows, and the
+    /// grammar moved past the token chosen. Log-probabilities are reported from the masked distribution.
+    pub fn pick_guided(&self, sampler: &mut Sampler, guide: Option<&mut Guide>, logits: &[f32], k: usize) -> Next {
+        match guide {
+            None => self.pick(sampler, logits, k),
+            Some(g) => {
+                let next = self.pick(sampler, g.mask(logits), k);
+                if !self.vocab.is_eog(next.0) {
+                    g.accept(self.vocab.token_bytes(next.0));
+                }
+                next
+            }
+        }
     }
 
     /// Samples the next token from `logits` and, when `k > 0`, reports its log-probability and the `k` most likely

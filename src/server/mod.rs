@@ -21,6 +21,7 @@ pub mod router;
 pub mod routes;
 pub mod slots;
 pub mod stop;
+pub mod tools;
 
 use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
 use crate::engine::batcher::Batcher;

@@ -2,7 +2,9 @@
 //! chunks, and the error object. Unknown fields are ignored (clients send many optional ones); fields we accept are
 //! type-checked, and values we cannot honour are refused with a 400 that names the parameter.
 
+use super::tools::{self, Tools};
 use crate::chat::ChatMessage;
+use crate::constrain::Constraint;
 use crate::engine::sampler::{SamplerField, SamplerParams};
 use crate::generate::{Finish, GenParams, Outcome, Piece, Prompt};
 use axum::http::StatusCode;
@@ -89,6 +91,21 @@ struct ContentPart {
 struct MessageIn {
     role: String,
     content: Option<Content>,
+    tool_calls: Option<Vec<ToolCallIn>>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallIn {
+    id: Option<String>,
+    function: FunctionIn,
+}
+
+#[derive(Deserialize)]
+struct FunctionIn {
+    name: String,
+    arguments: String,
 }
 
 #[derive(Deserialize)]
@@ -119,6 +136,8 @@ struct Common {
     seed: Option<i64>,
     stop: Option<StopSpec>,
     n: Option<i64>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema", "strict"}}`.
+    response_format: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -127,6 +146,8 @@ struct ChatBody {
     max_completion_tokens: Option<i64>,
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
     #[serde(flatten)]
     common: Common,
 }
@@ -161,6 +182,10 @@ pub struct Request {
     /// Chat: `logprobs: true` (with `top_logprobs` alternatives); completions: `logprobs: N`.
     pub logprobs: Option<usize>,
     pub stops: Vec<String>,
+    /// The grammar the output must follow (`response_format`, or a forced tool call).
+    pub constraint: Option<Constraint>,
+    /// Tools the model may call (chat with `tools` and a `tool_choice` other than none).
+    pub tools: Option<Tools>,
 }
 
 impl Request {
@@ -169,15 +194,17 @@ impl Request {
             max_tokens,
             sampler: self.sampler,
             top_logprobs: self.logprobs.unwrap_or(0),
+            constraint: self.constraint.clone(),
         }
     }
 
     /// The prefix-affinity key: the prompt as a string that grows the way the conversation does (a chat's next
     /// turn starts with the previous turn's key plus the reply), independent of the model's template.
     pub fn affinity_key(&self) -> String {
-        match &self.prompt {
-            Prompt::Text(t) => format!("\u{2}{t}"),
-            Prompt::Chat(msgs) => {
+        match (&self.prompt, self.prompt.chat()) {
+            (Prompt::Text(t), _) => format!("\u{2}{t}"),
+            (_, None) => String::new(),
+            (_, Some((msgs, _))) => {
                 let mut k = String::from("\u{1}");
                 for m in msgs {
                     k.push_str(&m.role);
@@ -249,7 +276,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     if b.messages.is_empty() {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }
-    let mut msgs = Vec::with_capacity(b.messages.len());
+    let mut msgs: Vec<ChatMessage> = Vec::with_capacity(b.messages.len());
     for m in b.messages {
         let role = match m.role.as_str() {
             "developer" => "system",
@@ -275,8 +302,37 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
                 s
             }
         };
-        msgs.push(ChatMessage::new(role, content));
+        let mut msg = ChatMessage::new(role, content);
+        if let Some(calls) = m.tool_calls.filter(|c| !c.is_empty()) {
+            if role != "assistant" {
+                return Err(ApiError::bad("messages", "only assistant messages carry tool_calls"));
+            }
+            let mut hf = Vec::with_capacity(calls.len());
+            for c in calls {
+                let args: Value = serde_json::from_str(&c.function.arguments).map_err(|_| {
+                    ApiError::bad("messages", "a tool call's arguments must be a JSON object in a string")
+                })?;
+                hf.push(json!({"id": c.id, "type": "function",
+                               "function": {"name": c.function.name, "arguments": args}}));
+            }
+            msg.tool_calls = Some(Value::Array(hf));
+        }
+        if role == "tool" {
+            // The function's name, from the call this message answers (templates and the generic form show it).
+            let by_id = m.tool_call_id.as_ref().and_then(|id| {
+                msgs.iter()
+                    .rev()
+                    .filter_map(|p| p.tool_calls.as_ref()?.as_array())
+                    .flatten()
+                    .find(|c| c["id"].as_str() == Some(id.as_str()))
+                    .and_then(|c| c["function"]["name"].as_str().map(String::from))
+            });
+            msg.name = m.name.or(by_id);
+            msg.tool_call_id = m.tool_call_id;
+        }
+        msgs.push(msg);
     }
+    let tools = Tools::parse(b.tools, b.tool_choice).map_err(|(p, m)| ApiError::bad(p, m))?;
     let top = match (b.logprobs, b.top_logprobs) {
         (_, Some(n)) if !(0..=20).contains(&n) => {
             return Err(ApiError::bad("top_logprobs", "top_logprobs must be between 0 and 20"));
@@ -290,7 +346,50 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     } else {
         "max_tokens"
     };
-    common(Endpoint::Chat, b.common, Prompt::Chat(msgs), max, param, top)
+    let prompt = match &tools {
+        Some(t) if t.active() => Prompt::ChatTools(msgs, t.defs.clone()),
+        _ => Prompt::Chat(msgs),
+    };
+    let mut r = common(Endpoint::Chat, b.common, prompt, max, param, top)?;
+    if let Some(t) = tools.filter(|t| t.active()) {
+        if let Some(c) = t.constraint().map_err(|(p, m)| ApiError::bad(p, m))? {
+            if r.constraint.is_some() {
+                return Err(ApiError::bad(
+                    "response_format",
+                    "response_format cannot be combined with a forced tool call (tool_choice required or named)",
+                ));
+            }
+            r.constraint = Some(c);
+        }
+        r.tools = Some(t);
+    }
+    Ok(r)
+}
+
+/// The constraint of a `response_format` (`None` for plain text).
+fn response_format(v: Option<Value>) -> Result<Option<Constraint>, ApiError> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |m: String| ApiError::bad("response_format", m);
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::json_object())),
+        Some("json_schema") => {
+            let js = v
+                .get("json_schema")
+                .ok_or_else(|| bad("json_schema response_format needs a json_schema object".into()))?;
+            let schema = js
+                .get("schema")
+                .ok_or_else(|| bad("json_schema.schema is missing".into()))?;
+            Constraint::schema(schema)
+                .map(Some)
+                .map_err(|e| bad(format!("json_schema.schema: {} (keyword {:?})", e.message, e.keyword)))
+        }
+        _ => Err(bad(
+            "response_format.type must be \"text\", \"json_object\" or \"json_schema\"".into(),
+        )),
+    }
 }
 
 pub fn parse_completion(body: &[u8]) -> Result<Request, ApiError> {
@@ -388,8 +487,11 @@ fn common(
             "at most 16 stop strings of at most 256 bytes each",
         ));
     }
+    let constraint = response_format(c.response_format)?;
     Ok(Request {
         endpoint,
+        constraint,
+        tools: None,
         model: c.model,
         prompt,
         stream: c.stream.unwrap_or(false),
@@ -419,6 +521,9 @@ pub struct Responder {
     pub logprobs: Option<usize>,
     /// Bytes of completion text so far (completions' `text_offset`).
     offset: usize,
+    /// Tools the reply may call: its text is held back until the end, then sent as calls or as content.
+    tools: Option<Tools>,
+    held: Vec<Piece>,
 }
 
 fn bytes_of(s: &str) -> Value {
@@ -438,7 +543,20 @@ impl Responder {
             model: model.to_string(),
             logprobs,
             offset: 0,
+            tools: None,
+            held: Vec::new(),
         }
+    }
+
+    /// A chat reply that may call `tools`.
+    pub fn with_tools(mut self, tools: Option<Tools>) -> Responder {
+        self.tools = tools.filter(|t| t.active());
+        self
+    }
+
+    /// The calls in a reply, when tools were offered and it made some.
+    fn calls(&self, text: &str) -> Option<(String, Vec<tools::Call>)> {
+        self.tools.as_ref()?.parse_calls(text)
     }
 
     fn object(&self, chunk: bool) -> &'static str {
@@ -500,10 +618,18 @@ impl Responder {
     pub fn full(&mut self, pieces: &[Piece], finish: &str, o: &Outcome) -> Value {
         let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
         let lp = self.logprobs_of(pieces);
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
-                                     "logprobs": lp, "finish_reason": finish}),
-            Endpoint::Completion => json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}),
+        let choice = match (self.endpoint, self.calls(&text)) {
+            (Endpoint::Chat, Some((rest, calls))) => {
+                let content = if rest.is_empty() { Value::Null } else { json!(rest) };
+                json!({"index": 0, "message": {"role": "assistant", "content": content, "refusal": null,
+                                               "tool_calls": tools::tool_calls_json(&calls, false)},
+                       "logprobs": lp, "finish_reason": "tool_calls"})
+            }
+            (Endpoint::Chat, None) => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
+                       "logprobs": lp, "finish_reason": finish})
+            }
+            (Endpoint::Completion, _) => json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}),
         };
         let mut v = self.envelope(false, json!([choice]));
         v["usage"] = Self::usage(o);
@@ -521,8 +647,16 @@ impl Responder {
         })
     }
 
-    /// A chunk carrying one piece of text.
-    pub fn piece_chunk(&mut self, p: &Piece) -> Value {
+    /// A chunk carrying one piece of text; `None` while a reply that may call tools is held back.
+    pub fn piece_chunk(&mut self, p: &Piece) -> Option<Value> {
+        if self.tools.is_some() {
+            self.held.push(p.clone());
+            return None;
+        }
+        Some(self.text_chunk(p))
+    }
+
+    fn text_chunk(&mut self, p: &Piece) -> Value {
         let lp = self.logprobs_of(std::slice::from_ref(p));
         let choice = match self.endpoint {
             Endpoint::Chat => {
@@ -533,8 +667,31 @@ impl Responder {
         self.envelope(true, json!([choice]))
     }
 
-    /// The chunk that closes the choice with its finish reason.
-    pub fn finish_chunk(&self, finish: &str) -> Value {
+    /// The chunks that close the choice: a held-back reply (as tool-call deltas, or as its text), then the finish
+    /// reason.
+    pub fn finish_chunks(&mut self, finish: &str) -> Vec<Value> {
+        let held = std::mem::take(&mut self.held);
+        if held.is_empty() {
+            return vec![self.finish_chunk(finish)];
+        }
+        let text: String = held.iter().map(|p| p.text.as_str()).collect();
+        match self.calls(&text) {
+            Some((rest, calls)) => {
+                let content = if rest.is_empty() { Value::Null } else { json!(rest) };
+                let delta = json!([{"index": 0, "delta": {"content": content,
+                                    "tool_calls": tools::tool_calls_json(&calls, true)},
+                                    "logprobs": null, "finish_reason": null}]);
+                vec![self.envelope(true, delta), self.finish_chunk("tool_calls")]
+            }
+            None => {
+                let lp = self.logprobs_of(&held);
+                let whole = json!([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]);
+                vec![self.envelope(true, whole), self.finish_chunk(finish)]
+            }
+        }
+    }
+
+    fn finish_chunk(&self, finish: &str) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}),
             Endpoint::Completion => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
@@ -652,5 +809,51 @@ mod tests {
         assert_eq!(v["choices"][0]["logprobs"]["text_offset"], json!([0, 2]));
         assert_eq!(v["usage"]["total_tokens"], 5);
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+    }
+
+    #[test]
+    fn response_format_and_tools_parse() {
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"hi"}],
+                 "response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"integer"}}}}"#,
+        )
+        .unwrap();
+        assert!(r.constraint.is_some() && r.tools.is_none());
+        let e = parse_completion(
+            br#"{"prompt":"a","response_format":{"type":"json_schema","json_schema":
+            {"schema":{"type":"string","format":"email"}}}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("response_format"));
+        assert!(e.message.contains("format"), "{}", e.message);
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"add"},
+                 {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                   "function":{"name":"add","arguments":"{\"a\":1}"}}]},
+                 {"role":"tool","tool_call_id":"c1","content":"2"}],
+                 "tools":[{"type":"function","function":{"name":"add","parameters":{"type":"object"}}}],
+                 "tool_choice":"required"}"#,
+        )
+        .unwrap();
+        assert!(r.constraint.is_some());
+        let Prompt::ChatTools(msgs, tools) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!(tools[0]["function"]["name"], "add");
+        assert_eq!(msgs[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"]["a"], 1);
+        assert_eq!(msgs[2].name.as_deref(), Some("add"));
+        // A forced call shapes the reply: tool_calls, finish_reason tool_calls.
+        let mut resp = Responder::new(Endpoint::Chat, "m", None).with_tools(r.tools.clone());
+        let piece = Piece {
+            text: r#"{"name":"add","arguments":{"a":1,"b":2}}"#.into(),
+            ..Default::default()
+        };
+        assert!(resp.piece_chunk(&piece).is_none(), "held back");
+        let chunks = resp.finish_chunks("stop");
+        assert_eq!(
+            chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+            "add"
+        );
+        assert_eq!(chunks[1]["choices"][0]["finish_reason"], "tool_calls");
     }
 }

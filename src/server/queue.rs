@@ -530,8 +530,19 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
     let n_ctx = g.n_ctx();
     let param = match job.prompt {
         Prompt::Text(_) => "prompt",
-        Prompt::Chat(_) => "messages",
+        _ => "messages",
     };
+    if job.params.constraint.is_some() && !g.constrains() {
+        let _ = job.tx.send(Event::Error(ApiError::bad(
+            "response_format",
+            format!(
+                "constrained output (response_format, or tool_choice \"required\" or a named function) needs every \
+                 token sampled here with one vocabulary; this server runs {}, which cannot apply it",
+                g.describe()
+            ),
+        )));
+        return Ran::Over;
+    }
     let n_prompt = match g.count_prompt(&job.prompt) {
         Ok(n) => n,
         Err(e) => {

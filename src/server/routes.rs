@@ -258,7 +258,7 @@ async fn run(app: AppState, req: Result<Request, ApiError>) -> Result<Response, 
         last_error: None,
     };
     app.sched.submit(job)?;
-    let mut resp = Responder::new(req.endpoint, &app.model_id, req.logprobs);
+    let mut resp = Responder::new(req.endpoint, &app.model_id, req.logprobs).with_tools(req.tools.clone());
     // The first event decides the HTTP status: an error before any text is a plain error response.
     let first = rx.recv().await.ok_or_else(dropped)?;
     if let Event::Error(e) = first {
@@ -337,12 +337,15 @@ impl Sse {
     fn on(&mut self, ev: Event) {
         match ev {
             Event::Piece(p) => {
-                let c = self.resp.piece_chunk(&p);
-                self.pending.push_back(sse(&c));
+                if let Some(c) = self.resp.piece_chunk(&p) {
+                    self.pending.push_back(sse(&c));
+                }
             }
             Event::Done { outcome, stop_matched } => {
                 let fin = openai::finish_reason(outcome.finish, stop_matched);
-                self.pending.push_back(sse(&self.resp.finish_chunk(fin)));
+                for c in self.resp.finish_chunks(fin) {
+                    self.pending.push_back(sse(&c));
+                }
                 if self.include_usage {
                     self.pending.push_back(sse(&self.resp.usage_chunk(&outcome)));
                 }

@@ -131,6 +131,11 @@ impl Generator for DisaggGenerator {
         self.session.n_ctx()
     }
 
+    /// Prefill runs remotely but every token is sampled here, so the mask applies.
+    fn constrains(&self) -> bool {
+        true
+    }
+
     fn generate(
         &mut self,
         prompt: &Prompt,
@@ -143,7 +148,8 @@ impl Generator for DisaggGenerator {
         let (logits, rep, why) = self.prefill(&tokens)?;
         let top_k = params.top_logprobs;
         let text = &self.text;
-        let pick = |sampler: &mut Sampler, logits: &[f32]| text.pick(sampler, logits, top_k);
+        let mut guide = text.guide(params);
+        let mut pick = |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, top_k);
         let ts = Instant::now();
         let first = pick(&mut sampler, &logits);
         let t_sample = ts.elapsed();
