@@ -104,7 +104,7 @@ fn cluster_endpoint_and_cli_show_both_nodes_their_link_and_the_request() {
     assert_eq!(remote["backend"], Value::Null, "a remote node's backend is not made up");
     // Both stages count the pieces streamed (at most the completion tokens: an end token is not sent).
     let tokens = remote["tokens"].as_u64().unwrap();
-    assert!(tokens >= 1 && tokens <= completion, "{v}");
+    assert!((1..=completion).contains(&tokens), "{v}");
     for n in nodes {
         assert_eq!(
             n["tokens"].as_u64(),

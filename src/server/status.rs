@@ -56,7 +56,7 @@ impl Rate {
             .iter()
             .filter(|b| {
                 let s = b.0.load(Ordering::Relaxed);
-                s != u64::MAX && s >= lo && s < now
+                (lo..now).contains(&s)
             })
             .map(|b| b.1.load(Ordering::Relaxed))
             .sum();
