@@ -92,6 +92,26 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ModelsCmd,
     },
+    /// What a running `baton serve` drives: its nodes, links and last requests.
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Prints a server's `/v1/cluster` as tables (or as JSON).
+    Status {
+        /// The server: `HOST:PORT` or `http://HOST:PORT`.
+        addr: String,
+        /// The server's API key, if it has one.
+        #[arg(long = "api-key")]
+        api_key: Option<String>,
+        /// The JSON as the server sends it.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -525,6 +545,9 @@ fn main() {
         }),
         Cmd::Serve(a) => cmd_serve(*a),
         Cmd::Models { cmd } => cmd_models(cmd),
+        Cmd::Cluster {
+            cmd: ClusterCmd::Status { addr, api_key, json },
+        } => cmd_cluster_status(&addr, api_key.as_deref(), json),
     };
     if let Err(e) = result {
         // One line: the chain of causes, outermost first.
@@ -1083,6 +1106,17 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.max_handshakes = a.max_handshakes;
     cfg.batch = !a.no_batch;
     baton::cluster::run_node(cfg)
+}
+
+fn cmd_cluster_status(addr: &str, api_key: Option<&str>, json: bool) -> Result<()> {
+    use baton::server::status;
+    let v = status::fetch(addr, api_key, std::time::Duration::from_secs(10))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", status::table(&v));
+    }
+    Ok(())
 }
 
 fn cmd_models(cmd: ModelsCmd) -> Result<()> {

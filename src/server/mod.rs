@@ -6,7 +6,8 @@
 //! - [`router`]: which slot takes a request (longest cached prefix unless overloaded, else least loaded);
 //! - [`slots`]: `/slots/{id}?action=save|restore`, a slot's session to and from a file;
 //! - [`embeddings`]: `/v1/embeddings` (mean pooling on its own session), `/tokenize`, `/detokenize`;
-//! - [`stop`]: stop strings over a token stream; [`metrics`]: Prometheus text; [`cluster_file`]: `--cluster`.
+//! - [`stop`]: stop strings over a token stream; [`metrics`]: Prometheus text; [`cluster_file`]: `--cluster`;
+//! - [`status`]: nodes, links and recent requests for `/v1/cluster`; [`web`]: the page at `/`.
 //!
 //! Data flow: HTTP handler → parse → `Scheduler::submit` → a slot's thread runs `Generator::generate` → events on
 //! a channel → JSON body or SSE chunks. The async runtime only moves bytes; engine work runs on slot threads.
@@ -20,8 +21,10 @@ pub mod queue;
 pub mod router;
 pub mod routes;
 pub mod slots;
+pub mod status;
 pub mod stop;
 pub mod tools;
+pub mod web;
 
 use crate::cluster::disagg::{PoolMember, PrefillPool, RemotePrefill};
 use crate::engine::batcher::Batcher;
@@ -35,6 +38,7 @@ use cluster_file::{ClusterFile, NodeEntry, Topology};
 use embeddings::Embedder;
 use metrics::Metrics;
 use queue::{Factory, NodeSpec, Scheduler};
+use status::{Role, Status};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -155,6 +159,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     }
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
     let metrics = Arc::new(Metrics::default());
+    let status = Arc::new(Status::new());
     let (model_id, aliases, nodes, describe, text, embedder) = if let Some(spec) = &cfg.ensemble {
         if file.is_some() || cfg.pipeline.is_some() || cfg.draft.is_some() || cfg.prefill_node.is_some() {
             bail!("--ensemble cannot be combined with --cluster, --pipeline, --draft or --prefill-node");
@@ -162,6 +167,13 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         let builder = Builder::new(topology_args(&cfg, None)?);
         let (node, describe) = multi_model::ensemble_slots(&cfg, &builder, spec, multi_model::cache(&cfg))?;
         let id = cfg.served_name.clone().unwrap_or(multi_model::ensemble_id(spec)?);
+        for m in crate::ensemble::parse_members(spec)? {
+            let addr = match &m.place {
+                crate::ensemble::Place::Local => None,
+                crate::ensemble::Place::Remote(a) => Some(a.as_str()),
+            };
+            status.add_node(&m.name, Role::Member, addr, None, Some(0), true);
+        }
         let aliases = vec!["ensemble".to_string(), spec.clone()];
         (id, aliases, vec![node], describe, None, None)
     } else {
@@ -171,13 +183,14 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             .unwrap_or_else(|| cfg.model.clone());
         let path = crate::fetch::resolve(&model_arg)?;
         let (model_id, aliases) = model_ids(&cfg, &model_arg, &path);
-        let (nodes, describe, embedder) = build_nodes(&cfg, file.as_ref(), &path, &metrics)?;
+        let (nodes, describe, embedder) = build_nodes(&cfg, file.as_ref(), &path, &metrics, &status)?;
         // The tokenizer `/tokenize` and `/detokenize` use (this process reads no weights for it).
         let text = Arc::new(TextModel::open(&path)?);
         (model_id, aliases, nodes, describe, Some(text), embedder)
     };
-    let sched = Scheduler::start(nodes, cfg.queue, metrics.clone());
+    let sched = Scheduler::start(nodes, cfg.queue, metrics.clone(), status.clone());
     sched.clone().health_loop(cfg.health_every);
+    status.health_loop(cfg.health_every);
 
     let app = Arc::new(routes::App {
         sched,
@@ -353,12 +366,14 @@ fn topology_args(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<Topolo
     })
 }
 
-/// The slots' nodes for the chosen topology, and a one-line description.
+/// The slots' nodes for the chosen topology, and a one-line description; the nodes and links are registered with
+/// `status` as configured here.
 fn build_nodes(
     cfg: &ServeConfig,
     file: Option<&ClusterFile>,
     path: &Path,
     metrics: &Arc<Metrics>,
+    status: &Arc<Status>,
 ) -> Result<(Vec<NodeSpec>, String, Option<Arc<Embedder>>)> {
     let topology = match (file, &cfg.pipeline, &cfg.prefill_node) {
         (Some(_), Some(_), _) => bail!("give either --pipeline or --cluster, not both"),
@@ -386,6 +401,9 @@ fn build_nodes(
             );
         }
         let (node, describe) = multi_model::draft_slots(cfg, &builder, path, draft, multi_model::cache(cfg))?;
+        status.add_node("local", Role::Target, None, None, Some(0), false);
+        let d = crate::speculative::DraftSpec::parse(draft)?;
+        status.add_node(draft, Role::Draft, d.addr.as_deref(), None, None, true);
         return Ok((vec![node], format!("{name}, {describe}"), None));
     }
     match topology {
@@ -432,15 +450,32 @@ fn build_nodes(
                 slots: cfg.parallel,
                 factory,
             };
+            status.add_node("local", Role::Local, None, None, Some(0), false);
             Ok((vec![node], format!("{name}, local, {} slots", cfg.parallel), embedder))
         }
         Some(Topology::Pipeline(spec)) => {
             // Fail at start on bad flags, a bad spec or an unreachable stage.
             builder.pipeline_opts()?;
-            builder
+            let opened = builder
                 .pipeline(&spec, path, None)
                 .context("cannot open the pipeline")?;
-            let factory = metered_pipeline(&builder, spec.clone(), path.to_path_buf(), metrics.clone(), None);
+            for st in opened.session().stages() {
+                let layers = Some(format!("{}:{}", st.layers.start, st.layers.end));
+                let name = st.addr.clone().unwrap_or_else(|| "local".into());
+                status.add_node(&name, Role::Stage, st.addr.as_deref(), layers, Some(0), true);
+                if let Some(a) = &st.addr {
+                    status.add_link("local", a, a);
+                }
+            }
+            drop(opened);
+            let factory = metered_pipeline(
+                &builder,
+                spec.clone(),
+                path.to_path_buf(),
+                metrics.clone(),
+                status.clone(),
+                None,
+            );
             let node = NodeSpec {
                 label: "pipeline".into(),
                 addr: None,
@@ -456,20 +491,41 @@ fn build_nodes(
         Some(Topology::Decode { decode, prefill }) => {
             builder.pipeline_opts()?;
             let pool = (!prefill.is_empty())
-                .then(|| prefill_pool(&prefill, metrics, cfg.health_every))
+                .then(|| prefill_pool(&prefill, metrics, status, cfg.health_every))
                 .transpose()?;
             let dis = DisaggSettings::of(&builder, file)?;
             let mut nodes = Vec::new();
+            for p in &prefill {
+                status.add_node(&p.name, Role::Prefill, Some(&p.addr), None, None, true);
+            }
             for d in &decode {
+                let remote = d.addr != "local";
+                status.add_node(
+                    &d.name,
+                    Role::Decode,
+                    remote.then_some(d.addr.as_str()),
+                    None,
+                    Some(nodes.len()),
+                    false,
+                );
+                if remote {
+                    status.add_link("local", &d.name, &d.addr);
+                } else {
+                    // The server sees the KV bytes only of the prefills it pulls itself.
+                    for p in &prefill {
+                        status.add_link(&p.name, &d.name, &p.name);
+                    }
+                }
                 let factory = match &pool {
                     None => metered_pipeline(
                         &builder,
                         format!("{}=0:end", d.addr),
                         path.to_path_buf(),
                         metrics.clone(),
+                        status.clone(),
                         None,
                     ),
-                    Some(pool) => disagg_hook(&builder, pool, d, path, &dis, metrics)?,
+                    Some(pool) => disagg_hook(&builder, pool, d, path, &dis, metrics, status)?,
                 };
                 nodes.push(NodeSpec {
                     label: d.name.clone(),
@@ -522,7 +578,12 @@ impl DisaggSettings {
 
 /// The prefill nodes every decode slot shares, health-checked; each prefill's outcome, tokens and KV bytes go to
 /// `/metrics` under the node's name.
-fn prefill_pool(prefill: &[NodeEntry], metrics: &Arc<Metrics>, every: Duration) -> Result<Arc<PrefillPool>> {
+fn prefill_pool(
+    prefill: &[NodeEntry],
+    metrics: &Arc<Metrics>,
+    status: &Arc<Status>,
+    every: Duration,
+) -> Result<Arc<PrefillPool>> {
     let members = prefill
         .iter()
         .map(|p| PoolMember {
@@ -530,10 +591,17 @@ fn prefill_pool(prefill: &[NodeEntry], metrics: &Arc<Metrics>, every: Duration) 
             addr: p.addr.clone(),
         })
         .collect();
-    let m = metrics.clone();
+    let (m, st) = (metrics.clone(), status.clone());
     let pool = PrefillPool::new(
         members,
         Some(Box::new(move |member, rep| {
+            if rep.fallback.is_none() {
+                status::prefilled_on(&member.name);
+                st.prefilled(&member.name, rep.sent as u64);
+                // The stream's own measured rate: bytes over the time between its first and last frame.
+                let streamed = (rep.link_rate > 0.0).then(|| Duration::from_secs_f64(rep.bytes as f64 / rep.link_rate));
+                st.wire(&member.name, rep.bytes, 0, streamed);
+            }
             m.prefill(
                 &member.name,
                 rep.fallback.is_some(),
@@ -562,6 +630,7 @@ fn disagg_hook(
     path: &Path,
     dis: &DisaggSettings,
     metrics: &Arc<Metrics>,
+    status: &Arc<Status>,
 ) -> Result<Factory> {
     let remote = builder.remote_prefill(pool.clone())?;
     if decode.addr != "local" {
@@ -570,6 +639,7 @@ fn disagg_hook(
             format!("{}=0:end", decode.addr),
             path.to_path_buf(),
             metrics.clone(),
+            status.clone(),
             Some(remote),
         ));
     }
@@ -596,6 +666,7 @@ fn metered_pipeline(
     spec: String,
     path: PathBuf,
     metrics: Arc<Metrics>,
+    status: Arc<Status>,
     remote: Option<RemotePrefill>,
 ) -> Factory {
     let builder = builder.clone();
@@ -604,6 +675,7 @@ fn metered_pipeline(
         Ok(Box::new(Metered {
             inner,
             metrics: metrics.clone(),
+            status: status.clone(),
         }) as Box<dyn Generator>)
     })
 }
@@ -611,6 +683,7 @@ fn metered_pipeline(
 struct Metered {
     inner: PipelineGenerator,
     metrics: Arc<Metrics>,
+    status: Arc<Status>,
 }
 
 impl Metered {
@@ -619,6 +692,8 @@ impl Metered {
             if st.bytes_sent + st.bytes_recv > 0 && !st.label.starts_with("local") {
                 let peer = st.label.split(' ').next().unwrap_or(&st.label);
                 self.metrics.wire(peer, st.bytes_sent, st.bytes_recv);
+                let waited = st.wall.saturating_sub(st.compute);
+                self.status.wire(peer, st.bytes_sent, st.bytes_recv, Some(waited));
             }
         }
     }

@@ -5,6 +5,7 @@
 use super::metrics::{Gauges, Metrics};
 use super::openai::ApiError;
 use super::router::{self, NodeView, SlotView};
+use super::status::{Finished, Status};
 use super::stop::StopFilter;
 use crate::generate::GenParams;
 use crate::generate::{Finish, Generator, Outcome, Piece, Prompt};
@@ -95,6 +96,8 @@ pub struct Scheduler {
     state: Mutex<State>,
     max_queue: usize,
     pub metrics: Arc<Metrics>,
+    /// Per-node rates and the last requests, for `/v1/cluster`.
+    pub status: Arc<Status>,
 }
 
 /// How a job ended, for the worker's bookkeeping.
@@ -110,7 +113,7 @@ enum Ran {
 
 impl Scheduler {
     /// Starts one thread per slot. `max_queue` requests may wait beyond the busy slots.
-    pub fn start(nodes: Vec<NodeSpec>, max_queue: usize, metrics: Arc<Metrics>) -> Arc<Scheduler> {
+    pub fn start(nodes: Vec<NodeSpec>, max_queue: usize, metrics: Arc<Metrics>, status: Arc<Status>) -> Arc<Scheduler> {
         let sched = Arc::new(Scheduler {
             state: Mutex::new(State {
                 slots: Vec::new(),
@@ -120,6 +123,7 @@ impl Scheduler {
             }),
             max_queue,
             metrics,
+            status,
         });
         let mut st = sched.state.lock().unwrap();
         for (ni, n) in nodes.into_iter().enumerate() {
@@ -421,7 +425,7 @@ fn worker(
             }
         };
         let ran = match catch_unwind(AssertUnwindSafe(|| {
-            run_job(&mut generator, &factory, &job, &sched.metrics)
+            run_job(&mut generator, &factory, &job, &sched, (node, &label))
         })) {
             Ok(ran) => ran,
             Err(_) => {
@@ -521,7 +525,17 @@ fn built<'a>(generator: &'a mut Option<Box<dyn Generator>>, factory: &Factory) -
     Ok(generator.as_mut().unwrap())
 }
 
-fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &Job, m: &Metrics) -> Ran {
+/// Runs one job on the slot's generator; `at` is the scheduler node (index, label) the slot belongs to.
+fn run_job(
+    generator: &mut Option<Box<dyn Generator>>,
+    factory: &Factory,
+    job: &Job,
+    sched: &Scheduler,
+    at: (usize, &str),
+) -> Ran {
+    let (m, status) = (&*sched.metrics, &*sched.status);
+    let started = Instant::now();
+    super::status::forget_prefill();
     let g = match built(generator, factory) {
         Ok(g) => g,
         Err(e) => return Ran::FailedEarly(e),
@@ -585,15 +599,20 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
     let mut generated = String::new();
     let mut sent = 0usize;
     let mut last = None::<Instant>;
+    let mut first = None::<Instant>;
     let mut gone = false;
     let tx = &job.tx;
-    let emit = |p: Piece, sent: &mut usize, last: &mut Option<Instant>| -> bool {
+    let emit = |p: Piece, sent: &mut usize, last: &mut Option<Instant>, first: &mut Option<Instant>| -> bool {
         let now = Instant::now();
         match last {
-            None => m.ttft.observe(now - job.arrived),
+            None => {
+                m.ttft.observe(now - job.arrived);
+                *first = Some(now);
+            }
             Some(t) => m.itl.observe(now - *t),
         }
         *last = Some(now);
+        status.tokens(at.0, 1);
         *sent += 1;
         tx.send(Event::Piece(p)).is_ok()
     };
@@ -604,7 +623,7 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
             return false;
         }
         for out in filter.push(p.clone()) {
-            if !emit(out, &mut sent, &mut last) {
+            if !emit(out, &mut sent, &mut last, &mut first) {
                 gone = true;
                 return false;
             }
@@ -617,13 +636,33 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
                 Metrics::add(&m.cancelled, 1);
             }
             for out in filter.finish() {
-                emit(out, &mut sent, &mut last);
+                emit(out, &mut sent, &mut last, &mut first);
             }
             Metrics::add(&m.prompt_tokens, outcome.prompt_tokens);
             Metrics::add(&m.cached_tokens, outcome.cached_tokens);
             Metrics::add(&m.completion_tokens, outcome.completion_tokens);
             let stop_matched = filter.matched();
             let cancelled = gone || (outcome.finish == Finish::Stopped && !stop_matched);
+            let finish = match outcome.finish {
+                _ if cancelled => "cancelled",
+                Finish::Eog | Finish::Stopped => "stop",
+                Finish::Length | Finish::ContextFull => "length",
+            };
+            status.finished(
+                at.0,
+                at.1,
+                Finished {
+                    arrived: job.arrived,
+                    started,
+                    first,
+                    last,
+                    prompt_tokens: outcome.prompt_tokens,
+                    cached_tokens: outcome.cached_tokens,
+                    completion_tokens: outcome.completion_tokens,
+                    t_prompt: Some(outcome.t_prompt),
+                    finish,
+                },
+            );
             let last = Event::Done { outcome, stop_matched };
             if cancelled {
                 // The KV holds the prompt and part of a reply nobody saw: keep the prompt as the key.
@@ -635,6 +674,21 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
         Err(e) if sent == 0 => Ran::FailedEarly(e),
         Err(e) => {
             *generator = None;
+            status.finished(
+                at.0,
+                at.1,
+                Finished {
+                    arrived: job.arrived,
+                    started,
+                    first,
+                    last,
+                    prompt_tokens: n_prompt,
+                    cached_tokens: 0,
+                    completion_tokens: sent,
+                    t_prompt: None,
+                    finish: "error",
+                },
+            );
             let _ = tx.send(Event::Error(ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 format!("generation failed after {sent} pieces: {e:#}"),
@@ -718,7 +772,7 @@ pub(crate) mod tests {
             slots,
             factory,
         };
-        Scheduler::start(vec![node], 8, Arc::new(Metrics::default()))
+        Scheduler::start(vec![node], 8, Arc::new(Metrics::default()), Arc::new(Status::new()))
     }
 
     pub(crate) fn submit(s: &Scheduler, prompt: &str) -> Result<UnboundedReceiver<Event>, ApiError> {

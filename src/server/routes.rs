@@ -1,4 +1,5 @@
-//! HTTP routes: the OpenAI endpoints, `/health`, `/metrics`; authentication and per-request accounting.
+//! HTTP routes: the OpenAI endpoints, `/health`, `/metrics`, `/v1/cluster`, the web page; authentication and
+//! per-request accounting.
 
 use super::metrics::Metrics;
 use super::openai::{self, ApiError, Request, Responder};
@@ -50,6 +51,9 @@ impl App {
 
 pub fn router(app: AppState) -> Router {
     Router::new()
+        .route("/", get(super::web::index))
+        .route("/web/{file}", get(super::web::asset))
+        .route("/v1/cluster", get(cluster))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
@@ -66,13 +70,14 @@ pub fn router(app: AppState) -> Router {
         .with_state(app)
 }
 
-/// Bearer authentication (when an API key is set; `/health` stays open), then the body read within the body
+/// Bearer authentication (when an API key is set; `/health` and the page's static files stay open: they hold no
+/// data, and the page asks for the key), then the body read within the body
 /// timeout and size limit, then the route; every request counted under a label from a fixed set. The key is checked
 /// from the headers alone, so a stranger's body is never read.
 async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Response {
     let label = path_label(req.uri().path());
     if let Some(key) = &app.api_key
-        && label != "/health"
+        && !matches!(label, "/health" | "/" | "/web")
     {
         let given = req
             .headers()
@@ -113,6 +118,9 @@ pub fn path_label(path: &str) -> &'static str {
         "/v1/embeddings" => "/v1/embeddings",
         "/tokenize" => "/tokenize",
         "/detokenize" => "/detokenize",
+        "/v1/cluster" => "/v1/cluster",
+        "/" => "/",
+        p if p.starts_with("/web/") => "/web",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         p if p.starts_with("/slots/") => "/slots",
         _ => "other",
@@ -180,6 +188,12 @@ async fn health(State(app): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, axum::Json(body)).into_response()
+}
+
+/// Nodes, links and recent requests (`docs/server.md` has the schema).
+async fn cluster(State(app): State<AppState>) -> Response {
+    let g = app.sched.gauges();
+    axum::Json(app.sched.status.view(&g, &app.model_id, &app.describe)).into_response()
 }
 
 async fn metrics(State(app): State<AppState>) -> Response {

@@ -194,6 +194,15 @@ impl ServeProc {
         )
     }
 
+    /// [`ServeProc::post`] with extra header lines.
+    pub fn post_with(&self, path: &str, body: &serde_json::Value, headers: &str) -> (u16, serde_json::Value) {
+        let (code, text) = self.http_with("POST", path, &body.to_string(), headers);
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        )
+    }
+
     pub fn get(&self, path: &str) -> (u16, String) {
         self.http("GET", path, "")
     }
