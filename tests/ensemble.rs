@@ -37,6 +37,7 @@ fn greedy(n: usize) -> GenParams {
         max_tokens: n,
         sampler: SamplerParams::greedy(),
         top_logprobs: 0,
+        ..Default::default()
     }
 }
 
@@ -279,6 +280,7 @@ fn sampling_is_reproducible_with_a_seed() {
             ..Default::default()
         },
         top_logprobs: 3,
+        ..Default::default()
     };
     let mut texts = Vec::new();
     for _ in 0..2 {

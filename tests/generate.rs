@@ -23,6 +23,7 @@ fn greedy(n: usize) -> GenParams {
         max_tokens: n,
         sampler: SamplerParams::greedy(),
         top_logprobs: 0,
+        ..Default::default()
     }
 }
 

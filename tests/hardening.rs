@@ -514,6 +514,7 @@ fn node_logs_peer_text_escaped() {
         min_p: 0.0,
         repeat_penalty: 1.0,
         repeat_last_n: 0,
+        request_id: String::new(),
     };
     wire::write_msg(&mut s, &Msg::Open(open)).unwrap();
     let (reply, _) = read_until_closed(&mut s, Duration::from_secs(5));

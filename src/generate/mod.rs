@@ -35,6 +35,8 @@ pub struct GenParams {
     pub sampler: SamplerParams,
     /// Alternatives reported with each piece (0: none).
     pub top_logprobs: usize,
+    /// The request's id (empty: none): generators over nodes pass it on, so every process logs it.
+    pub request_id: String,
 }
 
 impl Default for GenParams {
@@ -43,6 +45,7 @@ impl Default for GenParams {
             max_tokens: 256,
             sampler: SamplerParams::default(),
             top_logprobs: 0,
+            request_id: String::new(),
         }
     }
 }

@@ -169,6 +169,7 @@ impl Request {
             max_tokens,
             sampler: self.sampler,
             top_logprobs: self.logprobs.unwrap_or(0),
+            request_id: String::new(),
         }
     }
 

@@ -168,7 +168,7 @@ impl Scheduler {
         }
         let free = st.slots.iter().any(|s| !s.busy && st.nodes[s.node].up);
         if !free && st.queue.len() >= self.max_queue {
-            Metrics::add(&self.metrics.rejected, 1);
+            self.metrics.rejected.inc();
             return Err(ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 format!("the server is busy ({} requests queued); retry later", st.queue.len()),
@@ -187,7 +187,7 @@ impl Scheduler {
             let job = &st.queue[i];
             if job.tx.is_closed() {
                 st.queue.remove(i);
-                Metrics::add(&self.metrics.cancelled, 1);
+                self.metrics.cancelled.inc();
                 continue;
             }
             if !(0..st.nodes.len()).any(|ni| usable(st, ni) && !job.tried.contains(&ni)) {
@@ -228,7 +228,7 @@ impl Scheduler {
             if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(job)) {
                 // The slot's thread is gone (panics are caught in it, so this should not happen): never use it
                 // again, and give the job back to the queue for the other slots.
-                eprintln!("serve: slot {si} is out of service: its thread has exited");
+                tracing::error!("serve: slot {si} is out of service: its thread has exited");
                 slot.dead = Some(format!("slot {si}: its thread has exited"));
                 st.queue.insert(i, job);
             }
@@ -272,7 +272,7 @@ impl Scheduler {
         st.slots[slot].busy = false;
         st.slots[slot].key = key;
         if let Some(job) = retry {
-            Metrics::add(&self.metrics.retries, 1);
+            self.metrics.retries.inc();
             st.queue.push_front(job);
         }
         self.dispatch(&mut st);
@@ -282,7 +282,7 @@ impl Scheduler {
     /// others (or refuses it when none is left).
     fn retire(&self, slot: usize, why: String) {
         let mut st = self.state.lock().unwrap();
-        eprintln!("serve: slot {slot} is out of service: {why}");
+        tracing::error!("serve: slot {slot} is out of service: {why}");
         let s = &mut st.slots[slot];
         s.busy = true;
         s.key.clear();
@@ -297,11 +297,12 @@ impl Scheduler {
     fn set_up(&self, node: usize, up: bool, why: &str) {
         let mut st = self.state.lock().unwrap();
         if st.nodes[node].up != up {
-            eprintln!(
-                "serve: node {} is {}{why}",
-                st.nodes[node].label,
-                if up { "back up" } else { "down: " }
-            );
+            let label = &st.nodes[node].label;
+            if up {
+                tracing::info!("serve: node {label} is back up");
+            } else {
+                tracing::warn!("serve: node {label} is down: {why}");
+            }
             st.nodes[node].up = up;
             if !up {
                 // Its sessions' KV may be gone: forget what the slots held.
@@ -334,7 +335,7 @@ impl Scheduler {
             true
         });
         if let Err(e) = res {
-            eprintln!("cannot start the node health checks: {e:#}");
+            tracing::error!("cannot start the node health checks: {e:#}");
         }
     }
 
@@ -420,6 +421,7 @@ fn worker(
                 continue;
             }
         };
+        let _span = crate::logging::request_span(&job.params.request_id).entered();
         let ran = match catch_unwind(AssertUnwindSafe(|| {
             run_job(&mut generator, &factory, &job, &sched.metrics)
         })) {
@@ -438,6 +440,17 @@ fn worker(
         };
         match ran {
             Ran::Done(key, last) => {
+                if let Event::Done { outcome: o, .. } = &last {
+                    tracing::info!(
+                        "serve: slot {slot} on {label}: {} prompt tokens ({} cached), {} generated, first token in \
+                         {:.0} ms",
+                        o.prompt_tokens,
+                        o.cached_tokens,
+                        o.completion_tokens,
+                        o.t_prompt.as_secs_f64() * 1e3
+                    );
+                    sched.metrics.node_speed(&label, o.completion_tokens, o.t_gen);
+                }
                 sched.release(slot, key, None);
                 let _ = job.tx.send(last);
             }
@@ -445,7 +458,7 @@ fn worker(
             Ran::FailedEarly(e) => {
                 generator = None;
                 let msg = format!("{label}: {e:#}");
-                eprintln!("serve: request failed before its first token on {msg}");
+                tracing::warn!("serve: request failed before its first token on {msg}");
                 if remote {
                     // Take the node out until the health check sees it again, and retry elsewhere.
                     sched.set_up(node, false, &msg);
@@ -476,11 +489,11 @@ fn restart(
     label: &str,
     remote: bool,
 ) -> bool {
-    eprintln!("serve: the generator of slot {slot} on {label} crashed; rebuilding it");
+    tracing::error!("serve: the generator of slot {slot} on {label} crashed; rebuilding it");
     let old = generator.take();
     // Its destructor runs on the same broken state and may panic too.
     if catch_unwind(AssertUnwindSafe(move || drop(old))).is_err() {
-        eprintln!("serve: dropping the crashed generator of slot {slot} panicked as well");
+        tracing::error!("serve: dropping the crashed generator of slot {slot} panicked as well");
     }
     let why = match catch_unwind(AssertUnwindSafe(|| factory())) {
         Ok(Ok(g)) => {
@@ -579,8 +592,8 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
     let emit = |p: Piece, sent: &mut usize, last: &mut Option<Instant>| -> bool {
         let now = Instant::now();
         match last {
-            None => m.ttft.observe(now - job.arrived),
-            Some(t) => m.itl.observe(now - *t),
+            None => m.ttft(now - job.arrived),
+            Some(t) => m.inter_token(now - *t),
         }
         *last = Some(now);
         *sent += 1;
@@ -603,14 +616,14 @@ fn run_job(generator: &mut Option<Box<dyn Generator>>, factory: &Factory, job: &
     match r {
         Ok(outcome) => {
             if gone {
-                Metrics::add(&m.cancelled, 1);
+                m.cancelled.inc();
             }
             for out in filter.finish() {
                 emit(out, &mut sent, &mut last);
             }
-            Metrics::add(&m.prompt_tokens, outcome.prompt_tokens);
-            Metrics::add(&m.cached_tokens, outcome.cached_tokens);
-            Metrics::add(&m.completion_tokens, outcome.completion_tokens);
+            m.prompt_tokens.inc_by(outcome.prompt_tokens as u64);
+            m.cached_tokens.inc_by(outcome.cached_tokens as u64);
+            m.completion_tokens.inc_by(outcome.completion_tokens as u64);
             let stop_matched = filter.matched();
             let cancelled = gone || (outcome.finish == Finish::Stopped && !stop_matched);
             let last = Event::Done { outcome, stop_matched };

@@ -445,8 +445,8 @@ impl Core {
         run.draft_ok = false;
         let why = format!("{e:#}");
         if !self.draft_failed {
-            eprintln!(
-                "warning: draft {} stopped ({why}); the target continues alone",
+            tracing::warn!(
+                "draft {} stopped ({why}); the target continues alone",
                 self.draft.label
             );
             run.stats.warned = true;
