@@ -33,8 +33,10 @@ pub fn init(format: LogFormat) {
         },
         _ => (EnvFilter::new(DEFAULT_FILTER), None),
     };
+    // No colour: spans' fields are formatted once, for every line, and a log file is no terminal.
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(false)
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.event_format(Plain).try_init(),
@@ -116,6 +118,7 @@ mod tests {
         let b2 = buf.clone();
         let sub = tracing_subscriber::fmt()
             .with_env_filter(EnvFilter::new("info"))
+            .with_ansi(false)
             .with_writer(move || b2.clone())
             .event_format(Plain)
             .finish();

@@ -116,7 +116,8 @@ pub const MAX_REQUEST_ID: usize = 64;
 pub fn valid_request_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_REQUEST_ID
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
 }
 
 /// A fresh request id: 16 random hex digits.

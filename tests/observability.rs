@@ -26,7 +26,11 @@ fn chat(srv: &ServeProc, q: &str, headers: &str) -> String {
 fn wait_for_line(what: &str, log: impl Fn() -> String, matches: impl Fn(&str) -> bool) {
     let t0 = Instant::now();
     while !log().lines().any(&matches) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "{what}: no such line in:\n{}", log());
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: no such line in:\n{}",
+            log()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -72,9 +76,17 @@ fn request_id_reaches_the_router_the_decode_node_and_the_prefill_node() {
     let id = "trace-7f3a:e2e.1";
     let q = "Once upon a time, in a quiet village by the sea, there lived an old fisherman named Tom.";
     assert_eq!(chat(&srv, q, &format!("X-Request-Id: {id}\r\n")), id);
-    wait_for_line("server", || srv.log(), |l| names(l, id) && l.contains("/v1/chat/completions 200"));
+    wait_for_line(
+        "server",
+        || srv.log(),
+        |l| names(l, id) && l.contains("/v1/chat/completions 200"),
+    );
     wait_for_line("decode node", || d.log(), |l| json_names(l, id));
-    wait_for_line("prefill node", || p.log(), |l| names(l, id) && l.contains("prefill of positions"));
+    wait_for_line(
+        "prefill node",
+        || p.log(),
+        |l| names(l, id) && l.contains("prefill of positions"),
+    );
     // The decode node's log is JSON throughout.
     for l in d.log().lines() {
         assert!(serde_json::from_str::<Value>(l).is_ok(), "not JSON: {l}");

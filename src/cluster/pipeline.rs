@@ -181,7 +181,8 @@ impl Remote {
                 if c.verbose {
                     tracing::info!(
                         "pipeline: reconnected to {} ({} positions held there)",
-                        self.addr, ready.n_past
+                        self.addr,
+                        ready.n_past
                     );
                 }
             }
@@ -219,9 +220,7 @@ impl Remote {
             f.request_id = c.request_id.to_string();
             self.sent_request_id = f.request_id.clone();
         }
-        let r = conn
-            .send(&Msg::Forward(f), &what)
-            .and_then(|_| conn.recv(&what));
+        let r = conn.send(&Msg::Forward(f), &what).and_then(|_| conn.recv(&what));
         stats.bytes_sent += conn.bytes_sent - s0;
         stats.bytes_recv += conn.bytes_recv - r0;
         if r.is_err() {

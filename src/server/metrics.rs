@@ -14,8 +14,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The `Content-Type` of what [`Metrics::render`] returns (Prometheus text, version 0.0.4).
@@ -182,7 +182,11 @@ impl Default for Metrics {
             "Prompt tokens served from a cached prefix",
             m.cached_tokens.clone(),
         );
-        r.register("baton_completion_tokens", "Tokens generated", m.completion_tokens.clone());
+        r.register(
+            "baton_completion_tokens",
+            "Tokens generated",
+            m.completion_tokens.clone(),
+        );
         r.register(
             "baton_rejected",
             "Requests refused with 429 because the queue was full",
@@ -209,7 +213,11 @@ impl Default for Metrics {
             "Time between consecutive tokens of a stream",
             m.itl.clone(),
         );
-        r.register("baton_queue_depth", "Requests waiting for a slot", m.queue_depth.clone());
+        r.register(
+            "baton_queue_depth",
+            "Requests waiting for a slot",
+            m.queue_depth.clone(),
+        );
         r.register("baton_slots", "Sessions the server runs at once", m.slots.clone());
         r.register("baton_slots_busy", "Sessions generating now", m.busy.clone());
         r.register(

@@ -3,10 +3,10 @@
 use super::metrics::Metrics;
 use super::openai::{self, ApiError, Request, Responder};
 use super::queue::{Event, Job, Scheduler};
-use axum::Router;
-use axum::body::{Body, Bytes};
 use crate::generate::GenParams;
 use crate::logging::request_span;
+use axum::Router;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Extension, Request as HttpRequest, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
@@ -80,9 +80,7 @@ async fn guard(State(app): State<AppState>, mut req: HttpRequest, next: Next) ->
     req.extensions_mut().insert(RequestId(id.clone()));
     let (method, label) = (req.method().clone(), path_label(req.uri().path()));
     let t0 = Instant::now();
-    let mut resp = guarded(&app, req, next, label)
-        .instrument(request_span(&id))
-        .await;
+    let mut resp = guarded(&app, req, next, label).instrument(request_span(&id)).await;
     let status = resp.status().as_u16();
     app.metrics.request(label, status);
     let _s = request_span(&id).entered();

@@ -173,7 +173,11 @@ impl Conn<'_> {
         let _s = request_span(&open.request_id).entered();
         tracing::info!(
             "baton node: {} opened session {:016x} on layers {}:{} ({} positions held)",
-            self.peer, open.session, range.start, range.end, n_past
+            self.peer,
+            open.session,
+            range.start,
+            range.end,
+            n_past
         );
         Ok(Opened { open, range, slot })
     }

@@ -247,7 +247,9 @@ impl State {
             sessions.remove(&oldest);
             tracing::info!(
                 "baton node: evicted session {:016x} (layers {}:{})",
-                oldest.0, oldest.1, oldest.2
+                oldest.0,
+                oldest.1,
+                oldest.2
             );
         }
         let model = self.model(key.0.clone())?;
