@@ -62,7 +62,8 @@ pub enum SlotOp {
 
 /// What a slot's thread is handed: a request, or a session operation with where to answer (positions moved).
 enum Work {
-    Generate(Job),
+    /// Boxed: a job is large beside a session operation.
+    Generate(Box<Job>),
     Session(SlotOp, mpsc::Sender<Result<usize>>),
 }
 
@@ -225,12 +226,12 @@ impl Scheduler {
             slot.busy = true;
             slot.last_used = clock;
             self.metrics.route(&st.nodes[slot.node].label, why.name());
-            if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(job)) {
+            if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(Box::new(job))) {
                 // The slot's thread is gone (panics are caught in it, so this should not happen): never use it
                 // again, and give the job back to the queue for the other slots.
                 tracing::error!("serve: slot {si} is out of service: its thread has exited");
                 slot.dead = Some(format!("slot {si}: its thread has exited"));
-                st.queue.insert(i, job);
+                st.queue.insert(i, *job);
             }
         }
     }
@@ -402,7 +403,7 @@ fn worker(
     // A panic in the generator is caught per job so the slot (and the requests queued for it) survive it.
     for work in rx {
         let mut job = match work {
-            Work::Generate(job) => job,
+            Work::Generate(job) => *job,
             Work::Session(op, reply) => {
                 match catch_unwind(AssertUnwindSafe(|| session_op(&mut generator, &factory, &op))) {
                     Ok((res, keep_key)) => {
