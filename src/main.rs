@@ -8,6 +8,7 @@ use baton::engine::sampler::SamplerParams;
 use baton::generate::{GenParams, Prompt};
 use baton::gguf::GgufFile;
 use baton::kernels::ThreadPool;
+use baton::logging::LogFormat;
 use baton::model::Hparams;
 use baton::topology::{Builder, TopologyArgs, load};
 use baton::vocab::Vocab;
@@ -40,6 +41,10 @@ struct Cli {
     /// larger than the GPU's memory (llama.cpp's -ngl). Default: all. Same as BATON_GPU_LAYERS.
     #[arg(long = "gpu-layers", global = true, value_name = "N")]
     gpu_layers: Option<usize>,
+    /// How diagnostics on standard error are written: `text` (one plain line per event) or `json` (one object per
+    /// line). Which events: the RUST_LOG variable (default `info`; e.g. `RUST_LOG=debug`, `RUST_LOG=baton::cluster=debug`).
+    #[arg(long = "log-format", global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -512,6 +517,7 @@ struct BenchArgs {
 
 fn main() {
     let cli = Cli::parse();
+    baton::logging::init(cli.log_format);
     if let Some(n) = &cli.numerics {
         // SAFETY: set before this process starts any thread; sessions and child processes read it.
         unsafe { std::env::set_var("BATON_NUMERICS", n) };
@@ -551,7 +557,7 @@ fn main() {
     };
     if let Err(e) = result {
         // One line: the chain of causes, outermost first.
-        eprintln!("error: {e:#}");
+        tracing::error!("{e:#}");
         std::process::exit(1);
     }
 }
@@ -594,7 +600,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     }
     if let Some(f) = &a.load_session {
         let n = generator.load_session(f)?;
-        eprintln!("session: restored {n} positions from {}", f.display());
+        tracing::info!("session: restored {n} positions from {}", f.display());
     }
     let params = GenParams {
         max_tokens: if a.n_predict < 0 {
@@ -605,7 +611,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         sampler,
         top_logprobs: 0,
         constraint: None,
+        request_id: baton::util::new_request_id(),
     };
+    // Every line this run logs, here and on the nodes it uses, names its id.
+    let _span = baton::logging::request_span(&params.request_id).entered();
     let mut out = std::io::stdout().lock();
     if a.echo {
         out.write_all(generator.render(&prompt)?.as_bytes())?;
@@ -626,15 +635,15 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     out.flush()?;
     if let Some(f) = &a.save_session {
         let n = generator.save_session(f)?;
-        eprintln!("session: saved {n} positions to {}", f.display());
+        tracing::info!("session: saved {n} positions to {}", f.display());
     }
     if a.verbose {
         for line in &outcome.detail {
-            eprintln!("{line}");
+            tracing::info!("{line}");
         }
     }
     let o = &outcome;
-    eprintln!(
+    tracing::info!(
         "prompt: {} tokens ({} cached) in {:.2} s ({:.1} tok/s) | generated: {} tokens in {:.2} s ({:.1} tok/s) | \
          stop: {} | {}",
         o.prompt_tokens,
@@ -785,7 +794,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let pool = thread_pool(a.threads);
     let model = load(&a.model, &pool)?;
     let vocab = Vocab::from_gguf(&model.file)?;
-    eprintln!("tokenizer: {}", vocab.describe());
+    tracing::info!("tokenizer: {}", vocab.describe());
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let n_ctx = a.ctx;
     if n_ctx < 8 {
@@ -807,7 +816,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         true => Some(vocab.bos().context("the model adds BOS but has no BOS token")?),
         false => None,
     };
-    eprintln!(
+    tracing::info!(
         "perplexity: {} tokens, {n_chunk} chunks of {n_ctx}, scoring the second half of each",
         tokens.len()
     );
@@ -821,7 +830,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         |c, s| eprint!("[{}]{:.4},", c + 1, s.ppl()),
     )?;
     eprintln!();
-    eprintln!("{} positions scored in {:.1} s", s.count, t0.elapsed().as_secs_f64());
+    tracing::info!("{} positions scored in {:.1} s", s.count, t0.elapsed().as_secs_f64());
     println!("perplexity: {:.4} top1: {:.4}", s.ppl(), s.top1_rate());
     Ok(())
 }
@@ -845,7 +854,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         .file_name()
         .map_or(a.model.clone(), |f| f.to_string_lossy().into());
     let wbytes = model.weight_bytes_per_token();
-    eprintln!(
+    tracing::info!(
         "memory read bandwidth: {:.1} GB/s ({} threads); weights read per token: {:.1} MB",
         bw / 1e9,
         pool.n_threads(),
@@ -876,7 +885,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         let f = baton::bench::llama_cpp_once(&llama_bin, &model_path, test, depth, threads, n_batch)?;
         Ok(f.map(|f| {
             if llama_cpu.borrow().is_none() && f.cpu.is_some() {
-                eprintln!("llama.cpp build's CPU features: {}", f.cpu.as_deref().unwrap_or(""));
+                tracing::info!("llama.cpp build's CPU features: {}", f.cpu.as_deref().unwrap_or(""));
             }
             *llama_cpu.borrow_mut() = f.cpu.or(llama_cpu.take());
             f.tps
@@ -946,7 +955,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     } else {
         ("RSS after the tests (this system cannot reset the peak)", rss)
     };
-    eprintln!(
+    tracing::info!(
         "{what}: {:.1} MiB = {:.2}x of model file {:.1} MiB + KV cache {:.1} MiB ({})",
         mib(rss),
         rss as f64 / budget as f64,
@@ -1017,7 +1026,7 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
     }
     let dt = t0.elapsed().as_secs_f64();
     for st in p.stats() {
-        eprintln!(
+        tracing::info!(
             "stage {} layers {:?}: {:.0} bytes/token on the wire ({:.1} ms compute, {:.1} ms wall per request)",
             st.label,
             st.layers,
@@ -1026,7 +1035,7 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
             st.wall.as_secs_f64() * 1e3 / st.requests.max(1) as f64,
         );
     }
-    eprintln!(
+    tracing::info!(
         "{n_tok} decode steps in {:.2} s after the table, for the per-stage figures above",
         dt
     );
@@ -1044,7 +1053,7 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
         bar.set_position(i as u64);
     })?;
     bar.finish_and_clear();
-    eprintln!(
+    tracing::info!(
         "wrote {} ({n} tensors converted to {target}, {:.1} MiB)",
         output.display(),
         bytes as f64 / 1048576.0
@@ -1229,7 +1238,7 @@ mod ensemble_cli {
             println!("bits-per-byte {}: {bpb:.4}", m.name());
         }
         println!("bits-per-byte ensemble: {:.4}", r.ensemble_bpb);
-        eprintln!(
+        tracing::info!(
             "{} bytes in {} documents; weights {}; ensemble - best member ({}): {:+.4} bits/byte, 95% paired bootstrap \
              interval [{:+.4}, {:+.4}]; ensemble better on {}/{} documents",
             r.bytes,

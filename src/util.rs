@@ -108,9 +108,36 @@ pub fn printable(s: &str, max: usize) -> String {
     out
 }
 
+/// Longest request id carried in logs, the `x-request-id` header and the wire protocol.
+pub const MAX_REQUEST_ID: usize = 64;
+
+/// Whether `s` may serve as a request id: 1 to [`MAX_REQUEST_ID`] ASCII letters, digits, `-`, `_`, `.` or `:`, so
+/// it can go into a log line, a header or a frame as is.
+pub fn valid_request_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_REQUEST_ID
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// A fresh request id: 16 random hex digits.
+pub fn new_request_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_ids_are_short_and_plain() {
+        assert!(valid_request_id("abc-123_X.y:z"));
+        assert!(valid_request_id(&new_request_id()));
+        assert!(valid_request_id(&"a".repeat(MAX_REQUEST_ID)));
+        for bad in ["", "a b", "a\nb", "é", "a\"b", &"a".repeat(MAX_REQUEST_ID + 1)] {
+            assert!(!valid_request_id(bad), "{bad:?} accepted");
+        }
+    }
 
     #[test]
     fn peer_text_is_one_bounded_line() {

@@ -37,7 +37,7 @@ fn greedy(n: usize) -> GenParams {
         max_tokens: n,
         sampler: SamplerParams::greedy(),
         top_logprobs: 0,
-        constraint: None,
+        ..Default::default()
     }
 }
 
@@ -280,7 +280,7 @@ fn sampling_is_reproducible_with_a_seed() {
             ..Default::default()
         },
         top_logprobs: 3,
-        constraint: None,
+        ..Default::default()
     };
     let mut texts = Vec::new();
     for _ in 0..2 {

@@ -23,7 +23,7 @@ fn greedy(n: usize) -> GenParams {
         max_tokens: n,
         sampler: SamplerParams::greedy(),
         top_logprobs: 0,
-        constraint: None,
+        ..Default::default()
     }
 }
 

@@ -177,7 +177,12 @@ fn node_caps_connections_and_keeps_serving_authenticated_peers() {
         let msg = error_text(&reply);
         assert!(msg.contains("node busy"), "{msg}");
     }
-    assert!(node.log().contains("busy"), "{}", node.log());
+    // The node logs the refusal before answering it, but its stderr is read by another thread: wait for the line.
+    let t0 = Instant::now();
+    while !node.log().contains("busy") {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{}", node.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     // The authenticated session goes on on its connection.
     let next = p.decode_step(first.token).unwrap();
@@ -514,6 +519,7 @@ fn node_logs_peer_text_escaped() {
         min_p: 0.0,
         repeat_penalty: 1.0,
         repeat_last_n: 0,
+        request_id: String::new(),
     };
     wire::write_msg(&mut s, &Msg::Open(open)).unwrap();
     let (reply, _) = read_until_closed(&mut s, Duration::from_secs(5));

@@ -365,7 +365,7 @@ fn bench_speculative_shaped_link() {
         max_tokens: tg,
         sampler: SamplerParams::greedy(),
         top_logprobs: 0,
-        constraint: None,
+        ..Default::default()
     };
     let run = |g: &mut dyn Generator| -> (f64, String) {
         let (mut toks, mut secs, mut detail) = (0, 0.0, String::new());

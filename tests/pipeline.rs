@@ -633,7 +633,7 @@ fn sampled_pipeline_output_equals_the_local_run_with_the_same_seed() {
             max_tokens: 24,
             sampler,
             top_logprobs: 0,
-            constraint: None,
+            ..Default::default()
         };
         let o = g
             .generate(&prompt, &p, &mut |piece| {

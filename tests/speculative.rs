@@ -30,7 +30,7 @@ fn params(n: usize, sampler: SamplerParams) -> GenParams {
         max_tokens: n,
         sampler,
         top_logprobs: 0,
-        constraint: None,
+        ..Default::default()
     }
 }
 

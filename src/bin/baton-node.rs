@@ -2,10 +2,11 @@
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
 //!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] [--max-handshakes N]
-//!        [--no-batch]
+//!        [--no-batch] [--log-format text|json]
 
 use anyhow::{Context, Result, bail};
 use baton::cluster::{NodeConfig, auth, run_node};
+use baton::logging::LogFormat;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -15,8 +16,14 @@ fn timeout(flag: &str, v: &str) -> Result<Duration> {
 }
 
 fn main() {
+    let json = std::env::args().any(|a| a == "--log-format=json")
+        || std::env::args()
+            .collect::<Vec<_>>()
+            .windows(2)
+            .any(|w| w[0] == "--log-format" && w[1] == "json");
+    baton::logging::init(if json { LogFormat::Json } else { LogFormat::Text });
     if let Err(e) = real_main() {
-        eprintln!("baton-node: {e:#}");
+        tracing::error!("baton-node: {e:#}");
         std::process::exit(1);
     }
 }
@@ -42,11 +49,17 @@ fn real_main() -> Result<()> {
             "--max-connections" => cfg.max_connections = val()?.parse().context("bad connection count")?,
             "--max-handshakes" => cfg.max_handshakes = val()?.parse().context("bad handshake count")?,
             "--no-batch" => cfg.batch = false,
+            // Read by `main` before anything is logged.
+            "--log-format" => match val()?.as_str() {
+                "text" | "json" => {}
+                v => bail!("--log-format: {v:?} is neither text nor json"),
+            },
+            "--log-format=text" | "--log-format=json" => {}
             "-h" | "--help" => {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
                      [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] \
-                     [--max-handshakes N] [--no-batch]"
+                     [--max-handshakes N] [--no-batch] [--log-format text|json]"
                 );
                 return Ok(());
             }

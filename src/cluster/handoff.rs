@@ -363,6 +363,8 @@ pub struct PrefillNode {
     conn: Option<(Conn, usize)>,
     held: HashMap<usize, Vec<u32>>,
     req: u64,
+    /// The request being served (empty: none), carried in OPEN and PREFILL so the node logs it.
+    pub request_id: String,
 }
 
 impl PrefillNode {
@@ -373,6 +375,7 @@ impl PrefillNode {
             conn: None,
             held: HashMap::new(),
             req: 0,
+            request_id: String::new(),
         }
     }
 
@@ -405,6 +408,7 @@ impl PrefillNode {
             min_p: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 0,
+            request_id: self.request_id.clone(),
         };
         let (conn, ready) =
             handshake::connect(&self.opts.addr, self.opts.secret.as_deref(), &open, self.opts.timeouts)?;
@@ -467,6 +471,7 @@ impl PrefillNode {
                 kv: self.opts.kv,
                 hidden: if k < n_layer { HiddenRows::All } else { HiddenRows::Last },
                 tokens: tokens[q..].to_vec(),
+                request_id: self.request_id.clone(),
             });
             let (mut conn, _) = self.conn.take().expect("connected");
             conn.send(&msg, "the prefill request")?;
@@ -706,8 +711,8 @@ pub fn prefill_with_fallback(
                 return Ok((logits, rep));
             }
             Err(e) => {
-                eprintln!(
-                    "warning: disaggregated prefill on {} failed ({e:#}); prefilling locally",
+                tracing::warn!(
+                    "disaggregated prefill on {} failed ({e:#}); prefilling locally",
                     node.opts.addr
                 );
                 rep = HandoffReport {

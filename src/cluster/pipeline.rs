@@ -49,6 +49,8 @@ pub struct PipelineOpts {
     pub top_k: usize,
     /// Log replays and reconnects to standard error.
     pub verbose: bool,
+    /// The request being served (empty: none): OPEN, FORWARD and PULL carry it so the nodes log it.
+    pub request_id: String,
 }
 
 impl Default for PipelineOpts {
@@ -62,6 +64,7 @@ impl Default for PipelineOpts {
             timeouts: Timeouts::default(),
             sampling: SamplerParams::greedy(),
             top_k: 0,
+            request_id: String::new(),
             verbose: false,
         }
     }
@@ -137,6 +140,8 @@ struct Remote {
     conn: Option<Conn>,
     connected_once: bool,
     last_used: Instant,
+    /// The request id the node has from this connection (OPEN or the last FORWARD that named one).
+    sent_request_id: String,
 }
 
 enum Kind {
@@ -159,6 +164,7 @@ struct PassCtx<'a> {
     secret: Option<&'a [u8]>,
     timeouts: Timeouts,
     verbose: bool,
+    request_id: &'a str,
 }
 
 /// A connection idle for longer than this is retried once on failure (the node may have closed it as idle).
@@ -167,13 +173,16 @@ const IDLE_RETRY: Duration = Duration::from_secs(5);
 impl Remote {
     fn ensure(&mut self, c: &PassCtx, stats: &mut StageStats) -> Result<()> {
         if self.conn.is_none() {
+            self.open.request_id = c.request_id.to_string();
             let (conn, ready) = handshake::connect(&self.addr, c.secret, &self.open, c.timeouts)?;
+            self.sent_request_id = c.request_id.to_string();
             if self.connected_once {
                 stats.reconnects += 1;
                 if c.verbose {
-                    eprintln!(
+                    tracing::info!(
                         "pipeline: reconnected to {} ({} positions held there)",
-                        self.addr, ready.n_past
+                        self.addr,
+                        ready.n_past
                     );
                 }
             }
@@ -191,7 +200,7 @@ impl Remote {
         let r = match r {
             Err(e) if idle && self.conn.is_none() => {
                 if c.verbose {
-                    eprintln!("pipeline: {e:#}; retrying once on a new connection");
+                    tracing::warn!("pipeline: {e:#}; retrying once on a new connection");
                 }
                 self.try_roundtrip(f, c, stats)
             }
@@ -206,9 +215,12 @@ impl Remote {
         let conn = self.conn.as_mut().unwrap();
         let (s0, r0) = (conn.bytes_sent, conn.bytes_recv);
         let what = format!("positions {}..{}", f.pos, f.pos as usize + f.tokens.len());
-        let r = conn
-            .send(&Msg::Forward(f.clone()), &what)
-            .and_then(|_| conn.recv(&what));
+        let mut f = f.clone();
+        if self.sent_request_id != c.request_id {
+            f.request_id = c.request_id.to_string();
+            self.sent_request_id = f.request_id.clone();
+        }
+        let r = conn.send(&Msg::Forward(f), &what).and_then(|_| conn.recv(&what));
         stats.bytes_sent += conn.bytes_sent - s0;
         stats.bytes_recv += conn.bytes_recv - r0;
         if r.is_err() {
@@ -259,6 +271,7 @@ impl Stage {
                     tokens: job.tokens.clone(),
                     hidden,
                     want,
+                    request_id: String::new(),
                 };
                 let reply = r.roundtrip(&f, c, &mut self.stats)?;
                 let res = match reply {
@@ -271,7 +284,7 @@ impl Stage {
                     }
                     Msg::Mismatch { n_past, .. } => {
                         if c.verbose {
-                            eprintln!(
+                            tracing::info!(
                                 "pipeline: stage {label} does not hold the prefix of position {} (it holds {n_past} \
                                  positions of another timeline); replaying",
                                 job.pos
@@ -396,6 +409,7 @@ impl PipelineSession {
                         min_p: 0.0,
                         repeat_penalty: 1.0,
                         repeat_last_n: 0,
+                        request_id: String::new(),
                     };
                     open.set_sampler(&opts.sampling, opts.n_ctx);
                     let mut r = Remote {
@@ -404,6 +418,7 @@ impl PipelineSession {
                         conn: None,
                         connected_once: false,
                         last_used: Instant::now(),
+                        sent_request_id: String::new(),
                     };
                     r.ensure(&PassCtx::new(&hp, &opts), &mut stats)?;
                     Kind::Remote(Box::new(r))
@@ -456,6 +471,11 @@ impl PipelineSession {
                 ..Default::default()
             };
         }
+    }
+
+    /// Names the request the following calls serve (empty: none); the nodes log it.
+    pub fn set_request_id(&mut self, id: &str) {
+        self.opts.request_id = id.to_string();
     }
 
     /// Changes the longest wait for any read or write (and so for a stage's compute) from now on.
@@ -575,9 +595,12 @@ impl PipelineSession {
                 offload: spec.offload,
                 kv: spec.kv,
                 timeout_ms: spec.timeout.as_millis().min(u32::MAX as u128) as u32,
+                request_id: ctx.request_id.to_string(),
             });
             let t0 = Instant::now();
             r.ensure(&ctx, &mut stage.stats)?;
+            // PULL names the request: the FORWARDs after it need not.
+            r.sent_request_id = ctx.request_id.to_string();
             let conn = r.conn.as_mut().unwrap();
             let (s0, r0) = (conn.bytes_sent, conn.bytes_recv);
             let what = format!("the pulled prefill of positions {start}..{}", start + feed.len());
@@ -669,7 +692,7 @@ impl PipelineSession {
                 Err(Fail::Mismatch(held)) if attempt == 0 => {
                     self.replays += 1;
                     if self.opts.verbose {
-                        eprintln!(
+                        tracing::info!(
                             "pipeline: a stage holds {held} positions of another timeline; replaying {} positions \
                              through every stage",
                             self.tokens.len()
@@ -750,6 +773,7 @@ impl<'a> PassCtx<'a> {
             secret: o.secret.as_deref(),
             timeouts: o.timeouts,
             verbose: o.verbose,
+            request_id: &o.request_id,
         }
     }
 }

@@ -120,12 +120,12 @@ impl DiskCache {
                 Ok(b) => b,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
                 Err(e) => {
-                    eprintln!("kv-cache: cannot read {}: {e}", path.display());
+                    tracing::warn!("kv-cache: cannot read {}: {e}", path.display());
                     break;
                 }
             };
             if let Err(e) = check_and_apply(s, &bytes, pos.clone(), &tokens[pos.clone()]) {
-                eprintln!("kv-cache: dropping {} ({e:#}); recomputing", path.display());
+                tracing::warn!("kv-cache: dropping {} ({e:#}); recomputing", path.display());
                 let _ = std::fs::remove_file(&path);
                 break;
             }
@@ -136,7 +136,7 @@ impl DiskCache {
         // What the session holds, not what was counted: a block refused after its rewind leaves less.
         let held = s.n_past();
         if loaded > 0 {
-            eprintln!(
+            tracing::info!(
                 "kv-cache: hit {held} tokens from {} ({loaded} read from disk)",
                 self.dir.display()
             );
@@ -171,7 +171,7 @@ impl DiskCache {
             queued += 1;
         }
         if queued > 0 {
-            eprintln!(
+            tracing::info!(
                 "kv-cache: writing {queued} blocks ({} tokens) to {}",
                 queued * BLOCK,
                 self.dir.display()
@@ -231,7 +231,7 @@ fn write_loop(dir: &Path, max_bytes: u64, rx: mpsc::Receiver<Pending>) {
             .and_then(|bytes| crate::util::write_atomic(&p.path, &bytes).map(|_| bytes.len() as u64));
         match written {
             Ok(n) => total += n,
-            Err(e) => eprintln!("kv-cache: cannot write {}: {e:#}", p.path.display()),
+            Err(e) => tracing::warn!("kv-cache: cannot write {}: {e:#}", p.path.display()),
         }
         if total > max_bytes {
             total = evict(dir, max_bytes);

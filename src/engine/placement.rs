@@ -93,11 +93,11 @@ impl Placement {
         }
         match Gpu::open(AdapterChoice::from_env_or(AdapterChoice::Auto)?) {
             Ok(gpu) => {
-                eprintln!("backend: GPU {}", gpu.describe());
+                tracing::info!("backend: GPU {}", gpu.describe());
                 Ok(Placement::on_gpu(Arc::new(gpu), gpu_layers))
             }
             Err(e) if choice == BackendChoice::Auto && e.downcast_ref::<NoAdapter>().is_some() => {
-                eprintln!("backend auto: {e}; running on the CPU");
+                tracing::info!("backend auto: {e}; running on the CPU");
                 Ok(Placement::cpu())
             }
             Err(e) if e.downcast_ref::<NoAdapter>().is_some() => Err(e.context(
@@ -147,7 +147,7 @@ impl Placement {
         }
         let t = std::time::Instant::now();
         let w = Arc::new(GpuWeights::upload(gpu.clone(), model, layers.clone())?);
-        eprintln!(
+        tracing::info!(
             "GPU {}: layers {layers:?} of {} ({} MiB){} uploaded in {:.1} s",
             gpu.info().name,
             model.hp.n_layer,

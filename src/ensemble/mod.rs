@@ -183,7 +183,7 @@ impl Ensemble {
                 names.join(", ")
             );
             if self.verbose {
-                eprintln!("{note}");
+                tracing::info!("{note}");
             }
             self.notes.push(note);
         }
@@ -198,7 +198,7 @@ impl Ensemble {
                 self.dropped_at[i] = None;
                 let note = format!("ensemble: trying member {} again", self.members[i].name());
                 if self.verbose {
-                    eprintln!("{note}");
+                    tracing::info!("{note}");
                 }
                 self.notes.push(note);
             }

@@ -103,7 +103,7 @@ impl Generator for LocalGenerator {
         if let Some(d) = disk
             && let Err(e) = d.store_prefix(session_mut(slot)?, &tokens, cached)
         {
-            eprintln!("kv-cache: not storing this prompt: {e:#}");
+            tracing::warn!("kv-cache: not storing this prompt: {e:#}");
         }
         let t1 = Instant::now();
         let mut seat = self.seat.as_mut();

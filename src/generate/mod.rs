@@ -52,6 +52,8 @@ pub struct GenParams {
     /// Output restricted to a grammar (`response_format`, forced tool calls); only generators that sample on this
     /// machine with the one vocabulary apply it ([`Generator::constrains`]).
     pub constraint: Option<Constraint>,
+    /// The request's id (empty: none): generators over nodes pass it on, so every process logs it.
+    pub request_id: String,
 }
 
 impl Default for GenParams {
@@ -61,6 +63,7 @@ impl Default for GenParams {
             sampler: SamplerParams::default(),
             top_logprobs: 0,
             constraint: None,
+            request_id: String::new(),
         }
     }
 }

@@ -1,72 +1,98 @@
-//! Prometheus text exposition of what the server did: requests by endpoint and status, tokens, TTFT and
-//! inter-token latency histograms, routing decisions, wire bytes per peer. Gauges (queue depth, busy slots, node
-//! health) are read from the scheduler when `/metrics` is scraped.
+//! What the server did, for Prometheus, through the `prometheus-client` crate: requests by route and status,
+//! tokens, TTFT and inter-token latency histograms, routing decisions, prefill offloads, wire bytes and link rates
+//! per peer. Gauges (queue depth, busy slots, node health) are set from the scheduler when `/metrics` is scraped.
+//!
+//! Every label value comes from a fixed set: routes from [`crate::server::routes::path_label`], nodes and peers from
+//! the topology the server was started with, reasons and outcomes from constants. What a client sends never
+//! becomes a label, so the exposition stays bounded.
 
 use crate::engine::batcher::BatchStats;
-use std::collections::BTreeMap;
-use std::fmt::Write;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// The `Content-Type` of what [`Metrics::render`] returns (Prometheus text, version 0.0.4).
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
 const BUCKETS: [f64; 14] = [
     0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
 ];
 
-#[derive(Default)]
-struct Hist {
-    counts: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    path: &'static str,
+    status: u16,
 }
 
-#[derive(Default)]
-pub struct Histogram(Mutex<Hist>);
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let mut h = self.0.lock().unwrap();
-        for (i, b) in BUCKETS.iter().enumerate() {
-            if s <= *b {
-                h.counts[i] += 1;
-            }
-        }
-        h.count += 1;
-        h.sum += s;
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let h = self.0.lock().unwrap();
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (i, b) in BUCKETS.iter().enumerate() {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", h.counts[i]);
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", h.sum, h.count);
-    }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
 }
 
-#[derive(Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    node: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    node: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    node: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WireLabels {
+    peer: String,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerLabels {
+    peer: String,
+}
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
 pub struct Metrics {
-    /// (route label from a fixed set, status) → count.
-    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
-    pub prompt_tokens: AtomicU64,
-    pub cached_tokens: AtomicU64,
-    pub completion_tokens: AtomicU64,
-    pub rejected: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub retries: AtomicU64,
-    pub ttft: Histogram,
-    pub itl: Histogram,
-    /// (node, reason) → requests routed.
-    routes: Mutex<BTreeMap<(String, &'static str), u64>>,
-    /// peer → (bytes sent, bytes received).
-    wire: Mutex<BTreeMap<String, (u64, u64)>>,
-    /// (prefill node, counter) → value: requests offloaded / fallen back, tokens sent / held / caught up.
-    prefill: Mutex<BTreeMap<(String, &'static str), u64>>,
-    /// Batched decode steps of the local slots.
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    pub prompt_tokens: Counter,
+    pub cached_tokens: Counter,
+    pub completion_tokens: Counter,
+    pub rejected: Counter,
+    pub cancelled: Counter,
+    pub retries: Counter,
+    ttft: Histogram,
+    itl: Histogram,
+    routes: Family<RouteLabels, Counter>,
+    wire: Family<WireLabels, Counter>,
+    prefill_requests: Family<OutcomeLabels, Counter>,
+    prefill_tokens: Family<KindLabels, Counter>,
+    link_rate: Family<PeerLabels, FloatGauge>,
+    queue_depth: Gauge,
+    slots: Gauge,
+    busy: Gauge,
+    dead: Gauge,
+    node_up: Family<NodeLabels, Gauge>,
+    node_busy: Family<NodeLabels, Gauge>,
+    node_slots: Family<NodeLabels, Gauge>,
+    node_speed: Family<NodeLabels, FloatGauge>,
+    /// Batched decode steps of the local slots (the batcher counts them; read at scrape time).
     pub batch: Arc<BatchStats>,
 }
 
@@ -81,202 +107,257 @@ pub struct Gauges {
     pub nodes: Vec<(String, bool, usize, usize)>,
 }
 
-fn esc(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+/// The batcher's counters, encoded as they stand when scraped.
+struct BatchCollector(Arc<BatchStats>);
+
+impl std::fmt::Debug for BatchCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BatchCollector")
+    }
+}
+
+impl Collector for BatchCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, help, c) in [
+            (
+                "baton_decode_steps",
+                "Batched decode steps over the local slots.",
+                &self.0.steps,
+            ),
+            (
+                "baton_decode_rows",
+                "Sessions' tokens decoded in those steps (rows / steps: the mean batch size).",
+                &self.0.rows,
+            ),
+        ] {
+            let counter = ConstCounter::new(c.load(Ordering::Relaxed));
+            counter.encode(enc.encode_descriptor(name, help, None, counter.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+fn as_i64(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::default();
+        let m = Metrics {
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            rejected: Counter::default(),
+            cancelled: Counter::default(),
+            retries: Counter::default(),
+            ttft: Histogram::new(BUCKETS),
+            itl: Histogram::new(BUCKETS),
+            routes: Family::default(),
+            wire: Family::default(),
+            prefill_requests: Family::default(),
+            prefill_tokens: Family::default(),
+            link_rate: Family::default(),
+            queue_depth: Gauge::default(),
+            slots: Gauge::default(),
+            busy: Gauge::default(),
+            dead: Gauge::default(),
+            node_up: Family::default(),
+            node_busy: Family::default(),
+            node_slots: Family::default(),
+            node_speed: Family::default(),
+            batch: Arc::default(),
+            registry: Registry::default(),
+        };
+        // `register` adds `_total` to counters' names and a full stop to each help text.
+        r.register("baton_requests", "HTTP requests by path and status", m.requests.clone());
+        r.register(
+            "baton_prompt_tokens",
+            "Prompt tokens of completed requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "baton_cached_prompt_tokens",
+            "Prompt tokens served from a cached prefix",
+            m.cached_tokens.clone(),
+        );
+        r.register(
+            "baton_completion_tokens",
+            "Tokens generated",
+            m.completion_tokens.clone(),
+        );
+        r.register(
+            "baton_rejected",
+            "Requests refused with 429 because the queue was full",
+            m.rejected.clone(),
+        );
+        r.register(
+            "baton_cancelled",
+            "Generations stopped because the client went away",
+            m.cancelled.clone(),
+        );
+        r.register(
+            "baton_retries",
+            "Requests retried on another node after a failure before their first token",
+            m.retries.clone(),
+        );
+        r.register_collector(Box::new(BatchCollector(m.batch.clone())));
+        r.register(
+            "baton_ttft_seconds",
+            "Time from request arrival to the first token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "baton_inter_token_seconds",
+            "Time between consecutive tokens of a stream",
+            m.itl.clone(),
+        );
+        r.register(
+            "baton_queue_depth",
+            "Requests waiting for a slot",
+            m.queue_depth.clone(),
+        );
+        r.register("baton_slots", "Sessions the server runs at once", m.slots.clone());
+        r.register("baton_slots_busy", "Sessions generating now", m.busy.clone());
+        r.register(
+            "baton_slots_dead",
+            "Slots out of service (crashed, could not be restarted)",
+            m.dead.clone(),
+        );
+        r.register(
+            "baton_node_up",
+            "Whether a node answers (1) or is taken out (0)",
+            m.node_up.clone(),
+        );
+        r.register(
+            "baton_node_busy_slots",
+            "Sessions generating now, per node (the node's requests in flight)",
+            m.node_busy.clone(),
+        );
+        r.register(
+            "baton_node_slots",
+            "Sessions a node runs at once (its share of the server's slots)",
+            m.node_slots.clone(),
+        );
+        r.register(
+            "baton_node_tokens_per_second",
+            "Decode speed of the last request a node finished, tokens per second",
+            m.node_speed.clone(),
+        );
+        r.register(
+            "baton_routed",
+            "Requests sent to a node, by why it was chosen",
+            m.routes.clone(),
+        );
+        r.register(
+            "baton_prefill_requests",
+            "Prompts offloaded to a prefill node, by outcome (offloaded, or fallback: prefilled by the decode side \
+             after the node failed)",
+            m.prefill_requests.clone(),
+        );
+        r.register(
+            "baton_prefill_tokens",
+            "Prompt tokens of offloaded prefills: sent (KV crossed the wire), held (already on the decode side), \
+             caught_up (recomputed by the prefill node without sending)",
+            m.prefill_tokens.clone(),
+        );
+        r.register(
+            "baton_wire_bytes",
+            "Bytes exchanged with each remote peer",
+            m.wire.clone(),
+        );
+        r.register(
+            "baton_link_bytes_per_second",
+            "Measured rate of the last KV stream from each prefill node, bytes per second",
+            m.link_rate.clone(),
+        );
+        Metrics { registry: r, ..m }
+    }
 }
 
 impl Metrics {
     /// Counts one request under `label`: a `'static` route label (`routes::path_label`), never a path, so the
     /// series stay a fixed set whatever clients send.
     pub fn request(&self, label: &'static str, status: u16) {
-        *self.requests.lock().unwrap().entry((label, status)).or_default() += 1;
+        self.requests
+            .get_or_create(&RequestLabels { path: label, status })
+            .inc();
     }
     pub fn route(&self, node: &str, reason: &'static str) {
-        *self
-            .routes
-            .lock()
-            .unwrap()
-            .entry((node.to_string(), reason))
-            .or_default() += 1;
+        self.routes
+            .get_or_create(&RouteLabels {
+                node: node.to_string(),
+                reason,
+            })
+            .inc();
     }
     pub fn wire(&self, peer: &str, sent: u64, recv: u64) {
-        let mut w = self.wire.lock().unwrap();
-        let e = w.entry(peer.to_string()).or_default();
-        e.0 += sent;
-        e.1 += recv;
-    }
-    /// One disaggregated prefill that used prefill node `node` (its KV bytes count as received from that peer).
-    pub fn prefill(&self, node: &str, fallback: bool, sent: usize, held: usize, caught_up: usize, bytes: u64) {
-        let mut p = self.prefill.lock().unwrap();
-        let outcome = if fallback { "fallback" } else { "offloaded" };
-        for (what, n) in [(outcome, 1), ("sent", sent), ("held", held), ("caught_up", caught_up)] {
-            *p.entry((node.to_string(), what)).or_default() += n as u64;
+        for (direction, n) in [("sent", sent), ("received", recv)] {
+            self.wire
+                .get_or_create(&WireLabels {
+                    peer: peer.to_string(),
+                    direction,
+                })
+                .inc_by(n);
         }
-        drop(p);
-        self.wire(node, 0, bytes);
     }
-    pub fn add(c: &AtomicU64, n: usize) {
-        c.fetch_add(n as u64, Ordering::Relaxed);
+    pub fn ttft(&self, d: Duration) {
+        self.ttft.observe(d.as_secs_f64());
+    }
+    pub fn inter_token(&self, d: Duration) {
+        self.itl.observe(d.as_secs_f64());
+    }
+    /// The decode speed of a request node `node` just finished.
+    pub fn node_speed(&self, node: &str, tokens: usize, t: Duration) {
+        if tokens > 0 && t > Duration::ZERO {
+            self.node_speed
+                .get_or_create(&NodeLabels { node: node.to_string() })
+                .set(tokens as f64 / t.as_secs_f64());
+        }
+    }
+    /// One disaggregated prefill that used prefill node `node` (its KV bytes count as received from that peer; a
+    /// stream that moved bytes sets the node's link rate).
+    pub fn prefill(&self, node: &str, fallback: bool, counts: [usize; 3], bytes: u64, link_rate: f64) {
+        let outcome = if fallback { "fallback" } else { "offloaded" };
+        self.prefill_requests
+            .get_or_create(&OutcomeLabels {
+                node: node.to_string(),
+                outcome,
+            })
+            .inc();
+        for (kind, n) in ["sent", "held", "caught_up"].into_iter().zip(counts) {
+            self.prefill_tokens
+                .get_or_create(&KindLabels {
+                    node: node.to_string(),
+                    kind,
+                })
+                .inc_by(n as u64);
+        }
+        self.wire(node, 0, bytes);
+        if bytes > 0 && link_rate.is_finite() && link_rate > 0.0 {
+            self.link_rate
+                .get_or_create(&PeerLabels { peer: node.to_string() })
+                .set(link_rate);
+        }
     }
 
+    /// The exposition, with the gauges set from `g` first.
     pub fn render(&self, g: &Gauges) -> String {
-        let mut o = String::new();
-        let _ = writeln!(o, "# HELP baton_requests_total HTTP requests by path and status.");
-        let _ = writeln!(o, "# TYPE baton_requests_total counter");
-        for ((path, status), n) in self.requests.lock().unwrap().iter() {
-            let _ = writeln!(
-                o,
-                "baton_requests_total{{path=\"{}\",status=\"{status}\"}} {n}",
-                esc(path)
-            );
+        self.queue_depth.set(as_i64(g.queue_depth));
+        self.slots.set(as_i64(g.slots));
+        self.busy.set(as_i64(g.busy));
+        self.dead.set(as_i64(g.dead.len()));
+        for (n, up, busy, slots) in &g.nodes {
+            let l = NodeLabels { node: n.clone() };
+            self.node_up.get_or_create(&l).set(*up as i64);
+            self.node_busy.get_or_create(&l).set(as_i64(*busy));
+            self.node_slots.get_or_create(&l).set(as_i64(*slots));
         }
-        for (name, help, c) in [
-            (
-                "baton_prompt_tokens_total",
-                "Prompt tokens of completed requests.",
-                &self.prompt_tokens,
-            ),
-            (
-                "baton_cached_prompt_tokens_total",
-                "Prompt tokens served from a cached prefix.",
-                &self.cached_tokens,
-            ),
-            (
-                "baton_completion_tokens_total",
-                "Tokens generated.",
-                &self.completion_tokens,
-            ),
-            (
-                "baton_rejected_total",
-                "Requests refused with 429 because the queue was full.",
-                &self.rejected,
-            ),
-            (
-                "baton_cancelled_total",
-                "Generations stopped because the client went away.",
-                &self.cancelled,
-            ),
-            (
-                "baton_retries_total",
-                "Requests retried on another node after a failure before their first token.",
-                &self.retries,
-            ),
-            (
-                "baton_decode_steps_total",
-                "Batched decode steps over the local slots.",
-                &self.batch.steps,
-            ),
-            (
-                "baton_decode_rows_total",
-                "Sessions' tokens decoded in those steps (rows / steps: the mean batch size).",
-                &self.batch.rows,
-            ),
-        ] {
-            let _ = writeln!(
-                o,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                c.load(Ordering::Relaxed)
-            );
-        }
-        self.ttft.render(
-            &mut o,
-            "baton_ttft_seconds",
-            "Time from request arrival to the first token.",
-        );
-        self.itl.render(
-            &mut o,
-            "baton_inter_token_seconds",
-            "Time between consecutive tokens of a stream.",
-        );
-        let _ = writeln!(
-            o,
-            "# HELP baton_queue_depth Requests waiting for a slot.\n# TYPE baton_queue_depth gauge"
-        );
-        let _ = writeln!(o, "baton_queue_depth {}", g.queue_depth);
-        let _ = writeln!(
-            o,
-            "# HELP baton_slots Sessions the server runs at once.\n# TYPE baton_slots gauge"
-        );
-        let _ = writeln!(o, "baton_slots {}", g.slots);
-        let _ = writeln!(
-            o,
-            "# HELP baton_slots_busy Sessions generating now.\n# TYPE baton_slots_busy gauge"
-        );
-        let _ = writeln!(o, "baton_slots_busy {}", g.busy);
-        let _ = writeln!(
-            o,
-            "# HELP baton_slots_dead Slots out of service (crashed, could not be restarted).\n# TYPE baton_slots_dead gauge"
-        );
-        let _ = writeln!(o, "baton_slots_dead {}", g.dead.len());
-        let _ = writeln!(
-            o,
-            "# HELP baton_node_up Whether a node answers (1) or is taken out (0)."
-        );
-        let _ = writeln!(o, "# TYPE baton_node_up gauge");
-        for (n, up, _, _) in &g.nodes {
-            let _ = writeln!(o, "baton_node_up{{node=\"{}\"}} {}", esc(n), *up as u8);
-        }
-        let _ = writeln!(o, "# HELP baton_node_busy_slots Sessions generating now, per node.");
-        let _ = writeln!(o, "# TYPE baton_node_busy_slots gauge");
-        for (n, _, busy, _) in &g.nodes {
-            let _ = writeln!(o, "baton_node_busy_slots{{node=\"{}\"}} {busy}", esc(n));
-        }
-        let _ = writeln!(
-            o,
-            "# HELP baton_routed_total Requests sent to a node, by why it was chosen."
-        );
-        let _ = writeln!(o, "# TYPE baton_routed_total counter");
-        for ((n, why), c) in self.routes.lock().unwrap().iter() {
-            let _ = writeln!(o, "baton_routed_total{{node=\"{}\",reason=\"{why}\"}} {c}", esc(n));
-        }
-        let p = self.prefill.lock().unwrap();
-        let _ = writeln!(
-            o,
-            "# HELP baton_prefill_requests_total Prompts offloaded to a prefill node, by outcome (offloaded, or \
-             fallback: prefilled by the decode side after the node failed).\n# TYPE baton_prefill_requests_total counter"
-        );
-        for ((n, what), c) in p.iter().filter(|((_, w), _)| matches!(*w, "offloaded" | "fallback")) {
-            let _ = writeln!(
-                o,
-                "baton_prefill_requests_total{{node=\"{}\",outcome=\"{what}\"}} {c}",
-                esc(n)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP baton_prefill_tokens_total Prompt tokens of offloaded prefills: sent (KV crossed the wire), held \
-             (already on the decode side), caught_up (recomputed by the prefill node without sending).\n# TYPE \
-             baton_prefill_tokens_total counter"
-        );
-        for ((n, what), c) in p
-            .iter()
-            .filter(|((_, w), _)| matches!(*w, "sent" | "held" | "caught_up"))
-        {
-            let _ = writeln!(
-                o,
-                "baton_prefill_tokens_total{{node=\"{}\",kind=\"{what}\"}} {c}",
-                esc(n)
-            );
-        }
-        drop(p);
-        let _ = writeln!(
-            o,
-            "# HELP baton_wire_bytes_total Bytes exchanged with each remote peer."
-        );
-        let _ = writeln!(o, "# TYPE baton_wire_bytes_total counter");
-        for (peer, (s, r)) in self.wire.lock().unwrap().iter() {
-            let _ = writeln!(
-                o,
-                "baton_wire_bytes_total{{peer=\"{}\",direction=\"sent\"}} {s}",
-                esc(peer)
-            );
-            let _ = writeln!(
-                o,
-                "baton_wire_bytes_total{{peer=\"{}\",direction=\"received\"}} {r}",
-                esc(peer)
-            );
-        }
-        o
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        out
     }
 }
 
@@ -285,24 +366,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_is_cumulative() {
+    fn exposition_keeps_names_labels_and_buckets() {
         let m = Metrics::default();
-        m.ttft.observe(Duration::from_millis(3));
-        m.ttft.observe(Duration::from_millis(300));
+        m.ttft(Duration::from_millis(3));
+        m.ttft(Duration::from_millis(300));
         m.request("/v1/completions", 200);
+        m.completion_tokens.inc_by(7);
+        m.batch.steps.fetch_add(3, Ordering::Relaxed);
+        m.prefill("p0", false, [10, 2, 1], 4096, 1e6);
+        m.node_speed("a\"b", 20, Duration::from_secs(2));
         let g = Gauges {
             queue_depth: 2,
             slots: 1,
             busy: 1,
-            dead: Vec::new(),
+            dead: vec!["slot 0: gone".into()],
             nodes: vec![("a\"b".into(), true, 1, 1)],
         };
         let s = m.render(&g);
-        assert!(s.contains("baton_ttft_seconds_bucket{le=\"0.005\"} 1\n"), "{s}");
-        assert!(s.contains("baton_ttft_seconds_bucket{le=\"0.5\"} 2\n"));
-        assert!(s.contains("baton_ttft_seconds_count 2\n"));
-        assert!(s.contains("baton_queue_depth 2\n"));
-        assert!(s.contains("baton_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n"));
-        assert!(s.contains("baton_node_up{node=\"a\\\"b\"} 1\n"));
+        for want in [
+            "baton_ttft_seconds_bucket{le=\"0.005\"} 1\n",
+            "baton_ttft_seconds_bucket{le=\"0.5\"} 2\n",
+            "baton_ttft_seconds_bucket{le=\"+Inf\"} 2\n",
+            "baton_ttft_seconds_count 2\n",
+            "baton_queue_depth 2\n",
+            "baton_slots_dead 1\n",
+            "baton_completion_tokens_total 7\n",
+            "baton_decode_steps_total 3\n",
+            "baton_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n",
+            "baton_node_up{node=\"a\\\"b\"} 1\n",
+            "baton_node_slots{node=\"a\\\"b\"} 1\n",
+            "baton_node_tokens_per_second{node=\"a\\\"b\"} 10",
+            "baton_prefill_tokens_total{node=\"p0\",kind=\"sent\"} 10\n",
+            "baton_prefill_requests_total{node=\"p0\",outcome=\"offloaded\"} 1\n",
+            "baton_wire_bytes_total{peer=\"p0\",direction=\"received\"} 4096\n",
+            "baton_link_bytes_per_second{peer=\"p0\"} 1000000",
+            "# TYPE baton_requests_total counter\n",
+            "# HELP baton_queue_depth Requests waiting for a slot.\n",
+        ] {
+            assert!(s.contains(want), "no {want:?} in:\n{s}");
+        }
+        assert!(!s.contains("# EOF"), "{s}");
     }
 }

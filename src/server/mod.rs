@@ -223,13 +223,13 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        eprintln!(
+        tracing::info!(
             "serve: at most {} connections; headers within {:.1} s, bodies within {:.1} s",
             http.max_connections,
             http.header_timeout.as_secs_f64(),
             app.body_timeout.as_secs_f64()
         );
-        eprintln!(
+        tracing::info!(
             "serve: {} ({}) listening on http://{}",
             app.model_id,
             app.describe,
@@ -273,7 +273,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, router: axum::Router, li
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
             Err(e) => {
-                eprintln!("serve: accept failed: {e}");
+                tracing::warn!("serve: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
@@ -281,7 +281,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, router: axum::Router, li
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             refused += 1;
             if refused.is_power_of_two() {
-                eprintln!(
+                tracing::warn!(
                     "serve: {} connections open, refusing more ({refused} refused so far)",
                     lim.max_connections
                 );
@@ -605,10 +605,9 @@ fn prefill_pool(
             m.prefill(
                 &member.name,
                 rep.fallback.is_some(),
-                rep.sent,
-                rep.held,
-                rep.catch_up,
+                [rep.sent, rep.held, rep.catch_up],
                 rep.bytes,
+                rep.link_rate,
             )
         })),
     );

@@ -195,6 +195,7 @@ impl Request {
             sampler: self.sampler,
             top_logprobs: self.logprobs.unwrap_or(0),
             constraint: self.constraint.clone(),
+            request_id: String::new(),
         }
     }
 

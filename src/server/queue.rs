@@ -63,7 +63,8 @@ pub enum SlotOp {
 
 /// What a slot's thread is handed: a request, or a session operation with where to answer (positions moved).
 enum Work {
-    Generate(Job),
+    /// Boxed: a job is large beside a session operation.
+    Generate(Box<Job>),
     Session(SlotOp, mpsc::Sender<Result<usize>>),
 }
 
@@ -172,7 +173,7 @@ impl Scheduler {
         }
         let free = st.slots.iter().any(|s| !s.busy && st.nodes[s.node].up);
         if !free && st.queue.len() >= self.max_queue {
-            Metrics::add(&self.metrics.rejected, 1);
+            self.metrics.rejected.inc();
             return Err(ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 format!("the server is busy ({} requests queued); retry later", st.queue.len()),
@@ -191,7 +192,7 @@ impl Scheduler {
             let job = &st.queue[i];
             if job.tx.is_closed() {
                 st.queue.remove(i);
-                Metrics::add(&self.metrics.cancelled, 1);
+                self.metrics.cancelled.inc();
                 continue;
             }
             if !(0..st.nodes.len()).any(|ni| usable(st, ni) && !job.tried.contains(&ni)) {
@@ -229,12 +230,12 @@ impl Scheduler {
             slot.busy = true;
             slot.last_used = clock;
             self.metrics.route(&st.nodes[slot.node].label, why.name());
-            if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(job)) {
+            if let Err(mpsc::SendError(Work::Generate(job))) = slot.tx.send(Work::Generate(Box::new(job))) {
                 // The slot's thread is gone (panics are caught in it, so this should not happen): never use it
                 // again, and give the job back to the queue for the other slots.
-                eprintln!("serve: slot {si} is out of service: its thread has exited");
+                tracing::error!("serve: slot {si} is out of service: its thread has exited");
                 slot.dead = Some(format!("slot {si}: its thread has exited"));
-                st.queue.insert(i, job);
+                st.queue.insert(i, *job);
             }
         }
     }
@@ -276,7 +277,7 @@ impl Scheduler {
         st.slots[slot].busy = false;
         st.slots[slot].key = key;
         if let Some(job) = retry {
-            Metrics::add(&self.metrics.retries, 1);
+            self.metrics.retries.inc();
             st.queue.push_front(job);
         }
         self.dispatch(&mut st);
@@ -286,7 +287,7 @@ impl Scheduler {
     /// others (or refuses it when none is left).
     fn retire(&self, slot: usize, why: String) {
         let mut st = self.state.lock().unwrap();
-        eprintln!("serve: slot {slot} is out of service: {why}");
+        tracing::error!("serve: slot {slot} is out of service: {why}");
         let s = &mut st.slots[slot];
         s.busy = true;
         s.key.clear();
@@ -301,11 +302,12 @@ impl Scheduler {
     fn set_up(&self, node: usize, up: bool, why: &str) {
         let mut st = self.state.lock().unwrap();
         if st.nodes[node].up != up {
-            eprintln!(
-                "serve: node {} is {}{why}",
-                st.nodes[node].label,
-                if up { "back up" } else { "down: " }
-            );
+            let label = &st.nodes[node].label;
+            if up {
+                tracing::info!("serve: node {label} is back up");
+            } else {
+                tracing::warn!("serve: node {label} is down: {why}");
+            }
             st.nodes[node].up = up;
             if !up {
                 // Its sessions' KV may be gone: forget what the slots held.
@@ -338,7 +340,7 @@ impl Scheduler {
             true
         });
         if let Err(e) = res {
-            eprintln!("cannot start the node health checks: {e:#}");
+            tracing::error!("cannot start the node health checks: {e:#}");
         }
     }
 
@@ -405,7 +407,7 @@ fn worker(
     // A panic in the generator is caught per job so the slot (and the requests queued for it) survive it.
     for work in rx {
         let mut job = match work {
-            Work::Generate(job) => job,
+            Work::Generate(job) => *job,
             Work::Session(op, reply) => {
                 match catch_unwind(AssertUnwindSafe(|| session_op(&mut generator, &factory, &op))) {
                     Ok((res, keep_key)) => {
@@ -424,6 +426,7 @@ fn worker(
                 continue;
             }
         };
+        let _span = crate::logging::request_span(&job.params.request_id).entered();
         let ran = match catch_unwind(AssertUnwindSafe(|| {
             run_job(&mut generator, &factory, &job, &sched, (node, &label))
         })) {
@@ -442,6 +445,17 @@ fn worker(
         };
         match ran {
             Ran::Done(key, last) => {
+                if let Event::Done { outcome: o, .. } = &last {
+                    tracing::info!(
+                        "serve: slot {slot} on {label}: {} prompt tokens ({} cached), {} generated, first token in \
+                         {:.0} ms",
+                        o.prompt_tokens,
+                        o.cached_tokens,
+                        o.completion_tokens,
+                        o.t_prompt.as_secs_f64() * 1e3
+                    );
+                    sched.metrics.node_speed(&label, o.completion_tokens, o.t_gen);
+                }
                 sched.release(slot, key, None);
                 let _ = job.tx.send(last);
             }
@@ -449,7 +463,7 @@ fn worker(
             Ran::FailedEarly(e) => {
                 generator = None;
                 let msg = format!("{label}: {e:#}");
-                eprintln!("serve: request failed before its first token on {msg}");
+                tracing::warn!("serve: request failed before its first token on {msg}");
                 if remote {
                     // Take the node out until the health check sees it again, and retry elsewhere.
                     sched.set_up(node, false, &msg);
@@ -480,11 +494,11 @@ fn restart(
     label: &str,
     remote: bool,
 ) -> bool {
-    eprintln!("serve: the generator of slot {slot} on {label} crashed; rebuilding it");
+    tracing::error!("serve: the generator of slot {slot} on {label} crashed; rebuilding it");
     let old = generator.take();
     // Its destructor runs on the same broken state and may panic too.
     if catch_unwind(AssertUnwindSafe(move || drop(old))).is_err() {
-        eprintln!("serve: dropping the crashed generator of slot {slot} panicked as well");
+        tracing::error!("serve: dropping the crashed generator of slot {slot} panicked as well");
     }
     let why = match catch_unwind(AssertUnwindSafe(|| factory())) {
         Ok(Ok(g)) => {
@@ -606,10 +620,10 @@ fn run_job(
         let now = Instant::now();
         match last {
             None => {
-                m.ttft.observe(now - job.arrived);
+                m.ttft(now - job.arrived);
                 *first = Some(now);
             }
-            Some(t) => m.itl.observe(now - *t),
+            Some(t) => m.inter_token(now - *t),
         }
         *last = Some(now);
         status.tokens(at.0, 1);
@@ -633,14 +647,14 @@ fn run_job(
     match r {
         Ok(outcome) => {
             if gone {
-                Metrics::add(&m.cancelled, 1);
+                m.cancelled.inc();
             }
             for out in filter.finish() {
                 emit(out, &mut sent, &mut last, &mut first);
             }
-            Metrics::add(&m.prompt_tokens, outcome.prompt_tokens);
-            Metrics::add(&m.cached_tokens, outcome.cached_tokens);
-            Metrics::add(&m.completion_tokens, outcome.completion_tokens);
+            m.prompt_tokens.inc_by(outcome.prompt_tokens as u64);
+            m.cached_tokens.inc_by(outcome.cached_tokens as u64);
+            m.completion_tokens.inc_by(outcome.completion_tokens as u64);
             let stop_matched = filter.matched();
             let cancelled = gone || (outcome.finish == Finish::Stopped && !stop_matched);
             let finish = match outcome.finish {

@@ -4,9 +4,11 @@
 use super::metrics::Metrics;
 use super::openai::{self, ApiError, Request, Responder};
 use super::queue::{Event, Job, Scheduler};
+use crate::generate::GenParams;
+use crate::logging::request_span;
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
+use axum::extract::{DefaultBodyLimit, Extension, Request as HttpRequest, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -17,6 +19,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+use tracing::Instrument;
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -70,12 +73,43 @@ pub fn router(app: AppState) -> Router {
         .with_state(app)
 }
 
-/// Bearer authentication (when an API key is set; `/health` and the page's static files stay open: they hold no
-/// data, and the page asks for the key), then the body read within the body
-/// timeout and size limit, then the route; every request counted under a label from a fixed set. The key is checked
-/// from the headers alone, so a stranger's body is never read.
-async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Response {
-    let label = path_label(req.uri().path());
+/// The id of one HTTP request: the client's `X-Request-Id` when it is [`crate::util::valid_request_id`], else a
+/// fresh one. Returned in the `x-request-id` header, logged by every process that serves the request.
+#[derive(Clone, Debug)]
+pub struct RequestId(pub String);
+
+/// The request id, then, within its log span: bearer authentication (when an API key is set; `/health` and the
+/// page's static files stay open: they hold no data, and the page asks for the key),
+/// the body read within the body timeout and size limit, the route; every request counted under a label from a
+/// fixed set and answered with its `x-request-id`.
+async fn guard(State(app): State<AppState>, mut req: HttpRequest, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| crate::util::valid_request_id(v))
+        .map_or_else(crate::util::new_request_id, str::to_string);
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let (method, label) = (req.method().clone(), path_label(req.uri().path()));
+    let t0 = Instant::now();
+    let mut resp = guarded(&app, req, next, label).instrument(request_span(&id)).await;
+    let status = resp.status().as_u16();
+    app.metrics.request(label, status);
+    let _s = request_span(&id).entered();
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    // Probes and scrapes would drown the requests that matter at `info`.
+    if matches!(label, "/health" | "/metrics") {
+        tracing::debug!("serve: {method} {label} {status} in {ms:.0} ms");
+    } else {
+        tracing::info!("serve: {method} {label} {status} in {ms:.0} ms");
+    }
+    if let Ok(v) = header::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+async fn guarded(app: &App, req: HttpRequest, next: Next, label: &'static str) -> Response {
     if let Some(key) = &app.api_key
         && !matches!(label, "/health" | "/" | "/web")
     {
@@ -85,7 +119,6 @@ async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Res
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
-            app.metrics.request(label, 401);
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "missing or wrong API key (Authorization: Bearer KEY)",
@@ -94,16 +127,10 @@ async fn guard(State(app): State<AppState>, req: HttpRequest, next: Next) -> Res
             .into_response();
         }
     }
-    let req = match read_body(&app, req).await {
-        Ok(r) => r,
-        Err(e) => {
-            app.metrics.request(label, e.status.as_u16());
-            return e.into_response();
-        }
-    };
-    let resp = next.run(req).await;
-    app.metrics.request(label, resp.status().as_u16());
-    resp
+    match read_body(app, req).await {
+        Ok(r) => next.run(r).await,
+        Err(e) => e.into_response(),
+    }
 }
 
 /// The metrics label of a request path: the route, never the path itself (ids and unknown paths would add a
@@ -198,7 +225,7 @@ async fn cluster(State(app): State<AppState>) -> Response {
 
 async fn metrics(State(app): State<AppState>) -> Response {
     let text = app.metrics.render(&app.sched.gauges());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 fn model_obj(app: &App) -> Value {
@@ -228,31 +255,36 @@ pub fn unknown_model(app: &App, id: &str) -> ApiError {
     .code("model_not_found")
 }
 
-async fn chat(State(app): State<AppState>, body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Response {
+async fn chat(
+    State(app): State<AppState>,
+    Extension(id): Extension<RequestId>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     match body {
-        Ok(b) => handle(app, openai::parse_chat(&b)).await,
+        Ok(b) => handle(app, openai::parse_chat(&b), id).await,
         Err(e) => ApiError::new(e.status(), e.body_text()).into_response(),
     }
 }
 
 async fn completions(
     State(app): State<AppState>,
+    Extension(id): Extension<RequestId>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     match body {
-        Ok(b) => handle(app, openai::parse_completion(&b)).await,
+        Ok(b) => handle(app, openai::parse_completion(&b), id).await,
         Err(e) => ApiError::new(e.status(), e.body_text()).into_response(),
     }
 }
 
-async fn handle(app: AppState, req: Result<Request, ApiError>) -> Response {
-    match run(app, req).await {
+async fn handle(app: AppState, req: Result<Request, ApiError>, id: RequestId) -> Response {
+    match run(app, req, id).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn run(app: AppState, req: Result<Request, ApiError>) -> Result<Response, ApiError> {
+async fn run(app: AppState, req: Result<Request, ApiError>, id: RequestId) -> Result<Response, ApiError> {
     let req = req?;
     if let Some(m) = &req.model
         && !app.serves(m)
@@ -263,7 +295,10 @@ async fn run(app: AppState, req: Result<Request, ApiError>) -> Result<Response, 
     let job = Job {
         prompt: req.prompt.clone(),
         max_tokens: req.max_tokens,
-        params: req.gen_params(0),
+        params: GenParams {
+            request_id: id.0,
+            ..req.gen_params(0)
+        },
         stops: req.stops.clone(),
         key: req.affinity_key(),
         tx,

@@ -75,7 +75,7 @@ async fn act(app: AppState, id: &str, action: Option<&str>, body: &[u8]) -> Resu
     })?;
     let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    eprintln!("serve: slot {slot}: {action}d {n} positions ({bytes} bytes) as {name} in {ms:.0} ms");
+    tracing::info!("serve: slot {slot}: {action}d {n} positions ({bytes} bytes) as {name} in {ms:.0} ms");
     let mut out = json!({"id_slot": slot, "filename": name, "n_bytes": bytes, "timings": {}});
     out[format!("n_{action}d")] = json!(n);
     out["timings"][format!("{action}_ms")] = json!(ms);

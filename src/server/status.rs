@@ -401,7 +401,7 @@ impl Status {
             true
         });
         if let Err(e) = res {
-            eprintln!("cannot start the cluster view's health checks: {e:#}");
+            tracing::warn!("cannot start the cluster view's health checks: {e:#}");
         }
     }
 

@@ -75,6 +75,7 @@ impl Draft {
             sampling: SamplerParams::greedy(),
             top_k: REMOTE_TOP_K,
             verbose: false,
+            ..Default::default()
         };
         let session = PipelineSession::connect(&format!("{addr}=0:end"), model_path, opts)?;
         let n_vocab = session.hparams().n_vocab;

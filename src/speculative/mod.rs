@@ -445,10 +445,7 @@ impl Core {
         run.draft_ok = false;
         let why = format!("{e:#}");
         if !self.draft_failed {
-            eprintln!(
-                "warning: draft {} stopped ({why}); the target continues alone",
-                self.draft.label
-            );
+            tracing::warn!("draft {} stopped ({why}); the target continues alone", self.draft.label);
             run.stats.warned = true;
         }
         self.draft_failed = true;

@@ -145,6 +145,9 @@ impl Generator for DisaggGenerator {
         let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let t0 = Instant::now();
         let mut sampler = Sampler::after_prompt(params.sampler, self.model.hp.n_vocab, &tokens);
+        for l in &mut self.links {
+            l.request_id.clone_from(&params.request_id);
+        }
         let (logits, rep, why) = self.prefill(&tokens)?;
         let top_k = params.top_logprobs;
         let text = &self.text;

@@ -296,7 +296,7 @@ pub fn load(model: &str, pool: &ThreadPool) -> Result<Arc<Model>> {
     let path = crate::fetch::resolve(model)?;
     let t0 = Instant::now();
     let model = Arc::new(Model::load(&path)?);
-    eprintln!(
+    tracing::info!(
         "loaded {} ({}, {} layers, {} tokens) in {:.2} s, {} threads",
         path.display(),
         model.hp.arch.name(),

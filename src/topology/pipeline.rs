@@ -72,6 +72,7 @@ impl Generator for PipelineGenerator {
         // A request without a seed gets a fresh one, as a local run does.
         let p = &mut self.session;
         p.set_sampling(params.sampler, params.top_logprobs);
+        p.set_request_id(&params.request_id);
         let cached = p.reuse_prefix(&tokens);
         p.reset_stats();
         let conv = |s: Sampled| -> Next {

@@ -167,6 +167,12 @@ impl ServeProc {
 
     /// [`ServeProc::http`] with extra header lines (`"Name: value\r\n"` each).
     pub fn http_with(&self, method: &str, path: &str, body: &str, headers: &str) -> (u16, String) {
+        let (code, _, body) = self.exchange(method, path, body, headers);
+        (code, body)
+    }
+
+    /// [`ServeProc::http_with`], also returning the response's head (status line and headers).
+    pub fn exchange(&self, method: &str, path: &str, body: &str, headers: &str) -> (u16, String, String) {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
@@ -183,7 +189,7 @@ impl ServeProc {
         let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
         assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
         let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (code, body.to_string())
+        (code, head.to_string(), body.to_string())
     }
 
     pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
@@ -261,7 +267,13 @@ impl NodeProc {
         ])
         .args(extra);
         let (child, addr, log) = spawn_listening(cmd, |line| {
-            line.strip_prefix("baton node: listening on ")
+            // A node started with `--log-format json` writes the same message as a JSON field.
+            let json = serde_json::from_str::<serde_json::Value>(line).ok();
+            let msg = match &json {
+                Some(v) => v["message"].as_str()?,
+                None => line,
+            };
+            msg.strip_prefix("baton node: listening on ")
                 .map(|rest| rest.split_whitespace().next().unwrap_or("").to_string())
         })?;
         Ok(NodeProc { child, addr, log })

@@ -117,12 +117,12 @@ impl PrefillPool {
         let mut st = self.lock();
         if st[i].up != up {
             st[i].up = up;
-            eprintln!(
-                "prefill node {} ({}) is {}{why}",
-                self.members[i].name,
-                self.members[i].addr,
-                if up { "back up" } else { "out: " }
-            );
+            let (name, addr) = (&self.members[i].name, &self.members[i].addr);
+            if up {
+                tracing::info!("prefill node {name} ({addr}) is back up");
+            } else {
+                tracing::warn!("prefill node {name} ({addr}) is out: {why}");
+            }
         }
     }
 
@@ -152,7 +152,7 @@ impl PrefillPool {
             true
         });
         if let Err(e) = res {
-            eprintln!("cannot start the prefill pool's health checks: {e:#}");
+            tracing::error!("cannot start the prefill pool's health checks: {e:#}");
         }
     }
 }

@@ -156,6 +156,7 @@ pub fn serve_pull(
         ),
         Some(link) => {
             link.opts.kv = p.kv;
+            link.request_id = p.request_id.clone();
             link.opts.timeouts.io = Duration::from_millis(p.timeout_ms.clamp(100, 600_000) as u64);
             let job = job_for(core.session(), &tokens, link.opts.kv);
             let (k, why) = if p.offload == OFFLOAD_AUTO {

@@ -7,6 +7,7 @@ use crate::cluster::disagg::Pulled;
 use crate::cluster::handoff::serve_prefill;
 use crate::cluster::stage::StageOut;
 use crate::cluster::wire::{self, Body, Forward, Hidden, Msg, Open, Prefill, Pull, Ready, ResultMsg, WireError};
+use crate::logging::request_span;
 use anyhow::{Result, anyhow};
 use std::io::Read;
 use std::net::TcpStream;
@@ -25,11 +26,54 @@ pub(super) fn serve(s: TcpStream, st: &State, peer: &str, authenticated: impl Fn
     c.auth(nonces)?;
     authenticated();
     let o = c.open()?;
+    // The request this connection serves now: OPEN's, then that of the last request frame naming one.
+    let mut rid = o.open.request_id.clone();
     loop {
         match read_frame(&mut c.s, st.cfg.idle_timeout, st.cfg.io_timeout, wire::MAX_FRAME) {
-            Ok(Msg::Forward(f)) => c.forward(&o, f)?,
-            Ok(Msg::Prefill(p)) => c.prefill(&o, &p)?,
-            Ok(Msg::Pull(p)) => c.pull(&o, &p)?,
+            Ok(Msg::Forward(f)) => {
+                let fresh = !f.request_id.is_empty() && f.request_id != rid;
+                if fresh {
+                    rid.clone_from(&f.request_id);
+                }
+                let _s = request_span(&rid).entered();
+                if fresh {
+                    tracing::info!(
+                        "baton node: {} session {:016x}: positions {}.. on layers {}:{}",
+                        c.peer,
+                        o.open.session,
+                        f.pos,
+                        o.range.start,
+                        o.range.end
+                    );
+                }
+                c.forward(&o, f)?
+            }
+            Ok(Msg::Prefill(p)) => {
+                rid.clone_from(&p.request_id);
+                let _s = request_span(&rid).entered();
+                tracing::info!(
+                    "baton node: {} session {:016x}: prefill of positions {}..{}, sending from {}",
+                    c.peer,
+                    o.open.session,
+                    p.pos,
+                    p.pos as usize + p.tokens.len(),
+                    p.send_from
+                );
+                c.prefill(&o, &p)?
+            }
+            Ok(Msg::Pull(p)) => {
+                rid.clone_from(&p.request_id);
+                let _s = request_span(&rid).entered();
+                tracing::info!(
+                    "baton node: {} session {:016x}: pulled prefill of positions {}..{} from prefill node {:?}",
+                    c.peer,
+                    o.open.session,
+                    p.pos,
+                    p.pos as usize + p.tokens.len(),
+                    p.prefill
+                );
+                c.pull(&o, &p)?
+            }
             Ok(m) => return Err(c.refuse(format!("expected FORWARD, got {}", m.name()))),
             Err(WireError::Closed) => {
                 c.closed();
@@ -126,9 +170,14 @@ impl Conn<'_> {
             n_ctx: open.n_ctx,
             n_past: n_past as u32,
         }))?;
-        eprintln!(
+        let _s = request_span(&open.request_id).entered();
+        tracing::info!(
             "baton node: {} opened session {:016x} on layers {}:{} ({} positions held)",
-            self.peer, open.session, range.start, range.end, n_past
+            self.peer,
+            open.session,
+            range.start,
+            range.end,
+            n_past
         );
         Ok(Opened { open, range, slot })
     }
@@ -232,7 +281,7 @@ impl Conn<'_> {
     fn closed(&self) {
         let (steps, rows) = self.st.batched();
         if rows > steps {
-            eprintln!(
+            tracing::info!(
                 "baton node: {} closed; batched decode so far: {rows} rows in {steps} steps",
                 self.peer
             );

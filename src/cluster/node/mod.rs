@@ -139,7 +139,7 @@ impl Node {
             let stream = match conn {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("baton node: accept failed: {e}");
+                    tracing::warn!("baton node: accept failed: {e}");
                     std::thread::sleep(Duration::from_millis(50));
                     continue;
                 }
@@ -172,12 +172,12 @@ impl Node {
                     if let Err(e) = conn::serve(stream, &state, &peer, || drop(hs_slot.take())) {
                         // The error may quote the peer (a model name, a message): one escaped, bounded line.
                         let why = crate::util::printable(&format!("{e:#}"), 2000);
-                        eprintln!("baton node: dropped connection from {peer}: {why}");
+                        tracing::warn!("baton node: dropped connection from {peer}: {why}");
                     }
                 });
             if let Err(e) = spawned {
                 // The closure (stream and slots) is dropped with the error: that connection closes, nothing else.
-                eprintln!("baton node: cannot start a thread for a connection: {e}");
+                tracing::error!("baton node: cannot start a thread for a connection: {e}");
             }
         }
         Ok(())
@@ -207,7 +207,7 @@ impl Drop for Slot {
 fn refuse_busy(stream: std::net::TcpStream, peer: &str, why: &str, refused: &mut u64) {
     *refused += 1;
     if refused.is_power_of_two() {
-        eprintln!("baton node: refused a connection from {peer}: busy ({why}; {refused} refused so far)");
+        tracing::warn!("baton node: refused a connection from {peer}: busy ({why}; {refused} refused so far)");
     }
     let mut s = stream;
     if s.set_nonblocking(true).is_ok() {
@@ -220,7 +220,7 @@ fn refuse_busy(stream: std::net::TcpStream, peer: &str, why: &str, refused: &mut
 pub fn run(cfg: NodeConfig) -> Result<()> {
     let node = Node::bind(cfg)?;
     let s = &node.state;
-    eprintln!(
+    tracing::info!(
         "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {})",
         node.local_addr()?,
         s.cfg.model.display(),

@@ -245,9 +245,11 @@ impl State {
                 .map(|(k, _)| *k)
                 .unwrap();
             sessions.remove(&oldest);
-            eprintln!(
+            tracing::info!(
                 "baton node: evicted session {:016x} (layers {}:{})",
-                oldest.0, oldest.1, oldest.2
+                oldest.0,
+                oldest.1,
+                oldest.2
             );
         }
         let model = self.model(key.0.clone())?;

@@ -108,6 +108,22 @@ impl<'a> Dec<'a> {
             Err(_) => malformed("string is not UTF-8"),
         }
     }
+    /// A request id (protocol 4): empty (none) or [`crate::util::valid_request_id`], at most
+    /// [`crate::util::MAX_REQUEST_ID`] bytes, so what a peer sends can go into a log line as is.
+    pub fn request_id(&mut self) -> Result<String, WireError> {
+        let n = self.u16()? as usize;
+        if n > crate::util::MAX_REQUEST_ID {
+            return malformed(format!(
+                "request id of {n} bytes exceeds {}",
+                crate::util::MAX_REQUEST_ID
+            ));
+        }
+        let b = self.take(n)?;
+        match std::str::from_utf8(b) {
+            Ok(s) if s.is_empty() || crate::util::valid_request_id(s) => Ok(s.to_string()),
+            _ => malformed("request id holds characters other than letters, digits and -_.:"),
+        }
+    }
     /// What [`Enc::tokens`] wrote.
     pub fn tokens(&mut self) -> Result<Vec<u32>, WireError> {
         let n = self.count(4)?;

@@ -135,6 +135,8 @@ pub struct Open {
     pub min_p: f32,
     pub repeat_penalty: f32,
     pub repeat_last_n: u32,
+    /// The request that opens the session (protocol 4; empty: none), for the node's logs.
+    pub request_id: String,
 }
 
 impl Open {
@@ -181,6 +183,7 @@ impl Codec for Open {
         e.f32(self.min_p);
         e.f32(self.repeat_penalty);
         e.u32(self.repeat_last_n);
+        e.str(&self.request_id);
     }
 
     fn get(d: &mut Dec) -> Result<Self, WireError> {
@@ -199,6 +202,7 @@ impl Codec for Open {
             min_p: d.f32()?,
             repeat_penalty: d.f32()?,
             repeat_last_n: d.u32()?,
+            request_id: d.request_id()?,
         })
     }
 }
@@ -243,6 +247,9 @@ pub struct Forward {
     /// The residual stream entering the stage; absent for a stage that starts at layer 0.
     pub hidden: Option<Hidden>,
     pub want: WantOut,
+    /// The request this step serves (protocol 4); empty: the same as the previous FORWARD on the connection, so a
+    /// decode step spends 2 bytes on it.
+    pub request_id: String,
 }
 
 impl Codec for Forward {
@@ -253,6 +260,7 @@ impl Codec for Forward {
         self.want.put(e);
         e.tokens(&self.tokens);
         self.hidden.put(e);
+        e.str(&self.request_id);
     }
 
     fn get(d: &mut Dec) -> Result<Self, WireError> {
@@ -263,6 +271,7 @@ impl Codec for Forward {
             want: WantOut::get(d)?,
             tokens: d.tokens()?,
             hidden: Option::<Hidden>::get(d)?,
+            request_id: d.request_id()?,
         })
     }
 }
@@ -308,6 +317,8 @@ pub struct Prefill {
     pub kv: RowDtype,
     pub hidden: HiddenRows,
     pub tokens: Vec<u32>,
+    /// The request whose prompt this is (protocol 4; empty: none), for the node's logs.
+    pub request_id: String,
 }
 
 impl Codec for Prefill {
@@ -319,6 +330,7 @@ impl Codec for Prefill {
         self.kv.put(e);
         self.hidden.put(e);
         e.tokens(&self.tokens);
+        e.str(&self.request_id);
     }
 
     fn get(d: &mut Dec) -> Result<Self, WireError> {
@@ -330,6 +342,7 @@ impl Codec for Prefill {
             kv: RowDtype::get(d)?,
             hidden: HiddenRows::get(d)?,
             tokens: d.tokens()?,
+            request_id: d.request_id()?,
         })
     }
 }
@@ -382,6 +395,8 @@ pub struct Pull {
     pub kv: RowDtype,
     /// The decode node's deadline for each wait on the prefill node, milliseconds.
     pub timeout_ms: u32,
+    /// The request whose prompt this is (protocol 4; empty: none); the decode node passes it on in its PREFILL.
+    pub request_id: String,
 }
 
 impl Codec for Pull {
@@ -394,6 +409,7 @@ impl Codec for Pull {
         e.u32(self.offload);
         self.kv.put(e);
         e.u32(self.timeout_ms);
+        e.str(&self.request_id);
     }
 
     fn get(d: &mut Dec) -> Result<Self, WireError> {
@@ -406,6 +422,7 @@ impl Codec for Pull {
             offload: d.u32()?,
             kv: RowDtype::get(d)?,
             timeout_ms: d.u32()?,
+            request_id: d.request_id()?,
         })
     }
 }

@@ -47,6 +47,7 @@ fn every_message_roundtrips() {
         min_p: 0.05,
         repeat_penalty: 1.1,
         repeat_last_n: 64,
+        request_id: "req-1".into(),
     }));
     roundtrip(Msg::Ready(Ready {
         model: info(),
@@ -62,6 +63,7 @@ fn every_message_roundtrips() {
         tokens: vec![1, 2],
         hidden: Some(h.clone()),
         want: WantOut::Sample,
+        request_id: "chatcmpl:7_a.b".into(),
     }));
     roundtrip(Msg::Forward(Forward {
         req: 5,
@@ -70,6 +72,7 @@ fn every_message_roundtrips() {
         tokens: vec![9],
         hidden: None,
         want: WantOut::Ack,
+        request_id: String::new(),
     }));
     roundtrip(Msg::Result(ResultMsg {
         req: 1,
@@ -104,6 +107,7 @@ fn every_message_roundtrips() {
         kv: RowDtype::F16,
         hidden: HiddenRows::Last,
         tokens: vec![1, 2, 3],
+        request_id: "r2".into(),
     }));
     roundtrip(Msg::Kv {
         req: 9,
@@ -130,6 +134,7 @@ fn every_message_roundtrips() {
         offload: OFFLOAD_AUTO,
         kv: RowDtype::Q8,
         timeout_ms: 10_000,
+        request_id: "r3".into(),
     }));
     roundtrip(Msg::PullReport(PullReport {
         req: 10,
@@ -223,6 +228,7 @@ fn inner_lengths_are_checked() {
         tokens: vec![1, 2],
         hidden: Some(h),
         want: WantOut::Hidden,
+        request_id: String::new(),
     });
     assert!(Msg::decode(ty::FORWARD, &f.encode()).is_err());
     // Trailing bytes.
@@ -245,9 +251,35 @@ fn inner_lengths_are_checked() {
         min_p: 0.0,
         repeat_penalty: 1.0,
         repeat_last_n: 0,
+        request_id: "r".into(),
     })
     .encode();
     for n in 0..full.len() {
         assert!(Msg::decode(ty::OPEN, &full[..n]).is_err());
+    }
+}
+
+#[test]
+fn request_ids_are_bounded_and_plain() {
+    let forward = |id: &str| {
+        Msg::Forward(Forward {
+            req: 1,
+            pos: 0,
+            prefix: [0; 16],
+            tokens: vec![1],
+            hidden: None,
+            want: WantOut::Ack,
+            request_id: id.into(),
+        })
+        .encode()
+    };
+    let max = "a".repeat(crate::util::MAX_REQUEST_ID);
+    assert!(Msg::decode(ty::FORWARD, &forward(&max)).is_ok());
+    for bad in [format!("{max}a"), "a\nb".into(), "a b".into(), "caf\u{e9}".into()] {
+        let e = Msg::decode(ty::FORWARD, &forward(&bad));
+        assert!(
+            matches!(&e, Err(WireError::Malformed(m)) if m.contains("request id")),
+            "{bad:?}: {e:?}"
+        );
     }
 }
