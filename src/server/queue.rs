@@ -412,8 +412,9 @@ fn worker(
                 match catch_unwind(AssertUnwindSafe(|| session_op(&mut generator, &factory, &op))) {
                     Ok((res, keep_key)) => {
                         let key = if keep_key { sched.slot_key(slot) } else { String::new() };
-                        let _ = reply.send(res);
+                        // Free the slot before answering, so a client's next call never finds it still busy (409).
                         sched.release(slot, key, None);
+                        let _ = reply.send(res);
                     }
                     Err(_) => {
                         let restarted = restart(&sched, &mut generator, &factory, slot, node, &label, remote);
