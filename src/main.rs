@@ -821,15 +821,21 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         tokens.len()
     );
     let t0 = Instant::now();
+    let bar = baton::util::count_bar(n_chunk as u64, "perplexity", "chunks");
     let s = baton::engine::perplexity::score(
         &mut session,
         &tokens,
         n_chunk,
         bos,
         |_, _| {},
-        |c, s| eprint!("[{}]{:.4},", c + 1, s.ppl()),
+        |c, s| {
+            // llama-perplexity's running values, for comparing with it at `RUST_LOG=debug`.
+            tracing::debug!("[{}]{:.4}", c + 1, s.ppl());
+            bar.set_position(c as u64 + 1);
+            bar.set_message(format!("perplexity {:.4}", s.ppl()));
+        },
     )?;
-    eprintln!();
+    bar.finish_and_clear();
     tracing::info!("{} positions scored in {:.1} s", s.count, t0.elapsed().as_secs_f64());
     println!("perplexity: {:.4} top1: {:.4}", s.ppl(), s.top1_rate());
     Ok(())
@@ -1045,9 +1051,7 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
 fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
     let target = baton::model::quantize::parse_target(ty)?;
     let path = fetch::resolve(input)?;
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors").unwrap());
-    bar.set_message(format!("quantizing to {target}"));
+    let bar = baton::util::count_bar(0, &format!("quantizing to {target}"), "tensors");
     let (n, bytes) = baton::model::quantize::quantize_file(&path, output, target, |i, n| {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
@@ -1223,12 +1227,14 @@ mod ensemble_cli {
             anyhow::bail!("{} holds no text", file.display());
         }
         let t0 = std::time::Instant::now();
+        let bar = baton::util::count_bar(docs.len() as u64, "scoring", "documents");
         let mut scored = Vec::with_capacity(docs.len());
-        for (i, d) in docs.iter().enumerate() {
+        for d in &docs {
             scored.push(fit::score_doc(&mut ens.members, d)?);
-            eprint!("\rscored {}/{} documents", i + 1, docs.len());
+            bar.inc(1);
         }
-        eprintln!(" in {:.1} s", t0.elapsed().as_secs_f64());
+        bar.finish_and_clear();
+        tracing::info!("scored {} documents in {:.1} s", docs.len(), t0.elapsed().as_secs_f64());
         Ok((ens, scored))
     }
 

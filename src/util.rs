@@ -58,6 +58,20 @@ pub fn byte_bar(len: u64, msg: &str) -> ProgressBar {
     bar
 }
 
+/// A counted progress bar on stderr (`msg [====>   ] 3/17 UNIT eta 4s`), drawn only when stderr is a terminal
+/// (indicatif's stderr target checks), so logs and pipes never see it. Every long job's progress goes through this
+/// or [`byte_bar`].
+pub fn count_bar(len: u64, msg: &str, unit: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(&format!("{{msg}} [{{bar:30}}] {{pos}}/{{len}} {unit} eta {{eta}}"))
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(msg.to_owned());
+    bar
+}
+
 /// Lower-case hex of `bytes` (digests).
 pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
