@@ -125,3 +125,30 @@ fn pipeline_node_logs_each_request_id() {
     let third = chat(&srv, "Name a tree.", &format!("X-Request-Id: {long}\r\n"));
     assert_ne!(third, long, "an id over the length limit is replaced");
 }
+
+/// A draft model and an ensemble member on a node: each request's id reaches the node on the first frame of the
+/// request, over the connection the server opened once, before any request.
+#[test]
+fn draft_and_ensemble_nodes_log_each_request_id() {
+    let model = smollm2();
+    let n = NodeProc::spawn(&model, "127.0.0.1:0", &[]);
+    let draft = format!("smollm2@{}", n.addr);
+    let srv = ServeProc::start(&["-t", "1", "-c", "512", "--draft", &draft, "--draft-tokens", "2"]);
+    for id in ["draft-request-1", "draft-request-2"] {
+        assert_eq!(chat(&srv, "Name a colour.", &format!("X-Request-Id: {id}\r\n")), id);
+        wait_for_line("draft node", || n.log(), |l| names(l, id));
+    }
+    drop(srv);
+    let ensemble = format!("smollm2@local,smollm2@{}", n.addr);
+    let srv = ServeProc::start(&["-t", "1", "-c", "512", "--ensemble", &ensemble]);
+    let body = json!({"model": "smollm2+smollm2", "temperature": 0, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "Name a fruit."}]});
+    let (code, _, text) = srv.exchange(
+        "POST",
+        "/v1/chat/completions",
+        &body.to_string(),
+        "X-Request-Id: ensemble-request\r\n",
+    );
+    assert_eq!(code, 200, "{text}\nserver log:\n{}", srv.log());
+    wait_for_line("ensemble member node", || n.log(), |l| names(l, "ensemble-request"));
+}

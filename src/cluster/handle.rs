@@ -99,6 +99,13 @@ impl ModelHandle {
         }
     }
 
+    /// Names the request the following calls serve, so a remote node logs it (a local session logs nothing apart).
+    pub fn set_request_id(&mut self, id: &str) {
+        if let ModelHandle::Remote(p) = self {
+            p.set_request_id(id);
+        }
+    }
+
     /// Per-stage wire statistics of a remote session (empty for a local one).
     pub fn stats(&self) -> Vec<StageStats> {
         match self {

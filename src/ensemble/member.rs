@@ -315,6 +315,11 @@ impl Member {
         self.handle.set_io_timeout(t);
     }
 
+    /// The request the member's node serves next (logged there).
+    pub fn set_request_id(&mut self, id: &str) {
+        self.handle.set_request_id(id);
+    }
+
     /// Starts a new generation after `prompt` (already tokenized for this member), reusing the KV of the longest
     /// prefix it already holds. Returns the number of prompt tokens reused.
     pub fn start(&mut self, prompt: &[u32]) -> Result<(usize, Synced)> {

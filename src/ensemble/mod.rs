@@ -258,6 +258,7 @@ impl Generator for Ensemble {
         self.notes.clear();
         for m in &mut self.members {
             m.stats = Default::default();
+            m.set_request_id(&params.request_id);
         }
         self.retry_dropped(self.retry_after);
         let prompts = self.tokenize(prompt)?;

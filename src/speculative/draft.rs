@@ -89,6 +89,11 @@ impl Draft {
         })
     }
 
+    /// The request the draft's node serves next (logged there).
+    pub fn set_request_id(&mut self, id: &str) {
+        self.handle.set_request_id(id);
+    }
+
     pub fn is_remote(&self) -> bool {
         self.handle.is_remote()
     }

@@ -516,6 +516,7 @@ impl Generator for SpecGenerator {
     ) -> Result<Outcome> {
         let tokens = self.text.prompt_tokens(prompt, self.n_ctx())?;
         let core = &mut self.core;
+        core.draft.set_request_id(&params.request_id);
         let text = &self.text;
         let draft_prompt = if core.same_vocab {
             tokens.clone()
