@@ -363,20 +363,12 @@ fn file_size(path: &Path) -> u64 {
 // tokens
 
 fn tokens_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -> Result<()> {
-    let raw = std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
-    let parsed: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
-    let list = parsed
-        .get("texts")
-        .and_then(Value::as_array)
-        .ok_or_else(|| anyhow!("{} has no \"texts\" array", texts.display()))?;
+    let list = read_texts(texts)?;
     let model = load_model(backend, &m.model)?;
     let vocab = model.vocab();
     let mut cases = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
-    for t in list {
-        let text = t
-            .as_str()
-            .ok_or_else(|| anyhow!("a text in {} is not a string", texts.display()))?;
+    for text in &list {
         let plain = vocab.tokenize(text.as_bytes(), false, false);
         let special = vocab.tokenize(text.as_bytes(), true, true);
         seen.extend(plain.iter().chain(&special).map(|t| t.0));
@@ -408,18 +400,10 @@ fn tokens_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -
 /// alone in a fresh context with mean pooling; the pooled vector is written as llama.cpp returns it (unnormalised).
 fn embed_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) -> Result<()> {
     use llama_cpp_2::context::params::LlamaPoolingType;
-    let raw = std::fs::read_to_string(texts).with_context(|| format!("reading {}", texts.display()))?;
-    let parsed: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", texts.display()))?;
-    let list = parsed
-        .get("texts")
-        .and_then(Value::as_array)
-        .ok_or_else(|| anyhow!("{} has no \"texts\" array", texts.display()))?;
+    let list = read_texts(texts)?;
     let model = load_model(backend, &m.model)?;
     let mut cases = Vec::new();
-    for t in list {
-        let text = t
-            .as_str()
-            .ok_or_else(|| anyhow!("a text in {} is not a string", texts.display()))?;
+    for text in &list {
         let tokens = model.vocab().tokenize(text.as_bytes(), true, true);
         let n = tokens.len() as u32;
         let params = LlamaContextParams::default()
@@ -450,6 +434,23 @@ fn embed_cmd(backend: &LlamaBackend, m: &ModelArgs, texts: &Path, out: &Path) ->
     write_json(out, &doc)?;
     println!("{}: {} texts ({} bytes)", out.display(), list.len(), file_size(out));
     Ok(())
+}
+
+/// The strings of a `{"texts": [...]}` file.
+fn read_texts(path: &Path) -> Result<Vec<String>> {
+    let raw = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let parsed: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", path.display()))?;
+    let list = parsed
+        .get("texts")
+        .and_then(Value::as_array)
+        .ok_or_else(|| anyhow!("{} has no \"texts\" array", path.display()))?;
+    list.iter()
+        .map(|t| {
+            t.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| anyhow!("a text in {} is not a string", path.display()))
+        })
+        .collect()
 }
 
 fn hex(bytes: &[u8]) -> String {
