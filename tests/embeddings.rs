@@ -9,6 +9,7 @@ use baton::kernels::ThreadPool;
 use baton::model::Model;
 use baton::server::embeddings::unit_length;
 use cluster_util::ServeProc;
+use cluster_util::golden;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::process::Command;
@@ -21,17 +22,6 @@ use std::sync::Arc;
 /// 0.95% (SmolLM2); the cosine between two unrelated texts' vectors is 0.3 to 0.8.
 const MIN_COSINE: f64 = 0.995;
 const MAX_REL_DIFF: f64 = 0.03;
-
-fn golden(name: &str) -> Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
-    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
-        panic!(
-            "golden file {} unreadable ({e}); `llama-ref embed` writes it",
-            p.display()
-        )
-    });
-    serde_json::from_str(&text).unwrap()
-}
 
 fn floats(v: &Value) -> Vec<f32> {
     v.as_array()

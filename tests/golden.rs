@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::golden;
+
 use baton::engine::perplexity;
 use baton::engine::{Input, Session, Want};
 use baton::kernels::ThreadPool;
@@ -46,17 +48,6 @@ fn golden_at(kind: &str, model_name: &str, numerics: Numerics) -> Value {
         g["llama_cpp_cpu"].as_str().unwrap_or("features not recorded")
     );
     g
-}
-
-fn golden(name: &str) -> Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
-    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
-        panic!(
-            "golden file {} unreadable ({e}); tools/llama-ref writes it",
-            p.display()
-        )
-    });
-    serde_json::from_str(&text).unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {

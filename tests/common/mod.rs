@@ -39,3 +39,17 @@ pub fn collect(g: &mut dyn Generator, prompt: &Prompt, p: &GenParams) -> (Vec<u3
         .unwrap();
     (ids, text, o)
 }
+
+/// A golden file of tests/golden/ (written by tools/llama-ref; see tests/golden/README.md).
+pub fn golden(name: &str) -> serde_json::Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
+        panic!(
+            "golden file {} unreadable ({e}); tools/llama-ref writes it",
+            p.display()
+        )
+    });
+    serde_json::from_str(&text).unwrap()
+}
