@@ -205,16 +205,22 @@ pub fn run(
     report: impl FnMut(&Figure, Option<&Figure>),
 ) -> Result<Vec<Figure>> {
     let threads = pool.n_threads();
-    let mut s = Session::new(model, pool, cfg.n_ctx(), cfg.n_batch)?;
+    let mut s = Session::new(model, pool, cfg.n_ctx()?, cfg.n_batch)?;
     run_on(&mut s, name, threads, cfg, compare, report)
 }
 
 impl BenchConfig {
-    /// The context the bench session holds: the deepest test.
-    pub fn n_ctx(&self) -> usize {
-        let max_depth = self.depths.iter().copied().max().unwrap_or(0);
-        let max_test = self.pp.iter().chain(&self.tg).copied().max().unwrap_or(0);
-        max_depth + max_test + 1
+    /// The context the bench session holds: the deepest test, refused beyond the largest context
+    /// ([`crate::util::limits::MAX_CTX`]) with the figures, before anything is allocated.
+    pub fn n_ctx(&self) -> Result<usize> {
+        let max_depth = self.depths.iter().copied().max().unwrap_or(0) as u64;
+        let max_test = self.pp.iter().chain(&self.tg).copied().max().unwrap_or(0) as u64;
+        let n = max_depth.saturating_add(max_test).saturating_add(1);
+        crate::util::count_in(
+            &format!("the deepest test (depth {max_depth} + {max_test} tokens + 1)"),
+            n,
+            1..=crate::util::limits::MAX_CTX,
+        )
     }
 }
 
@@ -333,6 +339,20 @@ pub struct LlamaFigure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_test_deeper_than_the_largest_context_is_refused() {
+        let cfg = |depth| BenchConfig {
+            pp: vec![512],
+            tg: vec![128],
+            depths: vec![0, depth],
+            reps: 1,
+            n_batch: 256,
+        };
+        assert_eq!(cfg(1024).n_ctx().unwrap(), 1024 + 512 + 1);
+        let e = cfg(usize::MAX).n_ctx().unwrap_err().to_string();
+        assert!(e.contains("deepest test") && e.contains("1..=1048576"), "{e}");
+    }
 
     #[test]
     fn summary_statistics() {

@@ -11,6 +11,7 @@ use baton::kernels::ThreadPool;
 use baton::logging::LogFormat;
 use baton::model::Hparams;
 use baton::topology::{Builder, TopologyArgs, load};
+use baton::util::limits::*;
 use baton::vocab::Vocab;
 use baton::{fetch, fingerprint};
 use clap::{Args, Parser, Subcommand};
@@ -130,9 +131,9 @@ enum EnsembleCmd {
         #[arg(short = 'f', long = "file")]
         file: PathBuf,
         /// Each member's context in tokens.
-        #[arg(long = "ctx", short = 'c', default_value_t = 512)]
+        #[arg(long = "ctx", short = 'c', default_value_t = 512, value_parser = counts(1, MAX_CTX))]
         ctx: usize,
-        #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+        #[arg(short = 't', long, value_parser = counts(1, MAX_THREADS))]
         threads: Option<usize>,
     },
     /// Accuracy of each member and of the mixture on a cloze file (context, right ending, wrong endings; tab-separated).
@@ -144,7 +145,7 @@ enum EnsembleCmd {
         /// Mixture weights: mix:W1,W2,... (default equal).
         #[arg(long, default_value = "union")]
         combine: String,
-        #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+        #[arg(short = 't', long, value_parser = counts(1, MAX_THREADS))]
         threads: Option<usize>,
     },
 }
@@ -163,15 +164,18 @@ struct CommonModelArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
     /// Threads (default: all cores; at most 1024).
-    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+    #[arg(short = 't', long, value_parser = counts(1, MAX_THREADS))]
     threads: Option<usize>,
     /// Context size in tokens per session.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096, value_parser = counts(1, MAX_CTX))]
     ctx_size: usize,
     /// Largest batch of tokens run in one forward pass during prompt processing. 256 prefills as fast as 512 with
     /// these kernels (their tiles are 8 tokens) and halves the scratch memory.
-    #[arg(short = 'b', long = "batch-size", default_value_t = 256)]
+    #[arg(short = 'b', long = "batch-size", default_value_t = 256, value_parser = counts(1, MAX_BATCH))]
     batch_size: usize,
+    /// Load even when the weights plus the KV (context × sessions) exceed the memory available.
+    #[arg(long = "no-mem-check")]
+    no_mem_check: bool,
 }
 
 /// The prefix cache on disk, for `run` and `serve`.
@@ -182,7 +186,7 @@ struct KvCacheArgs {
     #[arg(long = "kv-cache-dir")]
     kv_cache_dir: Option<PathBuf>,
     /// Most GiB the --kv-cache-dir entries take; the least recently used go first.
-    #[arg(long = "kv-cache-size", default_value_t = 8.0)]
+    #[arg(long = "kv-cache-size", default_value_t = 8.0, value_parser = baton::util::parse_gib)]
     kv_cache_size: f64,
 }
 
@@ -291,15 +295,15 @@ struct DemoArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
     /// Threads of the prefill node.
-    #[arg(long = "prefill-threads", default_value_t = 2)]
+    #[arg(long = "prefill-threads", default_value_t = 2, value_parser = counts(1, MAX_THREADS))]
     prefill_threads: usize,
     /// Threads of the decode node (and of the local run it is compared with).
-    #[arg(long = "decode-threads", default_value_t = 1)]
+    #[arg(long = "decode-threads", default_value_t = 1, value_parser = counts(1, MAX_THREADS))]
     decode_threads: usize,
     /// Prompt length in tokens (about).
-    #[arg(short = 'p', long = "prompt-tokens", default_value_t = 1500)]
+    #[arg(short = 'p', long = "prompt-tokens", default_value_t = 1500, value_parser = counts(1, MAX_CTX))]
     prompt_tokens: usize,
-    #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
+    #[arg(short = 'n', long = "n-predict", default_value_t = 32, value_parser = counts(1, MAX_CTX))]
     n_predict: usize,
     /// KV precision on the wire: 16 (exact: the KV cache holds f16), 32, bf16 or 8.
     #[arg(long = "kv-bits", default_value = "16")]
@@ -321,16 +325,16 @@ struct NodeArgs {
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
     /// Threads (default: all cores; at most 1024).
-    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+    #[arg(short = 't', long, value_parser = counts(1, MAX_THREADS))]
     threads: Option<usize>,
     /// Largest context a session may ask for.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096, value_parser = counts(1, MAX_CTX))]
     ctx_size: usize,
     /// Largest batch a session may ask for.
-    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512, value_parser = counts(1, MAX_BATCH))]
     batch_size: usize,
     /// Sessions kept at once (least recently used evicted).
-    #[arg(long = "max-sessions", default_value_t = 16)]
+    #[arg(long = "max-sessions", default_value_t = 16, value_parser = counts(1, MAX_NODE_COUNT))]
     max_sessions: usize,
     /// Seconds a peer has for each whole frame once its first byte arrived, and for each write (also for each
     /// handshake frame from the moment it connects).
@@ -341,15 +345,22 @@ struct NodeArgs {
     idle_timeout: std::time::Duration,
     /// Connections open at once; more are refused with an ERROR (each holds a thread).
     #[arg(long = "max-connections", default_value_t = baton::cluster::node::DEFAULT_MAX_CONNECTIONS,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+          value_parser = counts(1, MAX_NODE_COUNT))]
     max_connections: usize,
     /// Connections that have not authenticated yet, at once; more are refused, so strangers cannot lock out peers.
     #[arg(long = "max-handshakes", default_value_t = baton::cluster::node::DEFAULT_MAX_HANDSHAKES,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+          value_parser = counts(1, MAX_NODE_COUNT))]
     max_handshakes: usize,
     /// Step each session's decode on its own instead of batching the steps that arrive together.
     #[arg(long = "no-batch")]
     no_batch: bool,
+    /// GiB of KV the sessions may hold together; an OPEN beyond it (idle sessions evicted first) is refused.
+    /// Default: every session at --ctx-size, as much as the memory after the weights holds.
+    #[arg(long = "kv-budget", value_parser = baton::util::parse_gib)]
+    kv_budget: Option<f64>,
+    /// Start even when the weights plus one session's KV (or --kv-budget) exceed the memory available.
+    #[arg(long = "no-mem-check")]
+    no_mem_check: bool,
 }
 
 /// Several models behind one generator (`baton run` and `baton serve`): an ensemble, or a target with a draft.
@@ -395,10 +406,10 @@ struct ServeArgs {
     #[arg(long = "api-key")]
     api_key: Option<String>,
     /// Sessions generating at once (each with its own KV); per decode node with --cluster (1..=256).
-    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+    #[arg(long, default_value_t = 1, value_parser = counts(1, MAX_SLOTS))]
     parallel: usize,
     /// Requests that may wait for a free session; beyond them the answer is 429 (at most 65536).
-    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=65536))]
+    #[arg(long, default_value_t = 16, value_parser = counts(0, MAX_QUEUE))]
     queue: usize,
     /// Local slots decode one session per forward, taking turns, instead of together in batched steps.
     #[arg(long = "no-batch")]
@@ -426,7 +437,7 @@ struct ServeArgs {
     body_timeout: std::time::Duration,
     /// HTTP connections open at once; more are answered 503 and closed (default: from the open-file limit, half of
     /// it less a reserve, at most 4096).
-    #[arg(long = "max-connections", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65536))]
+    #[arg(long = "max-connections", value_parser = counts(1, MAX_HTTP_CONNECTIONS))]
     max_connections: Option<usize>,
     #[command(flatten)]
     mix: MixArgs,
@@ -454,13 +465,13 @@ struct PerplexityArgs {
     #[arg(short = 'f', long = "file")]
     file: PathBuf,
     /// Tokens per chunk.
-    #[arg(long = "ctx", short = 'c', default_value_t = 512)]
+    #[arg(long = "ctx", short = 'c', default_value_t = 512, value_parser = counts(1, MAX_CTX))]
     ctx: usize,
     /// Tokens per forward pass.
-    #[arg(short = 'b', long = "batch-size", default_value_t = 128)]
+    #[arg(short = 'b', long = "batch-size", default_value_t = 128, value_parser = counts(1, MAX_BATCH))]
     batch_size: usize,
     /// Threads (default: all cores; at most 1024).
-    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+    #[arg(short = 't', long, value_parser = counts(1, MAX_THREADS))]
     threads: Option<usize>,
     /// Score at most this many chunks.
     #[arg(long)]
@@ -479,22 +490,22 @@ struct BenchArgs {
     #[arg(short = 'm', long, default_value = "smollm2")]
     model: String,
     /// Prompt lengths to test (comma-separated; 0 to skip).
-    #[arg(short = 'p', long = "n-prompt", default_value = "512", value_delimiter = ',')]
+    #[arg(short = 'p', long = "n-prompt", default_value = "512", value_delimiter = ',', value_parser = counts(0, MAX_CTX))]
     n_prompt: Vec<usize>,
     /// Generation lengths to test (comma-separated; 0 to skip).
-    #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
+    #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',', value_parser = counts(0, MAX_CTX))]
     n_gen: Vec<usize>,
     /// Threads (default: all cores; at most 1024).
-    #[arg(short = 't', long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS))]
+    #[arg(short = 't', long, value_parser = counts(1, MAX_THREADS))]
     threads: Option<usize>,
     /// Repetitions of each test.
-    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5, value_parser = counts(1, 10_000))]
     reps: usize,
     /// Context depths to test at (comma-separated).
-    #[arg(short = 'd', long = "ctx-depth", default_value = "0", value_delimiter = ',')]
+    #[arg(short = 'd', long = "ctx-depth", default_value = "0", value_delimiter = ',', value_parser = counts(0, MAX_CTX))]
     depths: Vec<usize>,
     /// Tokens per forward pass in prompt processing (llama.cpp gets the same as its batch and micro-batch).
-    #[arg(short = 'b', long = "batch-size", default_value_t = 256)]
+    #[arg(short = 'b', long = "batch-size", default_value_t = 256, value_parser = counts(1, MAX_BATCH))]
     batch_size: usize,
     /// One JSON object per line and test.
     #[arg(long)]
@@ -563,7 +574,11 @@ fn main() {
 }
 
 /// Most threads `-t` may ask for: beyond it a typo would spawn threads until the system refuses (and panic).
-const MAX_THREADS: u64 = 1024;
+/// clap's parser of a count flag: a whole number in `lo..=hi` (bounds from `baton::util::limits`), refused naming
+/// the flag.
+fn counts(lo: u64, hi: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(lo..=hi)
+}
 
 fn default_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
@@ -698,6 +713,7 @@ fn topology_args(a: &RunArgs, sampler: SamplerParams) -> TopologyArgs {
         ensemble_degrade: a.mix.ensemble_degrade,
         sampling: Some(sampler),
         verbose: a.verbose,
+        no_mem_check: c.no_mem_check,
     }
 }
 
@@ -842,11 +858,11 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
-    if a.reps == 0 {
-        bail!("-r must be at least 1");
-    }
+    let cfg = bench_config(&a);
+    // The deepest test is checked before the bandwidth probe and the model load.
+    let n_ctx = cfg.n_ctx()?;
     if a.pipeline.is_some() {
-        return bench_pipeline(a);
+        return bench_pipeline(a, cfg);
     }
     let pool = thread_pool(a.threads);
     // The bandwidth probe's 256 MiB buffer comes and goes before the model is loaded, and the peak is reset after
@@ -866,13 +882,6 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         pool.n_threads(),
         wbytes as f64 / 1e6
     );
-    let cfg = baton::bench::BenchConfig {
-        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
-        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
-        depths: a.depths.clone(),
-        reps: a.reps,
-        n_batch: a.batch_size,
-    };
     let llama_bin = std::env::var_os("BATON_LLAMA_REF")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("tools/llama-ref/target/release/llama-ref"));
@@ -918,7 +927,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let on_cpu = placement.gpu().is_none();
     let mut rss = 0u64;
     let file_bytes = std::fs::metadata(&model.file.path).map_or(0, |m| m.len());
-    let kv_bytes = baton::engine::kv_cache::KvCache::bytes_for(&model.hp, model.range.len(), cfg.n_ctx()) as u64;
+    let kv_bytes = baton::engine::kv_cache::KvCache::bytes_for(&model.hp, model.range.len(), n_ctx) as u64;
     baton::bench::run(model, pool, &name, &cfg, compare, |f, other| {
         rss = rss.max(baton::bench::current_rss());
         let bound = if f.test.starts_with("tg") && on_cpu {
@@ -977,18 +986,27 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
 }
 
 /// `baton bench --pipeline`: pp and tg through the stages (prefill chunked and overlapped, the last stage samples).
-fn bench_pipeline(a: BenchArgs) -> Result<()> {
+/// `baton bench`'s tests, from its flags.
+fn bench_config(a: &BenchArgs) -> baton::bench::BenchConfig {
+    baton::bench::BenchConfig {
+        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
+        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
+        depths: a.depths.clone(),
+        reps: a.reps,
+        n_batch: a.batch_size,
+    }
+}
+
+fn bench_pipeline(a: BenchArgs, cfg: baton::bench::BenchConfig) -> Result<()> {
     use baton::cluster::PipelineSession;
     use baton::engine::snapshot::RowDtype;
     let spec = a.pipeline.as_deref().expect("checked by the caller");
     let path = fetch::resolve(&a.model)?;
-    let max_depth = a.depths.iter().copied().max().unwrap_or(0);
-    let max_test = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
     let threads = a.threads.unwrap_or_else(default_threads);
     let opts = Builder::new(TopologyArgs {
         model: a.model.clone(),
         threads,
-        n_ctx: max_depth + max_test + 1,
+        n_ctx: cfg.n_ctx()?,
         n_batch: a.batch_size,
         wire_bits: a.wire_bits.clone(),
         secret_file: a.secret_file.clone(),
@@ -1001,13 +1019,6 @@ fn bench_pipeline(a: BenchArgs) -> Result<()> {
         path.file_name().map_or(a.model.clone(), |f| f.to_string_lossy().into()),
         RowDtype::parse(&a.wire_bits)?.name()
     );
-    let cfg = baton::bench::BenchConfig {
-        pp: a.n_prompt.iter().copied().filter(|&n| n > 0).collect(),
-        tg: a.n_gen.iter().copied().filter(|&n| n > 0).collect(),
-        depths: a.depths.clone(),
-        reps: a.reps,
-        n_batch: a.batch_size,
-    };
     if !a.json {
         println!("| model | local threads | test | depth | t/s median | min | max |");
         println!("|---|---:|---|---:|---:|---:|---:|");
@@ -1097,6 +1108,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         header_timeout: a.header_timeout,
         body_timeout: a.body_timeout,
         max_connections: a.max_connections.unwrap_or(0),
+        no_mem_check: c.no_mem_check,
         ..Default::default()
     })
 }
@@ -1118,6 +1130,8 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.max_connections = a.max_connections;
     cfg.max_handshakes = a.max_handshakes;
     cfg.batch = !a.no_batch;
+    cfg.kv_budget = a.kv_budget.map(baton::util::gib_bytes);
+    cfg.no_mem_check = a.no_mem_check;
     baton::cluster::run_node(cfg)
 }
 

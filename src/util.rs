@@ -104,6 +104,60 @@ pub fn parse_timeout(s: &str) -> std::result::Result<std::time::Duration, String
     timeout_secs(secs).map_err(|e| e.to_string())
 }
 
+/// Largest counts an operator may ask for, one table for every front end (CLI flags, `baton-node`, the cluster
+/// file, `NodeConfig`): far above any real use, low enough that no product of them overflows or asks the allocator
+/// for an absurd size before a clear error.
+pub mod limits {
+    /// Threads of a pool (`-t`).
+    pub const MAX_THREADS: u64 = 1024;
+    /// Tokens of a context (`-c`, a bench depth, an OPEN's context).
+    pub const MAX_CTX: u64 = 1 << 20;
+    /// Tokens per forward pass (`-b`).
+    pub const MAX_BATCH: u64 = 1 << 16;
+    /// Sessions generating at once in a server (`--parallel`, a decode node's `slots`).
+    pub const MAX_SLOTS: u64 = 256;
+    /// Requests waiting for a slot (`--queue`).
+    pub const MAX_QUEUE: u64 = 65536;
+    /// HTTP connections a server keeps open (`--max-connections` of `serve`).
+    pub const MAX_HTTP_CONNECTIONS: u64 = 65536;
+    /// A node's sessions kept, connections and handshakes at once.
+    pub const MAX_NODE_COUNT: u64 = 4096;
+    /// GiB any size flag may name (`--kv-cache-size`, `--kv-budget`): a PiB.
+    pub const MAX_GIB: f64 = (1u64 << 20) as f64;
+}
+
+/// The one checked conversion of an operator count: `v` within `range`, or an error naming `what` (the flag or
+/// field as the operator wrote it).
+pub fn count_in(what: &str, v: u64, range: std::ops::RangeInclusive<u64>) -> Result<usize> {
+    if !range.contains(&v) {
+        bail!("{what} must be in {}..={}, not {v}", range.start(), range.end());
+    }
+    usize::try_from(v).map_err(|_| anyhow!("{what}: {v} does not fit this machine"))
+}
+
+/// [`count_in`] from text (`baton-node`'s hand-written flags).
+pub fn parse_count(what: &str, s: &str, range: std::ops::RangeInclusive<u64>) -> Result<usize> {
+    let v: u64 = s
+        .trim()
+        .parse()
+        .map_err(|_| anyhow!("{what}: {s:?} is not a whole number"))?;
+    count_in(what, v, range)
+}
+
+/// A size in GiB for a flag: finite, above zero, at most [`limits::MAX_GIB`]; clap's `value_parser`.
+pub fn parse_gib(s: &str) -> std::result::Result<f64, String> {
+    let gib: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of GiB"))?;
+    if !(gib.is_finite() && gib > 0.0 && gib <= limits::MAX_GIB) {
+        return Err(format!("{gib} GiB must be above 0 and at most {}", limits::MAX_GIB));
+    }
+    Ok(gib)
+}
+
+/// Bytes of `gib` GiB (a value [`parse_gib`] accepted).
+pub fn gib_bytes(gib: f64) -> u64 {
+    (gib * (1u64 << 30) as f64) as u64
+}
+
 /// `s` fit for one log line when it may come from a peer: control characters (newlines, terminal escapes)
 /// escaped, at most `max` characters kept, so a peer can neither forge log lines nor flood them.
 pub fn printable(s: &str, max: usize) -> String {
@@ -166,5 +220,22 @@ mod tests {
         }
         assert_eq!(parse_timeout("1.5").unwrap(), std::time::Duration::from_millis(1500));
         assert_eq!(parse_timeout(" 30 ").unwrap(), std::time::Duration::from_secs(30));
+    }
+
+    #[test]
+    fn counts_and_sizes_outside_their_range_are_refused_by_name() {
+        let e = count_in("--max-sessions", 0, 1..=4096).unwrap_err().to_string();
+        assert!(e.contains("--max-sessions") && e.contains("1..=4096"), "{e}");
+        assert_eq!(count_in("x", 4096, 1..=4096).unwrap(), 4096);
+        for bad in ["-1", "1e3", "x", "", "99999999999999999999999"] {
+            let e = parse_count("-c", bad, 1..=limits::MAX_CTX).unwrap_err().to_string();
+            assert!(e.contains("-c"), "{bad}: {e}");
+        }
+        assert!(parse_count("-c", "2000000", 1..=limits::MAX_CTX).is_err());
+        assert_eq!(parse_count("-c", " 4096 ", 1..=limits::MAX_CTX).unwrap(), 4096);
+        for bad in ["nan", "inf", "0", "-2", "1e300", "x"] {
+            assert!(parse_gib(bad).is_err(), "{bad} accepted");
+        }
+        assert_eq!(parse_gib("0.5").unwrap(), 0.5);
     }
 }

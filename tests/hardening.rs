@@ -21,13 +21,6 @@ fn header(code: u8, len: u32) -> Vec<u8> {
     h.to_vec()
 }
 
-/// Resident memory of process `pid` in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 /// Reads until the peer closes (or `limit` passes): the bytes and the time it took; `None` when still open.
 fn read_until_closed(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, Option<Duration>) {
     let t0 = Instant::now();
@@ -197,6 +190,102 @@ fn node_caps_connections_and_keeps_serving_authenticated_peers() {
     wire::write_msg(&mut again, &Msg::Hello { nonce: [2; 32] }).unwrap();
     let (m2, _) = wire::read_msg(&mut again).unwrap();
     assert!(matches!(m2, Msg::Challenge { .. }), "{m2:?}");
+}
+
+/// The node's KV budget: with room for two sessions, a third OPEN while both are in use is refused with an ERROR
+/// that says why; the sessions in use keep decoding; once one is closed, its KV is evicted to make room.
+#[test]
+fn node_refuses_opens_beyond_its_kv_budget() {
+    use baton::engine::KvCache;
+    let m = model("llama3");
+    let hp = baton::model::Hparams::from_gguf(&baton::gguf::GgufFile::open(&m).unwrap()).unwrap();
+    let one = KvCache::bytes_for(&hp, hp.n_layer, pipeline_opts().n_ctx) as f64;
+    let budget = format!("{}", one * 2.5 / (1u64 << 30) as f64);
+    let node = NodeProc::spawn(&m, "127.0.0.1:0", &["--kv-budget", &budget]);
+    let spec = format!("{}=0:end", node.addr);
+    let connect = || PipelineSession::connect(&spec, &m, pipeline_opts());
+    let (mut a, mut b) = (connect().unwrap(), connect().unwrap());
+    let first = a.eval(&prompt(8)).unwrap();
+    b.eval(&prompt(8)).unwrap();
+    for _ in 0..3 {
+        let e = format!(
+            "{:#}",
+            connect().err().expect("an OPEN beyond the KV budget was accepted")
+        );
+        assert!(e.contains("KV budget") && e.contains("MiB"), "{e}");
+    }
+    // The node is up and the sessions in use go on.
+    let next = a.decode_step(first.token).unwrap();
+    let (_, ref_toks) = local_reference(&m, &prompt(8), 2);
+    assert_eq!([first.token, next.token], ref_toks[..]);
+    // Closing one gives its place to the next OPEN.
+    drop(b);
+    let t0 = Instant::now();
+    let mut c = loop {
+        match connect() {
+            Ok(c) => break c,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(10), "{e:#}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(c.eval(&prompt(8)).unwrap().token, first.token);
+    assert!(node.log().contains("to make room in the KV budget"), "{}", node.log());
+}
+
+/// Weights plus KV beyond the memory available are refused before loading, with the figures, by `serve` and `node`
+/// (`run` shares the check, `engine::memory`): SmolLM2's KV at a context of 2^20 tokens is 22 GiB per session,
+/// 5.6 TiB for 256 slots. `--no-mem-check` passes the guard.
+#[test]
+fn loads_beyond_the_memory_available_are_refused_with_the_figures() {
+    let m = model("smollm2");
+    let m = m.to_str().unwrap();
+    let ctx = "1048576";
+    for args in [
+        vec![
+            "serve",
+            "-m",
+            m,
+            "--listen",
+            "127.0.0.1:0",
+            "-c",
+            ctx,
+            "--parallel",
+            "256",
+        ],
+        vec![
+            "node",
+            "-m",
+            m,
+            "--listen",
+            "127.0.0.1:0",
+            "-c",
+            ctx,
+            "--kv-budget",
+            "100000",
+        ],
+    ] {
+        let mut cmd = std::process::Command::new(baton_bin());
+        cmd.args(&args);
+        let (out, in_time) = run_bounded(&mut cmd, Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(in_time && !out.status.success(), "{args:?} accepted: {err}");
+        for part in [
+            "GiB of weights",
+            "GiB of KV",
+            "GiB of memory available",
+            "--no-mem-check",
+        ] {
+            assert!(err.contains(part), "{args:?}: {part:?} missing: {err}");
+        }
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // Forced, a node with that budget starts: the budget is only a cap, nothing is allocated before an OPEN.
+    let node = NodeProc::spawn(
+        std::path::Path::new(m),
+        "127.0.0.1:0",
+        &["-c", ctx, "--kv-budget", "100000", "--no-mem-check"],
+    );
+    assert!(node.log().contains("KV budget 102400000 MiB"), "{}", node.log());
 }
 
 /// Limits that would make a node refuse everything are refused at start with the flag's name.
@@ -547,12 +636,52 @@ fn absurd_operator_flags_are_refused() {
             "--parallel",
         ),
         (vec!["node", "-m", m, "--listen", "127.0.0.1:0", "-t", "0"], "--threads"),
+        (vec!["run", "-m", m, "-n", "1", "-c", "0", "hi"], "--ctx-size"),
+        (vec!["run", "-m", m, "-n", "1", "-c", "99999999999", "hi"], "--ctx-size"),
+        (vec!["run", "-m", m, "-n", "1", "-b", "0", "hi"], "--batch-size"),
+        (
+            vec![
+                "run",
+                "-m",
+                m,
+                "-n",
+                "1",
+                "--kv-cache-dir",
+                "/nonexistent",
+                "--kv-cache-size",
+                "nan",
+                "hi",
+            ],
+            "--kv-cache-size",
+        ),
+        (
+            vec!["node", "-m", m, "--listen", "127.0.0.1:0", "--max-sessions", "0"],
+            "--max-sessions",
+        ),
+        (vec!["bench", "-m", m, "-d", "18446744073709551615"], "--ctx-depth"),
+        (vec!["bench", "-m", m, "-d", "1000000", "-p", "100000"], "deepest test"),
     ] {
-        let mut cmd = std::process::Command::new(baton_bin());
-        cmd.args(&args);
-        let (out, in_time) = run_bounded(&mut cmd, Duration::from_secs(20));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(in_time && !out.status.success(), "{args:?} accepted: {err}");
-        assert!(err.contains(flag) && !err.contains("panicked"), "{args:?}: {err}");
+        refused(std::process::Command::new(baton_bin()), &args, flag);
     }
+    // `baton-node`'s own parser: the same ranges, the same names.
+    for (args, flag) in [
+        (vec!["--max-sessions", "0"], "--max-sessions"),
+        (vec!["-t", "-3"], "-t"),
+        (vec!["-c", "99999999999"], "-c"),
+        (vec!["--max-connections", "x"], "--max-connections"),
+        (vec!["--max-handshakes", "100000"], "--max-handshakes"),
+    ] {
+        let mut all = vec!["--model", m, "--listen", "127.0.0.1:0"];
+        all.extend(args);
+        refused(std::process::Command::new(node_bin()), &all, flag);
+    }
+}
+
+/// Runs `cmd` with `args` and checks it ends at once with a failure that names `flag`, without a panic.
+fn refused(mut cmd: std::process::Command, args: &[&str], flag: &str) {
+    cmd.args(args);
+    let (out, in_time) = run_bounded(&mut cmd, Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(in_time && !out.status.success(), "{args:?} accepted: {err}");
+    assert!(err.contains(flag) && !err.contains("panicked"), "{args:?}: {err}");
 }

@@ -2,7 +2,7 @@
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
 //!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] [--max-handshakes N]
-//!        [--no-batch] [--log-format text|json]
+//!        [--no-batch] [--kv-budget GIB] [--no-mem-check] [--log-format text|json]
 
 use anyhow::{Context, Result, bail};
 use baton::cluster::{NodeConfig, auth, run_node};
@@ -13,6 +13,11 @@ use std::time::Duration;
 /// A timeout flag's value, through the one checked parser.
 fn timeout(flag: &str, v: &str) -> Result<Duration> {
     baton::util::parse_timeout(v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))
+}
+
+/// A count flag's value: a whole number here; its range is checked with the others' by `NodeConfig::check`.
+fn count(flag: &str, v: &str) -> Result<usize> {
+    baton::util::parse_count(flag, v, 0..=u64::MAX)
 }
 
 fn main() {
@@ -40,15 +45,20 @@ fn real_main() -> Result<()> {
             "--listen" => listen = Some(val()?),
             "--layers" => cfg.layers = Some(val()?),
             "--secret-file" => cfg.secret = Some(auth::load_secret(&PathBuf::from(val()?))?),
-            "-t" | "--threads" => cfg.threads = val()?.parse().context("bad thread count")?,
-            "-c" | "--ctx-size" => cfg.max_ctx = val()?.parse().context("bad context size")?,
-            "-b" | "--batch-size" => cfg.max_batch = val()?.parse().context("bad batch size")?,
-            "--max-sessions" => cfg.max_sessions = val()?.parse().context("bad session count")?,
+            "-t" | "--threads" => cfg.threads = count(&a, &val()?)?,
+            "-c" | "--ctx-size" => cfg.max_ctx = count(&a, &val()?)?,
+            "-b" | "--batch-size" => cfg.max_batch = count(&a, &val()?)?,
+            "--max-sessions" => cfg.max_sessions = count(&a, &val()?)?,
             "--timeout" => cfg.io_timeout = timeout(&a, &val()?)?,
             "--idle-timeout" => cfg.idle_timeout = timeout(&a, &val()?)?,
-            "--max-connections" => cfg.max_connections = val()?.parse().context("bad connection count")?,
-            "--max-handshakes" => cfg.max_handshakes = val()?.parse().context("bad handshake count")?,
+            "--max-connections" => cfg.max_connections = count(&a, &val()?)?,
+            "--max-handshakes" => cfg.max_handshakes = count(&a, &val()?)?,
             "--no-batch" => cfg.batch = false,
+            "--kv-budget" => {
+                let gib = baton::util::parse_gib(&val()?).map_err(|e| anyhow::anyhow!("{a}: {e}"))?;
+                cfg.kv_budget = Some(baton::util::gib_bytes(gib));
+            }
+            "--no-mem-check" => cfg.no_mem_check = true,
             // Read by `main` before anything is logged.
             "--log-format" => match val()?.as_str() {
                 "text" | "json" => {}
@@ -59,7 +69,7 @@ fn real_main() -> Result<()> {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
                      [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] \
-                     [--max-handshakes N] [--no-batch] [--log-format text|json]"
+                     [--max-handshakes N] [--no-batch] [--kv-budget GIB] [--no-mem-check] [--log-format text|json]"
                 );
                 return Ok(());
             }

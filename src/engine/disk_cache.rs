@@ -72,7 +72,7 @@ impl DiskCache {
         if !(gib > 0.0 && gib.is_finite()) {
             bail!("--kv-cache-size must be a positive number of GiB, not {gib}");
         }
-        DiskCache::open(dir, (gib * (1u64 << 30) as f64) as u64)
+        DiskCache::open(dir, crate::util::gib_bytes(gib))
     }
 
     pub fn dir(&self) -> &Path {

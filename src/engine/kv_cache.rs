@@ -128,8 +128,11 @@ impl KvCache {
     }
 
     /// Bytes a cache of `n_layers` layers of `hp` over `n_ctx` positions holds.
+    /// Saturates instead of overflowing: memory checks compare it with what a machine has.
     pub fn bytes_for(hp: &Hparams, n_layers: usize, n_ctx: usize) -> usize {
-        n_layers * hp.n_head_kv * n_ctx * (hp.head_dim_k + hp.head_dim_v) * 2
+        [hp.n_head_kv, n_ctx, hp.head_dim_k + hp.head_dim_v, 2]
+            .iter()
+            .fold(n_layers, |b, &f| b.saturating_mul(f))
     }
 }
 

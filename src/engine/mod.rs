@@ -5,6 +5,7 @@ pub mod batch;
 pub mod batcher;
 pub mod disk_cache;
 pub mod kv_cache;
+pub mod memory;
 pub mod perplexity;
 pub mod placement;
 pub mod sampler;

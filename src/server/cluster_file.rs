@@ -167,11 +167,23 @@ impl ClusterFile {
                 }
                 _ => {}
             }
-            if n.slots == Some(0) {
-                bail!("node {:?}: slots must be at least 1", n.name);
+            if let Some(slots) = n.slots {
+                let what = format!("node {:?}: slots", n.name);
+                crate::util::count_in(&what, slots as u64, 1..=crate::util::limits::MAX_SLOTS)?;
             }
         }
         for l in &f.links {
+            for (what, v) in [("gbps", l.gbps), ("latency_ms", l.latency_ms)] {
+                if let Some(v) = v
+                    && !(v.is_finite() && v >= 0.0)
+                {
+                    bail!(
+                        "link {:?} - {:?}: {what} must be a finite number ≥ 0, not {v}",
+                        l.a,
+                        l.b
+                    );
+                }
+            }
             for end in [&l.a, &l.b] {
                 if !names.contains(end.as_str()) {
                     bail!("link {:?} - {:?} names an unknown node {end:?}", l.a, l.b);
@@ -268,6 +280,18 @@ mod tests {
                 "unknown field",
             ),
             ("[[node]]\nname='a'\naddr='local'\nrole='prefill'\n", "cannot be local"),
+            (
+                "[[node]]\nname='a'\naddr='h:1'\nrole='decode'\nslots=0\n",
+                "slots must be in 1..=256",
+            ),
+            (
+                "[[node]]\nname='a'\naddr='h:1'\nrole='decode'\nslots=100000\n",
+                "slots must be in 1..=256",
+            ),
+            (
+                "[[node]]\nname='a'\naddr='h:1'\nrole='decode'\n[[link]]\na='a'\nb='a'\ngbps=nan\n",
+                "gbps must be",
+            ),
         ];
         for (text, want) in bad {
             let e = ClusterFile::parse(text).map(|_| ()).unwrap_err().to_string();

@@ -16,6 +16,7 @@ use crate::cluster::PipelineOpts;
 use crate::cluster::disagg::{Offload, PrefillPool, RemotePrefill};
 use crate::cluster::handoff::NodeOpts;
 use crate::cluster::handshake::Timeouts;
+use crate::engine::memory::{self, Need};
 use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, RETRY_DROPPED, parse_members};
@@ -61,6 +62,8 @@ pub struct TopologyArgs {
     pub sampling: Option<SamplerParams>,
     /// Replays, reconnects and member failures on standard error.
     pub verbose: bool,
+    /// Load a local model even when its weights and KV exceed the memory available (`engine::memory`).
+    pub no_mem_check: bool,
 }
 
 impl Default for TopologyArgs {
@@ -87,6 +90,7 @@ impl Default for TopologyArgs {
             ensemble_degrade: false,
             sampling: None,
             verbose: false,
+            no_mem_check: false,
         }
     }
 }
@@ -275,6 +279,9 @@ impl Builder {
             };
             return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts, remote)?));
         }
+        let path = crate::fetch::resolve(&a.model)?;
+        let need = || Need::of(&path, None, a.n_ctx, 1);
+        memory::guard(&format!("{}", path.display()), need, a.no_mem_check)?;
         let pool = Arc::new(ThreadPool::new(a.threads));
         let model = load(&a.model, &pool)?;
         if let Some(d) = &a.draft {

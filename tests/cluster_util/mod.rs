@@ -66,6 +66,13 @@ impl BenchEnv {
     }
 }
 
+/// Resident memory of process `pid` in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
 pub fn node_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_baton-node"))
 }
@@ -173,23 +180,49 @@ impl ServeProc {
 
     /// [`ServeProc::http_with`], also returning the response's head (status line and headers).
     pub fn exchange(&self, method: &str, path: &str, body: &str, headers: &str) -> (u16, String, String) {
+        let (code, head, body) = self
+            .try_exchange(method, path, body, headers, Duration::from_secs(120))
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
+        (code, head, body)
+    }
+
+    /// [`ServeProc::exchange`] that reports instead of panicking: a connection refused or reset, no answer within
+    /// `limit` (`Err` starting with "timed out"), or something that is not an HTTP response.
+    pub fn try_exchange(
+        &self,
+        method: &str,
+        path: &str,
+        body: &str,
+        headers: &str,
+        limit: Duration,
+    ) -> Result<(u16, String, String), String> {
         use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let mut s = std::net::TcpStream::connect(&self.addr).map_err(|e| format!("connect: {e}"))?;
+        s.set_read_timeout(Some(limit)).map_err(|e| e.to_string())?;
+        s.set_write_timeout(Some(limit)).map_err(|e| e.to_string())?;
         write!(
             s,
             "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n\
              {headers}Content-Length: {}\r\n\r\n{body}",
             body.len()
         )
-        .unwrap();
+        .map_err(|e| format!("write: {e}"))?;
         let mut raw = Vec::new();
-        s.read_to_end(&mut raw).unwrap();
+        s.read_to_end(&mut raw).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!("timed out after {limit:?}"),
+            _ => format!("read: {e}"),
+        })?;
         let text = String::from_utf8_lossy(&raw).into_owned();
-        let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
-        assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
-        let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (code, head.to_string(), body.to_string())
+        let (head, body) = text
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| format!("not an HTTP response: {text:?}"))?;
+        let code = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| format!("no status in {head:?}"))?;
+        Ok((code, head.to_string(), body.to_string()))
     }
 
     pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {

@@ -14,6 +14,7 @@ mod conn;
 mod state;
 
 use super::wire::ModelInfo;
+use crate::engine::memory::{self, Need};
 use crate::gguf::GgufFile;
 use crate::model::Hparams;
 use anyhow::{Context, Result, bail};
@@ -57,6 +58,12 @@ pub struct NodeConfig {
     /// Of those, connections that have not yet authenticated: a flood of strangers cannot lock out the peers that
     /// know the secret, since each stranger is gone within two I/O timeouts.
     pub max_handshakes: usize,
+    /// Most bytes of KV the sessions hold together (`--kv-budget`, in GiB on the command line): an OPEN beyond it,
+    /// once idle sessions are evicted, is refused. `None`: the sessions' KV at `max_ctx`, as much of it as the
+    /// memory available after the weights holds (at least one session).
+    pub kv_budget: Option<u64>,
+    /// Start even when the weights plus one session's KV (or the budget given) exceed the memory available.
+    pub no_mem_check: bool,
 }
 
 impl NodeConfig {
@@ -75,13 +82,27 @@ impl NodeConfig {
             idle_timeout: Duration::from_secs(300),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            kv_budget: None,
+            no_mem_check: false,
         }
     }
 
-    /// Refuses limits that would make the node refuse or drop every connection.
+    /// Refuses counts out of range (naming the flag: `baton node` and `baton-node` share them) and limits that
+    /// would make the node refuse or drop every connection.
     pub fn check(&self) -> Result<()> {
-        if self.max_connections == 0 || self.max_handshakes == 0 {
-            bail!("--max-connections and --max-handshakes must be at least 1");
+        use crate::util::{count_in, limits::*};
+        for (flag, v, max) in [
+            ("-t", self.threads, MAX_THREADS),
+            ("-c", self.max_ctx, MAX_CTX),
+            ("-b", self.max_batch, MAX_BATCH),
+            ("--max-sessions", self.max_sessions, MAX_NODE_COUNT),
+            ("--max-connections", self.max_connections, MAX_NODE_COUNT),
+            ("--max-handshakes", self.max_handshakes, MAX_NODE_COUNT),
+        ] {
+            count_in(flag, v as u64, 1..=max)?;
+        }
+        if self.kv_budget == Some(0) {
+            bail!("--kv-budget must be above zero");
         }
         if self.io_timeout.is_zero() || self.idle_timeout.is_zero() {
             bail!("node timeouts must be above zero");
@@ -116,7 +137,8 @@ impl Node {
                  may go without)"
             );
         }
-        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned));
+        let kv_budget = kv_budget(&cfg, pinned.clone())?;
+        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, kv_budget));
         if let Some(r) = state.pinned.clone() {
             state.model(r)?;
         }
@@ -184,6 +206,28 @@ impl Node {
     }
 }
 
+/// The node's KV budget ([`NodeConfig::kv_budget`]), after the memory guard: the weights of the layers served plus
+/// one session at `max_ctx` (or the whole budget when given) must fit the memory available.
+fn kv_budget(cfg: &NodeConfig, layers: Option<std::ops::Range<usize>>) -> Result<u64> {
+    let one = Need::of(&cfg.model, layers, cfg.max_ctx, 1)?;
+    let all = one.kv.saturating_mul(cfg.max_sessions as u64);
+    let budget = match (cfg.kv_budget, memory::available()) {
+        (Some(b), _) => b,
+        (None, Some(avail)) if !cfg.no_mem_check => all.min(avail.saturating_sub(one.weights)).max(one.kv),
+        (None, _) => all,
+    };
+    let need = Need {
+        weights: one.weights,
+        kv: if cfg.kv_budget.is_some() { budget } else { one.kv },
+    };
+    memory::guard(
+        &format!("baton node ({})", cfg.model.display()),
+        || Ok(need),
+        cfg.no_mem_check,
+    )?;
+    Ok(budget)
+}
+
 /// One place under a cap; given back on drop.
 struct Slot(Arc<AtomicUsize>);
 
@@ -221,7 +265,8 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
     let node = Node::bind(cfg)?;
     let s = &node.state;
     tracing::info!(
-        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {})",
+        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {}, KV budget {} \
+         MiB)",
         node.local_addr()?,
         s.cfg.model.display(),
         s.hp.arch.name(),
@@ -235,7 +280,8 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
             "required"
         } else {
             "off (loopback only)"
-        }
+        },
+        s.kv_budget >> 20
     );
     node.serve()
 }

@@ -8,9 +8,9 @@ use crate::cluster::handoff::{NodeOpts, PrefillNode};
 use crate::cluster::handshake::Timeouts;
 use crate::cluster::stage::{Prepared, StageCore, StageOut};
 use crate::cluster::wire::{Forward, ModelInfo, Open, Pull, WantOut};
-use crate::engine::Session;
 use crate::engine::batcher::{BatchStats, Batcher, Liveness, Pending, Policy, Row, Stepper};
 use crate::engine::snapshot::RowDtype;
+use crate::engine::{KvCache, Session};
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
 use crate::model::{Hparams, Model};
@@ -18,7 +18,7 @@ use anyhow::{Result, anyhow};
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::ops::Range;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,20 @@ pub(super) struct Slot {
     /// (layers, n_ctx, n_batch) the session was opened with.
     key: (Range<usize>, usize, usize),
     pub(super) last_used: Instant,
+    /// Its KV's share of the node's KV budget, given back when the last holder (the map or a connection) drops it.
+    _kv: KvLease,
+}
+
+/// Bytes of KV held under the node's budget ([`NodeConfig::kv_budget`]); subtracted again on drop.
+struct KvLease {
+    bytes: u64,
+    in_use: Arc<AtomicU64>,
+}
+
+impl Drop for KvLease {
+    fn drop(&mut self) {
+        self.in_use.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 pub(super) type SharedSlot = Arc<Mutex<Slot>>;
@@ -53,6 +67,9 @@ pub(super) struct State {
     /// Decode steps of full-model sessions, batched (made on first use).
     batcher: Mutex<Option<Arc<Batcher<DecodeStep>>>>,
     stats: Arc<BatchStats>,
+    /// Most bytes of KV the sessions may hold together, and the bytes they hold now.
+    pub(super) kv_budget: u64,
+    kv_in_use: Arc<AtomicU64>,
 }
 
 /// A session that asked for a decode step this recently counts as decoding (waited for by a batched step): its
@@ -76,8 +93,11 @@ impl State {
         hp: Hparams,
         info: ModelInfo,
         pinned: Option<Range<usize>>,
+        kv_budget: u64,
     ) -> State {
         State {
+            kv_budget,
+            kv_in_use: Arc::new(AtomicU64::new(0)),
             pool: Arc::new(ThreadPool::new(cfg.threads)),
             models: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
@@ -238,6 +258,7 @@ impl State {
             }
         }
         sessions.remove(&id);
+        let kv = self.reserve_kv(&mut sessions, KvCache::bytes_for(&self.hp, key.0.len(), key.1) as u64)?;
         while sessions.len() >= self.cfg.max_sessions.max(1) {
             let oldest = sessions
                 .iter()
@@ -266,9 +287,51 @@ impl State {
             links: HashMap::new(),
             key,
             last_used: Instant::now(),
+            _kv: kv,
         }));
         sessions.insert(id, slot.clone());
         Ok(slot)
+    }
+
+    /// A lease on `bytes` of the KV budget: sessions no connection holds are evicted, least recently used first,
+    /// until the new one fits; when the sessions in use leave no room, the OPEN is refused with the figures.
+    fn reserve_kv(&self, sessions: &mut HashMap<(u64, usize, usize), SharedSlot>, bytes: u64) -> Result<KvLease> {
+        const MIB: u64 = 1 << 20;
+        loop {
+            let grabbed = self
+                .kv_in_use
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    n.checked_add(bytes).filter(|&t| t <= self.kv_budget)
+                })
+                .is_ok();
+            if grabbed {
+                return Ok(KvLease {
+                    bytes,
+                    in_use: self.kv_in_use.clone(),
+                });
+            }
+            // Only the map holds these: dropping them frees their KV now.
+            let idle = sessions
+                .iter()
+                .filter(|(_, s)| Arc::strong_count(s) == 1)
+                .min_by_key(|(_, s)| lock(s).last_used)
+                .map(|(k, _)| *k);
+            let Some(oldest) = idle else {
+                return Err(anyhow!(
+                    "node KV budget full: this session needs {} MiB of KV, {} MiB of the {} MiB budget are held by                      sessions in use; try again later or ask for a shorter context",
+                    bytes.div_ceil(MIB),
+                    self.kv_in_use.load(Ordering::Acquire).div_ceil(MIB),
+                    self.kv_budget / MIB
+                ));
+            };
+            sessions.remove(&oldest);
+            tracing::info!(
+                "baton node: evicted session {:016x} (layers {}:{}) to make room in the KV budget",
+                oldest.0,
+                oldest.1,
+                oldest.2
+            );
+        }
     }
 
     /// Everything that makes an OPEN unacceptable, named.
