@@ -37,7 +37,7 @@ use anyhow::{Context, Result, bail};
 use cluster_file::{ClusterFile, NodeEntry, Topology};
 use embeddings::Embedder;
 use metrics::Metrics;
-use queue::{Factory, NodeSpec, Scheduler};
+use queue::{Factory, NodeSpec, Revive, Scheduler};
 use status::{Role, Status};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -100,6 +100,8 @@ pub struct ServeConfig {
     /// HTTP connections open at once (more are answered 503 and closed); 0: from the file-descriptor limit
     /// ([`auto_max_connections`]).
     pub max_connections: usize,
+    /// Load the local model even when its weights and the slots' KV exceed the memory available.
+    pub no_mem_check: bool,
 }
 
 impl Default for ServeConfig {
@@ -135,6 +137,7 @@ impl Default for ServeConfig {
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(60),
             max_connections: 0,
+            no_mem_check: false,
         }
     }
 }
@@ -188,7 +191,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         let text = Arc::new(TextModel::open(&path)?);
         (model_id, aliases, nodes, describe, Some(text), embedder)
     };
-    let sched = Scheduler::start(nodes, cfg.queue, metrics.clone(), status.clone());
+    let sched = Scheduler::start(nodes, cfg.queue, Revive::default(), metrics.clone(), status.clone());
     sched.clone().health_loop(cfg.health_every);
     status.health_loop(cfg.health_every);
 
@@ -363,6 +366,7 @@ fn topology_args(cfg: &ServeConfig, file: Option<&ClusterFile>) -> Result<Topolo
         ensemble_degrade: cfg.ensemble_degrade,
         sampling: None,
         verbose: false,
+        no_mem_check: cfg.no_mem_check,
     })
 }
 
@@ -408,6 +412,9 @@ fn build_nodes(
     }
     match topology {
         None => {
+            let need = || crate::engine::memory::Need::of(path, None, cfg.ctx_size, cfg.parallel);
+            let what = format!("{} with {} slots", path.display(), cfg.parallel);
+            crate::engine::memory::guard(&what, need, cfg.no_mem_check)?;
             let model = Arc::new(Model::load(path)?);
             // One pool shared by every slot, each slot keeps its own KV. Prefills take turns on the pool op by op;
             // with several slots, decode steps go through one batcher that steps every ready session at once.

@@ -93,9 +93,28 @@ struct State {
     clock: u64,
 }
 
+/// When a slot whose generator could not be rebuilt is tried again: after `first`, then after twice as long each
+/// time, at most `max` apart, for as long as the server runs (the cause, a file being replaced or memory short, is
+/// often passing).
+#[derive(Clone, Copy, Debug)]
+pub struct Revive {
+    pub first: Duration,
+    pub max: Duration,
+}
+
+impl Default for Revive {
+    fn default() -> Self {
+        Revive {
+            first: Duration::from_secs(5),
+            max: Duration::from_secs(300),
+        }
+    }
+}
+
 pub struct Scheduler {
     state: Mutex<State>,
     max_queue: usize,
+    revive: Revive,
     pub metrics: Arc<Metrics>,
     /// Per-node rates and the last requests, for `/v1/cluster`.
     pub status: Arc<Status>,
@@ -114,8 +133,15 @@ enum Ran {
 
 impl Scheduler {
     /// Starts one thread per slot. `max_queue` requests may wait beyond the busy slots.
-    pub fn start(nodes: Vec<NodeSpec>, max_queue: usize, metrics: Arc<Metrics>, status: Arc<Status>) -> Arc<Scheduler> {
+    pub fn start(
+        nodes: Vec<NodeSpec>,
+        max_queue: usize,
+        revive: Revive,
+        metrics: Arc<Metrics>,
+        status: Arc<Status>,
+    ) -> Arc<Scheduler> {
         let sched = Arc::new(Scheduler {
+            revive,
             state: Mutex::new(State {
                 slots: Vec::new(),
                 nodes: Vec::new(),
@@ -283,8 +309,8 @@ impl Scheduler {
         self.dispatch(&mut st);
     }
 
-    /// Takes a slot whose generator could not be rebuilt out of service for good, and hands the queue to the
-    /// others (or refuses it when none is left).
+    /// Takes a slot whose generator could not be rebuilt out of service until a later rebuild succeeds
+    /// ([`Revive`]), and hands the queue to the others (or refuses it when none is left).
     fn retire(&self, slot: usize, why: String) {
         let mut st = self.state.lock().unwrap();
         tracing::error!("serve: slot {slot} is out of service: {why}");
@@ -292,6 +318,16 @@ impl Scheduler {
         s.busy = true;
         s.key.clear();
         s.dead = Some(why);
+        self.dispatch(&mut st);
+    }
+
+    /// A retired slot whose generator was rebuilt serves again.
+    fn revived(&self, slot: usize) {
+        let mut st = self.state.lock().unwrap();
+        tracing::info!("serve: slot {slot} is back in service: its generator was rebuilt");
+        let s = &mut st.slots[slot];
+        s.dead = None;
+        s.busy = false;
         self.dispatch(&mut st);
     }
 
@@ -420,7 +456,7 @@ fn worker(
                         let restarted = restart(&sched, &mut generator, &factory, slot, node, &label, remote);
                         let _ = reply.send(Err(anyhow::anyhow!("{CRASHED}")));
                         if !restarted {
-                            return;
+                            revive(&sched, &mut generator, &factory, slot);
                         }
                     }
                 }
@@ -439,7 +475,7 @@ fn worker(
                     .tx
                     .send(Event::Error(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, CRASHED)));
                 if !restarted {
-                    return;
+                    revive(&sched, &mut generator, &factory, slot);
                 }
                 continue;
             }
@@ -484,8 +520,8 @@ fn worker(
 
 /// After a panic the slot's generator is poisoned: it may have stopped halfway through updating its KV, positions
 /// or a batch, so it is dropped and a fresh one built from the factory. Then the slot is free again (`true`). When
-/// the rebuild fails, a local slot is retired for good (`/health` fails and names it) and the thread ends
-/// (`false`); a remote slot's node is marked down instead, to be rebuilt when its health check passes again.
+/// the rebuild fails, a local slot is retired (`/health` fails and names it) and `false` tells the worker to
+/// [`revive`] it; a remote slot's node is marked down instead, to be rebuilt when its health check passes again.
 fn restart(
     sched: &Scheduler,
     generator: &mut Option<Box<dyn Generator>>,
@@ -510,7 +546,11 @@ fn restart(
         Ok(Err(e)) => format!("{e:#}"),
         Err(_) => "building its generator panicked".to_string(),
     };
-    let why = format!("slot {slot} on {label} crashed and could not be restarted: {why}");
+    let why = format!(
+        "slot {slot} on {label} crashed and could not be restarted: {why} (tried again in {:.0} s, then at growing \
+         intervals)",
+        sched.revive.first.as_secs_f64()
+    );
     if remote {
         sched.set_up(node, false, &why);
         sched.release(slot, String::new(), None);
@@ -518,6 +558,25 @@ fn restart(
     }
     sched.retire(slot, why);
     false
+}
+
+/// Rebuilds a retired slot's generator after the [`Revive`] delays, doubling, until it succeeds; then the slot
+/// serves again. Its thread takes no work meanwhile (the router sends a dead slot none).
+fn revive(sched: &Scheduler, generator: &mut Option<Box<dyn Generator>>, factory: &Factory, slot: usize) {
+    let mut wait = sched.revive.first;
+    for attempt in 1u64.. {
+        std::thread::sleep(wait);
+        match catch_unwind(AssertUnwindSafe(|| factory())) {
+            Ok(Ok(g)) => {
+                *generator = Some(g);
+                sched.revived(slot);
+                return;
+            }
+            Ok(Err(e)) => tracing::warn!("serve: slot {slot}: rebuild {attempt} failed: {e:#}"),
+            Err(_) => tracing::warn!("serve: slot {slot}: rebuild {attempt} panicked"),
+        }
+        wait = (wait * 2).min(sched.revive.max);
+    }
 }
 
 /// Saves or restores the slot's session; also says whether the slot still holds what its affinity key names.
@@ -717,15 +776,15 @@ fn run_job(
 pub(crate) mod tests {
     use super::*;
     use crate::generate::TextModel;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
     /// Every wait in these tests ends within this.
     const WAIT: Duration = Duration::from_secs(10);
 
     /// A stand-in generator: panics on the prompt "boom"; on "break" it also makes the factory's next build fail
-    /// (so exactly the crashed slot's restart fails); otherwise answers "ok".
-    struct Fake(Arc<AtomicBool>);
+    /// (so exactly the crashed slot's restart fails); otherwise answers "ok". Holds the count of builds to fail.
+    struct Fake(Arc<AtomicUsize>);
 
     impl Generator for Fake {
         fn describe(&self) -> String {
@@ -748,7 +807,7 @@ pub(crate) mod tests {
         ) -> Result<Outcome> {
             if let Prompt::Text(t) = prompt {
                 if t == "break" {
-                    self.0.store(true, Ordering::SeqCst);
+                    self.0.store(1, Ordering::SeqCst);
                 }
                 if t == "boom" || t == "break" {
                     panic!("fake generator crash");
@@ -772,14 +831,22 @@ pub(crate) mod tests {
         }
     }
 
-    /// A scheduler with one local node of `slots` fake slots.
+    /// A scheduler with one local node of `slots` fake slots; a dead slot is not tried again within a test.
     pub(crate) fn fake_scheduler(slots: usize) -> Arc<Scheduler> {
-        let broken = Arc::new(AtomicBool::new(false));
+        let hour = Duration::from_secs(3600);
+        fake_scheduler_with(slots, Arc::new(AtomicUsize::new(0)), Revive { first: hour, max: hour })
+    }
+
+    /// A scheduler with one local node of `slots` fake slots whose next `fails` builds fail.
+    fn fake_scheduler_with(slots: usize, fails: Arc<AtomicUsize>, revive: Revive) -> Arc<Scheduler> {
         let factory: Factory = Arc::new(move || {
-            if broken.swap(false, Ordering::SeqCst) {
+            if fails
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
                 anyhow::bail!("the model file is gone");
             }
-            Ok(Box::new(Fake(broken.clone())) as Box<dyn Generator>)
+            Ok(Box::new(Fake(fails.clone())) as Box<dyn Generator>)
         });
         let node = NodeSpec {
             label: "local".into(),
@@ -787,7 +854,13 @@ pub(crate) mod tests {
             slots,
             factory,
         };
-        Scheduler::start(vec![node], 8, Arc::new(Metrics::default()), Arc::new(Status::new()))
+        Scheduler::start(
+            vec![node],
+            8,
+            revive,
+            Arc::new(Metrics::default()),
+            Arc::new(Status::new()),
+        )
     }
 
     pub(crate) fn submit(s: &Scheduler, prompt: &str) -> Result<UnboundedReceiver<Event>, ApiError> {
@@ -875,6 +948,32 @@ pub(crate) mod tests {
         let g = s.gauges();
         assert_eq!(g.dead.len(), 1, "{:?}", g.dead);
         assert!(g.dead[0].contains("the model file is gone"), "{:?}", g.dead);
+    }
+
+    #[tokio::test]
+    async fn a_dead_slot_is_rebuilt_later_and_serves_again() {
+        // The restart after the crash and the next two rebuilds fail; the third, 50 + 100 + 200 ms later, works.
+        let fails = Arc::new(AtomicUsize::new(0));
+        let revive = Revive {
+            first: Duration::from_millis(50),
+            max: Duration::from_millis(200),
+        };
+        let s = fake_scheduler_with(1, fails.clone(), revive);
+        answered(&mut submit(&s, "a").unwrap(), "a request before the crash").await;
+        fails.store(3, Ordering::SeqCst);
+        crashed(&mut submit(&s, "boom").unwrap()).await;
+        let dead = s.gauges().dead;
+        assert_eq!(dead.len(), 1, "{dead:?}");
+        assert!(dead[0].contains("tried again"), "{dead:?}");
+        let t0 = Instant::now();
+        while !s.gauges().dead.is_empty() {
+            assert!(t0.elapsed() < WAIT, "the slot was not rebuilt: {:?}", s.gauges().dead);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(t0.elapsed() >= Duration::from_millis(300), "rebuilt without waiting");
+        assert_eq!(fails.load(Ordering::SeqCst), 0, "not every failed rebuild was tried");
+        answered(&mut submit(&s, "b").unwrap(), "a request after the slot came back").await;
+        assert_eq!(s.gauges().busy, 0);
     }
 
     #[tokio::test]
