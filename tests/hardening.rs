@@ -66,6 +66,20 @@ fn run_bounded(cmd: &mut std::process::Command, limit: Duration) -> (std::proces
     (child.wait_with_output().unwrap(), in_time)
 }
 
+/// Waits (at most 5 s) for `text` in the node's log: its stderr is read by another thread, so a line the node wrote
+/// before answering may reach the log after the answer.
+fn wait_for_log(node: &NodeProc, text: &str) {
+    let t0 = Instant::now();
+    while !node.log().contains(text) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{text:?} not logged:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn error_text(reply: &[u8]) -> String {
     match wire::read_msg(&mut &reply[..]) {
         Ok((Msg::Error { message }, _)) => message,
@@ -170,12 +184,7 @@ fn node_caps_connections_and_keeps_serving_authenticated_peers() {
         let msg = error_text(&reply);
         assert!(msg.contains("node busy"), "{msg}");
     }
-    // The node logs the refusal before answering it, but its stderr is read by another thread: wait for the line.
-    let t0 = Instant::now();
-    while !node.log().contains("busy") {
-        assert!(t0.elapsed() < Duration::from_secs(5), "{}", node.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_log(&node, "busy");
 
     // The authenticated session goes on on its connection.
     let next = p.decode_step(first.token).unwrap();
@@ -229,7 +238,7 @@ fn node_refuses_opens_beyond_its_kv_budget() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(c.eval(&prompt(8)).unwrap().token, first.token);
-    assert!(node.log().contains("to make room in the KV budget"), "{}", node.log());
+    wait_for_log(&node, "to make room in the KV budget");
 }
 
 /// Weights plus KV beyond the memory available are refused before loading, with the figures, by `serve` and `node`
@@ -285,7 +294,7 @@ fn loads_beyond_the_memory_available_are_refused_with_the_figures() {
         "127.0.0.1:0",
         &["-c", ctx, "--kv-budget", "100000", "--no-mem-check"],
     );
-    assert!(node.log().contains("KV budget 102400000 MiB"), "{}", node.log());
+    wait_for_log(&node, "KV budget 102400000 MiB");
 }
 
 /// Limits that would make a node refuse everything are refused at start with the flag's name.

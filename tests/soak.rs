@@ -268,5 +268,10 @@ fn a_pipeline_without_its_node_answers_clear_errors() {
     for c in 0..4 {
         request(&srv, c, &tally);
     }
-    assert_eq!(tally.clear.load(Ordering::Relaxed), 4, "{:?}", tally.lost_seen.lock().unwrap());
+    assert_eq!(
+        tally.clear.load(Ordering::Relaxed),
+        4,
+        "{:?}",
+        tally.lost_seen.lock().unwrap()
+    );
 }
