@@ -178,11 +178,7 @@ fn node_caps_connections_and_keeps_serving_authenticated_peers() {
         assert!(msg.contains("node busy"), "{msg}");
     }
     // The node logs the refusal before answering it, but its stderr is read by another thread: wait for the line.
-    let t0 = Instant::now();
-    while !node.log().contains("busy") {
-        assert!(t0.elapsed() < Duration::from_secs(5), "{}", node.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_line("the refusal", || node.log(), |l| l.contains("busy"));
 
     // The authenticated session goes on on its connection.
     let next = p.decode_step(first.token).unwrap();
@@ -524,10 +520,11 @@ fn node_logs_peer_text_escaped() {
     wire::write_msg(&mut s, &Msg::Open(open)).unwrap();
     let (reply, _) = read_until_closed(&mut s, Duration::from_secs(5));
     assert!(error_text(&reply).contains("FORGED"), "{}", error_text(&reply));
-    let t0 = Instant::now();
-    while !node.log().contains("dropped connection") && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_line(
+        "the dropped connection",
+        || node.log(),
+        |l| l.contains("dropped connection"),
+    );
     let log = node.log();
     assert!(log.contains("\\nbaton node: FORGED"), "{log}");
     assert!(!log.lines().any(|l| l.starts_with("baton node: FORGED")), "{log}");
