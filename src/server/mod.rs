@@ -467,7 +467,7 @@ fn build_nodes(
                     status.add_link("local", a, a);
                 }
             }
-            report_builds(&status, &opened);
+            report_builds(status, &opened);
             drop(opened);
             let factory = metered_pipeline(
                 &builder,
