@@ -56,6 +56,43 @@ fn greedy_run_prints_only_the_completion_on_stdout() {
     assert_eq!(String::from_utf8(baton(&args).stdout).unwrap(), out);
 }
 
+/// `run -v` over a prompt of many batches draws its prefill bar only on a terminal: piped, standard error holds
+/// log lines and nothing else (no carriage returns, no terminal escapes).
+#[test]
+fn verbose_run_with_stderr_piped_draws_no_progress_bar() {
+    let m = common::model("smollm2");
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+    let o = baton(&[
+        "run",
+        "-m",
+        m.to_str().unwrap(),
+        "-v",
+        "-b",
+        "16",
+        "--temp",
+        "0",
+        "-n",
+        "2",
+        &prompt,
+    ]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let n_prompt: usize = err
+        .split("prompt: ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no prompt line: {err}"));
+    assert!(
+        n_prompt > 16 * 4,
+        "the prompt took only {n_prompt} tokens, not several batches"
+    );
+    assert!(
+        !err.contains('\r') && !err.contains('\x1b'),
+        "control codes on a piped stderr: {err:?}"
+    );
+}
+
 #[test]
 fn echo_and_chat_and_seeded_sampling() {
     let m = common::model("smollm2");

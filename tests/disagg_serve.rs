@@ -4,7 +4,7 @@
 
 mod cluster_util;
 
-use cluster_util::{NodeProc, ServeProc, smollm2};
+use cluster_util::{NodeProc, ServeProc, smollm2, wait_for_line};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -161,6 +161,41 @@ fn router_over_two_prefill_and_two_decode_nodes() {
     let routed = |i: usize, why: &str| srv.metric(&format!("baton_routed_total{{node=\"d{i}\",reason=\"{why}\"}}"));
     assert_eq!(routed(0, "least_loaded") + routed(1, "least_loaded"), 2.0);
 
+    // The decode nodes pulled the KV themselves and told the server how many bytes (PULL_REPORT): `/v1/cluster`
+    // counts them on the links prefill node → decode node, the same bytes as `/metrics`, and each decode node says
+    // where it computes (READY).
+    let (code, body) = srv.get("/v1/cluster");
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let pulled = |pi: usize, dj: usize| {
+        let l = v["links"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["a"] == format!("p{pi}") && l["b"] == format!("d{dj}"));
+        l.unwrap_or_else(|| panic!("no link p{pi} → d{dj}: {v}"))["bytes_ab"]
+            .as_u64()
+            .unwrap()
+    };
+    for pi in 0..2 {
+        let got = pulled(pi, 0) + pulled(pi, 1);
+        let metric = srv.metric(&format!(
+            "baton_wire_bytes_total{{peer=\"p{pi}\",direction=\"received\"}}"
+        ));
+        assert!(
+            got > 0 && got as f64 == metric,
+            "p{pi}: {got} bytes on its links, {metric} in /metrics: {v}"
+        );
+    }
+    assert!(
+        pulled(0, 0).min(pulled(0, 1)) == 0 && pulled(1, 0).min(pulled(1, 1)) == 0,
+        "each prompt went from one prefill node to one decode node: {v}"
+    );
+    for n in v["nodes"].as_array().unwrap().iter().filter(|n| n["role"] == "decode") {
+        assert_eq!(n["backend"], "cpu", "{v}");
+        assert!(n["isa"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
+    }
+
     // The story's next turn: routed for its prefix, and the decode node only receives the new suffix's KV.
     let next = json!([user(story), {"role": "assistant", "content": reply(&first[0])}, user("What happened next?")]);
     let prefix_before = routed(0, "prefix") + routed(1, "prefix");
@@ -178,20 +213,13 @@ fn router_over_two_prefill_and_two_decode_nodes() {
     for q in ["Say hello in French.", "Say hello in Spanish.", "Count to three."] {
         chat(&srv, json!([user(q)]));
     }
-    let t0 = Instant::now();
-    while !srv.log().contains("prefill node p0") {
-        assert!(t0.elapsed() < Duration::from_secs(10), "p0 was never taken out");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_line("p0 taken out", || srv.log(), |l| l.contains("prefill node p0"));
     assert!(offloaded(&srv, 1) >= 2.0);
     // It comes back on the same address: the health check puts it back.
     let addr = p[0].addr.clone();
     p[0] = NodeProc::spawn(&model, &addr, &[]);
-    let t0 = Instant::now();
-    while !srv.log().contains(&format!("prefill node p0 ({addr}) is back up")) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "p0 was not put back");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let back = format!("prefill node p0 ({addr}) is back up");
+    wait_for_line("p0 put back", || srv.log(), |l| l.contains(&back));
 
     // A decode node dies too: its requests are retried on the other one.
     d[0].kill();

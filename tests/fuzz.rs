@@ -546,7 +546,7 @@ fn payload(fields: &[Field]) -> Vec<u8> {
     b
 }
 
-/// Valid messages of the types whose bodies are built inline, to mutate.
+/// Valid messages to mutate: the types whose bodies are built inline, and READY.
 fn wire_seeds() -> Vec<Msg> {
     vec![
         Msg::Hello { nonce: [7; 32] },
@@ -569,6 +569,19 @@ fn wire_seeds() -> Vec<Msg> {
             queue_us: 12,
             compute_us: 3400,
         },
+        // READY ends with the node's backend and ISA (protocol 5), bounded labels a mutation may break.
+        Msg::Ready(wire::Ready {
+            model: wire::ModelInfo {
+                fingerprint: "ab".repeat(32),
+                n_layer: 30,
+                ..Default::default()
+            },
+            layers: (0, 15),
+            n_ctx: 512,
+            n_past: 0,
+            backend: "gpu: NVIDIA H100 80GB HBM3".into(),
+            isa: "avx2".into(),
+        }),
     ]
 }
 
@@ -605,7 +618,7 @@ proptest! {
     /// Mutated valid messages, and arbitrary frame headers.
     #[test]
     fn wire_decoder_survives_mutations(
-        seed in 0..7usize,
+        seed in 0..wire_seeds().len(),
         muts in prop::collection::vec(mutation(), 1..5),
         head in any::<[u8; wire::HEADER_LEN]>(),
     ) {

@@ -69,15 +69,7 @@ fn run_bounded(cmd: &mut std::process::Command, limit: Duration) -> (std::proces
 /// Waits (at most 5 s) for `text` in the node's log: its stderr is read by another thread, so a line the node wrote
 /// before answering may reach the log after the answer.
 fn wait_for_log(node: &NodeProc, text: &str) {
-    let t0 = Instant::now();
-    while !node.log().contains(text) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "{text:?} not logged:\n{}",
-            node.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_line(text, || node.log(), |l| l.contains(text));
 }
 
 fn error_text(reply: &[u8]) -> String {
@@ -622,10 +614,11 @@ fn node_logs_peer_text_escaped() {
     wire::write_msg(&mut s, &Msg::Open(open)).unwrap();
     let (reply, _) = read_until_closed(&mut s, Duration::from_secs(5));
     assert!(error_text(&reply).contains("FORGED"), "{}", error_text(&reply));
-    let t0 = Instant::now();
-    while !node.log().contains("dropped connection") && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_line(
+        "the dropped connection",
+        || node.log(),
+        |l| l.contains("dropped connection"),
+    );
     let log = node.log();
     assert!(log.contains("\\nbaton node: FORGED"), "{log}");
     assert!(!log.lines().any(|l| l.starts_with("baton node: FORGED")), "{log}");

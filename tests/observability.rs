@@ -4,9 +4,8 @@
 
 mod cluster_util;
 
-use cluster_util::{NodeProc, ServeProc, smollm2};
+use cluster_util::{NodeProc, ServeProc, smollm2, wait_for_line};
 use serde_json::{Value, json};
-use std::time::{Duration, Instant};
 
 /// One greedy 4-token chat request with extra header lines; the reply's `x-request-id`.
 fn chat(srv: &ServeProc, q: &str, headers: &str) -> String {
@@ -20,19 +19,6 @@ fn chat(srv: &ServeProc, q: &str, headers: &str) -> String {
             k.eq_ignore_ascii_case("x-request-id").then(|| v.trim().to_string())
         })
         .unwrap_or_else(|| panic!("no x-request-id in:\n{head}"))
-}
-
-/// Waits (at most 10 s: stderr is read by another thread) until `log()` has a line that `matches`.
-fn wait_for_line(what: &str, log: impl Fn() -> String, matches: impl Fn(&str) -> bool) {
-    let t0 = Instant::now();
-    while !log().lines().any(&matches) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "{what}: no such line in:\n{}",
-            log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// A text-format line naming `id` as its request.

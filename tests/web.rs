@@ -74,6 +74,11 @@ fn cluster_endpoint_and_cli_show_both_nodes_their_link_and_the_request() {
     let v = cluster(&srv);
     assert_eq!(v["nodes"].as_array().unwrap().len(), 2, "{v}");
     assert_eq!(v["requests"], json!([]), "no request yet: {v}");
+    // The node said in READY (protocol 5) where it computes, at the server's start: both processes run here.
+    let (remote, local) = (&v["nodes"][0], &v["nodes"][1]);
+    assert_eq!(remote["backend"], "cpu", "{v}");
+    assert!(remote["isa"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
+    assert_eq!(remote["isa"], local["isa"], "one machine, one ISA: {v}");
 
     let (code, r) = srv.post_with(
         "/v1/chat/completions",
@@ -101,7 +106,8 @@ fn cluster_endpoint_and_cli_show_both_nodes_their_link_and_the_request() {
     assert_eq!(local["addr"], Value::Null);
     assert_eq!(local["backend"], "cpu");
     assert!(local["isa"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
-    assert_eq!(remote["backend"], Value::Null, "a remote node's backend is not made up");
+    assert_eq!(remote["backend"], "cpu", "{v}");
+    assert_eq!(remote["isa"], local["isa"], "{v}");
     // Both stages count the pieces streamed (at most the completion tokens: an end token is not sent).
     let tokens = remote["tokens"].as_u64().unwrap();
     assert!((1..=completion).contains(&tokens), "{v}");
@@ -161,6 +167,12 @@ fn cluster_endpoint_and_cli_show_both_nodes_their_link_and_the_request() {
     ] {
         assert!(out.contains(want), "{want:?} missing from:\n{out}");
     }
+    let isa = v["nodes"][1]["isa"].as_str().unwrap();
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with(node.addr.as_str()) && l.contains("0:15") && l.contains("cpu") && l.contains(isa)),
+        "the remote node's row with its backend and ISA:\n{out}"
+    );
     let (ok, out, err) = baton(&["cluster", "status", &srv.addr, "--api-key", KEY, "--json"]);
     assert!(ok, "{err}");
     let j: Value = serde_json::from_str(&out).unwrap();
@@ -226,9 +238,12 @@ fn web_page_chats_stops_and_shows_the_two_node_cluster_in_chromium() {
     let nodes = seen["nodes"].as_array().unwrap();
     let cell = |row: &Value, i: usize| row[i].as_str().unwrap_or_default().to_string();
     assert!(
-        nodes
-            .iter()
-            .any(|r| cell(r, 0) == node.addr && cell(r, 1) == "stage" && cell(r, 2) == "0:15" && cell(r, 6) == "up"),
+        nodes.iter().any(|r| cell(r, 0) == node.addr
+            && cell(r, 1) == "stage"
+            && cell(r, 2) == "0:15"
+            && cell(r, 4) == "cpu"
+            && !cell(r, 5).is_empty()
+            && cell(r, 6) == "up"),
         "the remote stage: {seen}"
     );
     assert!(

@@ -95,6 +95,9 @@ pub struct StageStats {
     pub bytes_recv: u64,
     /// Connections opened after the first one (restarts, idle drops).
     pub reconnects: u64,
+    /// What a remote stage said in READY of its backend and ISA (protocol 5); `None` before it connected.
+    pub backend: Option<String>,
+    pub isa: Option<String>,
 }
 
 /// Data flowing from one stage to the next.
@@ -188,6 +191,8 @@ impl Remote {
             }
             stats.bytes_sent += conn.bytes_sent;
             stats.bytes_recv += conn.bytes_recv;
+            stats.backend = Some(ready.backend);
+            stats.isa = Some(ready.isa);
             self.connected_once = true;
             self.conn = Some(conn);
         }
@@ -468,6 +473,8 @@ impl PipelineSession {
             s.stats = StageStats {
                 label: s.stats.label.clone(),
                 layers: s.stats.layers.clone(),
+                backend: s.stats.backend.clone(),
+                isa: s.stats.isa.clone(),
                 ..Default::default()
             };
         }

@@ -1,6 +1,7 @@
 //! The byte-level matcher: a set of alternative stacks of frames (one per live `anyOf` branch), each a pushdown
 //! automaton over JSON text. Frames are small and `Copy`, so cloning a matcher for each trie node is cheap.
 
+use super::pattern::NON_ASCII;
 use super::schema::{Grammar, MAX_ALTS, Node, NodeId};
 
 /// Most whitespace bytes in a row between tokens of JSON: enough for pretty printing, too few to loop in.
@@ -85,11 +86,17 @@ enum Frame {
         cont: u8,
         lo: u8,
         hi: u8,
+        /// The state of the node's pattern over the characters so far (0 without one).
+        re: u64,
     },
     Num {
+        node: NodeId,
         integer: bool,
         st: Num,
         digits: u8,
+        /// Sign and magnitude of the integer part so far (for the node's bounds).
+        neg: bool,
+        mag: u64,
     },
     /// The literals of `node` in `lo..hi` (sorted) all start with the `pos` bytes read so far.
     Lit {
@@ -170,6 +177,19 @@ impl Matcher {
         bytes.iter().all(|&b| self.advance(g, b))
     }
 
+    /// Whether the only alternative is inside a string without a length bound or pattern, past any escape or
+    /// multi-byte character: then every plain character is taken as is ([`super::trie`]'s shortcut).
+    pub fn in_free_string(&self, g: &Grammar) -> bool {
+        match self.alts.as_slice() {
+            [st] => matches!(
+                st.last(),
+                Some(&Frame::Str { node, open: true, esc: 0, cont: 0, .. })
+                    if matches!(g.nodes[node as usize], Node::String { max: u32::MAX, pattern: None, .. })
+            ),
+            _ => false,
+        }
+    }
+
     /// Whether the bytes so far are a whole value (end of generation allowed here).
     pub fn is_complete(&self, g: &Grammar) -> bool {
         self.alts.iter().any(|s| match s.as_slice() {
@@ -183,7 +203,9 @@ impl Matcher {
 /// A number or literal that may end without a closing byte of its own.
 fn implicitly_complete(g: &Grammar, f: &Frame) -> bool {
     match *f {
-        Frame::Num { st, .. } => matches!(st, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits),
+        Frame::Num { node, st, neg, mag, .. } => {
+            matches!(st, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits) && in_bounds(g, node, neg, mag)
+        }
         Frame::Lit { node, pos, lo, hi } => {
             lo < hi && matches!(&g.nodes[node as usize], Node::Literals(l) if l[lo as usize].len() == pos as usize)
         }
@@ -210,7 +232,7 @@ fn fresh(g: &Grammar, node: NodeId) -> Frame {
             ws: 0,
             n: 0,
         },
-        Node::String { .. } => Frame::Str {
+        Node::String { pattern, .. } => Frame::Str {
             node,
             open: false,
             n: 0,
@@ -218,11 +240,15 @@ fn fresh(g: &Grammar, node: NodeId) -> Frame {
             cont: 0,
             lo: 0,
             hi: 0,
+            re: pattern.map_or(0, |p| g.patterns[p as usize].start()),
         },
-        Node::Number { integer } => Frame::Num {
+        Node::Number { integer, .. } => Frame::Num {
+            node,
             integer: *integer,
             st: Num::Start,
             digits: 0,
+            neg: false,
+            mag: 0,
         },
         Node::Literals(l) => Frame::Lit {
             node,
@@ -324,7 +350,45 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                 None => Step::Reject,
             }
         }
-        Frame::Num { integer, st, digits } => num_step(*integer, st, digits, b),
+        Frame::Num {
+            node,
+            integer,
+            st,
+            digits,
+            neg,
+            mag,
+        } => {
+            let step = num_step(*integer, st, digits, b);
+            let Node::Number {
+                bounds: Some((lo, hi)), ..
+            } = g.nodes[*node as usize]
+            else {
+                return step;
+            };
+            match step {
+                Step::Take => {
+                    if b == b'-' {
+                        *neg = true;
+                    } else {
+                        // Saturates far above any bound, so an overlong integer is simply out of reach.
+                        *mag = mag.saturating_mul(10).saturating_add((b - b'0') as u64);
+                    }
+                    // Digits typed, and whether more may follow (not after a lone 0).
+                    let (typed, more) = match *st {
+                        Num::Minus => (0, true),
+                        Num::Zero => (1, false),
+                        _ => (*digits as u32, true),
+                    };
+                    if reachable(*neg, *mag, typed, more, lo, hi) {
+                        Step::Take
+                    } else {
+                        Step::Reject
+                    }
+                }
+                Step::Pass if !in_bounds(g, *node, *neg, *mag) => Step::Reject,
+                s => s,
+            }
+        }
         Frame::Str {
             node,
             open,
@@ -333,10 +397,12 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
             cont,
             lo,
             hi,
+            re,
         } => {
-            let Node::String { min, max } = g.nodes[*node as usize] else {
+            let Node::String { min, max, pattern } = g.nodes[*node as usize] else {
                 return Step::Reject;
             };
+            let pattern = pattern.map(|p| &g.patterns[p as usize]);
             if !*open {
                 if b == b'"' {
                     *open = true;
@@ -383,7 +449,12 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                 _ => {}
             }
             if b == b'"' {
-                return if *n >= min { Step::Close } else { Step::Reject };
+                let matched = pattern.is_none_or(|p| p.accepts(*re));
+                return if *n >= min && matched {
+                    Step::Close
+                } else {
+                    Step::Reject
+                };
             }
             if b < 0x20 || b == 0x7F {
                 return Step::Reject;
@@ -391,6 +462,16 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
             // A new character.
             if *n >= max {
                 return Step::Reject;
+            }
+            if let Some(p) = pattern {
+                // A pattern sees characters; escapes are not written (the character would be matched unescaped).
+                if b == b'\\' {
+                    return Step::Reject;
+                }
+                *re = p.step(*re, if b < 0x80 { b } else { NON_ASCII });
+                if *re == 0 {
+                    return Step::Reject;
+                }
             }
             match b {
                 b'\\' => *esc = 1,
@@ -600,6 +681,39 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
             }
         }
     }
+}
+
+/// Whether a whole number's value lies in its node's bounds (always, without bounds).
+fn in_bounds(g: &Grammar, node: NodeId, neg: bool, mag: u64) -> bool {
+    match g.nodes[node as usize] {
+        Node::Number {
+            bounds: Some((lo, hi)), ..
+        } => {
+            let v = if neg { -(mag as i128) } else { mag as i128 };
+            (lo as i128..=hi as i128).contains(&v)
+        }
+        _ => true,
+    }
+}
+
+/// Whether an integer begun as `-`? and `typed` digits of value `mag` can still end within `lo..=hi` (adding up
+/// to the digit limit when `more`), so a bounded integer never reaches a dead end.
+fn reachable(neg: bool, mag: u64, typed: u32, more: bool, lo: i64, hi: i64) -> bool {
+    let (lo, hi) = (lo as i128, hi as i128);
+    let extra = if more {
+        MAX_DIGITS as u32 - typed.min(MAX_DIGITS as u32)
+    } else {
+        0
+    };
+    (0..=extra).any(|j| {
+        if typed == 0 && j == 0 {
+            return false;
+        }
+        let p = 10i128.pow(j);
+        let (a, b) = (mag as i128 * p, mag as i128 * p + p - 1);
+        let (a, b) = if neg { (-b, -a) } else { (a, b) };
+        a <= hi && b >= lo
+    })
 }
 
 fn lo_is_d(lo: u8) -> bool {

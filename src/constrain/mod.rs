@@ -7,6 +7,7 @@
 //! keyword this subset does not enforce is refused by name rather than ignored.
 
 mod matcher;
+mod pattern;
 mod schema;
 mod trie;
 

@@ -1,5 +1,6 @@
 //! JSON schema → [`Grammar`]: a small graph of value shapes the matcher walks. Bounded against hostile schemas.
 
+use super::pattern::Pattern;
 use serde_json::{Map, Value};
 use std::collections::HashMap;
 
@@ -19,6 +20,8 @@ const MAX_REFS: usize = 128;
 pub(crate) const MAX_ALTS: usize = 64;
 /// Largest schema, as compact JSON.
 const MAX_SCHEMA_BYTES: usize = 256 * 1024;
+/// Most shape comparisons spent proving two `oneOf` branches disjoint.
+const DISJOINT_BUDGET: u32 = 10_000;
 /// Largest `minLength`/`maxLength`/`minItems`/`maxItems` honoured as a bound.
 const MAX_COUNT: u64 = 1 << 20;
 
@@ -38,7 +41,7 @@ const ANNOTATIONS: [&str; 10] = [
     "writeOnly",
 ];
 /// Keywords enforced by the matcher.
-const ENFORCED: [&str; 18] = [
+const ENFORCED: [&str; 25] = [
     "type",
     "properties",
     "required",
@@ -50,11 +53,18 @@ const ENFORCED: [&str; 18] = [
     "const",
     "anyOf",
     "oneOf",
+    "allOf",
     "$ref",
     "$defs",
     "definitions",
     "minLength",
     "maxLength",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
     "nullable",
     "strict",
 ];
@@ -95,13 +105,17 @@ pub(crate) enum Node {
         min: u32,
         max: u32,
     },
-    /// Lengths in characters (code points).
+    /// Lengths in characters (code points); `pattern`: an index into [`Grammar::patterns`] the characters must
+    /// match (`pattern` or `format`).
     String {
         min: u32,
         max: u32,
+        pattern: Option<u32>,
     },
+    /// `bounds`: the least and greatest integer allowed (integers only).
     Number {
         integer: bool,
+        bounds: Option<(i64, i64)>,
     },
     /// Exact compact JSON texts, sorted and distinct (`enum`, `const`, booleans, null).
     Literals(Vec<Vec<u8>>),
@@ -116,6 +130,7 @@ pub struct Grammar {
     pub(crate) nodes: Vec<Node>,
     pub(crate) starts: Vec<Vec<NodeId>>,
     pub(crate) root: NodeId,
+    pub(crate) patterns: Vec<Pattern>,
 }
 
 impl Grammar {
@@ -186,6 +201,9 @@ struct Compiler<'a> {
     refs: HashMap<String, NodeId>,
     any: Option<NodeId>,
     literal_bytes: usize,
+    patterns: Vec<Pattern>,
+    /// The branches of each `oneOf`, checked to be disjoint once the graph is finished.
+    one_ofs: Vec<Vec<NodeId>>,
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -199,6 +217,36 @@ fn kind(v: &Value) -> &'static str {
         Value::Array(_) => "array",
         Value::Object(_) => "object",
     }
+}
+
+/// The numeric bounds, enforced on integers.
+const BOUNDS: [&str; 4] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+
+/// An integer's least and greatest allowed value from `minimum`, `maximum` and the numeric `exclusive*` forms.
+fn integer_bounds(m: &Map<String, Value>) -> Result<Option<(i64, i64)>, SchemaError> {
+    if !BOUNDS.iter().any(|k| m.contains_key(*k)) {
+        return Ok(None);
+    }
+    let (mut lo, mut hi) = (i64::MIN as f64, i64::MAX as f64);
+    for k in BOUNDS {
+        let Some(v) = m.get(k) else { continue };
+        let Some(x) = v.as_f64().filter(|x| x.abs() < 9.0e18) else {
+            return err(
+                k,
+                format!("{k} must be a number within ±9e18 (the boolean form of draft 4 is not supported)"),
+            );
+        };
+        match k {
+            "minimum" => lo = lo.max(x.ceil()),
+            "exclusiveMinimum" => lo = lo.max(x.floor() + 1.0),
+            "maximum" => hi = hi.min(x.floor()),
+            _ => hi = hi.min(x.ceil() - 1.0),
+        }
+    }
+    if lo > hi {
+        return err("minimum", "no integer lies between the minimum and the maximum");
+    }
+    Ok(Some((lo as i64, hi as i64)))
 }
 
 fn count(m: &Map<String, Value>, key: &str) -> Result<Option<u32>, SchemaError> {
@@ -219,6 +267,8 @@ impl<'a> Compiler<'a> {
             refs: HashMap::new(),
             any: None,
             literal_bytes: 0,
+            patterns: Vec::new(),
+            one_ofs: Vec::new(),
         }
     }
 
@@ -252,8 +302,15 @@ impl<'a> Compiler<'a> {
             min: 0,
             max: u32::MAX,
         });
-        let s = self.push(Node::String { min: 0, max: u32::MAX });
-        let n = self.push(Node::Number { integer: false });
+        let s = self.push(Node::String {
+            min: 0,
+            max: u32::MAX,
+            pattern: None,
+        });
+        let n = self.push(Node::Number {
+            integer: false,
+            bounds: None,
+        });
         let lits = self.push(Node::Literals(vec![
             b"false".to_vec(),
             b"null".to_vec(),
@@ -318,6 +375,10 @@ impl<'a> Compiler<'a> {
                 })
                 .cloned()
         };
+        if let Some(all) = m.get("allOf") {
+            let merged = self.all_of(m, all)?;
+            return self.node(&Value::Object(merged), depth + 1);
+        }
         if let Some(r) = m.get("$ref") {
             if let Some(k) = structural(&["$ref"]) {
                 return err(&k, format!("{k:?} beside \"$ref\" is not supported"));
@@ -394,6 +455,9 @@ impl<'a> Compiler<'a> {
                 for a in alts {
                     ids.push(self.node(a, depth + 1)?);
                 }
+                if key == "oneOf" {
+                    self.one_ofs.push(ids.clone());
+                }
                 return Ok(self.push(Node::Union(ids)));
             }
         }
@@ -403,8 +467,10 @@ impl<'a> Compiler<'a> {
                 types.push("object");
             } else if has(&["items", "minItems", "maxItems"]) {
                 types.push("array");
-            } else if has(&["minLength", "maxLength"]) {
+            } else if has(&["minLength", "maxLength", "pattern", "format"]) {
                 types.push("string");
+            } else if has(&BOUNDS) {
+                types.push("number");
             } else {
                 return Ok(self.any());
             }
@@ -434,10 +500,25 @@ impl<'a> Compiler<'a> {
                     if min > max {
                         return err("minLength", "minLength is above maxLength");
                     }
-                    self.push(Node::String { min, max })
+                    let pattern = self.pattern(m)?;
+                    self.push(Node::String { min, max, pattern })
                 }
-                "number" => self.push(Node::Number { integer: false }),
-                "integer" => self.push(Node::Number { integer: true }),
+                "number" => {
+                    if let Some(k) = BOUNDS.iter().find(|k| m.contains_key(**k)) {
+                        return err(
+                            k,
+                            format!("{k} is enforced on integers only: use \"type\": \"integer\", or drop the bound"),
+                        );
+                    }
+                    self.push(Node::Number {
+                        integer: false,
+                        bounds: None,
+                    })
+                }
+                "integer" => {
+                    let bounds = integer_bounds(m)?;
+                    self.push(Node::Number { integer: true, bounds })
+                }
                 "boolean" => self.push(Node::Literals(vec![b"false".to_vec(), b"true".to_vec()])),
                 _ => self.push(Node::Literals(vec![b"null".to_vec()])),
             };
@@ -448,6 +529,29 @@ impl<'a> Compiler<'a> {
         } else {
             self.push(Node::Union(ids))
         })
+    }
+
+    /// The string's `pattern` or `format`, compiled once per schema object. A length bound beside it is refused:
+    /// the matcher could then reach a prefix that no allowed length completes (put the length into the pattern).
+    fn pattern(&mut self, m: &Map<String, Value>) -> Result<Option<u32>, SchemaError> {
+        let p = match (m.get("pattern"), m.get("format")) {
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => return err("format", "format beside pattern is not supported"),
+            (Some(Value::String(p)), None) => Pattern::compile(p, "pattern")?,
+            (None, Some(Value::String(f))) => Pattern::format(f)?,
+            (Some(_), None) => return err("pattern", "pattern must be a string"),
+            (None, Some(_)) => return err("format", "format must be a string"),
+        };
+        for k in ["minLength", "maxLength"] {
+            if m.contains_key(k) {
+                return err(
+                    k,
+                    format!("{k} beside pattern or format is not supported: give the length in the pattern ({{m,n}})"),
+                );
+            }
+        }
+        self.patterns.push(p);
+        Ok(Some((self.patterns.len() - 1) as u32))
     }
 
     fn object(&mut self, m: &Map<String, Value>, depth: usize) -> Result<NodeId, SchemaError> {
@@ -515,6 +619,98 @@ impl<'a> Compiler<'a> {
         }))
     }
 
+    /// The schema a `$ref` names within the document.
+    fn target(&self, r: &str) -> Result<&'a Value, SchemaError> {
+        if r == "#" {
+            return Ok(self.doc);
+        }
+        let Some((section, name)) = r
+            .strip_prefix("#/$defs/")
+            .map(|n| ("$defs", n))
+            .or_else(|| r.strip_prefix("#/definitions/").map(|n| ("definitions", n)))
+        else {
+            return err(
+                "$ref",
+                format!("$ref {r:?}: only \"#\", \"#/$defs/NAME\" and \"#/definitions/NAME\" are supported"),
+            );
+        };
+        let name = name.replace("~1", "/").replace("~0", "~");
+        match self.doc.get(section).and_then(|d| d.get(&name)) {
+            Some(t) => Ok(t),
+            None => err("$ref", format!("$ref {r:?} names no definition")),
+        }
+    }
+
+    /// `allOf` merged with the schema around it into one schema, where that is simple: each keyword given once,
+    /// or the same everywhere; `properties` joined (a property in several with different schemas is refused);
+    /// `required` joined. A branch may be a `$ref` (followed once, not through another). Anything else is a 400.
+    fn all_of(&self, m: &Map<String, Value>, all: &Value) -> Result<Map<String, Value>, SchemaError> {
+        let Some(branches) = all.as_array().filter(|a| !a.is_empty()) else {
+            return err("allOf", "allOf must be a non-empty array of schemas");
+        };
+        if branches.len() > MAX_ALTS {
+            return err("allOf", format!("allOf has more than {MAX_ALTS} schemas"));
+        }
+        let mut out = m.clone();
+        out.remove("allOf");
+        let cannot = |why: String| -> Result<Map<String, Value>, SchemaError> {
+            err("allOf", format!("allOf cannot be merged into one schema: {why}"))
+        };
+        for b in branches {
+            let b = match b.get("$ref").and_then(Value::as_str) {
+                Some(r) if b.as_object().is_some_and(|o| o.len() == 1) => self.target(r)?,
+                _ => b,
+            };
+            let Some(bm) = b.as_object() else {
+                if b == &Value::Bool(true) {
+                    continue;
+                }
+                return cannot("a branch is not a schema object".into());
+            };
+            for (k, v) in bm {
+                if ANNOTATIONS.contains(&k.as_str()) {
+                    continue;
+                }
+                if ["allOf", "$ref", "$defs", "definitions"].contains(&k.as_str()) {
+                    return cannot(format!("a branch holds {k:?}"));
+                }
+                match (k.as_str(), out.get_mut(k)) {
+                    (_, None) => {
+                        out.insert(k.clone(), v.clone());
+                    }
+                    (_, Some(have)) if have == v => {}
+                    ("properties", Some(Value::Object(have))) => {
+                        let Some(more) = v.as_object() else {
+                            return err("properties", "properties must be an object");
+                        };
+                        for (p, ps) in more {
+                            match have.get(p) {
+                                Some(x) if x != ps => {
+                                    return cannot(format!("property {p:?} has two different schemas"));
+                                }
+                                _ => {
+                                    have.insert(p.clone(), ps.clone());
+                                }
+                            }
+                        }
+                    }
+                    ("required", Some(Value::Array(have))) => {
+                        let Some(more) = v.as_array() else {
+                            return err("required", "required must be an array of strings");
+                        };
+                        for r in more {
+                            if !have.contains(r) {
+                                have.push(r.clone());
+                            }
+                        }
+                    }
+                    _ => return cannot(format!("{k:?} is given twice with different values")),
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn reference(&mut self, r: &str, depth: usize) -> Result<NodeId, SchemaError> {
         if let Some(&id) = self.refs.get(r) {
             return Ok(id);
@@ -522,25 +718,7 @@ impl<'a> Compiler<'a> {
         if self.refs.len() >= MAX_REFS {
             return err("$ref", format!("more than {MAX_REFS} distinct $ref targets"));
         }
-        let target = if r == "#" {
-            self.doc
-        } else {
-            let Some((section, name)) = r
-                .strip_prefix("#/$defs/")
-                .map(|n| ("$defs", n))
-                .or_else(|| r.strip_prefix("#/definitions/").map(|n| ("definitions", n)))
-            else {
-                return err(
-                    "$ref",
-                    format!("$ref {r:?}: only \"#\", \"#/$defs/NAME\" and \"#/definitions/NAME\" are supported"),
-                );
-            };
-            let name = name.replace("~1", "/").replace("~0", "~");
-            match self.doc.get(section).and_then(|d| d.get(&name)) {
-                Some(t) => t,
-                None => return err("$ref", format!("$ref {r:?} names no definition")),
-            }
-        };
+        let target = self.target(r)?;
         let id = self.push(Node::Alias(NodeId::MAX));
         self.refs.insert(r.to_string(), id);
         let t = self.node(target, depth + 1)?;
@@ -596,10 +774,30 @@ impl<'a> Compiler<'a> {
         for id in 0..n {
             resolve(&self.nodes, id as NodeId, &mut starts, &mut visiting)?;
         }
+        let starts: Vec<Vec<NodeId>> = starts.into_iter().map(|s| s.unwrap_or_default()).collect();
+        for branches in &self.one_ofs {
+            for (i, &a) in branches.iter().enumerate() {
+                for (j, &b) in branches.iter().enumerate().skip(i + 1) {
+                    let mut budget = DISJOINT_BUDGET;
+                    if !disjoint(&self.nodes, &starts, a, b, &mut budget) {
+                        return err(
+                            "oneOf",
+                            format!(
+                                "oneOf branches {i} and {j} may match the same value; oneOf is enforced only when \
+                                 its branches cannot overlap (different types, different const/enum values, objects \
+                                 told apart by a required property's const/enum or by a required key the other \
+                                 forbids): use anyOf if a value may match both"
+                            ),
+                        );
+                    }
+                }
+            }
+        }
         Ok(Grammar {
             nodes: self.nodes,
-            starts: starts.into_iter().map(|s| s.unwrap_or_default()).collect(),
+            starts,
             root,
+            patterns: self.patterns,
         })
     }
 }
@@ -608,4 +806,74 @@ impl<'a> Compiler<'a> {
 fn escaped(k: &str) -> Vec<u8> {
     let s = serde_json::to_vec(k).unwrap_or_default();
     s[1..s.len() - 1].to_vec()
+}
+
+/// Whether no value can match both `a` and `b` (judged on their start shapes, conservatively: "may overlap" when
+/// unsure).
+/// `budget` bounds the comparisons (recursive and hostile schemas): when it runs out, "may overlap".
+fn disjoint(nodes: &[Node], starts: &[Vec<NodeId>], a: NodeId, b: NodeId, budget: &mut u32) -> bool {
+    starts[a as usize].iter().all(|&x| {
+        starts[b as usize]
+            .iter()
+            .all(|&y| !overlap(nodes, starts, x, y, budget))
+    })
+}
+
+/// Whether two concrete shapes may match one value.
+fn overlap(nodes: &[Node], starts: &[Vec<NodeId>], x: NodeId, y: NodeId, budget: &mut u32) -> bool {
+    if *budget == 0 {
+        return true;
+    }
+    *budget -= 1;
+    let lits_start = |l: &[Vec<u8>], f: &dyn Fn(u8) -> bool| l.iter().any(|t| t.first().copied().is_some_and(f));
+    match (&nodes[x as usize], &nodes[y as usize]) {
+        (Node::Literals(a), Node::Literals(b)) => a.iter().any(|t| b.contains(t)),
+        (Node::Literals(l), other) | (other, Node::Literals(l)) => match other {
+            Node::String { .. } => lits_start(l, &|c| c == b'"'),
+            Node::Number { .. } => lits_start(l, &|c| c == b'-' || c.is_ascii_digit()),
+            Node::Object { .. } => lits_start(l, &|c| c == b'{'),
+            Node::Array { .. } => lits_start(l, &|c| c == b'['),
+            _ => true,
+        },
+        (Node::Object { .. }, Node::Object { .. }) => !objects_disjoint(nodes, starts, x, y, budget),
+        (Node::String { .. }, Node::String { .. })
+        | (Node::Number { .. }, Node::Number { .. })
+        | (Node::Array { .. }, Node::Array { .. }) => true,
+        _ => false,
+    }
+}
+
+/// Two object shapes no object matches both: a key both require whose values are disjoint, or a key one requires
+/// that the other does not allow.
+fn objects_disjoint(nodes: &[Node], starts: &[Vec<NodeId>], x: NodeId, y: NodeId, budget: &mut u32) -> bool {
+    let (
+        Node::Object {
+            keys: kx,
+            values: vx,
+            required: rx,
+            additional: ax,
+        },
+        Node::Object {
+            keys: ky,
+            values: vy,
+            required: ry,
+            additional: ay,
+        },
+    ) = (&nodes[x as usize], &nodes[y as usize])
+    else {
+        return false;
+    };
+    let required = |k: &[Vec<u8>], r: u64| -> Vec<usize> { (0..k.len()).filter(|&i| r >> i & 1 == 1).collect() };
+    for i in required(kx, *rx) {
+        let told_apart = match ky.iter().position(|k| *k == kx[i]) {
+            Some(j) => ry >> j & 1 == 1 && disjoint(nodes, starts, vx[i], vy[j], budget),
+            None => ay.is_none(),
+        };
+        if told_apart {
+            return true;
+        }
+    }
+    required(ky, *ry)
+        .into_iter()
+        .any(|j| ax.is_none() && !kx.contains(&ky[j]))
 }

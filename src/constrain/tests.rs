@@ -148,10 +148,21 @@ fn json_object_mode_is_any_object() {
 #[test]
 fn unsupported_and_hostile_schemas_are_refused_by_name() {
     for (schema, keyword) in [
-        (json!({"type":"string","pattern":"a+"}), "pattern"),
-        (json!({"type":"string","format":"email"}), "format"),
+        (json!({"type":"string","pattern":"(?=a)"}), "pattern"),
+        (json!({"type":"string","pattern":"a+","maxLength":3}), "maxLength"),
+        (json!({"type":"string","format":"hostname"}), "format"),
         (json!({"type":"number","minimum":3}), "minimum"),
-        (json!({"allOf":[{"type":"string"}]}), "allOf"),
+        (json!({"maximum":3}), "maximum"),
+        (json!({"type":"integer","minimum":3,"maximum":2}), "minimum"),
+        (json!({"type":"integer","exclusiveMinimum":true}), "exclusiveMinimum"),
+        (json!({"type":"integer","multipleOf":2}), "multipleOf"),
+        (json!({"allOf":[{"type":"string"},{"type":"integer"}]}), "allOf"),
+        (json!({"allOf":[{"not":{"type":"string"}}]}), "not"),
+        (json!({"oneOf":[{"type":"integer"},{"type":"number"}]}), "oneOf"),
+        (
+            json!({"oneOf":[{"type":"object"},{"type":"object","properties":{"a":{"const":1}}}]}),
+            "oneOf",
+        ),
         (json!({"type":"array","items":[{"type":"string"}]}), "items"),
         (json!({"$ref":"http://example.com/s"}), "$ref"),
         (json!({"$ref":"#/$defs/missing"}), "$ref"),
@@ -218,7 +229,8 @@ fn mask_equals_brute_force_on_a_real_vocabulary() {
     let trie = text.token_trie();
     let schema = json!({"type":"object","properties":{"name":{"type":"string","maxLength":8},
         "age":{"type":"integer"},"tags":{"type":"array","items":{"enum":["a","bc"]},"maxItems":2},
-        "ok":{"type":["boolean","null"]}},"required":["name","age"],"additionalProperties":false});
+        "ok":{"type":["boolean","null"]},"note":{"type":"string"},"code":{"pattern":"^[a-z]+-[0-9]{2}$"},
+        "n":{"type":"integer","minimum":10,"maximum":99}},"required":["name","age"],"additionalProperties":false});
     let g = grammar(schema);
     let prefixes = [
         "",
@@ -231,6 +243,14 @@ fn mask_equals_brute_force_on_a_real_vocabulary() {
         "{\"name\":\"x\",\"age\":12,\"tags\":[\"bc\"",
         "{\"name\":\"x\",\"age\":12,\"ok\":nu",
         "{\"name\":\"x\",\"age\":12}",
+        "{\"note\":\"",
+        "{\"note\":\"hello wor",
+        "{\"note\":\"caf\u{e9}",
+        "{\"note\":\"a\\",
+        "{\"code\":\"ab",
+        "{\"code\":\"ab-",
+        "{\"n\":",
+        "{\"n\":9",
     ];
     let mut levels = Vec::new();
     let mut out = Vec::new();
@@ -272,21 +292,24 @@ fn mask_cost() {
     let t0 = std::time::Instant::now();
     let trie = text.token_trie();
     let build = t0.elapsed();
-    let g = Grammar::any_object();
+    let any = Grammar::any_object();
+    // A string with a length bound takes the full walk (no plain-subtree shortcut): the cost before it.
+    let bounded = grammar(json!({"type":"object","additionalProperties":{"type":"string","maxLength":1000000}}));
     let mut levels = Vec::new();
     let mut out = Vec::new();
-    for (name, p) in [
-        ("object start", "{"),
-        ("inside a string", "{\"text\": \"hello wor"),
-        ("after a value", "{\"a\": 1"),
-        ("in a number", "{\"a\": 12"),
+    for (name, g, p) in [
+        ("object start", &any, "{"),
+        ("inside a string", &any, "{\"text\": \"hello wor"),
+        ("in a bounded str", &bounded, "{\"text\": \"hello wor"),
+        ("after a value", &any, "{\"a\": 1"),
+        ("in a number", &any, "{\"a\": 12"),
     ] {
-        let mut m = Matcher::new(&g);
-        assert!(m.advance_bytes(&g, p.as_bytes()));
+        let mut m = Matcher::new(g);
+        assert!(m.advance_bytes(g, p.as_bytes()));
         let n = 20;
         let t = std::time::Instant::now();
         for _ in 0..n {
-            trie.allowed(&g, &m, &mut levels, &mut out);
+            trie.allowed(g, &m, &mut levels, &mut out);
         }
         let per = t.elapsed() / n;
         println!(
@@ -298,4 +321,98 @@ fn mask_cost() {
         );
         assert!(per < std::time::Duration::from_millis(200), "{name}: {per:?}");
     }
+}
+
+#[test]
+fn patterns_and_formats_constrain_strings() {
+    check(
+        json!({"type":"string","pattern":"^[A-Z]{2}-\\d{3}$"}),
+        &[r#""AB-123""#],
+        &[r#""ab-123""#, r#""AB-12""#, r#""AB-1234""#, r#""A\u0042-123""#],
+    );
+    // Unanchored: a match anywhere.
+    check(
+        json!({"pattern":"cat"}),
+        &[r#""concatenate""#, r#""cat""#],
+        &[r#""dog""#, "1"],
+    );
+    let g = grammar(json!({"type":"string","pattern":"^a+$"}));
+    assert!(!prefix_ok(&g, r#""ab"#), "a dead pattern stops the string at once");
+    check(
+        json!({"type":"string","format":"date-time"}),
+        &[r#""2026-11-26T12:34:56Z""#, r#""2026-11-26T12:34:56.5+01:00""#],
+        &[r#""2026-11-26""#, r#""2026-11-26T25:00:00Z""#],
+    );
+    check(
+        json!({"format":"uuid"}),
+        &[r#""123e4567-e89b-12d3-a456-426614174000""#],
+        &[r#""123""#],
+    );
+    check(
+        json!({"type":"string","format":"email"}),
+        &[r#""a.b@c.io""#],
+        &[r#""a@b""#, r#""@b.io""#],
+    );
+}
+
+#[test]
+fn integer_bounds_never_dead_end() {
+    let s = json!({"type":"integer","minimum":-5,"exclusiveMaximum":120});
+    check(s.clone(), &["-5", "0", "7", "119", "-0"], &["-6", "120", "1000", "-10"]);
+    let g = grammar(s);
+    // Every accepted prefix can still be completed inside the bounds.
+    assert!(!prefix_ok(&g, "-6"), "-6 cannot become a value ≥ -5");
+    assert!(!prefix_ok(&g, "1200"));
+    check(
+        json!({"type":"integer","minimum":1000}),
+        &["1000", "99999"],
+        &["999", "-1", "0"],
+    );
+    assert!(
+        prefix_ok(&grammar(json!({"type":"integer","minimum":1000})), "9"),
+        "9 can become 9000"
+    );
+    check(
+        json!({"type":"integer","maximum":-10}),
+        &["-10", "-300"],
+        &["-9", "0", "5"],
+    );
+    check(
+        json!({"type":"integer","minimum":2.5,"maximum":3.5}),
+        &["3"],
+        &["2", "4", "3.0"],
+    );
+}
+
+#[test]
+fn one_of_enforced_exactly_or_refused_and_all_of_merged() {
+    // Told apart by a required const: enforced as is.
+    let shapes = json!({"oneOf":[
+        {"type":"object","properties":{"kind":{"const":"circle"},"r":{"type":"number"}},"required":["kind","r"]},
+        {"type":"object","properties":{"kind":{"const":"square"},"side":{"type":"number"}},"required":["kind","side"]}]});
+    check(
+        shapes,
+        &[r#"{"kind":"circle","r":1}"#, r#"{"side":2,"kind":"square"}"#],
+        &[r#"{"kind":"oval","r":1}"#],
+    );
+    check(
+        json!({"oneOf":[{"enum":[1,2]},{"enum":[3]},{"type":"string"}]}),
+        &["1", "3", r#""x""#],
+        &["4"],
+    );
+    let e = Grammar::compile(&json!({"oneOf":[{"enum":[1,2]},{"type":"integer"}]})).unwrap_err();
+    assert!(e.keyword == "oneOf" && e.message.contains("anyOf"), "{e:?}");
+    check(
+        json!({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]},
+                        {"properties":{"b":{"type":"string"}},"required":["b"]}],
+               "additionalProperties":false}),
+        &[r#"{"a":1,"b":"x"}"#],
+        &[r#"{"a":1}"#, r#"{"b":"x"}"#, r#"{"a":1,"b":"x","c":0}"#],
+    );
+    check(
+        json!({"$defs":{"id":{"type":"object","properties":{"id":{"type":"integer"}},"required":["id"]}},
+               "allOf":[{"$ref":"#/$defs/id"},{"properties":{"n":{"type":"string"}}}]}),
+        &[r#"{"id":1}"#, r#"{"id":1,"n":"x"}"#],
+        &["{}"],
+    );
 }

@@ -4,8 +4,9 @@
 use super::matcher::Matcher;
 use super::schema::Grammar;
 
-/// One trie node in preorder: its byte, depth (1 for a first byte), the index after its subtree, and the tokens
-/// whose bytes end here (`toks[tok_lo..tok_hi]`).
+/// One trie node in preorder: its byte, depth (1 for a first byte), the index after its subtree, the tokens whose
+/// bytes end here (`toks[tok_lo..tok_hi]`) and in its whole subtree (`toks[tok_lo..sub_hi]`), and whether every
+/// byte in the subtree is a plain string character ([`plain`]).
 #[derive(Clone, Copy, Debug)]
 struct TrieNode {
     byte: u8,
@@ -13,6 +14,14 @@ struct TrieNode {
     end: u32,
     tok_lo: u32,
     tok_hi: u32,
+    sub_hi: u32,
+    plain: bool,
+}
+
+/// A byte a string without a length bound or pattern always takes as one character: printable ASCII but `"` and
+/// `\`. A subtree of only such bytes is taken whole inside such a string, without walking it.
+fn plain(b: u8) -> bool {
+    (0x20..0x7F).contains(&b) && b != b'"' && b != b'\\'
 }
 
 /// The text tokens of a vocabulary (control tokens and empty pieces left out) and its end-of-generation ids.
@@ -49,6 +58,8 @@ impl TokenTrie {
                     end: 0,
                     tok_lo: toks.len() as u32,
                     tok_hi: toks.len() as u32,
+                    sub_hi: 0,
+                    plain: false,
                 });
             }
             let last = *path.last().unwrap();
@@ -59,6 +70,18 @@ impl TokenTrie {
         }
         for i in path {
             nodes[i].end = nodes.len() as u32;
+        }
+        // Children come after their parent: fill the subtree facts from the last node back.
+        for i in (0..nodes.len()).rev() {
+            let (mut sub_hi, mut all_plain) = (nodes[i].tok_hi, plain(nodes[i].byte));
+            let mut c = i + 1;
+            while c < nodes[i].end as usize {
+                sub_hi = sub_hi.max(nodes[c].sub_hi);
+                all_plain &= nodes[c].plain;
+                c = nodes[c].end as usize;
+            }
+            nodes[i].sub_hi = sub_hi;
+            nodes[i].plain = all_plain;
         }
         let mut eog = eog.to_vec();
         eog.sort_unstable();
@@ -86,6 +109,12 @@ impl TokenTrie {
         while i < self.nodes.len() {
             let n = self.nodes[i];
             let d = n.depth as usize;
+            // Inside a free string every token of a plain subtree is allowed: take them without the walk.
+            if n.plain && levels[d - 1].in_free_string(g) {
+                out.extend_from_slice(&self.toks[n.tok_lo as usize..n.sub_hi as usize]);
+                i = n.end as usize;
+                continue;
+            }
             let (below, here) = levels.split_at_mut(d);
             let cur = &mut here[0];
             cur.copy_from(&below[d - 1]);

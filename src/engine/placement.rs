@@ -72,6 +72,11 @@ impl Placement {
             .map_err(|e| anyhow!("{e}"))
     }
 
+    /// [`Placement::describe`] of the process's placement, `None` where it cannot be opened (the cluster view).
+    pub fn process_label() -> Option<String> {
+        Placement::process().ok().map(Placement::describe)
+    }
+
     fn from_env() -> Result<Placement> {
         let choice: BackendChoice = match std::env::var("BATON_BACKEND") {
             Ok(s) if !s.is_empty() => s.parse()?,

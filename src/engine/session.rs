@@ -438,6 +438,11 @@ impl Session {
 
     /// Feeds `tokens` in batches and returns the logits of the last one (full-model sessions).
     pub fn eval(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        self.eval_reporting(tokens, &mut |_| {})
+    }
+
+    /// [`Session::eval`], calling `done(n)` after each batch with the `n` tokens it fed (progress bars).
+    pub fn eval_reporting(&mut self, tokens: &[u32], done: &mut dyn FnMut(usize)) -> Result<&[f32]> {
         if tokens.is_empty() {
             bail!("nothing to evaluate");
         }
@@ -450,6 +455,7 @@ impl Session {
                 Want::Hidden
             };
             self.forward(Input::Tokens(chunk), want)?;
+            done(chunk.len());
         }
         Ok(&self.logits[..self.model.hp.n_vocab])
     }

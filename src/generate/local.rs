@@ -24,6 +24,8 @@ pub struct LocalGenerator {
     seat: Option<Seat>,
     /// Prompt prefixes kept on disk (`--kv-cache-dir`).
     disk: Option<Arc<DiskCache>>,
+    /// Draw a bar over the prompt's tokens while it is prefilled (`baton run -v`; only on a terminal).
+    progress: bool,
 }
 
 impl LocalGenerator {
@@ -38,12 +40,19 @@ impl LocalGenerator {
             n_ctx,
             seat: None,
             disk: None,
+            progress: false,
         })
     }
 
     /// Decodes through `batcher`, together with the other sessions using it (prefill stays on this thread).
     pub fn with_batcher(mut self, batcher: &Arc<Batcher<LocalStep>>) -> LocalGenerator {
         self.seat = Some(batcher.seat());
+        self
+    }
+
+    /// Draws a progress bar over each prompt's prefill (when standard error is a terminal).
+    pub fn with_progress(mut self, on: bool) -> LocalGenerator {
+        self.progress = on;
         self
     }
 
@@ -90,13 +99,27 @@ impl Generator for LocalGenerator {
         let mut guide = text.guide(params);
         let mut pick = |sampler: &mut Sampler, logits: &[f32]| text.pick_guided(sampler, guide.as_mut(), logits, k);
         let disk = self.disk.as_deref();
+        let progress = self.progress;
         let (cached, first) = {
             let session = session_mut(slot)?;
             let mut cached = session.reuse_prefix(&tokens);
             if let Some(d) = disk {
                 cached = d.load_prefix(session, &tokens)?;
             }
-            let logits = session.eval(&tokens[cached..]).context("prompt processing failed")?;
+            let todo = &tokens[cached..];
+            // A bar only where the prompt takes more than one batch: a single forward has nothing to show.
+            let bar = (progress && todo.len() > session.n_batch())
+                .then(|| crate::util::count_bar(todo.len() as u64, "prefill", "tokens"));
+            let logits = session
+                .eval_reporting(todo, &mut |n| {
+                    if let Some(b) = &bar {
+                        b.inc(n as u64)
+                    }
+                })
+                .context("prompt processing failed")?;
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
             (cached, pick(&mut sampler, logits))
         };
         let t_prompt = t0.elapsed();

@@ -474,6 +474,7 @@ fn build_nodes(
                     status.add_link("local", a, a);
                 }
             }
+            report_builds(status, &opened);
             drop(opened);
             let factory = metered_pipeline(
                 &builder,
@@ -517,11 +518,11 @@ fn build_nodes(
                 );
                 if remote {
                     status.add_link("local", &d.name, &d.addr);
-                } else {
-                    // The server sees the KV bytes only of the prefills it pulls itself.
-                    for p in &prefill {
-                        status.add_link(&p.name, &d.name, &p.name);
-                    }
+                }
+                // KV from each prefill node: pulled by this server, or by a remote decode node that tells the bytes
+                // in its PULL_REPORT.
+                for p in &prefill {
+                    status.add_link(&p.name, &d.name, &p.name);
                 }
                 let factory = match &pool {
                     None => metered_pipeline(
@@ -607,7 +608,7 @@ fn prefill_pool(
                 st.prefilled(&member.name, rep.sent as u64);
                 // The stream's own measured rate: bytes over the time between its first and last frame.
                 let streamed = (rep.link_rate > 0.0).then(|| Duration::from_secs_f64(rep.bytes as f64 / rep.link_rate));
-                st.wire(&member.name, rep.bytes, 0, streamed);
+                st.kv_pulled(&member.name, rep.bytes, streamed);
             }
             m.prefill(
                 &member.name,
@@ -692,8 +693,18 @@ struct Metered {
     status: Arc<Status>,
 }
 
+/// Passes on what each remote stage of `p` said of its backend and ISA when it connected.
+fn report_builds(status: &Status, p: &PipelineGenerator) {
+    for (spec, st) in p.session().stages().iter().zip(p.session().stats()) {
+        if let (Some(addr), Some(b), Some(i)) = (&spec.addr, &st.backend, &st.isa) {
+            status.node_build(addr, b, i);
+        }
+    }
+}
+
 impl Metered {
     fn account(&self) {
+        report_builds(&self.status, &self.inner);
         for st in self.inner.session().stats() {
             if st.bytes_sent + st.bytes_recv > 0 && !st.label.starts_with("local") {
                 let peer = st.label.split(' ').next().unwrap_or(&st.label);

@@ -609,7 +609,7 @@ fn run_job(
 ) -> Ran {
     let (m, status) = (&*sched.metrics, &*sched.status);
     let started = Instant::now();
-    super::status::forget_prefill();
+    super::status::job_starts(at.1);
     let g = match built(generator, factory) {
         Ok(g) => g,
         Err(e) => return Ran::FailedEarly(e),
@@ -704,6 +704,22 @@ fn run_job(
         }
         !filter.matched()
     });
+    // The request as the cluster view keeps it: its first and last tokens' times, [prompt, cached, completion]
+    // tokens, prefill time, how it ended.
+    let record = |(first, last), [prompt_tokens, cached_tokens, completion_tokens]: [usize; 3], t_prompt, finish| {
+        let f = Finished {
+            arrived: job.arrived,
+            started,
+            first,
+            last,
+            prompt_tokens,
+            cached_tokens,
+            completion_tokens,
+            t_prompt,
+            finish,
+        };
+        status.finished(at.0, at.1, f)
+    };
     match r {
         Ok(outcome) => {
             if gone {
@@ -722,20 +738,11 @@ fn run_job(
                 Finish::Eog | Finish::Stopped => "stop",
                 Finish::Length | Finish::ContextFull => "length",
             };
-            status.finished(
-                at.0,
-                at.1,
-                Finished {
-                    arrived: job.arrived,
-                    started,
-                    first,
-                    last,
-                    prompt_tokens: outcome.prompt_tokens,
-                    cached_tokens: outcome.cached_tokens,
-                    completion_tokens: outcome.completion_tokens,
-                    t_prompt: Some(outcome.t_prompt),
-                    finish,
-                },
+            record(
+                (first, last),
+                [outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens],
+                Some(outcome.t_prompt),
+                finish,
             );
             let last = Event::Done { outcome, stop_matched };
             if cancelled {
@@ -748,21 +755,7 @@ fn run_job(
         Err(e) if sent == 0 => Ran::FailedEarly(e),
         Err(e) => {
             *generator = None;
-            status.finished(
-                at.0,
-                at.1,
-                Finished {
-                    arrived: job.arrived,
-                    started,
-                    first,
-                    last,
-                    prompt_tokens: n_prompt,
-                    cached_tokens: 0,
-                    completion_tokens: sent,
-                    t_prompt: None,
-                    finish: "error",
-                },
-            );
+            record((first, last), [n_prompt, 0, sent], None, "error");
             let _ = tx.send(Event::Error(ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 format!("generation failed after {sent} pieces: {e:#}"),

@@ -93,6 +93,8 @@ struct Node {
     probed: Option<AtomicBool>,
     tokens: Rate,
     tokens_total: AtomicU64,
+    /// A remote node's backend and ISA as it reported them (READY, protocol 5), once a connection told us.
+    build: Mutex<Option<(String, String)>>,
 }
 
 /// One link as the server registers it: traffic between `a` and `b`, metered under `peer`.
@@ -146,7 +148,8 @@ pub struct NodeView {
     pub addr: Option<String>,
     /// Layer range `A:B` (B exclusive) of a pipeline stage.
     pub layers: Option<String>,
-    /// `cpu` or `gpu: NAME` where known (the server's own process; remote nodes do not report theirs).
+    /// `cpu` or `gpu: NAME`: the server's own process, or what a remote stage or decode node reported once the
+    /// server connected to it (`None` before; prefill nodes, drafts and ensemble members do not report).
     pub backend: Option<String>,
     pub isa: Option<String>,
     /// `None` when nothing checks it.
@@ -198,6 +201,8 @@ thread_local! {
     /// The prefill node a slot thread's current request used (set by the prefill pool's observer, which runs on the
     /// slot's thread), read when the request ends.
     static PREFILLED_ON: RefCell<Option<String>> = const { RefCell::new(None) };
+    /// The node whose slot this thread is (its label), for the KV a prefill node sends it ([`Status::kv_pulled`]).
+    static DECODES_ON: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
 /// Notes that this thread's current request was prefilled on `node` (a configured name).
@@ -205,9 +210,11 @@ pub fn prefilled_on(node: &str) {
     PREFILLED_ON.with(|p| *p.borrow_mut() = Some(node.to_string()));
 }
 
-/// Forgets a note left by a request that ended before it was recorded (called as a slot starts a job).
-pub fn forget_prefill() {
+/// Called as a slot of the node labelled `node` starts a job: forgets a prefill note left by a request that ended
+/// before it was recorded, and notes where this thread decodes.
+pub fn job_starts(node: &str) {
     PREFILLED_ON.with(|p| p.borrow_mut().take());
+    DECODES_ON.with(|d| *d.borrow_mut() = Some(node.to_string()));
 }
 
 /// What a slot's worker knows of a request when it ends.
@@ -262,13 +269,29 @@ impl Status {
             probed: (probe && addr.is_some()).then(|| AtomicBool::new(true)),
             tokens: Rate::default(),
             tokens_total: AtomicU64::new(0),
+            build: Mutex::new(None),
         });
+    }
+
+    /// The backend and ISA the node at `addr` reported; escaped and bounded again here, as any peer text.
+    pub fn node_build(&self, addr: &str, backend: &str, isa: &str) {
+        let clean = |s: &str| crate::util::printable(s, crate::cluster::wire::MAX_LABEL);
+        for n in self
+            .layout
+            .read()
+            .unwrap()
+            .nodes
+            .iter()
+            .filter(|n| n.addr.as_deref() == Some(addr))
+        {
+            *n.build.lock().unwrap() = Some((clean(backend), clean(isa)));
+        }
     }
 
     /// Registers the link between nodes `a` and `b`; traffic reported under `key` counts on it (`a` sends).
     pub fn add_link(&self, a: &str, b: &str, key: &str) {
         let mut l = self.layout.write().unwrap();
-        if l.links.iter().any(|x| x.key == key && x.a == a) {
+        if l.links.iter().any(|x| x.key == key && x.a == a && x.b == b) {
             return;
         }
         l.links.push(Link {
@@ -312,6 +335,29 @@ impl Status {
             l.recv.fetch_add(recv, Ordering::Relaxed);
             l.rate.add(sent + recv);
             if let Some(w) = waited {
+                l.wire_ns.fetch_add(w.as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// `bytes` of KV (and hidden rows) the prefill node named `prefill` streamed to the decode node this thread's
+    /// slot belongs to ([`job_starts`]), over `streamed`: counted on the link between the two, whether the decode
+    /// side is this server or a remote node (which tells its bytes in PULL_REPORT).
+    pub fn kv_pulled(&self, prefill: &str, bytes: u64, streamed: Option<Duration>) {
+        let Some(decode) = DECODES_ON.with(|d| d.borrow().clone()) else {
+            return;
+        };
+        for l in self
+            .layout
+            .read()
+            .unwrap()
+            .links
+            .iter()
+            .filter(|l| l.a == prefill && l.b == decode)
+        {
+            l.sent.fetch_add(bytes, Ordering::Relaxed);
+            l.rate.add(bytes);
+            if let Some(w) = streamed {
                 l.wire_ns.fetch_add(w.as_nanos() as u64, Ordering::Relaxed);
             }
         }
@@ -408,9 +454,7 @@ impl Status {
     /// The view now, with the scheduler's gauges, the model id and the one-line description of the generator.
     pub fn view(&self, g: &Gauges, model: &str, generator: &str) -> ClusterView {
         let l = self.layout.read().unwrap();
-        let here_backend = crate::engine::placement::Placement::process()
-            .map(|p| p.describe())
-            .ok();
+        let here_backend = crate::engine::placement::Placement::process_label();
         let nodes = l
             .nodes
             .iter()
@@ -428,13 +472,19 @@ impl Status {
                     (Role::Prefill, _) | (Role::Draft, _) | (_, None) => (0, 0),
                     (_, Some(s)) => (s.2, s.3),
                 };
+                let build = n.build.lock().unwrap().clone();
+                let (backend, isa) = match (in_process, build) {
+                    (true, _) => (here_backend.clone(), Some(crate::kernels::isa_label())),
+                    (false, Some((b, i))) => (Some(b), Some(i)),
+                    (false, None) => (None, None),
+                };
                 NodeView {
                     name: n.name.clone(),
                     role: n.role,
                     addr: n.addr.clone(),
                     layers: n.layers.clone(),
-                    backend: if in_process { here_backend.clone() } else { None },
-                    isa: in_process.then(crate::kernels::isa_label),
+                    backend,
+                    isa,
                     up,
                     busy,
                     slots,
@@ -717,16 +767,28 @@ mod tests {
         let s = Status::new();
         s.add_node("local", Role::Decode, None, None, Some(0), false);
         s.add_node("p1", Role::Prefill, Some("127.0.0.1:2"), None, None, true);
+        s.add_node("d2", Role::Decode, Some("127.0.0.1:3"), None, Some(1), false);
         s.add_link("p1", "local", "p1");
+        s.add_link("p1", "d2", "p1");
+        job_starts("local");
         prefilled_on("p1");
         s.finished(0, "local", done(Instant::now()));
         s.finished(0, "local", done(Instant::now()));
-        s.wire("p1", 0, 1000, None);
+        s.kv_pulled("p1", 1000, None);
+        // Another slot thread, of the remote decode node: its pulls count on its own link.
+        std::thread::scope(|t| {
+            t.spawn(|| {
+                job_starts("d2");
+                s.kv_pulled("p1", 300, Some(Duration::from_millis(3)));
+            });
+        });
         s.wire("unknown", 5, 5, None);
         let v = s.view(&gauges(), "m", "g");
         assert_eq!(v.requests[1].prefill, "p1");
         assert_eq!(v.requests[0].prefill, "local", "the note is for one request only");
-        assert_eq!((v.links[0].bytes_ab, v.links[0].bytes_ba), (0, 1000));
+        assert_eq!((v.links[0].bytes_ab, v.links[0].bytes_ba), (1000, 0));
+        assert_eq!((v.links[1].b.as_str(), v.links[1].bytes_ab), ("d2", 300));
+        assert_eq!(v.links[1].throughput, Some(100_000.0));
         assert_eq!(v.nodes[1].up, Some(true), "up until a probe fails");
         assert_eq!(
             (v.nodes[1].busy, v.nodes[1].slots),

@@ -293,7 +293,9 @@ impl Builder {
         if let Some(list) = &a.prefill_node {
             return Ok(Box::new(self.disagg(model, pool, PrefillPool::from_list(list)?)?));
         }
-        Ok(Box::new(LocalGenerator::new(model, pool, a.n_ctx, a.n_batch)?))
+        Ok(Box::new(
+            LocalGenerator::new(model, pool, a.n_ctx, a.n_batch)?.with_progress(a.verbose),
+        ))
     }
 }
 

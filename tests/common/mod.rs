@@ -3,6 +3,7 @@
 
 use baton::generate::{GenParams, Generator, Outcome, Prompt};
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 /// The small random-weight models committed in tests/models/ (written by scripts/gen-test-models.py).
 pub const GENERATED: [&str; 4] = ["llama3", "qwen2", "qwen3", "qwen3moe"];
@@ -52,4 +53,17 @@ pub fn golden(name: &str) -> serde_json::Value {
         )
     });
     serde_json::from_str(&text).unwrap()
+}
+
+/// Waits (at most 10 s: a child's stderr is read by another thread) until `log()` has a line that `matches`.
+pub fn wait_for_line(what: &str, log: impl Fn() -> String, matches: impl Fn(&str) -> bool) {
+    let t0 = Instant::now();
+    while !log().lines().any(&matches) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: no such line in:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

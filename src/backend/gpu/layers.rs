@@ -84,8 +84,10 @@ impl GpuWeights {
             gpu.upload_matrix(&m)
         };
         let mut w = Vec::with_capacity(layers.len());
+        let bar = crate::util::count_bar(layers.len() as u64, "uploading to the GPU", "layers");
         let result = (|| -> Result<Option<Head>> {
             for il in layers.clone() {
+                bar.inc(1);
                 let p = |t: &str| format!("blk.{il}.{t}.weight");
                 let vector = |name: &str| -> Result<Tensor> { gpu.upload(&mapped(name)?.to_f32()) };
                 // The optional vectors as the CPU's layer holds them, so both backends run the same block.
@@ -126,6 +128,7 @@ impl GpuWeights {
                 out: up(out)?,
             }))
         })();
+        bar.finish_and_clear();
         let head = result.map_err(|e| {
             let fit = w.len().saturating_sub(1);
             anyhow::anyhow!(

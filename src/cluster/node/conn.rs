@@ -169,6 +169,8 @@ impl Conn<'_> {
             layers: open.layers,
             n_ctx: open.n_ctx,
             n_past: n_past as u32,
+            backend: crate::engine::placement::Placement::process_label().unwrap_or_default(),
+            isa: crate::kernels::isa_label(),
         }))?;
         let _s = request_span(&open.request_id).entered();
         tracing::info!(

@@ -5,6 +5,9 @@
 use super::WireError;
 use crate::engine::snapshot::RowDtype;
 
+/// Longest label ([`Dec::label`]) a peer may send.
+pub const MAX_LABEL: usize = 64;
+
 pub(super) fn malformed<T>(msg: impl Into<String>) -> Result<T, WireError> {
     Err(WireError::Malformed(msg.into()))
 }
@@ -37,6 +40,17 @@ impl Enc {
     }
     pub fn f32(&mut self, v: f32) {
         self.raw(&v.to_le_bytes());
+    }
+    /// A label as [`Dec::label`] takes it: control characters become `?`, cut to [`MAX_LABEL`] bytes on a char
+    /// boundary.
+    pub fn label(&mut self, s: &str) {
+        let mut clean: String = s.chars().map(|c| if c.is_control() { '?' } else { c }).collect();
+        let mut end = clean.len().min(MAX_LABEL);
+        while !clean.is_char_boundary(end) {
+            end -= 1;
+        }
+        clean.truncate(end);
+        self.str(&clean);
     }
     /// u16 length + UTF-8 bytes (truncated at 65 535 bytes on a char boundary).
     pub fn str(&mut self, s: &str) {
@@ -106,6 +120,19 @@ impl<'a> Dec<'a> {
         match std::str::from_utf8(b) {
             Ok(s) => Ok(s.to_string()),
             Err(_) => malformed("string is not UTF-8"),
+        }
+    }
+    /// A short label a node reports about itself (protocol 5: its backend and ISA in READY): at most
+    /// [`MAX_LABEL`] bytes of UTF-8 without control characters, so it can go into a log line or a table as is.
+    pub fn label(&mut self) -> Result<String, WireError> {
+        let n = self.u16()? as usize;
+        if n > MAX_LABEL {
+            return malformed(format!("label of {n} bytes exceeds {MAX_LABEL}"));
+        }
+        match std::str::from_utf8(self.take(n)?) {
+            Ok(s) if !s.chars().any(char::is_control) => Ok(s.to_string()),
+            Ok(_) => malformed("label holds control characters"),
+            Err(_) => malformed("label is not UTF-8"),
         }
     }
     /// A request id (protocol 4): empty (none) or [`crate::util::valid_request_id`], at most

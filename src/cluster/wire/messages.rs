@@ -9,7 +9,7 @@ use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
 
 /// The model as each end sees it; the handshake compares these field by field.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelInfo {
     /// Hex content hash of the model file.
     pub fingerprint: String,
@@ -214,6 +214,10 @@ pub struct Ready {
     pub n_ctx: u32,
     /// Positions this session already holds on the node (0 for a new session).
     pub n_past: u32,
+    /// Where the node computes (`cpu`, `gpu: NAME`) and its CPU kernels' ISA (protocol 5), for the cluster view;
+    /// each at most [`super::codec::MAX_LABEL`] bytes without control characters.
+    pub backend: String,
+    pub isa: String,
 }
 
 impl Codec for Ready {
@@ -223,6 +227,8 @@ impl Codec for Ready {
         e.u32(self.layers.1);
         e.u32(self.n_ctx);
         e.u32(self.n_past);
+        e.label(&self.backend);
+        e.label(&self.isa);
     }
 
     fn get(d: &mut Dec) -> Result<Self, WireError> {
@@ -231,6 +237,8 @@ impl Codec for Ready {
             layers: (d.u32()?, d.u32()?),
             n_ctx: d.u32()?,
             n_past: d.u32()?,
+            backend: d.label()?,
+            isa: d.label()?,
         })
     }
 }

@@ -10,6 +10,7 @@
 //! `codec.rs`.
 
 mod codec;
+pub use codec::MAX_LABEL;
 mod hidden;
 mod messages;
 #[cfg(test)]
@@ -25,7 +26,7 @@ use codec::{Codec, Dec, Enc, malformed};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 4] = *b"BTON";
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 pub const HEADER_LEN: usize = 12;
 /// Largest payload of any frame.
 pub const MAX_FRAME: usize = 256 << 20;

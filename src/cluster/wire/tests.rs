@@ -54,6 +54,8 @@ fn every_message_roundtrips() {
         layers: (0, 30),
         n_ctx: 512,
         n_past: 12,
+        backend: "gpu: NVIDIA H100 80GB HBM3".into(),
+        isa: "avx2+vnni".into(),
     }));
     let h = Hidden::encode(&[1.0, -2.0, 3.5, 0.25, 8.0, -1.0], 3, RowDtype::Q8);
     roundtrip(Msg::Forward(Forward {
@@ -282,4 +284,49 @@ fn request_ids_are_bounded_and_plain() {
             "{bad:?}: {e:?}"
         );
     }
+}
+
+#[test]
+fn ready_labels_are_bounded_and_without_control_characters() {
+    let ready = |backend: &str| Ready {
+        model: info(),
+        layers: (0, 30),
+        n_ctx: 512,
+        n_past: 0,
+        backend: backend.into(),
+        isa: "avx2".into(),
+    };
+    // The encoder cleans what it sends: control characters become `?`, the label is cut to MAX_LABEL bytes.
+    let sent = Msg::decode(
+        ty::READY,
+        &Msg::Ready(ready(&format!("gpu: a\x1b[31m{}", "é".repeat(40)))).encode(),
+    );
+    let Ok(Msg::Ready(r)) = sent else { panic!("{sent:?}") };
+    assert!(
+        r.backend.starts_with("gpu: a?[31m") && r.backend.len() <= MAX_LABEL,
+        "{:?}",
+        r.backend
+    );
+    // The decoder refuses what a peer's own encoder would not send.
+    let mut raw = Msg::Ready(ready("cpu")).encode();
+    let at = raw.len() - (2 + 4) - (2 + 3);
+    assert_eq!(&raw[at + 2..at + 5], b"cpu");
+    raw[at + 3] = b'\n';
+    let e = Msg::decode(ty::READY, &raw);
+    assert!(
+        matches!(&e, Err(WireError::Malformed(m)) if m.contains("control")),
+        "{e:?}"
+    );
+    let mut e = Enc(Vec::new());
+    ready("").model.put(&mut e);
+    for v in [0u32, 30, 512, 0] {
+        e.u32(v);
+    }
+    e.str(&"x".repeat(MAX_LABEL + 1));
+    e.str("avx2");
+    let r = Msg::decode(ty::READY, &e.0);
+    assert!(
+        matches!(&r, Err(WireError::Malformed(m)) if m.contains("exceeds")),
+        "{r:?}"
+    );
 }
