@@ -350,6 +350,9 @@ struct NodeArgs {
     /// Step each session's decode on its own instead of batching the steps that arrive together.
     #[arg(long = "no-batch")]
     no_batch: bool,
+    // The prefills this node serves (PREFILL) read and write their prompts' prefixes there.
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
 }
 
 /// Several models behind one generator (`baton run` and `baton serve`): an ensemble, or a target with a draft.
@@ -1118,6 +1121,8 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.max_connections = a.max_connections;
     cfg.max_handshakes = a.max_handshakes;
     cfg.batch = !a.no_batch;
+    cfg.kv_cache_dir = a.kv_cache.kv_cache_dir;
+    cfg.kv_cache_gib = a.kv_cache.kv_cache_size;
     baton::cluster::run_node(cfg)
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
 //!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] [--max-handshakes N]
-//!        [--no-batch] [--log-format text|json]
+//!        [--no-batch] [--kv-cache-dir DIR] [--kv-cache-size GiB] [--log-format text|json]
 
 use anyhow::{Context, Result, bail};
 use baton::cluster::{NodeConfig, auth, run_node};
@@ -49,6 +49,8 @@ fn real_main() -> Result<()> {
             "--max-connections" => cfg.max_connections = val()?.parse().context("bad connection count")?,
             "--max-handshakes" => cfg.max_handshakes = val()?.parse().context("bad handshake count")?,
             "--no-batch" => cfg.batch = false,
+            "--kv-cache-dir" => cfg.kv_cache_dir = Some(PathBuf::from(val()?)),
+            "--kv-cache-size" => cfg.kv_cache_gib = val()?.parse().context("bad --kv-cache-size")?,
             // Read by `main` before anything is logged.
             "--log-format" => match val()?.as_str() {
                 "text" | "json" => {}
@@ -59,7 +61,8 @@ fn real_main() -> Result<()> {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
                      [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] \
-                     [--max-handshakes N] [--no-batch] [--log-format text|json]"
+                     [--max-handshakes N] [--no-batch] [--kv-cache-dir DIR] [--kv-cache-size GiB] \
+                     [--log-format text|json]"
                 );
                 return Ok(());
             }

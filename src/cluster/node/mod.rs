@@ -14,6 +14,7 @@ mod conn;
 mod state;
 
 use super::wire::ModelInfo;
+use crate::engine::disk_cache::DiskCache;
 use crate::gguf::GgufFile;
 use crate::model::Hparams;
 use anyhow::{Context, Result, bail};
@@ -57,6 +58,11 @@ pub struct NodeConfig {
     /// Of those, connections that have not yet authenticated: a flood of strangers cannot lock out the peers that
     /// know the secret, since each stranger is gone within two I/O timeouts.
     pub max_handshakes: usize,
+    /// Keep the KV of prefilled prompts in this directory (`--kv-cache-dir`), so a prefix prefilled before, even by
+    /// an earlier process, is read back instead of computed (docs/kv-cache.md).
+    pub kv_cache_dir: Option<PathBuf>,
+    /// Most GiB the entries of `kv_cache_dir` take.
+    pub kv_cache_gib: f64,
 }
 
 impl NodeConfig {
@@ -75,6 +81,8 @@ impl NodeConfig {
             idle_timeout: Duration::from_secs(300),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            kv_cache_dir: None,
+            kv_cache_gib: 8.0,
         }
     }
 
@@ -116,7 +124,12 @@ impl Node {
                  may go without)"
             );
         }
-        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned));
+        let disk = cfg
+            .kv_cache_dir
+            .as_deref()
+            .map(|d| DiskCache::open_gib(d, cfg.kv_cache_gib))
+            .transpose()?;
+        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, disk));
         if let Some(r) = state.pinned.clone() {
             state.model(r)?;
         }
@@ -221,7 +234,7 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
     let node = Node::bind(cfg)?;
     let s = &node.state;
     tracing::info!(
-        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {})",
+        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {}, kv cache {})",
         node.local_addr()?,
         s.cfg.model.display(),
         s.hp.arch.name(),
@@ -235,7 +248,10 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
             "required"
         } else {
             "off (loopback only)"
-        }
+        },
+        s.disk
+            .as_ref()
+            .map_or("off".to_string(), |d| d.dir().display().to_string())
     );
     node.serve()
 }

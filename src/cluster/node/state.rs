@@ -10,6 +10,7 @@ use crate::cluster::stage::{Prepared, StageCore, StageOut};
 use crate::cluster::wire::{Forward, ModelInfo, Open, Pull, WantOut};
 use crate::engine::Session;
 use crate::engine::batcher::{BatchStats, Batcher, Liveness, Pending, Policy, Row, Stepper};
+use crate::engine::disk_cache::DiskCache;
 use crate::engine::snapshot::RowDtype;
 use crate::gguf::GgufFile;
 use crate::kernels::ThreadPool;
@@ -53,6 +54,8 @@ pub(super) struct State {
     /// Decode steps of full-model sessions, batched (made on first use).
     batcher: Mutex<Option<Arc<Batcher<DecodeStep>>>>,
     stats: Arc<BatchStats>,
+    /// Prefixes' KV on disk (`--kv-cache-dir`), read and written by the prefills this node serves.
+    pub(super) disk: Option<DiskCache>,
 }
 
 /// A session that asked for a decode step this recently counts as decoding (waited for by a batched step): its
@@ -76,6 +79,7 @@ impl State {
         hp: Hparams,
         info: ModelInfo,
         pinned: Option<Range<usize>>,
+        disk: Option<DiskCache>,
     ) -> State {
         State {
             pool: Arc::new(ThreadPool::new(cfg.threads)),
@@ -91,6 +95,7 @@ impl State {
             hp,
             info,
             pinned,
+            disk,
         }
     }
 
@@ -111,7 +116,24 @@ impl State {
         let _c = lock(&self.compute);
         let mut g = lock(slot);
         g.last_used = Instant::now();
-        g.core.run(pos, &f.prefix, &f.tokens, hidden, f.want)
+        let out = g.core.run(pos, &f.prefix, &f.tokens, hidden, f.want)?;
+        if let Some(d) = &self.disk
+            && n > 1
+            && !matches!(out.0, StageOut::Mismatch(_))
+            && let Err(e) = g.core.store_to_disk(d, pos)
+        {
+            tracing::warn!("kv-cache: not storing this prefill: {e:#}");
+        }
+        Ok(out)
+    }
+
+    /// LOOKUP: the session keeps the longest prefix of `tokens` it holds, extended from the disk cache when the node
+    /// has one; returns the positions held.
+    pub(super) fn lookup(&self, slot: &SharedSlot, tokens: &[u32]) -> Result<usize> {
+        let _c = lock(&self.compute);
+        let mut g = lock(slot);
+        g.last_used = Instant::now();
+        g.core.hold_prefix(tokens, self.disk.as_ref())
     }
 
     /// A decode step of a full-model session, stepped together with the other sessions' (`engine::batcher`).
