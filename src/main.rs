@@ -361,6 +361,9 @@ struct NodeArgs {
     /// Start even when the weights plus one session's KV (or --kv-budget) exceed the memory available.
     #[arg(long = "no-mem-check")]
     no_mem_check: bool,
+    // The prefills this node serves (PREFILL) read and write their prompts' prefixes there.
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
 }
 
 /// Several models behind one generator (`baton run` and `baton serve`): an ensemble, or a target with a draft.
@@ -1132,6 +1135,8 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
     cfg.batch = !a.no_batch;
     cfg.kv_budget = a.kv_budget.map(baton::util::gib_bytes);
     cfg.no_mem_check = a.no_mem_check;
+    cfg.kv_cache_dir = a.kv_cache.kv_cache_dir;
+    cfg.kv_cache_gib = a.kv_cache.kv_cache_size;
     baton::cluster::run_node(cfg)
 }
 

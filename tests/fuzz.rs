@@ -559,6 +559,11 @@ fn wire_seeds() -> Vec<Msg> {
             message: "layer 3 is not held here".into(),
         },
         Msg::Mismatch { req: 4, n_past: 17 },
+        Msg::Lookup {
+            req: 6,
+            tokens: vec![1, 2, 3, 4096],
+        },
+        Msg::Cached { req: 6, n_past: 256 },
         Msg::Kv {
             req: 2,
             data: vec![5; 100],

@@ -1,11 +1,12 @@
 //! KV on disk, through real processes: the prefix cache (`--kv-cache-dir`) across a restart and with its files
 //! corrupted, truncated or deleted under a running server; sessions saved and restored across processes
 //! (`run --save-session/--load-session`, `POST /slots/{id}`), refused for other weights or a path outside the
-//! directory.
+//! directory; across the cluster, a prefill node (`baton node --kv-cache-dir`) that serves its cached prefixes to
+//! a decode side, and a two-stage pipeline whose stages each read their own layer range back.
 
 mod cluster_util;
 
-use cluster_util::{ServeProc, smollm2};
+use cluster_util::{NodeProc, ServeProc, smollm2};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -364,4 +365,147 @@ fn slots_save_and_restore_across_servers_behind_the_key_and_inside_their_directo
         .as_u64()
         .unwrap();
     assert!(cached > 5, "the restored session was not reused: {again}");
+}
+
+/// The layer range an entry holds, from its snapshot header (docs/kv-format.md).
+fn entry_layers(path: &Path) -> (usize, usize) {
+    let b = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let field = |k: &str| h["__metadata__"][k].as_str().unwrap().parse().unwrap();
+    (field("layer_start"), field("layer_end"))
+}
+
+/// Entries of `dir` that are not byte-for-byte the `damaged` copies (rewritten since), by path.
+fn rewritten(files: &[std::path::PathBuf], damaged: &[Vec<u8>]) -> bool {
+    files
+        .iter()
+        .zip(damaged)
+        .all(|(f, bad)| std::fs::read(f).is_ok_and(|b| b != *bad))
+}
+
+#[test]
+fn a_prefill_node_serves_its_cached_prefix_after_a_restart_and_recomputes_damaged_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (m, prompt) = (smollm2(), long_prompt(4));
+    let m = m.to_str().unwrap();
+    let local = run(&["-m", m, &prompt]);
+    let (n, _) = prompt_counts(&local);
+    let local = ok_stdout(&local);
+    let blocks = (n - 1) / BLOCK;
+    let spawn = || NodeProc::spawn(Path::new(m), "127.0.0.1:0", &["--kv-cache-dir", d]);
+    let via = |node: &NodeProc| {
+        let o = run(&[
+            "-m",
+            m,
+            "-v",
+            "--prefill-node",
+            &node.addr,
+            "--offload",
+            "always",
+            &prompt,
+        ]);
+        let err = stderr(&o);
+        assert!(
+            err.contains(&format!("prefill: layers 0..30 of 30 remote, {n} tokens sent")) && !err.contains("fallback"),
+            "the decode side got every position's KV from the node:\n{err}\nnode:\n{}",
+            node.log()
+        );
+        ok_stdout(&o)
+    };
+
+    let mut node = spawn();
+    assert_eq!(via(&node), local, "cold, through the prefill node");
+    wait_entries(dir.path(), n / BLOCK);
+    node.kill();
+
+    // A new node process on the same directory: the prefix is read back, only the suffix is computed.
+    let node = spawn();
+    assert_eq!(via(&node), local, "the prefix read from the node's disk");
+    let hit = format!("kv-cache: hit {} tokens", blocks * BLOCK);
+    assert!(node.log().contains(&hit), "{}", node.log());
+
+    // Damaged entries cost only recomputation, then are written again and hit.
+    let files = entries(dir.path());
+    let damaged: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| {
+            let mut b = std::fs::read(f).unwrap();
+            let i = b.len() / 2;
+            b[i] ^= 0x40;
+            std::fs::write(f, &b).unwrap();
+            b
+        })
+        .collect();
+    assert_eq!(via(&node), local, "damaged entries are recomputed");
+    assert!(node.log().contains("kv-cache: dropping"), "{}", node.log());
+    assert_eq!(
+        node.log().matches(&hit).count(),
+        1,
+        "a damaged entry was used:\n{}",
+        node.log()
+    );
+    let t0 = Instant::now();
+    while !rewritten(&files, &damaged) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "entries not rewritten\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(via(&node), local);
+    assert_eq!(node.log().matches(&hit).count(), 2, "{}", node.log());
+}
+
+#[test]
+fn each_stage_of_a_restarted_pipeline_reads_its_own_layer_range_back() {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let (m, prompt) = (smollm2(), long_prompt(5));
+    let m = m.to_str().unwrap();
+    let ranges = [("0:15", (0, 15)), ("15:end", (15, 30))];
+    let spawn = || -> Vec<NodeProc> {
+        ranges
+            .iter()
+            .zip(&dirs)
+            .map(|((r, _), d)| {
+                NodeProc::spawn(
+                    Path::new(m),
+                    "127.0.0.1:0",
+                    &["--layers", r, "--kv-cache-dir", d.path().to_str().unwrap()],
+                )
+            })
+            .collect()
+    };
+    let via = |nodes: &[NodeProc]| {
+        let spec = format!("{}=0:15,{}=15:end", nodes[0].addr, nodes[1].addr);
+        run(&["-m", m, "-v", "--pipeline", &spec, &prompt])
+    };
+
+    let mut nodes = spawn();
+    let cold = via(&nodes);
+    let (n, cached) = prompt_counts(&cold);
+    assert_eq!(cached, 0);
+    let cold = ok_stdout(&cold);
+    for ((_, range), d) in ranges.iter().zip(&dirs) {
+        wait_entries(d.path(), n / BLOCK);
+        for f in entries(d.path()) {
+            assert_eq!(entry_layers(&f), *range, "{} holds another stage's layers", f.display());
+        }
+    }
+    nodes.iter_mut().for_each(NodeProc::kill);
+
+    let nodes = spawn();
+    let warm = via(&nodes);
+    let blocks = (n - 1) / BLOCK;
+    assert_eq!(ok_stdout(&warm), cold, "both stages read back: same text");
+    assert_eq!(prompt_counts(&warm), (n, blocks * BLOCK), "{}", stderr(&warm));
+    for node in &nodes {
+        let log = node.log();
+        assert!(
+            log.contains(&format!("kv-cache: hit {} tokens", blocks * BLOCK)),
+            "{log}"
+        );
+    }
 }

@@ -2,7 +2,8 @@
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
 //!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] [--max-handshakes N]
-//!        [--no-batch] [--kv-budget GIB] [--no-mem-check] [--log-format text|json]
+//!        [--no-batch] [--kv-budget GIB] [--no-mem-check] [--kv-cache-dir DIR] [--kv-cache-size GIB]
+//!        [--log-format text|json]
 
 use anyhow::{Context, Result, bail};
 use baton::cluster::{NodeConfig, auth, run_node};
@@ -59,6 +60,8 @@ fn real_main() -> Result<()> {
                 cfg.kv_budget = Some(baton::util::gib_bytes(gib));
             }
             "--no-mem-check" => cfg.no_mem_check = true,
+            "--kv-cache-dir" => cfg.kv_cache_dir = Some(PathBuf::from(val()?)),
+            "--kv-cache-size" => cfg.kv_cache_gib = baton::util::parse_gib(&val()?).map_err(|e| anyhow::anyhow!("{a}: {e}"))?,
             // Read by `main` before anything is logged.
             "--log-format" => match val()?.as_str() {
                 "text" | "json" => {}
@@ -69,7 +72,8 @@ fn real_main() -> Result<()> {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
                      [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] \
-                     [--max-handshakes N] [--no-batch] [--kv-budget GIB] [--no-mem-check] [--log-format text|json]"
+                     [--max-handshakes N] [--no-batch] [--kv-budget GIB] [--no-mem-check] [--kv-cache-dir DIR] \
+                     [--kv-cache-size GIB] [--log-format text|json]"
                 );
                 return Ok(());
             }

@@ -10,6 +10,7 @@ use super::handshake::{self, Conn, Timeouts};
 use super::stage::StageCore;
 use super::wire::{self, Hidden, HiddenRows, ModelInfo, Msg, Open, Prefill, PrefillHidden, PullReport};
 use super::{PrefixHash, prefix_next, prefix_root};
+use crate::engine::disk_cache::DiskCache;
 use crate::engine::kv_cache::KvBlock;
 use crate::engine::snapshot::{self, RowDtype};
 use crate::engine::{Input, Session, Want};
@@ -60,6 +61,7 @@ pub fn serve_prefill(
     p: &Prefill,
     queued: Duration,
     hidden_wire: RowDtype,
+    disk: Option<&DiskCache>,
 ) -> Result<Drain> {
     let model = core.session().model().clone();
     let hp = &model.hp;
@@ -94,6 +96,18 @@ pub fn serve_prefill(
         return Ok(Drain(None));
     }
     core.rewind(pos);
+    // The prompt from position 0, when the session knows the ids before `pos` (a range fed from token ids does).
+    let full: Option<Vec<u32>> =
+        (core.session().tokens().len() == pos).then(|| [core.session().tokens(), &p.tokens[..]].concat());
+    // Positions on disk (`--kv-cache-dir`) are read instead of computed. Only when no hidden state is asked for
+    // before the last position (full offload): a cached position has KV but no hidden state to send.
+    let start = match (disk, &full) {
+        (Some(d), Some(full)) if p.hidden != HiddenRows::All => core.load_from_disk(d, full).unwrap_or_else(|e| {
+            tracing::warn!("kv-cache: not reading the prefill's prefix: {e:#}");
+            core.n_past()
+        }),
+        _ => pos,
+    };
     let kv_dt = p.kv;
     let fp = model.fingerprint()?.to_string();
     let e = hp.n_embd;
@@ -127,12 +141,22 @@ pub fn serve_prefill(
         Ok(())
     });
 
+    // The KV read from disk that the decode side lacks goes first, all layers in one chunk.
+    let mut gone = start > send_from
+        && tx
+            .send(Out::Kv(KvBlock::from_cache(
+                core.session().kv(),
+                model.range.clone(),
+                send_from..start,
+            )))
+            .is_err();
     let nb = core.session().n_batch();
     let mut compute_us = 0u64;
-    let mut gone = false;
     let mut failed: Option<String> = None;
-    for (ci, chunk) in p.tokens.chunks(nb).enumerate() {
-        let c0 = pos + ci * nb;
+    // From `start`: below `pos` only when a damaged block on disk rewound the session before it was refused.
+    let todo = full.as_deref().map_or(&p.tokens[..], |f| &f[start..]);
+    for (ci, chunk) in todo.chunks(nb).enumerate() {
+        let c0 = start + ci * nb;
         let c1 = c0 + chunk.len();
         let t0 = Instant::now();
         let res = core
@@ -175,6 +199,11 @@ pub fn serve_prefill(
         if gone {
             break;
         }
+    }
+    if let (Some(d), Some(full), None, false) = (disk, &full, &failed, gone)
+        && let Err(e) = d.store_prefix(core.session(), full, start)
+    {
+        tracing::warn!("kv-cache: not storing this prefill: {e:#}");
     }
     let last = match failed {
         Some(message) => Msg::Error { message },

@@ -237,6 +237,38 @@ impl Remote {
 }
 
 impl Stage {
+    /// LOOKUP (protocol 5): this stage keeps the longest prefix of `tokens` it holds, from its KV or its node's disk
+    /// cache; returns the positions it holds now.
+    fn lookup(&mut self, req: u64, tokens: &[u32], c: &PassCtx) -> Result<usize> {
+        let label = self.spec.label();
+        let r = match &mut self.kind {
+            Kind::Local(core) => return core.hold_prefix(tokens, None),
+            Kind::Remote(r) => r,
+        };
+        r.ensure(c, &mut self.stats)?;
+        let conn = r.conn.as_mut().unwrap();
+        let (s0, r0) = (conn.bytes_sent, conn.bytes_recv);
+        let what = format!("a lookup of {} tokens", tokens.len());
+        let msg = Msg::Lookup {
+            req,
+            tokens: tokens.to_vec(),
+        };
+        let reply = conn.send(&msg, &what).and_then(|_| conn.recv(&what));
+        self.stats.bytes_sent += conn.bytes_sent - s0;
+        self.stats.bytes_recv += conn.bytes_recv - r0;
+        r.last_used = Instant::now();
+        match reply {
+            Ok(Msg::Cached { req: q, n_past }) if q == req && n_past as usize <= tokens.len() => Ok(n_past as usize),
+            other => {
+                r.conn = None;
+                match other {
+                    Err(e) => Err(e),
+                    Ok(m) => bail!("stage {label} answered LOOKUP with {}", m.name()),
+                }
+            }
+        }
+    }
+
     /// Runs `job` through this stage: consumes its carry, leaves the stage's output in it.
     fn call(&mut self, job: &mut Job, last: bool, c: &PassCtx) -> Result<(), Fail> {
         let t0 = Instant::now();
@@ -539,6 +571,40 @@ impl PipelineSession {
         }
         self.rewind(n);
         n
+    }
+
+    /// Asks every stage to hold as much of `tokens` as it can, from its KV or its node's disk cache
+    /// (`--kv-cache-dir`), and keeps the prefix all of them hold (at least `held`, the prefix this session already
+    /// shares with `tokens`, and leaving one token to feed); returns its length. A stage that fails the lookup costs
+    /// only the disk hit: the session keeps `held`.
+    pub fn hold_prefix(&mut self, tokens: &[u32], held: usize) -> usize {
+        let limit = tokens.len().saturating_sub(1);
+        let ctx = PassCtx::new(&self.hp, &self.opts);
+        let mut all = limit;
+        for st in &mut self.stages {
+            let req = self.next_req;
+            self.next_req += 1;
+            match st.lookup(req, tokens, &ctx) {
+                Ok(n) => all = all.min(n),
+                Err(e) => {
+                    tracing::warn!("pipeline: lookup failed ({e:#}); prefilling from position {held}");
+                    return held;
+                }
+            }
+        }
+        if all <= held {
+            return held;
+        }
+        self.rewind(held);
+        for &t in &tokens[held..all] {
+            let h = prefix_next(self.hashes.last().unwrap(), t);
+            self.hashes.push(h);
+            self.tokens.push(t);
+        }
+        if self.opts.verbose {
+            tracing::info!("pipeline: every stage holds {all} positions of the prompt ({held} before the lookup)");
+        }
+        all
     }
 
     /// Appends `tokens` and samples the next one on the last stage.

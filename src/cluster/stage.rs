@@ -7,6 +7,7 @@
 
 use super::wire::WantOut;
 use super::{PrefixHash, prefix_next, prefix_root};
+use crate::engine::disk_cache::DiskCache;
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
 use crate::engine::{Input, Session, Want};
 use crate::kernels::ThreadPool;
@@ -108,6 +109,53 @@ impl StageCore {
     pub fn rewind(&mut self, n: usize) {
         self.session.rewind(n);
         self.hashes.truncate(n.min(self.hashes.len() - 1) + 1);
+    }
+
+    /// Extends the positions held `0..pos` (token ids `tokens[..pos]`) with the blocks of `tokens` found in `disk`
+    /// (`--kv-cache-dir`), keeping the prefix hashes in step; returns the positions now held. Needs the session to
+    /// know the ids of the positions it holds (a range fed from token ids does).
+    pub fn load_from_disk(&mut self, disk: &DiskCache, tokens: &[u32]) -> Result<usize> {
+        let pos = self.n_past();
+        if self.session.tokens().len() != pos || tokens.get(..pos) != Some(self.session.tokens()) {
+            bail!("the session does not hold a prefix of these tokens");
+        }
+        let held = disk.load_prefix(&mut self.session, tokens)?;
+        // A block refused after its rewind can leave less than before; what was read holds these very ids.
+        self.hashes.truncate(held.min(pos) + 1);
+        if held > pos {
+            self.record(&tokens[pos..held]);
+        }
+        Ok(held)
+    }
+
+    /// LOOKUP: keeps the longest prefix of `tokens` whose ids the session holds, then extends it with the blocks
+    /// `disk` has; returns the positions now held. The coordinator then starts its FORWARDs at the least any stage
+    /// holds.
+    pub fn hold_prefix(&mut self, tokens: &[u32], disk: Option<&DiskCache>) -> Result<usize> {
+        if tokens.len() > self.session.n_ctx() {
+            bail!(
+                "lookup of {} tokens exceeds the context size {}",
+                tokens.len(),
+                self.session.n_ctx()
+            );
+        }
+        let known = &self.session.tokens()[..self.session.tokens().len().min(self.n_past())];
+        let q = known.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        self.rewind(q);
+        match disk {
+            Some(d) => self.load_from_disk(d, tokens),
+            None => Ok(q),
+        }
+    }
+
+    /// Queues for `disk` the whole blocks the session holds, those from `fresh_from` on just computed (a no-op
+    /// when the ids of some position held are unknown).
+    pub fn store_to_disk(&self, disk: &DiskCache, fresh_from: usize) -> Result<()> {
+        let s = &self.session;
+        match s.tokens().get(..s.n_past()) {
+            Some(tokens) => disk.store_prefix(s, tokens, fresh_from),
+            None => Ok(()),
+        }
     }
 
     /// Extends the prefix hashes with tokens just appended to the session by a forward pass run directly on it.

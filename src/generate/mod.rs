@@ -20,6 +20,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Why `--kv-cache-dir` is refused on anything but a whole local model: the KV of a split or remote model lives on
+/// its nodes, which keep their own cache; a draft or an ensemble would need one per model.
+pub const KV_CACHE_ON_NODES: &str = "--kv-cache-dir here needs the whole model in this process; with --pipeline, \
+     --cluster, --prefill-node or --decode-node, give it to the nodes (`baton node --kv-cache-dir DIR`): prefill \
+     nodes and pipeline stages read and write their own; a `local` stage, a decode side, --draft and --ensemble do \
+     not read one";
+
 /// What to continue: raw text (used as given, BOS only where the model asks) or a conversation rendered with each
 /// model's own chat template.
 #[derive(Clone, Debug)]
@@ -152,10 +159,7 @@ pub trait Generator: Send {
     /// Reads and writes prompt prefixes in a cache on disk (`--kv-cache-dir`); only a generator whose KV is on this
     /// machine can.
     fn set_disk_cache(&mut self, _cache: Arc<DiskCache>) -> Result<()> {
-        bail!(
-            "--kv-cache-dir needs the whole model on this machine ({})",
-            self.describe()
-        )
+        bail!("{KV_CACHE_ON_NODES} (this run: {})", self.describe())
     }
     /// Saves the conversation held (KV and token ids) to `path` in the snapshot format; returns the positions saved.
     fn save_session(&self, _path: &Path) -> Result<usize> {

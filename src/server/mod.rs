@@ -158,7 +158,10 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         std::fs::create_dir_all(d).with_context(|| format!("cannot create --slot-save-path {}", d.display()))?;
     }
     if cfg.kv_cache.is_some() && cfg.ensemble.is_some() {
-        bail!("--kv-cache-dir works with a local model only, not with --ensemble");
+        bail!(
+            "--kv-cache-dir holds one model's KV; an ensemble mixes several models per step, so it is not supported \
+             with --ensemble"
+        );
     }
     let file = cfg.cluster.as_deref().map(ClusterFile::load).transpose()?;
     let metrics = Arc::new(Metrics::default());
@@ -390,9 +393,7 @@ fn build_nodes(
     };
     // One builder for every slot: the secret is read once, on the first link that needs it.
     if cfg.kv_cache.is_some() && (topology.is_some() || cfg.draft.is_some()) {
-        bail!(
-            "--kv-cache-dir works with a local model only, not with --cluster, --pipeline, --prefill-node or --draft"
-        );
+        bail!("{}", crate::generate::KV_CACHE_ON_NODES);
     }
     let builder = Arc::new(Builder::new(topology_args(cfg, file)?));
     let name = path
@@ -456,6 +457,7 @@ fn build_nodes(
                 addr: None,
                 slots: cfg.parallel,
                 factory,
+                disk_cache: cfg.kv_cache.is_some(),
             };
             status.add_node("local", Role::Local, None, None, Some(0), false);
             Ok((vec![node], format!("{name}, local, {} slots", cfg.parallel), embedder))
@@ -489,6 +491,7 @@ fn build_nodes(
                 addr: None,
                 slots: cfg.parallel,
                 factory,
+                disk_cache: false,
             };
             Ok((
                 vec![node],
@@ -540,6 +543,7 @@ fn build_nodes(
                     addr: (d.addr != "local").then(|| d.addr.clone()),
                     slots: d.slots.unwrap_or(cfg.parallel),
                     factory,
+                    disk_cache: false,
                 });
             }
             let desc = format!(

@@ -68,6 +68,7 @@ fn slots(cfg: &ServeConfig, factory: Factory) -> NodeSpec {
         addr: None,
         slots: cfg.parallel,
         factory,
+        disk_cache: false,
     }
 }
 

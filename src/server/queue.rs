@@ -39,6 +39,8 @@ pub struct NodeSpec {
     pub addr: Option<String>,
     pub slots: usize,
     pub factory: Factory,
+    /// Its slots share a prefix cache on disk (`--kv-cache-dir`): the router counts the prefixes sent to it.
+    pub disk_cache: bool,
 }
 
 pub struct Job {
@@ -84,6 +86,8 @@ struct NodeState {
     addr: Option<String>,
     up: bool,
     slots: usize,
+    /// The keys sent to it, when it has a disk cache.
+    disk: Option<router::DiskKeys>,
 }
 
 struct State {
@@ -179,6 +183,7 @@ impl Scheduler {
                 addr: n.addr,
                 up: true,
                 slots: n.slots,
+                disk: n.disk_cache.then(router::DiskKeys::default),
             });
         }
         drop(st);
@@ -244,7 +249,7 @@ impl Scheduler {
                     last_used: s.last_used,
                 })
                 .collect();
-            let nodes = node_views(st);
+            let nodes = node_views(st, &job.key);
             let Some((si, why, _)) = router::pick(&views, &nodes, &job.key, &job.tried) else {
                 i += 1;
                 continue;
@@ -252,6 +257,10 @@ impl Scheduler {
             let job = st.queue.remove(i).unwrap();
             st.clock += 1;
             let clock = st.clock;
+            let ni = st.slots[si].node;
+            if let Some(d) = &mut st.nodes[ni].disk {
+                d.add(&job.key);
+            }
             let slot = &mut st.slots[si];
             slot.busy = true;
             slot.last_used = clock;
@@ -382,7 +391,7 @@ impl Scheduler {
 
     pub fn gauges(&self) -> Gauges {
         let st = self.state.lock().unwrap();
-        let nodes = node_views(&st);
+        let nodes = node_views(&st, "");
         Gauges {
             queue_depth: st.queue.len(),
             slots: st.slots.len(),
@@ -413,7 +422,8 @@ fn no_live_slot() -> ApiError {
 /// What the request that hit a crash is told: no panic text or Rust internals (the server's log has those).
 const CRASHED: &str = "the generator crashed while serving this request (an internal error, logged on the server)";
 
-fn node_views(st: &State) -> Vec<NodeView> {
+/// The nodes as the router sees them for a request of `key`.
+fn node_views(st: &State, key: &str) -> Vec<NodeView> {
     let mut v: Vec<NodeView> = st
         .nodes
         .iter()
@@ -421,6 +431,7 @@ fn node_views(st: &State) -> Vec<NodeView> {
             up: n.up,
             busy: 0,
             slots: n.slots,
+            disk_prefix: n.disk.as_ref().map_or(0, |d| d.prefix(key)),
         })
         .collect();
     for s in st.slots.iter().filter(|s| s.busy) {
@@ -846,6 +857,7 @@ pub(crate) mod tests {
             addr: None,
             slots,
             factory,
+            disk_cache: false,
         };
         Scheduler::start(
             vec![node],

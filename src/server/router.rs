@@ -6,6 +6,12 @@
 //! least-loaded candidate node by more than [`OVERLOAD_MARGIN`] of its capacity. Otherwise take the least-loaded
 //! node, and on it the free slot with the longest prefix, then the least recently used one (its cache is the
 //! coldest to lose).
+//!
+//! A node with a prefix cache on disk (`--kv-cache-dir`) also holds, for every slot of it, the prefixes of the
+//! prompts the router sent it ([`DiskKeys`]): a slot's prefix is the longer of what its KV holds and what its node's
+//! disk holds, so a request goes where its prefix is cached, resident or not. Resident wins a tie (no disk read).
+
+use std::collections::VecDeque;
 
 /// A slot as the router sees it.
 pub struct SlotView<'a> {
@@ -21,11 +27,15 @@ pub struct NodeView {
     pub up: bool,
     pub busy: usize,
     pub slots: usize,
+    /// Bytes of the request's key whose KV the node's disk cache holds ([`DiskKeys::prefix`]; 0 without one).
+    pub disk_prefix: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
     Prefix,
+    /// The prefix is on the node's disk, not in the slot's KV.
+    DiskPrefix,
     LeastLoaded,
 }
 
@@ -33,8 +43,37 @@ impl Reason {
     pub fn name(self) -> &'static str {
         match self {
             Reason::Prefix => "prefix",
+            Reason::DiskPrefix => "disk_prefix",
             Reason::LeastLoaded => "least_loaded",
         }
+    }
+}
+
+/// Keys (prompt texts) a node with a disk cache was sent, most recent last, at most [`DiskKeys::MAX`]: the router's
+/// own record of what that node's `--kv-cache-dir` holds, with no question to the node. The disk keeps only whole
+/// blocks of [`BLOCK`](crate::engine::disk_cache::BLOCK) tokens, and a token takes at least one byte of text, so
+/// a shared prefix shorter than a block's worth of bytes counts as nothing; entries the node has evicted since
+/// are a wrong guess that costs a prefill, as a miss does.
+#[derive(Default)]
+pub struct DiskKeys(VecDeque<String>);
+
+impl DiskKeys {
+    pub const MAX: usize = 64;
+
+    pub fn add(&mut self, key: &str) {
+        if let Some(i) = self.0.iter().position(|k| k == key) {
+            self.0.remove(i);
+        }
+        if self.0.len() >= Self::MAX {
+            self.0.pop_front();
+        }
+        self.0.push_back(key.to_string());
+    }
+
+    /// Bytes of `key` the node's disk is taken to hold.
+    pub fn prefix(&self, key: &str) -> usize {
+        let p = self.0.iter().map(|k| common_prefix(key, k)).max().unwrap_or(0);
+        if p >= crate::engine::disk_cache::BLOCK { p } else { 0 }
     }
 }
 
@@ -55,11 +94,12 @@ fn load(n: &NodeView) -> f64 {
 /// The slot to run `key` on, why, and how many bytes of its cache match; `None` when no slot is free now.
 pub fn pick(slots: &[SlotView], nodes: &[NodeView], key: &str, excluded: &[usize]) -> Option<(usize, Reason, usize)> {
     let ok = |s: &SlotView| !s.busy && nodes[s.node].up && !excluded.contains(&s.node);
+    let resident = |i: usize| common_prefix(key, slots[i].key);
     let cands: Vec<(usize, usize)> = slots
         .iter()
         .enumerate()
         .filter(|(_, s)| ok(s))
-        .map(|(i, s)| (i, common_prefix(key, s.key)))
+        .map(|(i, s)| (i, resident(i).max(nodes[s.node].disk_prefix)))
         .collect();
     if cands.is_empty() {
         return None;
@@ -68,18 +108,25 @@ pub fn pick(slots: &[SlotView], nodes: &[NodeView], key: &str, excluded: &[usize
         .iter()
         .map(|&(i, _)| load(&nodes[slots[i].node]))
         .fold(f64::INFINITY, f64::min);
-    // Longest prefix first; among equals the less loaded node, then the most recently used slot.
+    // Longest prefix first; among equals the one resident in the slot, the less loaded node, then the most
+    // recently used slot.
     let best = cands
         .iter()
         .copied()
         .max_by(|&(a, pa), &(b, pb)| {
             pa.cmp(&pb)
+                .then(resident(a).cmp(&resident(b)))
                 .then(load(&nodes[slots[b].node]).total_cmp(&load(&nodes[slots[a].node])))
                 .then(slots[a].last_used.cmp(&slots[b].last_used))
         })
         .unwrap();
     if best.1 >= MIN_PREFIX && load(&nodes[slots[best.0].node]) <= min_load + OVERLOAD_MARGIN {
-        return Some((best.0, Reason::Prefix, best.1));
+        let why = if resident(best.0) >= best.1 {
+            Reason::Prefix
+        } else {
+            Reason::DiskPrefix
+        };
+        return Some((best.0, why, best.1));
     }
     // Least-loaded node; on it the longest prefix worth having, then the least recently used slot.
     let worth = |p: usize| if p >= MIN_PREFIX { p } else { 0 };
@@ -109,7 +156,12 @@ mod tests {
         }
     }
     fn n(up: bool, busy: usize, slots: usize) -> NodeView {
-        NodeView { up, busy, slots }
+        NodeView {
+            up,
+            busy,
+            slots,
+            disk_prefix: 0,
+        }
     }
 
     #[test]
@@ -170,5 +222,65 @@ mod tests {
         let nodes = [n(false, 0, 1), n(true, 0, 1), n(true, 1, 1)];
         assert_eq!(pick(&slots, &nodes, "prefix prefix", &[1]), None);
         assert_eq!(pick(&slots, &nodes, "prefix prefix", &[]).unwrap().0, 1);
+    }
+
+    #[test]
+    fn a_prefix_on_a_nodes_disk_beats_a_shorter_resident_one_and_loses_a_tie() {
+        let doc = "x".repeat(3000);
+        let (prompt, other) = (format!("{doc} Question one?"), format!("{doc} Question two?"));
+        let mut disk = DiskKeys::default();
+        disk.add(&other);
+        disk.add("unrelated");
+        assert_eq!(disk.prefix(&prompt), doc.len() + " Question ".len());
+        assert_eq!(disk.prefix("xxxx short"), 0, "less than a block's worth of bytes");
+        let with_disk = |p| NodeView {
+            disk_prefix: p,
+            ..n(true, 0, 1)
+        };
+        // Node 0's slot holds a little of the prompt; node 1's disk holds the document.
+        let slots = [s(0, false, &prompt[..20], 9), s(1, false, "something else", 1)];
+        let nodes = [n(true, 0, 1), with_disk(disk.prefix(&prompt))];
+        assert_eq!(
+            pick(&slots, &nodes, &prompt, &[]),
+            Some((1, Reason::DiskPrefix, doc.len() + " Question ".len()))
+        );
+        // The same prefix resident in a slot is preferred to the disk copy.
+        let slots = [s(0, false, &other, 1), s(1, false, "something else", 9)];
+        let (i, why, _) = pick(&slots, &nodes, &prompt, &[]).unwrap();
+        assert_eq!((i, why), (0, Reason::Prefix));
+        // An overloaded node loses its disk advantage as it would a resident one.
+        let slots = [
+            s(0, false, "", 1),
+            s(1, false, "", 1),
+            s(1, true, "", 0),
+            s(1, true, "", 0),
+        ];
+        let nodes = [
+            n(true, 0, 3),
+            NodeView {
+                busy: 2,
+                slots: 3,
+                ..with_disk(3010)
+            },
+        ];
+        assert_eq!(pick(&slots, &nodes, &prompt, &[]).unwrap().1, Reason::LeastLoaded);
+    }
+
+    #[test]
+    fn disk_keys_stay_bounded_and_recent() {
+        let mut d = DiskKeys::default();
+        let key = |i: usize| format!("{i:04}{}", "y".repeat(300));
+        for i in 0..DiskKeys::MAX + 5 {
+            d.add(&key(i));
+        }
+        assert_eq!(d.0.len(), DiskKeys::MAX);
+        assert_eq!(d.prefix(&key(0)), 0, "the oldest keys were dropped");
+        assert_eq!(d.prefix(&key(DiskKeys::MAX + 4)), key(0).len());
+        d.add(&key(10));
+        assert_eq!(
+            d.0.len(),
+            DiskKeys::MAX,
+            "a key sent again moves, it is not added twice"
+        );
     }
 }

@@ -73,7 +73,12 @@ impl Generator for PipelineGenerator {
         let p = &mut self.session;
         p.set_sampling(params.sampler, params.top_logprobs);
         p.set_request_id(&params.request_id);
-        let cached = p.reuse_prefix(&tokens);
+        let mut cached = p.reuse_prefix(&tokens);
+        // Stages whose nodes keep a disk cache may hold more: asked when a whole block could be gained.
+        let block = crate::engine::disk_cache::BLOCK;
+        if self.remote_prefill.is_none() && tokens.len() > (cached / block + 1) * block {
+            cached = p.hold_prefix(&tokens, cached);
+        }
         p.reset_stats();
         let conv = |s: Sampled| -> Next {
             let top = if k == 0 { Vec::new() } else { text.top_text(&s.top) };

@@ -74,6 +74,26 @@ pub(super) fn serve(s: TcpStream, st: &State, peer: &str, authenticated: impl Fn
                 );
                 c.pull(&o, &p)?
             }
+            Ok(Msg::Lookup { req, tokens }) => {
+                let _s = request_span(&rid).entered();
+                let reply = match st.lookup(&o.slot, &tokens) {
+                    Ok(n) => {
+                        tracing::info!(
+                            "baton node: {} session {:016x}: lookup of {} tokens on layers {}:{}: {n} held",
+                            c.peer,
+                            o.open.session,
+                            tokens.len(),
+                            o.range.start,
+                            o.range.end
+                        );
+                        Msg::Cached { req, n_past: n as u32 }
+                    }
+                    Err(e) => Msg::Error {
+                        message: format!("{e:#}"),
+                    },
+                };
+                c.send(&reply)?
+            }
             Ok(m) => return Err(c.refuse(format!("expected FORWARD, got {}", m.name()))),
             Err(WireError::Closed) => {
                 c.closed();
@@ -242,7 +262,7 @@ impl Conn<'_> {
             let queued = t_wait.elapsed();
             let mut g = lock(&o.slot);
             g.last_used = Instant::now();
-            serve_prefill(&mut self.s, &mut g.core, p, queued, o.open.wire)?
+            serve_prefill(&mut self.s, &mut g.core, p, queued, o.open.wire, self.st.disk.as_ref())?
         };
         drain.finish()
     }

@@ -9,6 +9,7 @@ use crate::cluster::handshake::Timeouts;
 use crate::cluster::stage::{Prepared, StageCore, StageOut};
 use crate::cluster::wire::{Forward, ModelInfo, Open, Pull, WantOut};
 use crate::engine::batcher::{BatchStats, Batcher, Liveness, Pending, Policy, Row, Stepper};
+use crate::engine::disk_cache::DiskCache;
 use crate::engine::snapshot::RowDtype;
 use crate::engine::{KvCache, Session};
 use crate::gguf::GgufFile;
@@ -70,6 +71,8 @@ pub(super) struct State {
     /// Most bytes of KV the sessions may hold together, and the bytes they hold now.
     pub(super) kv_budget: u64,
     kv_in_use: Arc<AtomicU64>,
+    /// Prefixes' KV on disk (`--kv-cache-dir`), read and written by the prefills this node serves.
+    pub(super) disk: Option<DiskCache>,
 }
 
 /// A session that asked for a decode step this recently counts as decoding (waited for by a batched step): its
@@ -94,6 +97,7 @@ impl State {
         info: ModelInfo,
         pinned: Option<Range<usize>>,
         kv_budget: u64,
+        disk: Option<DiskCache>,
     ) -> State {
         State {
             kv_budget,
@@ -111,6 +115,7 @@ impl State {
             hp,
             info,
             pinned,
+            disk,
         }
     }
 
@@ -131,7 +136,24 @@ impl State {
         let _c = lock(&self.compute);
         let mut g = lock(slot);
         g.last_used = Instant::now();
-        g.core.run(pos, &f.prefix, &f.tokens, hidden, f.want)
+        let out = g.core.run(pos, &f.prefix, &f.tokens, hidden, f.want)?;
+        if let Some(d) = &self.disk
+            && n > 1
+            && !matches!(out.0, StageOut::Mismatch(_))
+            && let Err(e) = g.core.store_to_disk(d, pos)
+        {
+            tracing::warn!("kv-cache: not storing this prefill: {e:#}");
+        }
+        Ok(out)
+    }
+
+    /// LOOKUP: the session keeps the longest prefix of `tokens` it holds, extended from the disk cache when the node
+    /// has one; returns the positions held.
+    pub(super) fn lookup(&self, slot: &SharedSlot, tokens: &[u32]) -> Result<usize> {
+        let _c = lock(&self.compute);
+        let mut g = lock(slot);
+        g.last_used = Instant::now();
+        g.core.hold_prefix(tokens, self.disk.as_ref())
     }
 
     /// A decode step of a full-model session, stepped together with the other sessions' (`engine::batcher`).

@@ -35,6 +35,8 @@ pub const MAX_SMALL_FRAME: usize = 64 << 10;
 /// Largest payload a node accepts before the peer has authenticated (HELLO and AUTH carry 32 bytes each): an
 /// unauthenticated peer can make it hold no more than this per connection.
 pub const MAX_PREAUTH_FRAME: usize = 1 << 10;
+/// Most token ids one LOOKUP may carry (a node also refuses more than its session's context).
+pub const MAX_LOOKUP_TOKENS: usize = 1 << 20;
 
 /// Message type codes (byte 5 of the header).
 pub mod ty {
@@ -54,6 +56,8 @@ pub mod ty {
     pub const PREFILL_DONE: u8 = 14;
     pub const PULL: u8 = 15;
     pub const PULL_REPORT: u8 = 16;
+    pub const LOOKUP: u8 = 17;
+    pub const CACHED: u8 = 18;
 }
 
 /// Why reading or writing a frame failed; the caller turns it into a message naming the peer.
@@ -125,6 +129,17 @@ pub enum Msg {
     },
     Pull(Pull),
     PullReport(PullReport),
+    /// Protocol 5: hold the longest prefix of `tokens` this session can, from its KV or its node's disk cache
+    /// (`--kv-cache-dir`); answered with CACHED.
+    Lookup {
+        req: u64,
+        tokens: Vec<u32>,
+    },
+    /// The session now holds positions `0..n_past` of the LOOKUP's tokens.
+    Cached {
+        req: u64,
+        n_past: u32,
+    },
 }
 
 impl Msg {
@@ -146,6 +161,8 @@ impl Msg {
             Msg::PrefillDone { .. } => ty::PREFILL_DONE,
             Msg::Pull(_) => ty::PULL,
             Msg::PullReport(_) => ty::PULL_REPORT,
+            Msg::Lookup { .. } => ty::LOOKUP,
+            Msg::Cached { .. } => ty::CACHED,
         }
     }
 
@@ -192,6 +209,14 @@ impl Msg {
             }
             Msg::Pull(p) => p.put(&mut e),
             Msg::PullReport(r) => r.put(&mut e),
+            Msg::Lookup { req, tokens } => {
+                e.u64(*req);
+                e.tokens(tokens);
+            }
+            Msg::Cached { req, n_past } => {
+                e.u64(*req);
+                e.u32(*n_past);
+            }
         }
         e.0
     }
@@ -235,6 +260,21 @@ impl Msg {
             },
             ty::PULL => Msg::Pull(Pull::get(d)?),
             ty::PULL_REPORT => Msg::PullReport(PullReport::get(d)?),
+            ty::LOOKUP => {
+                let req = d.u64()?;
+                let tokens = d.tokens()?;
+                if tokens.len() > MAX_LOOKUP_TOKENS {
+                    return malformed(format!(
+                        "LOOKUP of {} tokens, at most {MAX_LOOKUP_TOKENS}",
+                        tokens.len()
+                    ));
+                }
+                Msg::Lookup { req, tokens }
+            }
+            ty::CACHED => Msg::Cached {
+                req: d.u64()?,
+                n_past: d.u32()?,
+            },
             other => return malformed(format!("unknown message type {other}")),
         };
         if d.left() != 0 {
@@ -266,6 +306,8 @@ pub fn type_name(code: u8) -> &'static str {
         ty::PREFILL_DONE => "PREFILL_DONE",
         ty::PULL => "PULL",
         ty::PULL_REPORT => "PULL_REPORT",
+        ty::LOOKUP => "LOOKUP",
+        ty::CACHED => "CACHED",
         _ => "unknown",
     }
 }
@@ -273,7 +315,7 @@ pub fn type_name(code: u8) -> &'static str {
 /// Largest payload a frame of type `code` may carry.
 pub fn max_payload(code: u8) -> usize {
     match code {
-        ty::FORWARD | ty::RESULT | ty::PREFILL | ty::KV | ty::PREFILL_HIDDEN | ty::PULL => MAX_FRAME,
+        ty::FORWARD | ty::RESULT | ty::PREFILL | ty::KV | ty::PREFILL_HIDDEN | ty::PULL | ty::LOOKUP => MAX_FRAME,
         _ => MAX_SMALL_FRAME,
     }
 }

@@ -101,6 +101,11 @@ fn every_message_roundtrips() {
         body: Body::Ack,
     }));
     roundtrip(Msg::Mismatch { req: 3, n_past: 77 });
+    roundtrip(Msg::Lookup {
+        req: 5,
+        tokens: vec![1, 2, 70000],
+    });
+    roundtrip(Msg::Cached { req: 5, n_past: 512 });
     roundtrip(Msg::Prefill(Prefill {
         req: 9,
         pos: 4,
@@ -329,4 +334,14 @@ fn ready_labels_are_bounded_and_without_control_characters() {
         matches!(&r, Err(WireError::Malformed(m)) if m.contains("exceeds")),
         "{r:?}"
     );
+}
+
+#[test]
+fn a_lookup_beyond_its_bound_is_refused() {
+    let m = Msg::Lookup {
+        req: 1,
+        tokens: vec![0; MAX_LOOKUP_TOKENS + 1],
+    };
+    let e = Msg::decode(ty::LOOKUP, &m.encode()).unwrap_err();
+    assert!(matches!(&e, WireError::Malformed(s) if s.contains("at most")), "{e}");
 }
