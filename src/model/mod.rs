@@ -291,13 +291,8 @@ impl Model {
             .flat_map(LayerWeights::matrices_mut)
             .chain(output.as_mut())
             .collect();
-        let repacking = multiplied.iter().any(|m| m.repacks());
-        for m in multiplied.iter_mut() {
-            if m.repacks() {
-                m.repack_for_kernels();
-            } else if repacking {
-                m.copy_out_of_map();
-            }
+        if multiplied.iter().any(|m| m.repacks()) {
+            Matrix::own_together(&mut multiplied)?;
         }
         // Loading read norms into vectors and repacked matrices into owned memory; the file pages that did (and,
         // with transparent huge pages, their 2 MiB neighbourhoods) stay resident unless dropped. Matrices used in
