@@ -291,20 +291,10 @@ impl Model {
             .flat_map(LayerWeights::matrices_mut)
             .chain(output.as_mut())
             .collect();
-        let repacking = multiplied.iter().any(|m| m.repacks());
-        let bar = repacking.then(|| crate::util::count_bar(multiplied.len() as u64, "repacking weights", "matrices"));
-        for m in multiplied.iter_mut() {
-            if m.repacks() {
-                m.repack_for_kernels();
-            } else if repacking {
-                m.copy_out_of_map();
-            }
-            if let Some(b) = &bar {
-                b.inc(1);
-            }
-        }
-        if let Some(b) = bar {
-            b.finish_and_clear();
+        if multiplied.iter().any(|m| m.repacks()) {
+            let bar = crate::util::count_bar(multiplied.len() as u64, "repacking weights", "matrices");
+            Matrix::own_together(&mut multiplied, || bar.inc(1))?;
+            bar.finish_and_clear();
         }
         // Loading read norms into vectors and repacked matrices into owned memory; the file pages that did (and,
         // with transparent huge pages, their 2 MiB neighbourhoods) stay resident unless dropped. Matrices used in
