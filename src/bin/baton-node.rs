@@ -61,7 +61,9 @@ fn real_main() -> Result<()> {
             }
             "--no-mem-check" => cfg.no_mem_check = true,
             "--kv-cache-dir" => cfg.kv_cache_dir = Some(PathBuf::from(val()?)),
-            "--kv-cache-size" => cfg.kv_cache_gib = baton::util::parse_gib(&val()?).map_err(|e| anyhow::anyhow!("{a}: {e}"))?,
+            "--kv-cache-size" => {
+                cfg.kv_cache_gib = baton::util::parse_gib(&val()?).map_err(|e| anyhow::anyhow!("{a}: {e}"))?
+            }
             // Read by `main` before anything is logged.
             "--log-format" => match val()?.as_str() {
                 "text" | "json" => {}

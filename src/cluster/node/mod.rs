@@ -14,11 +14,8 @@ mod conn;
 mod state;
 
 use super::wire::ModelInfo;
-<<<<<<< ours
-use crate::engine::memory::{self, Need};
-=======
 use crate::engine::disk_cache::DiskCache;
->>>>>>> theirs
+use crate::engine::memory::{self, Need};
 use crate::gguf::GgufFile;
 use crate::model::Hparams;
 use anyhow::{Context, Result, bail};
@@ -62,20 +59,17 @@ pub struct NodeConfig {
     /// Of those, connections that have not yet authenticated: a flood of strangers cannot lock out the peers that
     /// know the secret, since each stranger is gone within two I/O timeouts.
     pub max_handshakes: usize,
-<<<<<<< ours
     /// Most bytes of KV the sessions hold together (`--kv-budget`, in GiB on the command line): an OPEN beyond it,
     /// once idle sessions are evicted, is refused. `None`: the sessions' KV at `max_ctx`, as much of it as the
     /// memory available after the weights holds (at least one session).
     pub kv_budget: Option<u64>,
     /// Start even when the weights plus one session's KV (or the budget given) exceed the memory available.
     pub no_mem_check: bool,
-=======
     /// Keep the KV of prefilled prompts in this directory (`--kv-cache-dir`), so a prefix prefilled before, even by
     /// an earlier process, is read back instead of computed (docs/kv-cache.md).
     pub kv_cache_dir: Option<PathBuf>,
     /// Most GiB the entries of `kv_cache_dir` take.
     pub kv_cache_gib: f64,
->>>>>>> theirs
 }
 
 impl NodeConfig {
@@ -94,13 +88,10 @@ impl NodeConfig {
             idle_timeout: Duration::from_secs(300),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
-<<<<<<< ours
             kv_budget: None,
             no_mem_check: false,
-=======
             kv_cache_dir: None,
             kv_cache_gib: 8.0,
->>>>>>> theirs
         }
     }
 
@@ -154,17 +145,13 @@ impl Node {
                  may go without)"
             );
         }
-<<<<<<< ours
         let kv_budget = kv_budget(&cfg, pinned.clone())?;
-        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, kv_budget));
-=======
         let disk = cfg
             .kv_cache_dir
             .as_deref()
             .map(|d| DiskCache::open_gib(d, cfg.kv_cache_gib))
             .transpose()?;
-        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, disk));
->>>>>>> theirs
+        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, kv_budget, disk));
         if let Some(r) = state.pinned.clone() {
             state.model(r)?;
         }
@@ -291,12 +278,8 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
     let node = Node::bind(cfg)?;
     let s = &node.state;
     tracing::info!(
-<<<<<<< ours
         "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {}, KV budget {} \
-         MiB)",
-=======
-        "baton node: listening on {} (model {} {}, {} layers, fingerprint {}…, serving {}, auth {}, kv cache {})",
->>>>>>> theirs
+         MiB, kv cache {})",
         node.local_addr()?,
         s.cfg.model.display(),
         s.hp.arch.name(),
@@ -311,13 +294,10 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
         } else {
             "off (loopback only)"
         },
-<<<<<<< ours
-        s.kv_budget >> 20
-=======
+        s.kv_budget >> 20,
         s.disk
             .as_ref()
             .map_or("off".to_string(), |d| d.dir().display().to_string())
->>>>>>> theirs
     );
     node.serve()
 }
