@@ -14,7 +14,6 @@ mod conn;
 mod state;
 
 use super::wire::ModelInfo;
-use crate::engine::disk_cache::DiskCache;
 use crate::engine::memory::{self, Need};
 use crate::gguf::GgufFile;
 use crate::model::Hparams;
@@ -146,12 +145,7 @@ impl Node {
             );
         }
         let kv_budget = kv_budget(&cfg, pinned.clone())?;
-        let disk = cfg
-            .kv_cache_dir
-            .as_deref()
-            .map(|d| DiskCache::open_gib(d, cfg.kv_cache_gib))
-            .transpose()?;
-        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, kv_budget, disk));
+        let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, kv_budget)?);
         if let Some(r) = state.pinned.clone() {
             state.model(r)?;
         }

@@ -97,9 +97,13 @@ impl State {
         info: ModelInfo,
         pinned: Option<Range<usize>>,
         kv_budget: u64,
-        disk: Option<DiskCache>,
-    ) -> State {
-        State {
+    ) -> Result<State> {
+        let disk = cfg
+            .kv_cache_dir
+            .as_deref()
+            .map(|d| DiskCache::open_gib(d, cfg.kv_cache_gib))
+            .transpose()?;
+        Ok(State {
             kv_budget,
             kv_in_use: Arc::new(AtomicU64::new(0)),
             pool: Arc::new(ThreadPool::new(cfg.threads)),
@@ -116,7 +120,7 @@ impl State {
             info,
             pinned,
             disk,
-        }
+        })
     }
 
     /// Runs a FORWARD on a session of layers `range` (`hidden`: its hidden state, decoded): a decode step of a
