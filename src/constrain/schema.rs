@@ -656,6 +656,7 @@ impl<'a> Compiler<'a> {
         let cannot = |why: String| -> Result<Map<String, Value>, SchemaError> {
             err("allOf", format!("allOf cannot be merged into one schema: {why}"))
         };
+        let mut parts = vec![m];
         for b in branches {
             let b = match b.get("$ref").and_then(Value::as_str) {
                 Some(r) if b.as_object().is_some_and(|o| o.len() == 1) => self.target(r)?,
@@ -667,6 +668,7 @@ impl<'a> Compiler<'a> {
                 }
                 return cannot("a branch is not a schema object".into());
             };
+            parts.push(bm);
             for (k, v) in bm {
                 if ANNOTATIONS.contains(&k.as_str()) {
                     continue;
@@ -705,6 +707,30 @@ impl<'a> Compiler<'a> {
                         }
                     }
                     _ => return cannot(format!("{k:?} is given twice with different values")),
+                }
+            }
+        }
+        // `additionalProperties` speaks of the properties beside it only: a part that limits it must itself name
+        // every property and required key of the merge, or the merge would allow keys that part forbids.
+        let names = |o: &Map<String, Value>| -> Vec<String> {
+            let props = o
+                .get("properties")
+                .and_then(Value::as_object)
+                .into_iter()
+                .flat_map(|p| p.keys().cloned());
+            let req = o.get("required").and_then(Value::as_array).into_iter().flatten();
+            props
+                .chain(req.filter_map(|r| r.as_str().map(str::to_string)))
+                .collect()
+        };
+        let merged = names(&out);
+        for p in &parts {
+            if p.get("additionalProperties").is_some_and(|a| a != &Value::Bool(true)) {
+                let own = names(p);
+                if let Some(k) = merged.iter().find(|k| !own.contains(k)) {
+                    return cannot(format!(
+                        "a schema with additionalProperties does not name {k:?}, which another part of the allOf does"
+                    ));
                 }
             }
         }

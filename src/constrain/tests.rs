@@ -403,12 +403,27 @@ fn one_of_enforced_exactly_or_refused_and_all_of_merged() {
     let e = Grammar::compile(&json!({"oneOf":[{"enum":[1,2]},{"type":"integer"}]})).unwrap_err();
     assert!(e.keyword == "oneOf" && e.message.contains("anyOf"), "{e:?}");
     check(
-        json!({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]},
-                        {"properties":{"b":{"type":"string"}},"required":["b"]}],
-               "additionalProperties":false}),
+        json!({"allOf":[{"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"string"}},"required":["a"],
+                         "additionalProperties":false},
+                        {"required":["b"]}]}),
         &[r#"{"a":1,"b":"x"}"#],
         &[r#"{"a":1}"#, r#"{"b":"x"}"#, r#"{"a":1,"b":"x","c":0}"#],
     );
+    // additionalProperties beside no properties forbids every key: merging the branches' properties under it would
+    // accept objects JSON Schema refuses.
+    for schema in [
+        json!({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]},
+                        {"properties":{"b":{"type":"string"}},"required":["b"]}],
+               "additionalProperties":false}),
+        json!({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}},"additionalProperties":false},
+                        {"properties":{"b":{"type":"string"}}}]}),
+    ] {
+        let e = Grammar::compile(&schema).unwrap_err();
+        assert!(
+            e.keyword == "allOf" && e.message.contains("additionalProperties"),
+            "{e:?}"
+        );
+    }
     check(
         json!({"$defs":{"id":{"type":"object","properties":{"id":{"type":"integer"}},"required":["id"]}},
                "allOf":[{"$ref":"#/$defs/id"},{"properties":{"n":{"type":"string"}}}]}),

@@ -822,7 +822,7 @@ mod tests {
         assert!(r.constraint.is_some() && r.tools.is_none());
         let e = parse_completion(
             br#"{"prompt":"a","response_format":{"type":"json_schema","json_schema":
-            {"schema":{"type":"string","format":"email"}}}}"#,
+            {"schema":{"type":"string","format":"hostname"}}}}"#,
         )
         .unwrap_err();
         assert_eq!(e.param, Some("response_format"));

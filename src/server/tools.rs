@@ -291,7 +291,7 @@ mod tests {
                 "tools",
             ),
             (
-                json!([{"type":"function","function":{"name":"f","parameters":{"type":"string","pattern":"x"}}}]),
+                json!([{"type":"function","function":{"name":"f","parameters":{"type":"string","format":"hostname"}}}]),
                 json!("auto"),
                 "tools",
             ),
