@@ -114,19 +114,22 @@ impl Matrix {
 
     /// Repacks ([`Matrix::repacks`]) or copies out of the map every matrix of `ms` that [`Matrix::repack_for_kernels`]
     /// or [`Matrix::copy_out_of_map`] would, into one anonymous mapping the matrices then share, asked to be backed by
-    /// 2 MiB pages; `done` is called after each matrix (a progress bar). Decode reads every weight once a token; with 4 KiB pages each 4 KiB of it is a TLB miss, and
-    /// Debian's default gives huge pages only on request (`madvise`). Gemma 3 decode on Zen 3 gained ~13% from it
-    /// (docs/performance.md). Matrices already owned, or none to move, leave the others as they are.
+    /// 2 MiB pages; `done` is called after each matrix (a progress bar). Decode reads every weight once a token; with
+    /// 4 KiB pages each 4 KiB of it is a TLB miss, and Debian's default gives huge pages only on request (`madvise`).
+    /// Decode on Zen 3 gained 4–14% from it (docs/performance.md). Matrices already owned are left as they are.
     pub fn own_together(ms: &mut [&mut Matrix], mut done: impl FnMut()) -> Result<()> {
-        let plan: Vec<(bool, usize)> = ms
+        // Each matrix's place in the mapping: whether it is interleaved, and its bytes (empty: it stays as it is).
+        let mut total = 0;
+        let plan: Vec<(bool, std::ops::Range<usize>)> = ms
             .iter()
             .map(|m| {
                 let interleave = m.repacks();
                 let moves = interleave || matches!(m.data, Bytes::Mapped { .. });
-                (interleave, if moves { m.owned_len(interleave).unwrap_or(0) } else { 0 })
+                let len = if moves { m.owned_len(interleave).unwrap_or(0) } else { 0 };
+                total += len;
+                (interleave, total - len..total)
             })
             .collect();
-        let total: usize = plan.iter().map(|p| p.1).sum();
         if total == 0 {
             return Ok(());
         }
@@ -136,28 +139,25 @@ impl Matrix {
         if let Err(e) = map.advise(memmap2::Advice::HugePage) {
             tracing::debug!("no transparent huge pages for the weights: {e}");
         }
-        let mut at = 0;
-        for (m, &(interleave, len)) in ms.iter().zip(&plan) {
-            if len > 0 {
-                m.write_owned(interleave, &mut map[at..at + len]);
+        for (m, (interleave, at)) in ms.iter().zip(&plan) {
+            if !at.is_empty() {
+                m.write_owned(*interleave, &mut map[at.clone()]);
             }
-            at += len;
             done();
         }
         let arena = Arc::new(map.make_read_only().context("cannot protect the weights")?);
-        let mut at = 0;
-        for (m, &(interleave, len)) in ms.iter_mut().zip(&plan) {
-            if len > 0 {
+        for (m, (interleave, at)) in ms.iter_mut().zip(plan) {
+            if !at.is_empty() {
+                let (offset, len) = (at.start, at.len());
                 m.own(
                     Bytes::Arena {
                         map: arena.clone(),
-                        offset: at,
+                        offset,
                         len,
                     },
                     interleave,
                 );
             }
-            at += len;
         }
         Ok(())
     }
