@@ -33,6 +33,14 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+    IQ2XXS,
+    IQ2XS,
+    IQ3XXS,
+    IQ1S,
+    IQ4NL,
+    IQ3S,
+    IQ2S,
+    IQ4XS,
     BF16,
 }
 
@@ -53,6 +61,14 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             15 => Self::Q8K,
+            16 => Self::IQ2XXS,
+            17 => Self::IQ2XS,
+            18 => Self::IQ3XXS,
+            19 => Self::IQ1S,
+            20 => Self::IQ4NL,
+            21 => Self::IQ3S,
+            22 => Self::IQ2S,
+            23 => Self::IQ4XS,
             30 => Self::BF16,
             _ => return None,
         })
@@ -74,6 +90,14 @@ impl GgmlType {
             Self::Q5K => 13,
             Self::Q6K => 14,
             Self::Q8K => 15,
+            Self::IQ2XXS => 16,
+            Self::IQ2XS => 17,
+            Self::IQ3XXS => 18,
+            Self::IQ1S => 19,
+            Self::IQ4NL => 20,
+            Self::IQ3S => 21,
+            Self::IQ2S => 22,
+            Self::IQ4XS => 23,
             Self::BF16 => 30,
         }
     }
@@ -82,8 +106,9 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 | Self::IQ4NL => 32,
             Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K => 256,
+            Self::IQ2XXS | Self::IQ2XS | Self::IQ2S | Self::IQ3XXS | Self::IQ3S | Self::IQ1S | Self::IQ4XS => 256,
         }
     }
 
@@ -104,6 +129,14 @@ impl GgmlType {
             Self::Q5K => 176,
             Self::Q6K => 210,
             Self::Q8K => 292,
+            Self::IQ2XXS => 66,
+            Self::IQ2XS => 74,
+            Self::IQ3XXS => 98,
+            Self::IQ1S => 50,
+            Self::IQ4NL => 18,
+            Self::IQ3S => 110,
+            Self::IQ2S => 82,
+            Self::IQ4XS => 136,
         }
     }
 
@@ -131,6 +164,14 @@ impl GgmlType {
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
             Self::Q8K => "Q8_K",
+            Self::IQ2XXS => "IQ2_XXS",
+            Self::IQ2XS => "IQ2_XS",
+            Self::IQ3XXS => "IQ3_XXS",
+            Self::IQ1S => "IQ1_S",
+            Self::IQ4NL => "IQ4_NL",
+            Self::IQ3S => "IQ3_S",
+            Self::IQ2S => "IQ2_S",
+            Self::IQ4XS => "IQ4_XS",
             Self::BF16 => "BF16",
         }
     }

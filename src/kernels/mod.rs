@@ -11,6 +11,7 @@ pub mod blocks32;
 pub mod float;
 pub mod ggml;
 pub mod interleaved;
+pub mod iquants;
 pub mod kquants;
 pub mod matrix;
 #[cfg(target_arch = "aarch64")]
@@ -56,6 +57,14 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
         Q5K => kquants::dequantize_q5_k(src, dst),
         Q6K => kquants::dequantize_q6_k(src, dst),
         Q8K => kquants::dequantize_q8_k(src, dst),
+        IQ4NL => iquants::dequantize_iq4_nl(src, dst),
+        IQ4XS => iquants::dequantize_iq4_xs(src, dst),
+        IQ2XXS => iquants::dequantize_iq2_xxs(src, dst),
+        IQ2XS => iquants::dequantize_iq2_xs(src, dst),
+        IQ2S => iquants::dequantize_iq2_s(src, dst),
+        IQ3XXS => iquants::dequantize_iq3_xxs(src, dst),
+        IQ3S => iquants::dequantize_iq3_s(src, dst),
+        IQ1S => iquants::dequantize_iq1_s(src, dst),
     }
 }
 

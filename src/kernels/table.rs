@@ -1,7 +1,7 @@
 //! The dispatch table's types: the kernels of one instruction set for every weight type, and the scalar table
 //! every SIMD table is tested against. `x86.rs` and `neon.rs` fill tables; `mod.rs` picks one per CPU.
 
-use super::{blocks32, float, kquants};
+use super::{blocks32, float, iquants, kquants};
 use crate::gguf::GgmlType;
 
 /// `n` blocks of a weight row dotted with `n` blocks of quantized activations.
@@ -39,6 +39,14 @@ pub struct Kernels {
     pub q4_k: QKernel,
     pub q5_k: QKernel,
     pub q6_k: QKernel,
+    pub iq4_nl: QKernel,
+    pub iq4_xs: QKernel,
+    pub iq2_xxs: QKernel,
+    pub iq2_xs: QKernel,
+    pub iq2_s: QKernel,
+    pub iq3_xxs: QKernel,
+    pub iq3_s: QKernel,
+    pub iq1_s: QKernel,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
 }
 
@@ -56,6 +64,14 @@ impl Kernels {
             Q4K => self.q4_k,
             Q5K => self.q5_k,
             Q6K => self.q6_k,
+            IQ4NL => self.iq4_nl,
+            IQ4XS => self.iq4_xs,
+            IQ2XXS => self.iq2_xxs,
+            IQ2XS => self.iq2_xs,
+            IQ2S => self.iq2_s,
+            IQ3XXS => self.iq3_xxs,
+            IQ3S => self.iq3_s,
+            IQ1S => self.iq1_s,
             F32 | F16 | BF16 | Q8_1 | Q8K => return None,
         })
     }
@@ -91,6 +107,14 @@ impl Kernels {
             q4_k: k(Q8K, kquants::dot_q4_k_q8_k),
             q5_k: k(Q8K, kquants::dot_q5_k_q8_k),
             q6_k: k(Q8K, kquants::dot_q6_k_q8_k),
+            iq4_nl: k(Q8_0, iquants::dot_iq4_nl_q8_0),
+            iq4_xs: k(Q8K, iquants::dot_iq4_xs_q8_k),
+            iq2_xxs: k(Q8K, iquants::dot_iq2_xxs_q8_k),
+            iq2_xs: k(Q8K, iquants::dot_iq2_xs_q8_k),
+            iq2_s: k(Q8K, iquants::dot_iq2_s_q8_k),
+            iq3_xxs: k(Q8K, iquants::dot_iq3_xxs_q8_k),
+            iq3_s: k(Q8K, iquants::dot_iq3_s_q8_k),
+            iq1_s: k(Q8K, iquants::dot_iq1_s_q8_k),
             dot_f32: float::dot_f32,
         }
     }

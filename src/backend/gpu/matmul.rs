@@ -31,7 +31,7 @@ fn wgsl_type(ty: GgmlType) -> &'static str {
         Q5K => "q5_k",
         Q6K => "q6_k",
         // `upload_matrix` refuses the others.
-        Q8_1 | Q2K | Q3K | Q8K => "unsupported",
+        Q8_1 | Q2K | Q3K | Q8K | IQ4NL | IQ4XS | IQ2XXS | IQ2XS | IQ2S | IQ3XXS | IQ3S | IQ1S => "unsupported",
     }
 }
 
