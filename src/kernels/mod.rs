@@ -549,6 +549,7 @@ pub(crate) mod tests {
             Q3K => &[108],
             Q4K | Q5K => &[0, 2],
             Q6K => &[208],
+            IQ4NL | IQ4XS | IQ2XXS | IQ2XS | IQ2S | IQ3XXS | IQ3S | IQ1S => &[0],
             _ => &[],
         }
     }
@@ -581,7 +582,8 @@ pub(crate) mod tests {
         let mut rng = Rng(21);
         let pool = ThreadPool::new(3);
         let mut scratch = Scratch::default();
-        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
+        let iquants = [IQ4NL, IQ4XS, IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S];
+        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().chain(iquants) {
             for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 1), (70, 256, 5), (9, 768, 9)] {
                 let w = random_matrix(&mut rng, ty, rows, cols);
                 let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();
@@ -643,7 +645,7 @@ pub(crate) mod tests {
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
             let mut scratch = Scratch::default();
-            for ty in [F32, Q4_1, Q5_0, Q8_0, Q4K, Q6K] {
+            for ty in [F32, Q4_1, Q5_0, Q8_0, Q4K, Q6K, IQ4NL, IQ4XS, IQ2XXS] {
                 for (rows, cols, n_tok) in [(1, 256, 1), (61, 512, 1), (130, 256, 7), (5, 1024, 70), (35, 512, 21)] {
                     let w = random_matrix(&mut rng, ty, rows, cols);
                     let mut packed = Matrix {

@@ -8,6 +8,7 @@
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
 use super::blocks32::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use super::iquants::{IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
@@ -106,6 +107,8 @@ wrap!(q8_0_dot_avx2, q8_0_multi_avx2, q8_0_avx2, Q8_0_BYTES, Q8_0_BYTES);
 wrap!(q5_0_dot_avx2, q5_0_multi_avx2, q5_0_avx2, Q5_0_BYTES, Q8_0_BYTES);
 wrap!(q4_k_dot_avx2, q4_k_multi_avx2, q4_k_avx2, Q4_K_BYTES, Q8_K_BYTES);
 wrap!(q6_k_dot_avx2, q6_k_multi_avx2, q6_k_avx2, Q6_K_BYTES, Q8_K_BYTES);
+wrap!(iq4_nl_dot_avx2, iq4_nl_multi_avx2, iq4_nl_avx2, IQ4_NL_BYTES, Q8_0_BYTES);
+wrap!(iq4_xs_dot_avx2, iq4_xs_multi_avx2, iq4_xs_avx2, IQ4_XS_BYTES, Q8_K_BYTES);
 wrap!(q4_1_dot_avx512, q4_1_multi_avx512, q4_1_avx512, Q4_1_BYTES, Q8_1_BYTES);
 wrap!(q8_0_dot_avx512, q8_0_multi_avx512, q8_0_avx512, Q8_0_BYTES, Q8_0_BYTES);
 
@@ -129,6 +132,8 @@ pub fn table_avx2() -> Kernels {
     k.q5_0 = q(GgmlType::Q8_0, q5_0_dot_avx2, q5_0_multi_avx2);
     k.q4_k = q(GgmlType::Q8K, q4_k_dot_avx2, q4_k_multi_avx2);
     k.q6_k = q(GgmlType::Q8K, q6_k_dot_avx2, q6_k_multi_avx2);
+    k.iq4_nl = q(GgmlType::Q8_0, iq4_nl_dot_avx2, iq4_nl_multi_avx2);
+    k.iq4_xs = q(GgmlType::Q8K, iq4_xs_dot_avx2, iq4_xs_multi_avx2);
     k.dot_f32 = dot_f32_avx2;
     k.quant_q8_0 = quant_q8_0_avx2;
     k.quant_q8_1 = quant_q8_1_avx2;
@@ -437,6 +442,67 @@ unsafe fn q5_0_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: us
     }
 }
 
+/// 16 bytes of IQ4 nibbles to their 32 signed levels (low nibbles first): one byte shuffle through the table.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn iq4_levels(q: *const u8) -> __m256i {
+    unsafe {
+        let kv = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i);
+        _mm256_shuffle_epi8(_mm256_set_m128i(kv, kv), nibbles(load128(q)))
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_nl_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..n {
+            let wb = w.add(b * IQ4_NL_BYTES);
+            let dw = f16(wb);
+            let qw = iq4_levels(wb.add(2));
+            let ax = _mm256_sign_epi8(qw, qw);
+            for t in 0..N {
+                let yb = x.add(t * xs + b * Q8_0_BYTES);
+                let p = dot_i8_signed(ax, qw, load256(yb.add(2)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * f16(yb)), acc[t]);
+            }
+        }
+        for t in 0..N {
+            out[t] = hsum(acc[t]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..n {
+            let wb = w.add(b * IQ4_XS_BYTES);
+            let dw = f16(wb);
+            let block = std::slice::from_raw_parts(wb, IQ4_XS_BYTES);
+            let mut sumi = [_mm256_setzero_si256(); N];
+            for ib in 0..8 {
+                let qw = iq4_levels(wb.add(8 + 16 * ib));
+                let ax = _mm256_sign_epi8(qw, qw);
+                let ls = _mm256_set1_epi16((iq4_xs_scale(block, ib) - 32) as i16);
+                for t in 0..N {
+                    let q8 = load256(x.add(t * xs + b * Q8_K_BYTES + 4 + 32 * ib));
+                    let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q8, qw));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p16, ls));
+                }
+            }
+            for t in 0..N {
+                let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(dw * yd), acc[t]);
+            }
+        }
+        for t in 0..N {
+            out[t] = hsum(acc[t]);
+        }
+    }
+}
+
 /// The eight 6-bit scales and eight mins of a Q4_K/Q5_K block, unpacked to bytes.
 #[inline(always)]
 fn k4_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
@@ -680,7 +746,7 @@ mod tests {
         let s = Kernels::scalar();
         let mut rng = Rng(99);
         for k in tables() {
-            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
+            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS] {
                 let (fast, slow): (QKernel, QKernel) = (k.for_type(ty).unwrap(), s.for_type(ty).unwrap());
                 let vdt = fast.vec_dot_type;
                 assert_eq!(vdt, slow.vec_dot_type);
