@@ -40,6 +40,28 @@ MODELS = {
 }
 
 
+# Every i-quant in one model: a Llama (llama-bpe, no frequency factors) whose block matrices are random blocks of
+# IQ2_XXS .. IQ4_XS (gguf-py cannot quantize to them), n_embd 256 so every matrix's rows are whole 256-weight blocks.
+MODELS["iquants"] = dict(arch="llama", pre="llama-bpe", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                         head_dim=64, rope_base=10000.0, ty="F32",
+                         types=[dict(attn_q="IQ2_XXS", attn_k="IQ2_XS", attn_v="IQ2_S", attn_output="IQ3_XXS",
+                                     ffn_gate="IQ3_S", ffn_up="IQ4_NL", ffn_down="IQ4_XS"),
+                                dict(attn_q="IQ1_S", attn_k="IQ4_NL", attn_v="IQ4_XS", attn_output="IQ2_S",
+                                     ffn_gate="IQ2_XXS", ffn_up="IQ3_XXS", ffn_down="IQ2_XS")])
+
+
+def random_iquant(rng, ty, rows, cols, std):
+    """rows x cols weights of type `ty` as random blocks (any indices, signs and sub-scales), the f16 scale of each
+    block chosen so the weights' standard deviation is about `std`."""
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[ty]
+    n = rows * cols // bs
+    raw = rng.integers(0, 256, size=(n, ts), dtype=np.uint8)
+    raw[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    unit = gguf.quants.dequantize(raw.reshape(1, -1), ty).std()
+    raw[:, 0:2] = np.array([std / unit], dtype=np.float16).view(np.uint8)
+    return dict(tensor=raw.reshape(rows, cols // bs * ts), raw_dtype=ty)
+
+
 def cut_vocab(reader, n):
     """The first n tokens of the source vocab with the merges among them, and the other tokenizer keys."""
     f = reader.fields
@@ -117,7 +139,10 @@ def write_model(path, name, spec, vocab, rng):
 
     ty = getattr(gguf.GGMLQuantizationType, spec["ty"])
 
-    def mat(rows, cols, scale=1.7):
+    def mat(rows, cols, scale=1.7, kind=None, il=0):
+        if kind is not None and "types" in spec:
+            qt = getattr(gguf.GGMLQuantizationType, spec["types"][il][kind])
+            return random_iquant(rng, qt, rows, cols, scale / np.sqrt(3.0 * cols))
         v = (rng.uniform(-1.0, 1.0, (rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
         if ty == gguf.GGMLQuantizationType.F32:
             return dict(tensor=v)
@@ -142,9 +167,9 @@ def write_model(path, name, spec, vocab, rng):
     for il in range(spec["n_layer"]):
         p = f"blk.{il}."
         t[p + "attn_norm.weight"] = vec(e)
-        t[p + "attn_q.weight"] = mat(nq, e)
-        t[p + "attn_k.weight"] = mat(nkv, e)
-        t[p + "attn_v.weight"] = mat(nkv, e)
+        t[p + "attn_q.weight"] = mat(nq, e, kind="attn_q", il=il)
+        t[p + "attn_k.weight"] = mat(nkv, e, kind="attn_k", il=il)
+        t[p + "attn_v.weight"] = mat(nkv, e, kind="attn_v", il=il)
         if spec.get("qkv_bias"):
             t[p + "attn_q.bias"] = vec(nq, -0.5, 0.5)
             t[p + "attn_k.bias"] = vec(nkv, -0.5, 0.5)
@@ -152,7 +177,7 @@ def write_model(path, name, spec, vocab, rng):
         if spec.get("qk_norm"):
             t[p + "attn_q_norm.weight"] = vec(hd)
             t[p + "attn_k_norm.weight"] = vec(hd)
-        t[p + "attn_output.weight"] = mat(e, nq)
+        t[p + "attn_output.weight"] = mat(e, nq, kind="attn_output", il=il)
         t[p + "ffn_norm.weight"] = vec(e)
         if "n_expert" in spec:
             # The router stays F32 (as llama.cpp's quantizer leaves it), with logits spread wide enough that the
@@ -164,9 +189,9 @@ def write_model(path, name, spec, vocab, rng):
             for name, rows, cols in (("ffn_gate_exps", f, e), ("ffn_up_exps", f, e), ("ffn_down_exps", e, f)):
                 t[p + name + ".weight"] = stack([mat(rows, cols) for _ in range(n_x)])
         else:
-            t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e)
-            t[p + "ffn_up.weight"] = mat(spec["n_ff"], e)
-            t[p + "ffn_down.weight"] = mat(e, spec["n_ff"])
+            t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e, kind="ffn_gate", il=il)
+            t[p + "ffn_up.weight"] = mat(spec["n_ff"], e, kind="ffn_up", il=il)
+            t[p + "ffn_down.weight"] = mat(e, spec["n_ff"], kind="ffn_down", il=il)
     for k, v in t.items():
         w.add_tensor(k, v["tensor"], raw_dtype=v.get("raw_dtype"))
     w.write_header_to_file()

@@ -72,7 +72,8 @@ enum Cmd {
     Perplexity(PerplexityArgs),
     /// Measure prompt-processing (pp) and generation (tg) speed, like llama-bench.
     Bench(BenchArgs),
-    /// Rewrite a model with its weight matrices in another type (f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1).
+    /// Rewrite a model with its weight matrices in another type (f32, f16, q8_0, q5_0, q5_1, q4_0, q4_1, q4_k,
+    /// iq4_nl, iq4_xs; rows that are not whole 256-weight blocks fall back to q5_0 for q4_k, to iq4_nl for iq4_xs).
     Quantize {
         /// Input model (name or path).
         input: String,
@@ -1066,15 +1067,23 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
     let target = baton::model::quantize::parse_target(ty)?;
     let path = fetch::resolve(input)?;
     let bar = baton::util::count_bar(0, &format!("quantizing to {target}"), "tensors");
-    let (n, bytes) = baton::model::quantize::quantize_file(&path, output, target, |i, n| {
+    let r = baton::model::quantize::quantize_file(&path, output, target, |i, n| {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
     })?;
     bar.finish_and_clear();
+    let fell_back = match r.fell_back {
+        0 => String::new(),
+        k => format!(
+            ", {k} to {} as their rows are not whole {target} blocks",
+            baton::model::quantize::fallback(target)
+        ),
+    };
     tracing::info!(
-        "wrote {} ({n} tensors converted to {target}, {:.1} MiB)",
+        "wrote {} ({} tensors converted to {target}{fell_back}, {:.1} MiB)",
         output.display(),
-        bytes as f64 / 1048576.0
+        r.converted,
+        r.bytes as f64 / 1048576.0
     );
     Ok(())
 }

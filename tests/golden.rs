@@ -272,6 +272,20 @@ fn greedy_matches_llama_cpp_qwen3moe() {
     check_generated("qwen3moe", FLOAT_TOL);
 }
 
+/// Every i-quant (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ4_NL, IQ4_XS) as a block matrix of a small
+/// Llama, random blocks of each written by `scripts/gen-test-models.py`: the formats' decoding and Baton's integer
+/// dots against llama.cpp's. Activations are quantized to 8 bits as for Q8_0 weights, so the same tolerance.
+#[test]
+fn greedy_matches_llama_cpp_iquants() {
+    check_generated(
+        "iquants",
+        Tol {
+            logits: 0.4,
+            near_tie: 0.8,
+        },
+    );
+}
+
 /// What a perplexity run must achieve against llama.cpp.
 struct Expect {
     numerics: Numerics,

@@ -230,6 +230,92 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Weights to Q4_K (`baton quantize`): each 32-weight sub-block fitted as `scale · q + min` (q in 0..16, min ≤ 0)
+/// by least squares over a few trial scales, then the eight scales and mins put on 6-bit grids of the block's `d`
+/// and `dmin`, and the weights quantized again against the scales as stored.
+pub fn quantize_row_q4_k(x: &[f32], out: &mut [u8]) {
+    assert_eq!(
+        out.len(),
+        x.len() / QK_K * Q4_K_BYTES,
+        "output bytes do not match the row length"
+    );
+    for (v, b) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q4_K_BYTES)) {
+        let fits: Vec<(f32, f32)> = v.chunks_exact(32).map(fit_scale_min).collect();
+        let max_scale = fits.iter().fold(0.0f32, |m, f| m.max(f.0));
+        let max_min = fits.iter().fold(0.0f32, |m, f| m.max(-f.1));
+        let d = super::blocks32::f16_bytes(max_scale / 63.0);
+        let dmin = super::blocks32::f16_bytes(max_min / 63.0);
+        let (df, dminf) = (f16_at(&d, 0), f16_at(&dmin, 0));
+        let q6 = |v: f32, step: f32| {
+            if step > 0.0 {
+                (v / step).round().clamp(0.0, 63.0) as u8
+            } else {
+                0
+            }
+        };
+        let sc: Vec<u8> = fits.iter().map(|f| q6(f.0, df)).collect();
+        let mn: Vec<u8> = fits.iter().map(|f| q6(-f.1, dminf)).collect();
+        b.fill(0);
+        b[0..2].copy_from_slice(&d);
+        b[2..4].copy_from_slice(&dmin);
+        for j in 0..4 {
+            b[4 + j] = sc[j] | (sc[j + 4] >> 4) << 6;
+            b[8 + j] = mn[j] | (mn[j + 4] >> 4) << 6;
+            b[12 + j] = (sc[j + 4] & 0xf) | (mn[j + 4] & 0xf) << 4;
+        }
+        for s in 0..8 {
+            let (dl, ml) = (df * sc[s] as f32, dminf * mn[s] as f32);
+            let id = if dl > 0.0 { 1.0 / dl } else { 0.0 };
+            for l in 0..32 {
+                let q = ((v[32 * s + l] + ml) * id).round().clamp(0.0, 15.0) as u8;
+                b[16 + 32 * (s / 2) + l] |= q << (4 * (s % 2));
+            }
+        }
+    }
+}
+
+/// The `(scale, min)` with `x ≈ scale · q + min`, q in 0..16 and min ≤ 0, of least squared error among the
+/// least-squares fits of the quants that a few trial scales over the block's range give.
+fn fit_scale_min(x: &[f32]) -> (f32, f32) {
+    let lo = x.iter().fold(0.0f32, |m, &v| m.min(v));
+    let hi = x.iter().fold(f32::MIN, |m, &v| m.max(v));
+    if hi <= lo {
+        return (0.0, lo);
+    }
+    let n = x.len() as f32;
+    let mut best = (f32::MAX, (hi - lo) / 15.0, lo);
+    for step in -6..=6 {
+        let iscale = (15.0 + 0.25 * step as f32) / (hi - lo);
+        let (mut sl, mut sl2, mut sx, mut slx) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        let qs: Vec<f32> = x
+            .iter()
+            .map(|&v| ((v - lo) * iscale).round().clamp(0.0, 15.0))
+            .collect();
+        for (&q, &v) in qs.iter().zip(x) {
+            sl += q;
+            sl2 += q * q;
+            sx += v;
+            slx += q * v;
+        }
+        let det = n * sl2 - sl * sl;
+        if det <= 0.0 {
+            continue;
+        }
+        let (mut scale, mut min) = ((n * slx - sl * sx) / det, (sl2 * sx - sl * slx) / det);
+        if min > 0.0 {
+            (scale, min) = (slx / sl2, 0.0);
+        }
+        if scale <= 0.0 {
+            continue;
+        }
+        let err: f32 = qs.iter().zip(x).map(|(&q, &v)| (scale * q + min - v).powi(2)).sum();
+        if err < best.0 {
+            best = (err, scale, min);
+        }
+    }
+    (best.1, best.2)
+}
+
 /// The parts of a Q8_K block the dots read.
 #[inline(always)]
 pub fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i32; 16]) {
@@ -465,6 +551,33 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Q4_K round trip: within Q4_1's error (8 + 8 bits of scale and min per 32 weights against Q4_K's 6 + 6 and
+    /// two f16 per 256), and zeros stay zeros.
+    #[test]
+    fn q4_k_quantizer_round_trip() {
+        use super::super::blocks32::{dequantize_q4_1, quantize_row_q4_1};
+        let mut rng = Rng(12);
+        let mut x: Vec<f32> = (0..4096).map(|_| rng.normal() * 0.02 + 0.003).collect();
+        for i in (0..x.len()).step_by(89) {
+            x[i] *= 5.0;
+        }
+        let rmse = |y: &[f32]| (x.iter().zip(y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / x.len() as f32).sqrt();
+        let mut q = vec![0u8; 16 * Q4_K_BYTES];
+        quantize_row_q4_k(&x, &mut q);
+        let mut y = vec![0.0; x.len()];
+        dequantize_q4_k(&q, &mut y);
+        let mut q1 = vec![0u8; 128 * 20];
+        quantize_row_q4_1(&x, &mut q1);
+        let mut y1 = vec![0.0; x.len()];
+        dequantize_q4_1(&q1, &mut y1);
+        let (e, e1) = (rmse(&y), rmse(&y1));
+        assert!(e < 1.1 * e1, "Q4_K rmse {e} vs Q4_1 {e1}");
+        let zeros = vec![0.0f32; 256];
+        quantize_row_q4_k(&zeros, &mut q[..Q4_K_BYTES]);
+        dequantize_q4_k(&q[..Q4_K_BYTES], &mut y[..256]);
+        assert!(y[..256].iter().all(|v| *v == 0.0));
     }
 
     #[test]

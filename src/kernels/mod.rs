@@ -583,7 +583,10 @@ pub(crate) mod tests {
         let pool = ThreadPool::new(3);
         let mut scratch = Scratch::default();
         let iquants = [IQ4NL, IQ4XS, IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S];
-        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().chain(iquants) {
+        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K]
+            .into_iter()
+            .chain(iquants)
+        {
             for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 1), (70, 256, 5), (9, 768, 9)] {
                 let w = random_matrix(&mut rng, ty, rows, cols);
                 let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.normal()).collect();

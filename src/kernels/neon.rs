@@ -11,12 +11,14 @@
 //! against `N` (1..=4) activation rows, each weight block unpacked into registers once and used for all `N` tokens.
 //! Block sums are scaled in f32 vectors and reduced at the end, so results equal the scalar reference up to the order
 //! of the f32 additions. The quantizers do the scalar quantizers' f32 operations in the same order per value and give
-//! the same bytes. Formats without a kernel here (Q5_1, Q2_K, Q3_K, Q5_K) use the scalar ones. SiLU, GELU and the
-//! attention partials have NEON versions next to their scalar references, in `ops.rs` and `attention.rs`.
+//! the same bytes. Formats without a kernel here (Q5_1, Q2_K, Q3_K, Q5_K, the IQ2/IQ3/IQ1 i-quants) use the scalar
+//! ones. SiLU, GELU and the attention partials have NEON versions next to their scalar references, in `ops.rs` and
+//! `attention.rs`.
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
 use super::blocks32::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use super::iquants::{IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, scale_min_k4};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
@@ -43,6 +45,8 @@ pub fn table_neon() -> Kernels {
     k.q8_0 = q(GgmlType::Q8_0, q8_0_dot, q8_0_multi);
     k.q4_k = q(GgmlType::Q8K, q4_k_dot, q4_k_multi);
     k.q6_k = q(GgmlType::Q8K, q6_k_dot, q6_k_multi);
+    k.iq4_nl = q(GgmlType::Q8_0, iq4_nl_dot, iq4_nl_multi);
+    k.iq4_xs = q(GgmlType::Q8K, iq4_xs_dot, iq4_xs_multi);
     k.dot_f32 = dot_f32_neon;
     k.quant_q8_0 = quant_q8_0_neon;
     k.quant_q8_1 = quant_q8_1_neon;
@@ -65,6 +69,8 @@ pub fn table_neon_dotprod() -> Kernels {
     k.q8_0 = q(GgmlType::Q8_0, q8_0_dot_sdot, q8_0_multi_sdot);
     k.q4_k = q(GgmlType::Q8K, q4_k_dot_sdot, q4_k_multi_sdot);
     k.q6_k = q(GgmlType::Q8K, q6_k_dot_sdot, q6_k_multi_sdot);
+    k.iq4_nl = q(GgmlType::Q8_0, iq4_nl_dot_sdot, iq4_nl_multi_sdot);
+    k.iq4_xs = q(GgmlType::Q8K, iq4_xs_dot_sdot, iq4_xs_multi_sdot);
     k
 }
 
@@ -108,6 +114,24 @@ wrap!(q5_0_dot, q5_0_multi, q5_0_kernel, false, Q5_0_BYTES, Q8_0_BYTES);
 wrap!(q8_0_dot, q8_0_multi, q8_0_kernel, false, Q8_0_BYTES, Q8_0_BYTES);
 wrap!(q4_k_dot, q4_k_multi, q4_k_kernel, false, Q4_K_BYTES, Q8_K_BYTES);
 wrap!(q6_k_dot, q6_k_multi, q6_k_kernel, false, Q6_K_BYTES, Q8_K_BYTES);
+wrap!(iq4_nl_dot, iq4_nl_multi, iq4_nl_kernel, false, IQ4_NL_BYTES, Q8_0_BYTES);
+wrap!(iq4_xs_dot, iq4_xs_multi, iq4_xs_kernel, false, IQ4_XS_BYTES, Q8_K_BYTES);
+wrap!(
+    iq4_nl_dot_sdot,
+    iq4_nl_multi_sdot,
+    iq4_nl_kernel,
+    true,
+    IQ4_NL_BYTES,
+    Q8_0_BYTES
+);
+wrap!(
+    iq4_xs_dot_sdot,
+    iq4_xs_multi_sdot,
+    iq4_xs_kernel,
+    true,
+    IQ4_XS_BYTES,
+    Q8_K_BYTES
+);
 wrap!(
     q4_0_dot_sdot,
     q4_0_multi_sdot,
@@ -407,6 +431,81 @@ unsafe fn q8_0_kernel<const N: usize, const SDOT: bool>(
     }
 }
 
+/// 16 bytes of IQ4 nibbles to their 32 signed levels (weights 0..16 from the low nibbles, 16..32 from the high
+/// ones), each one table lookup.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn iq4_levels(q: *const u8) -> (int8x16_t, int8x16_t) {
+    unsafe {
+        let kv = vld1q_s8(KVALUES_IQ4NL.as_ptr());
+        let qs = load_u8(q);
+        (
+            vqtbl1q_s8(kv, vandq_u8(qs, vdupq_n_u8(0x0f))),
+            vqtbl1q_s8(kv, vshrq_n_u8::<4>(qs)),
+        )
+    }
+}
+
+#[target_feature(enable = "neon")]
+unsafe fn iq4_nl_kernel<const N: usize, const SDOT: bool>(
+    n: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [f32; N],
+) {
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); N];
+        for b in 0..n {
+            let wb = w.add(b * IQ4_NL_BYTES);
+            let dw = f16(wb);
+            let (lo, hi) = iq4_levels(wb.add(2));
+            for t in 0..N {
+                let yb = x.add(t * xs + b * Q8_0_BYTES);
+                let s = dot32::<SDOT>(lo, hi, yb.add(2));
+                acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(s), dw * f16(yb));
+            }
+        }
+        for t in 0..N {
+            out[t] = vaddvq_f32(acc[t]);
+        }
+    }
+}
+
+#[target_feature(enable = "neon")]
+unsafe fn iq4_xs_kernel<const N: usize, const SDOT: bool>(
+    n: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [f32; N],
+) {
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); N];
+        for b in 0..n {
+            let wb = w.add(b * IQ4_XS_BYTES);
+            let dw = f16(wb);
+            let block = std::slice::from_raw_parts(wb, IQ4_XS_BYTES);
+            let mut sumi = [vdupq_n_s32(0); N];
+            for ib in 0..8 {
+                let (lo, hi) = iq4_levels(wb.add(8 + 16 * ib));
+                let ls = iq4_xs_scale(block, ib) - 32;
+                for t in 0..N {
+                    let s = dot32::<SDOT>(lo, hi, x.add(t * xs + b * Q8_K_BYTES + 4 + 32 * ib));
+                    sumi[t] = vmlaq_n_s32(sumi[t], s, ls);
+                }
+            }
+            for t in 0..N {
+                let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+                acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(sumi[t]), dw * yd);
+            }
+        }
+        for t in 0..N {
+            out[t] = vaddvq_f32(acc[t]);
+        }
+    }
+}
+
 #[target_feature(enable = "neon")]
 unsafe fn q4_0_kernel<const N: usize, const SDOT: bool>(
     n: usize,
@@ -647,7 +746,7 @@ mod tests {
         let s = Kernels::scalar();
         let mut rng = Rng(98);
         for k in tables() {
-            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
+            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS] {
                 let (fast, slow): (QKernel, QKernel) = (k.for_type(ty).unwrap(), s.for_type(ty).unwrap());
                 let vdt = fast.vec_dot_type;
                 assert_eq!(vdt, slow.vec_dot_type);

@@ -107,8 +107,20 @@ wrap!(q8_0_dot_avx2, q8_0_multi_avx2, q8_0_avx2, Q8_0_BYTES, Q8_0_BYTES);
 wrap!(q5_0_dot_avx2, q5_0_multi_avx2, q5_0_avx2, Q5_0_BYTES, Q8_0_BYTES);
 wrap!(q4_k_dot_avx2, q4_k_multi_avx2, q4_k_avx2, Q4_K_BYTES, Q8_K_BYTES);
 wrap!(q6_k_dot_avx2, q6_k_multi_avx2, q6_k_avx2, Q6_K_BYTES, Q8_K_BYTES);
-wrap!(iq4_nl_dot_avx2, iq4_nl_multi_avx2, iq4_nl_avx2, IQ4_NL_BYTES, Q8_0_BYTES);
-wrap!(iq4_xs_dot_avx2, iq4_xs_multi_avx2, iq4_xs_avx2, IQ4_XS_BYTES, Q8_K_BYTES);
+wrap!(
+    iq4_nl_dot_avx2,
+    iq4_nl_multi_avx2,
+    iq4_nl_avx2,
+    IQ4_NL_BYTES,
+    Q8_0_BYTES
+);
+wrap!(
+    iq4_xs_dot_avx2,
+    iq4_xs_multi_avx2,
+    iq4_xs_avx2,
+    IQ4_XS_BYTES,
+    Q8_K_BYTES
+);
 wrap!(q4_1_dot_avx512, q4_1_multi_avx512, q4_1_avx512, Q4_1_BYTES, Q8_1_BYTES);
 wrap!(q8_0_dot_avx512, q8_0_multi_avx512, q8_0_avx512, Q8_0_BYTES, Q8_0_BYTES);
 

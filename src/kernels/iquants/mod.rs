@@ -203,7 +203,10 @@ pub fn dequantize_iq3_xxs(src: &[u8], dst: &mut [f32]) {
             let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
             for l in 0..4 {
                 let s = KSIGNS[((aux >> (7 * l)) & 127) as usize];
-                let g = [IQ3XXS_GRID[b[2 + 8 * ib + 2 * l] as usize], IQ3XXS_GRID[b[3 + 8 * ib + 2 * l] as usize]];
+                let g = [
+                    IQ3XXS_GRID[b[2 + 8 * ib + 2 * l] as usize],
+                    IQ3XXS_GRID[b[3 + 8 * ib + 2 * l] as usize],
+                ];
                 for j in 0..8 {
                     let v = grid_byte(g[j / 4] as u64, j % 4);
                     y[32 * ib + 8 * l + j] = db * v as f32 * sign(s, j);
@@ -289,7 +292,9 @@ pub fn dot_iq4_xs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
 /// Σ_j grid_j · q8_j · sign_j over 8 weights of unsigned grid bytes.
 #[inline(always)]
 fn signed_grid_dot(g: u64, signs: u8, q8: &[u8]) -> i32 {
-    (0..8).map(|j| grid_byte(g, j) as i32 * q8[j] as i8 as i32 * sign_i(signs, j)).sum()
+    (0..8)
+        .map(|j| grid_byte(g, j) as i32 * q8[j] as i8 as i32 * sign_i(signs, j))
+        .sum()
 }
 
 pub fn dot_iq2_xxs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
@@ -409,7 +414,9 @@ pub fn dot_iq1_s_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
             let mut s = 0i32;
             for l in 0..4 {
                 let g = IQ1S_GRID[b[2 + 4 * ib + l] as usize | (((h >> (3 * l)) & 7) as usize) << 8];
-                s += (0..8).map(|j| grid_byte(g, j) as i8 as i32 * q8[32 * ib + 8 * l + j] as i8 as i32).sum::<i32>();
+                s += (0..8)
+                    .map(|j| grid_byte(g, j) as i8 as i32 * q8[32 * ib + 8 * l + j] as i8 as i32)
+                    .sum::<i32>();
             }
             sumi += ls * s;
             sumi1 += ls * delta * (bsums[2 * ib] + bsums[2 * ib + 1]);
@@ -437,7 +444,11 @@ fn nearest_iq4(v: f32) -> u8 {
         let mid = (lo + hi) / 2;
         if v < k[mid] as f32 { hi = mid } else { lo = mid }
     }
-    if v - k[lo] as f32 <= k[hi] as f32 - v { lo as u8 } else { hi as u8 }
+    if v - k[lo] as f32 <= k[hi] as f32 - v {
+        lo as u8
+    } else {
+        hi as u8
+    }
 }
 
 /// The scale of one 32-weight block on the IQ4 levels: the best, by weighted least squares (weights `x²`, so the
@@ -481,7 +492,11 @@ fn pack_iq4(x: &[f32], d: f32, qs: &mut [u8]) {
 }
 
 pub fn quantize_row_iq4_nl(x: &[f32], out: &mut [u8]) {
-    assert_eq!(out.len(), x.len() / QK * IQ4_NL_BYTES, "output bytes do not match the row length");
+    assert_eq!(
+        out.len(),
+        x.len() / QK * IQ4_NL_BYTES,
+        "output bytes do not match the row length"
+    );
     for (v, b) in x.chunks_exact(QK).zip(out.chunks_exact_mut(IQ4_NL_BYTES)) {
         let d = f16_bytes(iq4_block_scale(v));
         b[0..2].copy_from_slice(&d);
@@ -490,10 +505,16 @@ pub fn quantize_row_iq4_nl(x: &[f32], out: &mut [u8]) {
 }
 
 pub fn quantize_row_iq4_xs(x: &[f32], out: &mut [u8]) {
-    assert_eq!(out.len(), x.len() / QK_K * IQ4_XS_BYTES, "output bytes do not match the row length");
+    assert_eq!(
+        out.len(),
+        x.len() / QK_K * IQ4_XS_BYTES,
+        "output bytes do not match the row length"
+    );
     for (v, b) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(IQ4_XS_BYTES)) {
         let scales: Vec<f32> = v.chunks_exact(32).map(iq4_block_scale).collect();
-        let max_scale = scales.iter().fold(0.0f32, |m, &s| if s.abs() > m.abs() { s } else { m });
+        let max_scale = scales
+            .iter()
+            .fold(0.0f32, |m, &s| if s.abs() > m.abs() { s } else { m });
         b.fill(0);
         if max_scale == 0.0 {
             // Scale 0: every level decodes to 0. The biased sub-scales are written as 0 too.
@@ -508,7 +529,11 @@ pub fn quantize_row_iq4_xs(x: &[f32], out: &mut [u8]) {
             let ls = (l + 32) as u8;
             b[4 + ib / 2] |= (ls & 0xf) << (4 * (ib % 2));
             sh |= ((ls >> 4) as u16) << (2 * ib);
-            pack_iq4(&v[32 * ib..32 * ib + 32], d * l as f32, &mut b[8 + 16 * ib..24 + 16 * ib]);
+            pack_iq4(
+                &v[32 * ib..32 * ib + 32],
+                d * l as f32,
+                &mut b[8 + 16 * ib..24 + 16 * ib],
+            );
         }
         b[2..4].copy_from_slice(&sh.to_le_bytes());
     }
@@ -543,7 +568,10 @@ mod tests {
             let p = format!("{dir}{}.{ext}", ty.name());
             std::fs::read(&p).unwrap_or_else(|e| panic!("{p}: {e} (written by scripts/gen-iquant-tables.py)"))
         };
-        let want = read("f32").chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let want = read("f32")
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         (read("bin"), want)
     }
 
@@ -597,7 +625,10 @@ mod tests {
             let want: f64 = wd.iter().zip(&xd).map(|(a, b)| *a as f64 * *b as f64).sum();
             let scale: f64 = wd.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
             let got = dot(nb, &w, &xq) as f64;
-            assert!((got - want).abs() <= 2e-6 * scale, "{ty}: {got} vs {want} (scale {scale})");
+            assert!(
+                (got - want).abs() <= 2e-6 * scale,
+                "{ty}: {got} vs {want} (scale {scale})"
+            );
         }
     }
 
@@ -622,7 +653,11 @@ mod tests {
             rmse(&x, &y)
         };
         for (ty, quant, deq) in [
-            (GgmlType::IQ4NL, quantize_row_iq4_nl as fn(&[f32], &mut [u8]), dequantize_iq4_nl as Deq),
+            (
+                GgmlType::IQ4NL,
+                quantize_row_iq4_nl as fn(&[f32], &mut [u8]),
+                dequantize_iq4_nl as Deq,
+            ),
             (GgmlType::IQ4XS, quantize_row_iq4_xs, dequantize_iq4_xs),
         ] {
             let mut q = vec![0u8; ty.row_bytes(x.len()).unwrap()];
@@ -644,7 +679,10 @@ mod tests {
         for i in -1400..1400 {
             let v = i as f32 * 0.1;
             let got = KVALUES_IQ4NL[nearest_iq4(v) as usize] as f32;
-            let best = KVALUES_IQ4NL.iter().map(|&k| (k as f32 - v).abs()).fold(f32::MAX, f32::min);
+            let best = KVALUES_IQ4NL
+                .iter()
+                .map(|&k| (k as f32 - v).abs())
+                .fold(f32::MAX, f32::min);
             assert_eq!((got - v).abs(), best, "{v}");
         }
     }
