@@ -23,6 +23,7 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
+#[rustfmt::skip] // generated, one line per few entries
 mod grids;
 
 pub use grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
