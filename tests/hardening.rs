@@ -193,14 +193,18 @@ fn node_caps_connections_and_keeps_serving_authenticated_peers() {
     assert!(matches!(m2, Msg::Challenge { .. }), "{m2:?}");
 }
 
-/// The node's KV budget: with room for two sessions, a third OPEN while both are in use is refused with an ERROR
-/// that says why; the sessions in use keep decoding; once one is closed, its KV is evicted to make room.
+/// The node's KV budget: with room for two sessions (KV and scratch), a third OPEN while both are in use is refused
+/// with an ERROR that says why; the sessions in use keep decoding; once one is closed, its KV is evicted to make
+/// room.
 #[test]
 fn node_refuses_opens_beyond_its_kv_budget() {
-    use baton::engine::KvCache;
+    use baton::engine::{KvCache, Session};
     let m = model("llama3");
     let hp = baton::model::Hparams::from_gguf(&baton::gguf::GgufFile::open(&m).unwrap()).unwrap();
-    let one = KvCache::bytes_for(&hp, hp.n_layer, pipeline_opts().n_ctx) as f64;
+    let o = pipeline_opts();
+    // A pipeline session opens with batches of its chunk; the node runs one thread (NodeProc's `-t 1`).
+    let scratch = Session::scratch_bytes(&hp, o.n_ctx, o.chunk, 1, true);
+    let one = (KvCache::bytes_for(&hp, hp.n_layer, o.n_ctx) + scratch) as f64;
     let budget = format!("{}", one * 2.5 / (1u64 << 30) as f64);
     let node = NodeProc::spawn(&m, "127.0.0.1:0", &["--kv-budget", &budget]);
     let spec = format!("{}=0:end", node.addr);
@@ -213,7 +217,7 @@ fn node_refuses_opens_beyond_its_kv_budget() {
             "{:#}",
             connect().err().expect("an OPEN beyond the KV budget was accepted")
         );
-        assert!(e.contains("KV budget") && e.contains("MiB"), "{e}");
+        assert!(e.contains("KV budget") && e.contains("MiB of KV and scratch"), "{e}");
     }
     // The node is up and the sessions in use go on.
     let next = a.decode_step(first.token).unwrap();
