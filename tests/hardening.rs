@@ -284,6 +284,35 @@ fn loads_beyond_the_memory_available_are_refused_with_the_figures() {
         }
         assert!(!err.contains("panicked"), "{err}");
     }
+    // Models loaded beside the target are added in: a draft or a second ensemble member doubles what one needs
+    // (the same model twice here), and the refusal names them.
+    let kv_gib = |args: &[&str]| -> f64 {
+        let mut cmd = std::process::Command::new(baton_bin());
+        cmd.args(args);
+        let (out, in_time) = run_bounded(&mut cmd, Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(in_time && !out.status.success(), "{args:?} accepted: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        let (before, _) = err
+            .split_once(" GiB of KV")
+            .unwrap_or_else(|| panic!("{args:?}: no figures: {err}"));
+        let gib = before.rsplit(' ').next().unwrap();
+        assert!(err.contains("--no-mem-check"), "{err}");
+        if args.contains(&"--draft") {
+            assert!(err.contains("draft smollm2"), "{err}");
+        }
+        if args.contains(&"--ensemble") {
+            assert!(err.contains("member smollm2"), "{err}");
+        }
+        gib.parse().unwrap_or_else(|_| panic!("{gib:?} in {err}"))
+    };
+    let serve = ["serve", "--listen", "127.0.0.1:0", "-c", ctx, "--parallel", "256"];
+    let alone = kv_gib(&[&serve[..], &["-m", m]].concat());
+    let with_draft = kv_gib(&[&serve[..], &["-m", m, "--draft", "smollm2"]].concat());
+    let ensemble = kv_gib(&[&serve[..], &["--ensemble", "smollm2@local,smollm2@local"]].concat());
+    for (what, kv) in [("draft", with_draft), ("ensemble", ensemble)] {
+        assert!((kv - 2.0 * alone).abs() <= 0.2, "{what}: {kv} GiB of KV, alone {alone}");
+    }
     // Forced, a node with that budget starts: the budget is only a cap, nothing is allocated before an OPEN.
     let node = NodeProc::spawn(
         std::path::Path::new(m),
