@@ -143,7 +143,7 @@ mod tests {
         assert_eq!(both.weights, na.weights + nb.weights);
         assert_eq!(both.kv, na.kv + nb.kv);
         assert!(na.weights > 0 && na.kv > 0 && nb.weights > 0 && nb.kv > 0);
-        assert_eq!(Need::of_models(&[a.clone()], 512, 3).unwrap(), na);
+        assert_eq!(Need::of_models(std::slice::from_ref(&a), 512, 3).unwrap(), na);
         // Room for each alone is not room for both.
         let room = na.total().max(nb.total());
         assert!(na.check("a", room).is_ok() && nb.check("b", room).is_ok());
