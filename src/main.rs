@@ -355,8 +355,9 @@ struct NodeArgs {
     /// Step each session's decode on its own instead of batching the steps that arrive together.
     #[arg(long = "no-batch")]
     no_batch: bool,
-    /// GiB of KV the sessions may hold together; an OPEN beyond it (idle sessions evicted first) is refused.
-    /// Default: every session at --ctx-size, as much as the memory after the weights holds.
+    /// GiB the sessions may hold together in KV and scratch (a session's scratch grows with its batch size); an OPEN
+    /// beyond it (idle sessions evicted first) is refused. Default: every session at --ctx-size and --batch-size, as
+    /// much as the memory after the weights holds.
     #[arg(long = "kv-budget", value_parser = baton::util::parse_gib)]
     kv_budget: Option<f64>,
     /// Start even when the weights plus one session's KV (or --kv-budget) exceed the memory available.

@@ -193,14 +193,18 @@ fn node_caps_connections_and_keeps_serving_authenticated_peers() {
     assert!(matches!(m2, Msg::Challenge { .. }), "{m2:?}");
 }
 
-/// The node's KV budget: with room for two sessions, a third OPEN while both are in use is refused with an ERROR
-/// that says why; the sessions in use keep decoding; once one is closed, its KV is evicted to make room.
+/// The node's KV budget: with room for two sessions (KV and scratch), a third OPEN while both are in use is refused
+/// with an ERROR that says why; the sessions in use keep decoding; once one is closed, its KV is evicted to make
+/// room.
 #[test]
 fn node_refuses_opens_beyond_its_kv_budget() {
-    use baton::engine::KvCache;
+    use baton::engine::{KvCache, Session};
     let m = model("llama3");
     let hp = baton::model::Hparams::from_gguf(&baton::gguf::GgufFile::open(&m).unwrap()).unwrap();
-    let one = KvCache::bytes_for(&hp, hp.n_layer, pipeline_opts().n_ctx) as f64;
+    let o = pipeline_opts();
+    // A pipeline session opens with batches of its chunk; the node runs one thread (NodeProc's `-t 1`).
+    let scratch = Session::scratch_bytes(&hp, o.n_ctx, o.chunk, 1, true);
+    let one = (KvCache::bytes_for(&hp, hp.n_layer, o.n_ctx) + scratch) as f64;
     let budget = format!("{}", one * 2.5 / (1u64 << 30) as f64);
     let node = NodeProc::spawn(&m, "127.0.0.1:0", &["--kv-budget", &budget]);
     let spec = format!("{}=0:end", node.addr);
@@ -213,7 +217,7 @@ fn node_refuses_opens_beyond_its_kv_budget() {
             "{:#}",
             connect().err().expect("an OPEN beyond the KV budget was accepted")
         );
-        assert!(e.contains("KV budget") && e.contains("MiB"), "{e}");
+        assert!(e.contains("KV budget") && e.contains("MiB of KV and scratch"), "{e}");
     }
     // The node is up and the sessions in use go on.
     let next = a.decode_step(first.token).unwrap();
@@ -279,6 +283,35 @@ fn loads_beyond_the_memory_available_are_refused_with_the_figures() {
             assert!(err.contains(part), "{args:?}: {part:?} missing: {err}");
         }
         assert!(!err.contains("panicked"), "{err}");
+    }
+    // Models loaded beside the target are added in: a draft or a second ensemble member doubles what one needs
+    // (the same model twice here), and the refusal names them.
+    let kv_gib = |args: &[&str]| -> f64 {
+        let mut cmd = std::process::Command::new(baton_bin());
+        cmd.args(args);
+        let (out, in_time) = run_bounded(&mut cmd, Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(in_time && !out.status.success(), "{args:?} accepted: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        let (before, _) = err
+            .split_once(" GiB of KV")
+            .unwrap_or_else(|| panic!("{args:?}: no figures: {err}"));
+        let gib = before.rsplit(' ').next().unwrap();
+        assert!(err.contains("--no-mem-check"), "{err}");
+        if args.contains(&"--draft") {
+            assert!(err.contains("draft smollm2"), "{err}");
+        }
+        if args.contains(&"--ensemble") {
+            assert!(err.contains("member smollm2"), "{err}");
+        }
+        gib.parse().unwrap_or_else(|_| panic!("{gib:?} in {err}"))
+    };
+    let serve = ["serve", "--listen", "127.0.0.1:0", "-c", ctx, "--parallel", "256"];
+    let alone = kv_gib(&[&serve[..], &["-m", m]].concat());
+    let with_draft = kv_gib(&[&serve[..], &["-m", m, "--draft", "smollm2"]].concat());
+    let ensemble = kv_gib(&[&serve[..], &["--ensemble", "smollm2@local,smollm2@local"]].concat());
+    for (what, kv) in [("draft", with_draft), ("ensemble", ensemble)] {
+        assert!((kv - 2.0 * alone).abs() <= 0.2, "{what}: {kv} GiB of KV, alone {alone}");
     }
     // Forced, a node with that budget starts: the budget is only a cap, nothing is allocated before an OPEN.
     let node = NodeProc::spawn(

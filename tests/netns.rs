@@ -1,152 +1,22 @@
 //! The pipeline over an emulated link: two network namespaces joined by a veth pair shaped with `tc tbf` (2.5 Gbit/s
 //! or 10 Gbit/s), the nodes in one, the coordinator (a thread that entered the other with setns) relaying through the
-//! link. Skipped (`SKIPPED: reason` on stderr) where not root or without `ip netns`. Namespaces are deleted on drop.
+//! link. Skipped (`SKIPPED: reason` on stderr) where not root or without `ip netns`. Namespaces are deleted on drop
+//! (the helpers are in tests/cluster_util/netns.rs, shared with the soak).
 
 mod cluster_util;
 
 use baton::cluster::handshake::Timeouts;
 use baton::cluster::{PipelineOpts, PipelineSession};
+use cluster_util::netns::{Link, SECRET, netns_exists, secret_file};
 use cluster_util::*;
-use std::os::fd::AsRawFd;
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
-fn run(cmd: &[&str]) -> Result<(), String> {
-    let out = Command::new(cmd[0])
-        .args(&cmd[1..])
-        .output()
-        .map_err(|e| format!("{}: {e}", cmd.join(" ")))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{} failed: {}",
-            cmd.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(())
-}
-
-/// A named network namespace, deleted on drop.
-struct Netns(String);
-
-impl Netns {
-    fn add(name: String) -> Result<Netns, String> {
-        run(&["ip", "netns", "add", &name])?;
-        let ns = Netns(name);
-        run(&["ip", "-n", &ns.0, "link", "set", "lo", "up"])?;
-        Ok(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = run(&["ip", "netns", "del", &self.0]);
-    }
-}
-
-/// Two namespaces joined by a shaped veth pair: `a` at 10.213.N.1, `b` at 10.213.N.2.
-struct Link {
-    a: Netns,
-    b: Netns,
-    b_ip: String,
-}
-
-impl Link {
-    /// `None` (after printing why) where the harness cannot run.
-    fn new(rate: &str) -> Option<Link> {
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("SKIPPED: network-namespace tests need root");
-            return None;
-        }
-        match Self::try_new(rate) {
-            Ok(l) => Some(l),
-            Err(e) => {
-                eprintln!("SKIPPED: cannot build network namespaces ({e})");
-                None
-            }
-        }
-    }
-
-    fn try_new(rate: &str) -> Result<Link, String> {
-        let n = NEXT.fetch_add(1, Ordering::SeqCst);
-        let tag = format!("{}x{n}", std::process::id());
-        let a = Netns::add(format!("btA{tag}"))?;
-        let b = Netns::add(format!("btB{tag}"))?;
-        let subnet = 10 + (std::process::id() as usize * 7 + n) % 240;
-        let (va, vb) = (format!("bva{tag}"), format!("bvb{tag}"));
-        let (va, vb) = (&va[..va.len().min(15)], &vb[..vb.len().min(15)]);
-        run(&[
-            "ip", "-n", &a.0, "link", "add", va, "type", "veth", "peer", "name", vb, "netns", &b.0,
-        ])?;
-        let (ip_a, ip_b) = (format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2"));
-        run(&["ip", "-n", &a.0, "addr", "add", &format!("{ip_a}/24"), "dev", va])?;
-        run(&["ip", "-n", &b.0, "addr", "add", &format!("{ip_b}/24"), "dev", vb])?;
-        run(&["ip", "-n", &a.0, "link", "set", va, "up"])?;
-        run(&["ip", "-n", &b.0, "link", "set", vb, "up"])?;
-        // tbf needs a bucket of at least rate / HZ bytes; 4 MB covers 10 Gbit/s at HZ 250. A slow link gets a small
-        // bucket, or its first 4 MB would pass at full speed.
-        let slow = rate.ends_with("kbit")
-            || rate
-                .strip_suffix("mbit")
-                .and_then(|r| r.parse::<u32>().ok())
-                .is_some_and(|r| r < 100);
-        let burst = if slow { "64kb" } else { "4mb" };
-        for (ns, dev) in [(&a.0, va), (&b.0, vb)] {
-            run(&[
-                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
-                burst, "latency", "20ms",
-            ])?;
-        }
-        Ok(Link { a, b, b_ip: ip_b })
-    }
-
-    /// A node inside namespace `b`, authenticated (it listens off loopback).
-    fn node(&self, secret: &std::path::Path, extra: &[&str]) -> NodeProc {
-        let mut args = vec!["--secret-file", secret.to_str().unwrap()];
-        args.extend_from_slice(extra);
-        NodeProc::try_spawn_in(
-            &["ip", "netns", "exec", &self.b.0],
-            &smollm2(),
-            &format!("{}:0", self.b_ip),
-            &args,
-        )
-        .unwrap_or_else(|log| panic!("node in {} failed:\n{log}", self.b.0))
-    }
-
-    /// Runs `f` on a thread that lives in namespace `a` (every socket it opens is there).
-    fn in_a<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        let path = format!("/var/run/netns/{}", self.a.0);
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let ns = std::fs::File::open(&path).unwrap();
-                assert_eq!(
-                    unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
-                    0,
-                    "setns {path}"
-                );
-                f()
-            })
-            .join()
-            .unwrap()
-        })
-    }
-}
-
-fn secret_file(dir: &tempfile::TempDir) -> std::path::PathBuf {
-    let p = dir.path().join("secret");
-    std::fs::write(&p, "netns test secret, long enough\n").unwrap();
-    p
-}
 
 fn opts() -> PipelineOpts {
     PipelineOpts {
         n_ctx: 1024,
         chunk: 128,
         threads: 1,
-        secret: Some(b"netns test secret, long enough".to_vec()),
+        secret: Some(SECRET.as_bytes().to_vec()),
         timeouts: Timeouts {
             connect: Duration::from_secs(5),
             io: Duration::from_secs(60),
@@ -162,7 +32,7 @@ fn pipeline_over_a_shaped_link_matches_local() {
         let Some(link) = Link::new("2500mbit") else {
             return;
         };
-        names = (link.a.0.clone(), link.b.0.clone());
+        names = (link.a.as_ref().unwrap().0.clone(), link.b.0.clone());
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(&dir);
         let n1 = link.node(&secret, &[]);
@@ -183,11 +53,9 @@ fn pipeline_over_a_shaped_link_matches_local() {
         // From the root namespace the nodes are unreachable: the traffic really went through the link.
         assert!(std::net::TcpStream::connect_timeout(&n1.addr.parse().unwrap(), Duration::from_millis(300)).is_err());
     }
-    let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
-    let list = String::from_utf8_lossy(&out.stdout);
     assert!(
-        !list.contains(&names.0) && !list.contains(&names.1),
-        "namespaces left behind: {list}"
+        !netns_exists(&names.0) && !netns_exists(&names.1),
+        "namespaces left behind: {names:?}"
     );
 }
 
@@ -290,7 +158,7 @@ fn bench_handoff_shaped() {
                     let mut s = Session::new(m.clone(), Arc::new(ThreadPool::new(1)), pp + 64, 512).unwrap();
                     let mut pn = PrefillNode::new(NodeOpts {
                         addr: node.addr.clone(),
-                        secret: Some(b"netns test secret, long enough".to_vec()),
+                        secret: Some(SECRET.as_bytes().to_vec()),
                         timeouts: Timeouts {
                             connect: Duration::from_secs(5),
                             io: Duration::from_secs(120),
@@ -384,7 +252,7 @@ fn bench_speculative_shaped_link() {
     println!("| SmolLM2 F16 | none | alone | {base:.1} | 1.00 | |");
     for k in [Some(4), None] {
         let (tps, detail) = link.in_a(|| {
-            let s = Some(b"netns test secret, long enough".to_vec());
+            let s = Some(SECRET.as_bytes().to_vec());
             let draft = Draft::remote(&smollm2(), &node.addr, 1024, s, Duration::from_secs(5)).unwrap();
             let opts = SpecOptions {
                 draft_tokens: k,

@@ -112,18 +112,29 @@ pub struct Scratch {
 impl Scratch {
     /// For `n_threads` threads, caches of `n_ctx` positions and GQA groups of `group` heads of `hdv` values.
     pub fn new(n_threads: usize, n_ctx: usize, group: usize, hdv: usize) -> Scratch {
+        let (scores, parts) = Self::lens(n_threads, n_ctx, group, hdv);
         Scratch {
             mm: kernels::Scratch::default(),
             up: Vec::new(),
-            scores: vec![0.0; n_threads * attention::scratch_len(group, hdv)],
-            parts: vec![
-                0.0;
-                cpu::split_rows(n_threads)
-                    * n_ctx.div_ceil(attention::CHUNK)
-                    * attention::partial_len(group, hdv)
-            ],
+            scores: vec![0.0; scores],
+            parts: vec![0.0; parts],
             n_ctx,
         }
+    }
+
+    /// Lengths of `scores` and `parts`.
+    fn lens(n_threads: usize, n_ctx: usize, group: usize, hdv: usize) -> (usize, usize) {
+        let scores = n_threads.saturating_mul(attention::scratch_len(group, hdv));
+        let parts = [n_ctx.div_ceil(attention::CHUNK), attention::partial_len(group, hdv)]
+            .iter()
+            .fold(cpu::split_rows(n_threads), |n, &f| n.saturating_mul(f));
+        (scores, parts)
+    }
+
+    /// Bytes [`Scratch::new`] allocates (the buffers that grow with use aside).
+    pub fn bytes_for(n_threads: usize, n_ctx: usize, group: usize, hdv: usize) -> usize {
+        let (scores, parts) = Self::lens(n_threads, n_ctx, group, hdv);
+        scores.saturating_add(parts).saturating_mul(4)
     }
 }
 

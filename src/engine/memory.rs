@@ -9,7 +9,7 @@ use crate::gguf::GgufFile;
 use crate::model::Hparams;
 use anyhow::{Result, bail};
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -33,6 +33,21 @@ impl Need {
             weights: (file_bytes as f64 * share) as u64,
             kv: KvCache::bytes_for(&hp, layers.len(), n_ctx).saturating_mul(sessions) as u64,
         })
+    }
+
+    /// Several models loaded beside each other (a target and its draft, an ensemble's members), each whole with
+    /// `sessions` sessions of `n_ctx` positions: the sum of their [`Need::of`].
+    pub fn of_models(paths: &[PathBuf], n_ctx: usize, sessions: usize) -> Result<Need> {
+        paths.iter().try_fold(Need { weights: 0, kv: 0 }, |sum, p| {
+            Ok(sum.plus(Need::of(p, None, n_ctx, sessions)?))
+        })
+    }
+
+    pub fn plus(self, o: Need) -> Need {
+        Need {
+            weights: self.weights.saturating_add(o.weights),
+            kv: self.kv.saturating_add(o.kv),
+        }
     }
 
     pub fn total(&self) -> u64 {
@@ -116,6 +131,26 @@ mod tests {
         ] {
             assert!(e.contains(part), "{part:?} missing: {e}");
         }
+    }
+
+    /// A target with its draft, or an ensemble, needs the sum of its models, and is refused with the sum's figures.
+    #[test]
+    fn models_loaded_together_are_summed() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models");
+        let (a, b) = (dir.join("llama3.gguf"), dir.join("qwen2.gguf"));
+        let (na, nb) = (Need::of(&a, None, 512, 3).unwrap(), Need::of(&b, None, 512, 3).unwrap());
+        let both = Need::of_models(&[a.clone(), b], 512, 3).unwrap();
+        assert_eq!(both.weights, na.weights + nb.weights);
+        assert_eq!(both.kv, na.kv + nb.kv);
+        assert!(na.weights > 0 && na.kv > 0 && nb.weights > 0 && nb.kv > 0);
+        assert_eq!(Need::of_models(std::slice::from_ref(&a), 512, 3).unwrap(), na);
+        // Room for each alone is not room for both.
+        let room = na.total().max(nb.total());
+        assert!(na.check("a", room).is_ok() && nb.check("b", room).is_ok());
+        let e = both.check("a + draft b", room).unwrap_err().to_string();
+        assert!(e.contains("a + draft b needs"), "{e}");
+        let twice = Need::of_models(&[a.clone(), a], 512, 3).unwrap();
+        assert_eq!(twice, na.plus(na));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::kernels::ggml::Numerics;
 use crate::kernels::ops;
 use crate::model::blocks::{self, Buffers, SeqKv, Step};
 use crate::model::rope::RopeTables;
-use crate::model::{Arch, Model, gemma3, llama};
+use crate::model::{Arch, Hparams, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
 
@@ -66,6 +66,18 @@ impl Session {
     /// places them ([`Placement::process`]: the CPU unless `--backend` says otherwise).
     pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, n_ctx: usize, n_batch: usize) -> Result<Session> {
         Session::placed(model, pool, n_ctx, n_batch, Placement::process()?)
+    }
+
+    /// Bytes of scratch a session allocates beside its KV, for batches of `n_batch` (and the logits where it ends
+    /// with the output layer): what a node counts against its budget at OPEN. Saturates instead of overflowing.
+    pub fn scratch_bytes(hp: &Hparams, n_ctx: usize, n_batch: usize, n_threads: usize, is_last: bool) -> usize {
+        let floats = n_batch
+            .saturating_add(1)
+            .saturating_mul(hp.n_embd)
+            .saturating_add(if is_last { hp.n_vocab } else { 0 });
+        floats
+            .saturating_mul(4)
+            .saturating_add(Buffers::bytes_for(hp, n_batch, n_ctx, n_threads))
     }
 
     /// [`Session::new`] with its layers placed by `placement`.

@@ -50,22 +50,48 @@ pub struct Attn<'a> {
 }
 
 impl Buffers {
-    /// Scratch for batches of up to `n_batch` rows.
-    pub fn new(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> Buffers {
+    /// Rows, Q/K/V lengths and the working buffer's length for batches of up to `n_batch` rows.
+    fn lens(hp: &Hparams, n_batch: usize) -> (usize, [usize; 3], usize) {
         let n_rows = n_batch.min(LAYER_SLICE);
         let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_rows * w);
         let attn_len = qkv_len.iter().sum::<usize>() + n_rows * hp.n_head * hp.head_dim_v;
         // A mixture's hidden activations live in its own buffers.
         let ffn_len = if hp.moe.is_some() { 0 } else { n_rows * hp.n_ff };
+        (n_rows, qkv_len, attn_len.max(ffn_len))
+    }
+
+    /// Scratch for batches of up to `n_batch` rows.
+    pub fn new(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> Buffers {
+        let (n_rows, qkv_len, work_len) = Self::lens(hp, n_batch);
         Buffers {
             n_rows,
             xn: vec![0.0; n_rows * hp.n_embd],
-            work: vec![0.0; attn_len.max(ffn_len)],
+            work: vec![0.0; work_len],
             qkv_len,
             n_ff: hp.n_ff,
             sc: Scratch::new(n_threads, n_ctx, hp.n_head / hp.n_head_kv, hp.head_dim_v),
             moe: hp.moe.as_ref().map(|m| MoeScratch::new(m, hp.n_embd, n_rows)),
         }
+    }
+
+    /// Bytes [`Buffers::new`] allocates for these arguments (the matmuls' scratch, which grows with use, aside):
+    /// what a node counts against its budget before opening a session. Saturates instead of overflowing.
+    pub fn bytes_for(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> usize {
+        let (n_rows, _, work_len) = Self::lens(hp, n_batch);
+        let floats = n_rows.saturating_mul(hp.n_embd).saturating_add(work_len);
+        let moe = hp
+            .moe
+            .as_ref()
+            .map_or(0, |m| MoeScratch::bytes_for(m, hp.n_embd, n_rows));
+        floats
+            .saturating_mul(4)
+            .saturating_add(Scratch::bytes_for(
+                n_threads,
+                n_ctx,
+                hp.n_head / hp.n_head_kv,
+                hp.head_dim_v,
+            ))
+            .saturating_add(moe)
     }
 
     /// Q, K, V and the attention output.
@@ -290,4 +316,40 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
 pub fn attend(s: &Step, b: &mut Buffers, rows: &impl RowsKv) {
     let a = Attn::split(&mut b.work, b.qkv_len);
     s.be.attend(s.pool, &s.attn_shape(), a.q, rows, a.att, &mut b.sc);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufFile;
+
+    fn hp(name: &str) -> Hparams {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
+        Hparams::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
+    }
+
+    /// What a node counts against its budget at OPEN is what a session's buffers hold, for dense and MoE models.
+    #[test]
+    fn scratch_bytes_are_what_new_allocates() {
+        for name in ["llama3", "qwen3moe"] {
+            let hp = hp(name);
+            for (n_batch, n_ctx, threads) in [(1, 16, 1), (32, 256, 2), (4096, 1000, 3)] {
+                let b = Buffers::new(&hp, n_batch, n_ctx, threads);
+                let moe = hp
+                    .moe
+                    .as_ref()
+                    .map_or(0, |m| MoeScratch::bytes_for(m, hp.n_embd, b.n_rows));
+                let held = 4 * (b.xn.len() + b.work.len() + b.sc.scores.len() + b.sc.parts.len()) + moe;
+                assert_eq!(
+                    Buffers::bytes_for(&hp, n_batch, n_ctx, threads),
+                    held,
+                    "{name} {n_batch} {n_ctx}"
+                );
+            }
+        }
+        // Proportional to the batch (up to the layer slice), and it saturates rather than overflows.
+        let hp = hp("llama3");
+        assert!(Buffers::bytes_for(&hp, 64, 256, 1) > 2 * Buffers::bytes_for(&hp, 16, 256, 1));
+        assert_eq!(Buffers::bytes_for(&hp, 1, usize::MAX, 1), usize::MAX);
+    }
 }

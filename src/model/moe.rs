@@ -112,6 +112,20 @@ pub struct MoeScratch {
 }
 
 impl MoeScratch {
+    /// Bytes [`MoeScratch::new`] allocates.
+    pub fn bytes_for(m: &Moe, n_embd: usize, n_rows: usize) -> usize {
+        let slots = n_rows.saturating_mul(m.n_expert_used);
+        let floats = [m.n_expert, n_embd, m.n_ff_exp, n_embd]
+            .iter()
+            .fold(0usize, |n, &w| n.saturating_add(n_rows.saturating_mul(w)))
+            .saturating_add(slots.saturating_mul(n_embd));
+        let words = slots.saturating_add(2 * m.n_expert + 1);
+        floats
+            .saturating_mul(4)
+            .saturating_add(slots.saturating_mul(std::mem::size_of::<(usize, f32)>()))
+            .saturating_add(words.saturating_mul(std::mem::size_of::<usize>()))
+    }
+
     pub fn new(m: &Moe, n_embd: usize, n_rows: usize) -> MoeScratch {
         let slots = n_rows * m.n_expert_used;
         MoeScratch {
@@ -251,6 +265,23 @@ mod tests {
     use crate::model::{Ffn, Model};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn scratch_bytes_are_what_new_allocates() {
+        let m = Moe {
+            n_expert: 8,
+            n_expert_used: 2,
+            n_ff_exp: 96,
+            routing: softmax(),
+        };
+        for n_rows in [1, 7, 64] {
+            let s = MoeScratch::new(&m, 40, n_rows);
+            let f32s = s.logits.len() + s.xg.len() + s.hg.len() + s.yg.len() + s.out.len();
+            let words = s.order.len() + s.start.len() + s.next.len();
+            let held = 4 * f32s + s.picks.len() * std::mem::size_of::<(usize, f32)>() + 8 * words;
+            assert_eq!(MoeScratch::bytes_for(&m, 40, n_rows), held, "{n_rows} rows");
+        }
+    }
 
     fn softmax() -> Routing {
         Routing {

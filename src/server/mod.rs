@@ -171,6 +171,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             bail!("--ensemble cannot be combined with --cluster, --pipeline, --draft or --prefill-node");
         }
         let builder = Builder::new(topology_args(&cfg, None)?);
+        builder.guard_memory(None, cfg.parallel)?;
         let (node, describe) = multi_model::ensemble_slots(&cfg, &builder, spec, multi_model::cache(&cfg))?;
         let id = cfg.served_name.clone().unwrap_or(multi_model::ensemble_id(spec)?);
         for m in crate::ensemble::parse_members(spec)? {
@@ -405,6 +406,7 @@ fn build_nodes(
                 "--draft runs the target in this process; it cannot be combined with --cluster, --pipeline or --prefill-node"
             );
         }
+        builder.guard_memory(Some(path), cfg.parallel)?;
         let (node, describe) = multi_model::draft_slots(cfg, &builder, path, draft, multi_model::cache(cfg))?;
         status.add_node("local", Role::Target, None, None, Some(0), false);
         let d = crate::speculative::DraftSpec::parse(draft)?;
@@ -413,9 +415,7 @@ fn build_nodes(
     }
     match topology {
         None => {
-            let need = || crate::engine::memory::Need::of(path, None, cfg.ctx_size, cfg.parallel);
-            let what = format!("{} with {} slots", path.display(), cfg.parallel);
-            crate::engine::memory::guard(&what, need, cfg.no_mem_check)?;
+            builder.guard_memory(Some(path), cfg.parallel)?;
             let model = Arc::new(Model::load(path)?);
             // One pool shared by every slot, each slot keeps its own KV. Prefills take turns on the pool op by op;
             // with several slots, decode steps go through one batcher that steps every ready session at once.

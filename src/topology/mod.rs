@@ -19,7 +19,7 @@ use crate::cluster::handshake::Timeouts;
 use crate::engine::memory::{self, Need};
 use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
-use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, RETRY_DROPPED, parse_members};
+use crate::ensemble::{Combine, Ensemble, EnsembleOpts, MemberOpts, Place, RETRY_DROPPED, parse_members};
 use crate::generate::{Generator, LocalGenerator};
 use crate::kernels::ThreadPool;
 use crate::model::{Model, ModelCache};
@@ -250,6 +250,37 @@ impl Builder {
         })
     }
 
+    /// The memory guard over every model this process loads beside each other: the target at `target` (when it
+    /// runs here), a local draft and the ensemble's local members, each with `sessions` sessions of the context.
+    pub fn guard_memory(&self, target: Option<&Path>, sessions: usize) -> Result<()> {
+        let a = &self.args;
+        let draft = a.draft.as_deref().map(DraftSpec::parse).transpose()?;
+        let draft = draft.filter(|d| d.addr.is_none()).map(|d| d.model);
+        let members: Vec<String> = match &a.ensemble {
+            Some(spec) => parse_members(spec)?
+                .into_iter()
+                .filter(|m| matches!(m.place, Place::Local))
+                .map(|m| m.model)
+                .collect(),
+            None => vec![],
+        };
+        let mut names: Vec<String> = target.map(|p| p.display().to_string()).into_iter().collect();
+        names.extend(draft.iter().map(|d| format!("draft {d}")));
+        names.extend(members.iter().map(|m| format!("member {m}")));
+        let mut what = names.join(" + ");
+        if sessions > 1 {
+            what = format!("{what} with {sessions} slots");
+        }
+        let need = || {
+            let mut paths: Vec<PathBuf> = target.map(Path::to_path_buf).into_iter().collect();
+            for m in draft.iter().chain(&members) {
+                paths.push(crate::fetch::resolve(m)?);
+            }
+            Need::of_models(&paths, a.n_ctx, sessions)
+        };
+        memory::guard(&what, need, a.no_mem_check)
+    }
+
     /// The one generator `baton run` asks for: an ensemble, a pipeline (or a remote decode node, with prefill nodes
     /// or not), a speculative pair, a disaggregated pair, or a local model.
     pub fn generator(&self) -> Result<Box<dyn Generator>> {
@@ -258,6 +289,7 @@ impl Builder {
             if a.pipeline.is_some() || a.draft.is_some() {
                 bail!("--ensemble cannot be combined with --pipeline or --draft");
             }
+            self.guard_memory(None, 1)?;
             return Ok(Box::new(Ensemble::open(&self.ensemble_opts(spec, None)?)?));
         }
         let decode_spec = a.decode_node.as_ref().map(|d| format!("{d}=0:end"));
@@ -280,8 +312,7 @@ impl Builder {
             return Ok(Box::new(PipelineGenerator::connect(spec, &path, opts, remote)?));
         }
         let path = crate::fetch::resolve(&a.model)?;
-        let need = || Need::of(&path, None, a.n_ctx, 1);
-        memory::guard(&format!("{}", path.display()), need, a.no_mem_check)?;
+        self.guard_memory(Some(&path), 1)?;
         let pool = Arc::new(ThreadPool::new(a.threads));
         let model = load(&a.model, &pool)?;
         if let Some(d) = &a.draft {

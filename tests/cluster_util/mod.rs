@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 #[path = "../common/mod.rs"]
 mod common;
 pub use common::*;
+pub mod netns;
 
 /// The real SmolLM2 model, fetched on first use (override with BATON_TEST_MODEL).
 pub fn smollm2() -> PathBuf {

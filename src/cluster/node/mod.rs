@@ -58,9 +58,10 @@ pub struct NodeConfig {
     /// Of those, connections that have not yet authenticated: a flood of strangers cannot lock out the peers that
     /// know the secret, since each stranger is gone within two I/O timeouts.
     pub max_handshakes: usize,
-    /// Most bytes of KV the sessions hold together (`--kv-budget`, in GiB on the command line): an OPEN beyond it,
-    /// once idle sessions are evicted, is refused. `None`: the sessions' KV at `max_ctx`, as much of it as the
-    /// memory available after the weights holds (at least one session).
+    /// Most bytes of KV and scratch the sessions hold together (`--kv-budget`, in GiB on the command line): an OPEN
+    /// beyond it, once idle sessions are evicted, is refused. A session counts its KV (context × its layers) and its
+    /// scratch (proportional to its batch size). `None`: `max_sessions` sessions at `max_ctx` and `max_batch`, as
+    /// many as the memory available after the weights holds (at least one).
     pub kv_budget: Option<u64>,
     /// Start even when the weights plus one session's KV (or the budget given) exceed the memory available.
     pub no_mem_check: bool,
@@ -144,7 +145,7 @@ impl Node {
                  may go without)"
             );
         }
-        let kv_budget = kv_budget(&cfg, pinned.clone())?;
+        let kv_budget = kv_budget(&cfg, &hp, pinned.clone())?;
         let state = Arc::new(State::new(cfg, addr, file, hp, info, pinned, kv_budget)?);
         if let Some(r) = state.pinned.clone() {
             state.model(r)?;
@@ -213,19 +214,21 @@ impl Node {
     }
 }
 
-/// The node's KV budget ([`NodeConfig::kv_budget`]), after the memory guard: the weights of the layers served plus
-/// one session at `max_ctx` (or the whole budget when given) must fit the memory available.
-fn kv_budget(cfg: &NodeConfig, layers: Option<std::ops::Range<usize>>) -> Result<u64> {
-    let one = Need::of(&cfg.model, layers, cfg.max_ctx, 1)?;
-    let all = one.kv.saturating_mul(cfg.max_sessions as u64);
+/// The node's budget ([`NodeConfig::kv_budget`]), after the memory guard: the weights of the layers served plus
+/// one session at `max_ctx` and `max_batch` (or the whole budget when given) must fit the memory available.
+fn kv_budget(cfg: &NodeConfig, hp: &Hparams, layers: Option<std::ops::Range<usize>>) -> Result<u64> {
+    let weights = Need::of(&cfg.model, layers.clone(), cfg.max_ctx, 1)?.weights;
+    let range = layers.unwrap_or(0..hp.n_layer);
+    let one = state::session_bytes(hp, &range, cfg.max_ctx, cfg.max_batch, cfg.threads);
+    let all = one.saturating_mul(cfg.max_sessions as u64);
     let budget = match (cfg.kv_budget, memory::available()) {
         (Some(b), _) => b,
-        (None, Some(avail)) if !cfg.no_mem_check => all.min(avail.saturating_sub(one.weights)).max(one.kv),
+        (None, Some(avail)) if !cfg.no_mem_check => all.min(avail.saturating_sub(weights)).max(one),
         (None, _) => all,
     };
     let need = Need {
-        weights: one.weights,
-        kv: if cfg.kv_budget.is_some() { budget } else { one.kv },
+        weights,
+        kv: if cfg.kv_budget.is_some() { budget } else { one },
     };
     memory::guard(
         &format!("baton node ({})", cfg.model.display()),

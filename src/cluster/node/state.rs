@@ -31,11 +31,19 @@ pub(super) struct Slot {
     /// (layers, n_ctx, n_batch) the session was opened with.
     key: (Range<usize>, usize, usize),
     pub(super) last_used: Instant,
-    /// Its KV's share of the node's KV budget, given back when the last holder (the map or a connection) drops it.
+    /// Its KV's and scratch's share of the node's budget, given back when the last holder (the map or a connection) drops it.
     _kv: KvLease,
 }
 
-/// Bytes of KV held under the node's budget ([`NodeConfig::kv_budget`]); subtracted again on drop.
+/// Bytes a session holds under the node's budget ([`NodeConfig::kv_budget`]): the KV of `layers` over `n_ctx`
+/// positions and the scratch of batches of `n_batch`, which a hostile OPEN could otherwise make large for free.
+pub(super) fn session_bytes(hp: &Hparams, layers: &Range<usize>, n_ctx: usize, n_batch: usize, threads: usize) -> u64 {
+    let kv = KvCache::bytes_for(hp, layers.len(), n_ctx);
+    let scratch = Session::scratch_bytes(hp, n_ctx, n_batch, threads, layers.end == hp.n_layer);
+    kv.saturating_add(scratch) as u64
+}
+
+/// Bytes of KV and scratch held under the node's budget ([`NodeConfig::kv_budget`]); subtracted again on drop.
 struct KvLease {
     bytes: u64,
     in_use: Arc<AtomicU64>,
@@ -284,7 +292,8 @@ impl State {
             }
         }
         sessions.remove(&id);
-        let kv = self.reserve_kv(&mut sessions, KvCache::bytes_for(&self.hp, key.0.len(), key.1) as u64)?;
+        let bytes = session_bytes(&self.hp, &key.0, key.1, key.2, self.pool.n_threads());
+        let kv = self.reserve_kv(&mut sessions, bytes)?;
         while sessions.len() >= self.cfg.max_sessions.max(1) {
             let oldest = sessions
                 .iter()
@@ -319,8 +328,9 @@ impl State {
         Ok(slot)
     }
 
-    /// A lease on `bytes` of the KV budget: sessions no connection holds are evicted, least recently used first,
-    /// until the new one fits; when the sessions in use leave no room, the OPEN is refused with the figures.
+    /// A lease on `bytes` of the budget (a session's KV and scratch): sessions no connection holds are evicted,
+    /// least recently used first, until the new one fits; when the sessions in use leave no room, the OPEN is refused
+    /// with the figures.
     fn reserve_kv(&self, sessions: &mut HashMap<(u64, usize, usize), SharedSlot>, bytes: u64) -> Result<KvLease> {
         const MIB: u64 = 1 << 20;
         loop {
@@ -344,7 +354,8 @@ impl State {
                 .map(|(k, _)| *k);
             let Some(oldest) = idle else {
                 return Err(anyhow!(
-                    "node KV budget full: this session needs {} MiB of KV, {} MiB of the {} MiB budget are held by                      sessions in use; try again later or ask for a shorter context",
+                    "node KV budget full: this session needs {} MiB of KV and scratch, {} MiB of the {} MiB budget are \
+                     held by sessions in use; try again later or ask for a shorter context or smaller batches",
                     bytes.div_ceil(MIB),
                     self.kv_in_use.load(Ordering::Acquire).div_ceil(MIB),
                     self.kv_budget / MIB
@@ -471,5 +482,27 @@ impl Row for DecodeRow<'_> {
             (out, t.as_micros() as u64)
         });
         let _ = self.step.reply.send(res);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session counts its KV and its scratch: more for bigger batches, the logits only where it ends the model.
+    #[test]
+    fn a_session_counts_its_kv_and_its_scratch() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/llama3.gguf");
+        let hp = Hparams::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+        let all = 0..hp.n_layer;
+        let kv = KvCache::bytes_for(&hp, hp.n_layer, 256) as u64;
+        let small = session_bytes(&hp, &all, 256, 16, 1);
+        assert_eq!(small, kv + Session::scratch_bytes(&hp, 256, 16, 1, true) as u64);
+        assert!(session_bytes(&hp, &all, 256, 64, 1) > small + 48 * hp.n_embd as u64 * 4);
+        let first = 0..1;
+        let logits = hp.n_vocab as u64 * 4;
+        let kv1 = KvCache::bytes_for(&hp, 1, 256) as u64;
+        assert_eq!(session_bytes(&hp, &first, 256, 16, 1) + logits, small - kv + kv1);
+        assert_eq!(session_bytes(&hp, &all, usize::MAX, 16, 1), u64::MAX);
     }
 }
