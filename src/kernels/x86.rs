@@ -8,7 +8,7 @@
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
 use super::blocks32::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::iquants::{IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
+use super::iquants::{self, GridFormat, IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
@@ -121,6 +121,52 @@ wrap!(
     IQ4_XS_BYTES,
     Q8_K_BYTES
 );
+/// The AVX2 kernel of one grid format ([`iquants::GridFormat`]).
+macro_rules! grid_kernel {
+    ($kern:ident, $dot:ident, $multi:ident, $fmt:path, $bytes:path) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $kern<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
+            unsafe { grid_avx2::<N>($fmt, n, w, x, xs, out) }
+        }
+        wrap!($dot, $multi, $kern, $bytes, Q8_K_BYTES);
+    };
+}
+
+grid_kernel!(
+    iq2_xxs_avx2,
+    iq2_xxs_dot_avx2,
+    iq2_xxs_multi_avx2,
+    iquants::IQ2_XXS,
+    iquants::IQ2_XXS_BYTES
+);
+grid_kernel!(
+    iq2_xs_avx2,
+    iq2_xs_dot_avx2,
+    iq2_xs_multi_avx2,
+    iquants::IQ2_XS,
+    iquants::IQ2_XS_BYTES
+);
+grid_kernel!(
+    iq2_s_avx2,
+    iq2_s_dot_avx2,
+    iq2_s_multi_avx2,
+    iquants::IQ2_S,
+    iquants::IQ2_S_BYTES
+);
+grid_kernel!(
+    iq3_xxs_avx2,
+    iq3_xxs_dot_avx2,
+    iq3_xxs_multi_avx2,
+    iquants::IQ3_XXS,
+    iquants::IQ3_XXS_BYTES
+);
+grid_kernel!(
+    iq3_s_avx2,
+    iq3_s_dot_avx2,
+    iq3_s_multi_avx2,
+    iquants::IQ3_S,
+    iquants::IQ3_S_BYTES
+);
 wrap!(q4_1_dot_avx512, q4_1_multi_avx512, q4_1_avx512, Q4_1_BYTES, Q8_1_BYTES);
 wrap!(q8_0_dot_avx512, q8_0_multi_avx512, q8_0_avx512, Q8_0_BYTES, Q8_0_BYTES);
 
@@ -146,6 +192,11 @@ pub fn table_avx2() -> Kernels {
     k.q6_k = q(GgmlType::Q8K, q6_k_dot_avx2, q6_k_multi_avx2);
     k.iq4_nl = q(GgmlType::Q8_0, iq4_nl_dot_avx2, iq4_nl_multi_avx2);
     k.iq4_xs = q(GgmlType::Q8K, iq4_xs_dot_avx2, iq4_xs_multi_avx2);
+    k.iq2_xxs = q(GgmlType::Q8K, iq2_xxs_dot_avx2, iq2_xxs_multi_avx2);
+    k.iq2_xs = q(GgmlType::Q8K, iq2_xs_dot_avx2, iq2_xs_multi_avx2);
+    k.iq2_s = q(GgmlType::Q8K, iq2_s_dot_avx2, iq2_s_multi_avx2);
+    k.iq3_xxs = q(GgmlType::Q8K, iq3_xxs_dot_avx2, iq3_xxs_multi_avx2);
+    k.iq3_s = q(GgmlType::Q8K, iq3_s_dot_avx2, iq3_s_multi_avx2);
     k.dot_f32 = dot_f32_avx2;
     k.quant_q8_0 = quant_q8_0_avx2;
     k.quant_q8_1 = quant_q8_1_avx2;
@@ -515,6 +566,49 @@ unsafe fn iq4_xs_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: 
     }
 }
 
+/// A grid i-quant against `N` Q8_K rows: each 32-weight sub-block unpacked once ([`iquants::GridSub`]): its
+/// magnitudes as unsigned bytes, its signs put on the activations (negated where the bit is set; Q8_K holds no
+/// -128), then unsigned-by-signed byte products summed in pairs and scaled per 16 weights.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn grid_avx2<const N: usize>(
+    f: GridFormat,
+    n: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [f32; N],
+) {
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..n {
+            let wb = w.add(b * f.bytes);
+            let block = std::slice::from_raw_parts(wb, f.bytes);
+            let mut sumi = [_mm256_setzero_si256(); N];
+            for ib in 0..8 {
+                let g = (f.sub)(block, ib);
+                let mags = _mm256_loadu_si256(g.grid.as_ptr() as *const __m256i);
+                let minus = bytes_from_bits(g.signs);
+                let scales = _mm256_set_m128i(_mm_set1_epi16(g.scales[1] as i16), _mm_set1_epi16(g.scales[0] as i16));
+                for t in 0..N {
+                    let q8 = load256(x.add(t * xs + b * Q8_K_BYTES + 4 + 32 * ib));
+                    let signed = _mm256_sub_epi8(_mm256_xor_si256(q8, minus), minus);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(mags, signed), scales);
+                    sumi[t] = _mm256_add_epi32(sumi[t], p);
+                }
+            }
+            let dw = f16(wb);
+            for t in 0..N {
+                let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(dw * yd), acc[t]);
+            }
+        }
+        for t in 0..N {
+            out[t] = f.factor * hsum(acc[t]);
+        }
+    }
+}
+
 /// The eight 6-bit scales and eight mins of a Q4_K/Q5_K block, unpacked to bytes.
 #[inline(always)]
 fn k4_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
@@ -758,7 +852,11 @@ mod tests {
         let s = Kernels::scalar();
         let mut rng = Rng(99);
         for k in tables() {
-            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS] {
+            let iquants = [IQ4NL, IQ4XS, IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S];
+            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K]
+                .into_iter()
+                .chain(iquants)
+            {
                 let (fast, slow): (QKernel, QKernel) = (k.for_type(ty).unwrap(), s.for_type(ty).unwrap());
                 let vdt = fast.vec_dot_type;
                 assert_eq!(vdt, slow.vec_dot_type);

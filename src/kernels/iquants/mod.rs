@@ -86,16 +86,6 @@ fn grid_byte(entry: u64, j: usize) -> u8 {
     (entry >> (8 * j)) as u8
 }
 
-#[inline(always)]
-fn sign(bits: u8, j: usize) -> f32 {
-    if bits >> j & 1 != 0 { -1.0 } else { 1.0 }
-}
-
-#[inline(always)]
-fn sign_i(bits: u8, j: usize) -> i32 {
-    if bits >> j & 1 != 0 { -1 } else { 1 }
-}
-
 /// The 6-bit scale (0..64) of sub-block `ib` of an IQ4_XS block.
 #[inline(always)]
 pub fn iq4_xs_scale(b: &[u8], ib: usize) -> i32 {
@@ -145,96 +135,41 @@ pub fn dequantize_iq4_xs(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-pub fn dequantize_iq2_xxs(src: &[u8], dst: &mut [f32]) {
-    check(src, dst, QK_K, IQ2_XXS_BYTES);
-    for (b, y) in src.chunks_exact(IQ2_XXS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+/// Dequantizes a grid format as gguf-py does: `d · (ls / 2) · 2·factor` per 16 weights (the same f32 value as its
+/// `d · (0.5 + s) · 0.25` and the like), times each magnitude, times its sign.
+fn dequantize_grid(f: GridFormat, src: &[u8], dst: &mut [f32]) {
+    check(src, dst, QK_K, f.bytes);
+    for (b, y) in src.chunks_exact(f.bytes).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_at(b, 0);
         for ib in 0..8 {
-            let q = &b[2 + 8 * ib..10 + 8 * ib];
-            let aux = u32_at(q, 4);
-            let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
-            for l in 0..4 {
-                let g = IQ2XXS_GRID[q[l] as usize];
-                let s = KSIGNS[((aux >> (7 * l)) & 127) as usize];
-                for j in 0..8 {
-                    y[32 * ib + 8 * l + j] = db * grid_byte(g, j) as f32 * sign(s, j);
-                }
+            let g = (f.sub)(b, ib);
+            for j in 0..32 {
+                let db = d * (g.scales[j / 16] as f32 * 0.5) * (2.0 * f.factor);
+                let sign = if g.signs >> j & 1 != 0 { -1.0 } else { 1.0 };
+                y[32 * ib + j] = db * grid_byte(g.grid[j / 8], j % 8) as f32 * sign;
             }
         }
     }
+}
+
+pub fn dequantize_iq2_xxs(src: &[u8], dst: &mut [f32]) {
+    dequantize_grid(IQ2_XXS, src, dst)
 }
 
 pub fn dequantize_iq2_xs(src: &[u8], dst: &mut [f32]) {
-    check(src, dst, QK_K, IQ2_XS_BYTES);
-    for (b, y) in src.chunks_exact(IQ2_XS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
-        let d = f16_at(b, 0);
-        for k in 0..32 {
-            let s = (b[66 + k / 4] >> (4 * (k / 2 % 2))) & 0xf;
-            let db = d * (0.5 + s as f32) * 0.25;
-            let q = u16_at(b, 2 + 2 * k);
-            let (g, sg) = (IQ2XS_GRID[(q & 511) as usize], KSIGNS[(q >> 9) as usize]);
-            for j in 0..8 {
-                y[8 * k + j] = db * grid_byte(g, j) as f32 * sign(sg, j);
-            }
-        }
-    }
+    dequantize_grid(IQ2_XS, src, dst)
 }
 
 pub fn dequantize_iq2_s(src: &[u8], dst: &mut [f32]) {
-    check(src, dst, QK_K, IQ2_S_BYTES);
-    for (b, y) in src.chunks_exact(IQ2_S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
-        let d = f16_at(b, 0);
-        for k in 0..32 {
-            let s = (b[74 + k / 4] >> (4 * (k / 2 % 2))) & 0xf;
-            let db = d * (0.5 + s as f32) * 0.25;
-            let (g, sg) = (IQ2S_GRID[iq2_s_index(b, k)], b[34 + k]);
-            for j in 0..8 {
-                y[8 * k + j] = db * grid_byte(g, j) as f32 * sign(sg, j);
-            }
-        }
-    }
+    dequantize_grid(IQ2_S, src, dst)
 }
 
 pub fn dequantize_iq3_xxs(src: &[u8], dst: &mut [f32]) {
-    check(src, dst, QK_K, IQ3_XXS_BYTES);
-    for (b, y) in src.chunks_exact(IQ3_XXS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
-        let d = f16_at(b, 0);
-        for ib in 0..8 {
-            let aux = u32_at(b, 66 + 4 * ib);
-            let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
-            for l in 0..4 {
-                let s = KSIGNS[((aux >> (7 * l)) & 127) as usize];
-                let g = [
-                    IQ3XXS_GRID[b[2 + 8 * ib + 2 * l] as usize],
-                    IQ3XXS_GRID[b[3 + 8 * ib + 2 * l] as usize],
-                ];
-                for j in 0..8 {
-                    let v = grid_byte(g[j / 4] as u64, j % 4);
-                    y[32 * ib + 8 * l + j] = db * v as f32 * sign(s, j);
-                }
-            }
-        }
-    }
+    dequantize_grid(IQ3_XXS, src, dst)
 }
 
 pub fn dequantize_iq3_s(src: &[u8], dst: &mut [f32]) {
-    check(src, dst, QK_K, IQ3_S_BYTES);
-    for (b, y) in src.chunks_exact(IQ3_S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
-        let d = f16_at(b, 0);
-        for ib in 0..8 {
-            let s = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0xf;
-            let db = d * (1 + 2 * s as i32) as f32;
-            for l in 0..4 {
-                let sg = b[74 + 4 * ib + l];
-                let e = 8 * ib + 2 * l;
-                let g = [IQ3S_GRID[iq3_s_index(b, e)], IQ3S_GRID[iq3_s_index(b, e + 1)]];
-                for j in 0..8 {
-                    let v = grid_byte(g[j / 4] as u64, j % 4);
-                    y[32 * ib + 8 * l + j] = db * v as f32 * sign(sg, j);
-                }
-            }
-        }
-    }
+    dequantize_grid(IQ3_S, src, dst)
 }
 
 pub fn dequantize_iq1_s(src: &[u8], dst: &mut [f32]) {
@@ -290,70 +225,63 @@ pub fn dot_iq4_xs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
     sum
 }
 
-/// Σ_j grid_j · q8_j · sign_j over 8 weights of unsigned grid bytes.
+/// One 32-weight sub-block of a sign-and-magnitude grid i-quant (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), unpacked
+/// for a dot product: the magnitudes (grid bytes, weight `j` in byte `j % 8` of `grid[j / 8]`), the sign of each
+/// weight (bit `j`, 1 = minus) and the integer scales of its first and last 16 weights. The scalar dots and the SIMD
+/// kernels read the blocks only through these, so both decode them one way.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GridSub {
+    pub grid: [u64; 4],
+    pub signs: u32,
+    pub scales: [i32; 2],
+}
+
+/// A grid i-quant's block bytes, sub-block unpacker and the factor its integer sums are scaled by.
+#[derive(Clone, Copy)]
+pub struct GridFormat {
+    pub bytes: usize,
+    pub sub: fn(&[u8], usize) -> GridSub,
+    pub factor: f32,
+}
+
+pub const IQ2_XXS: GridFormat = GridFormat {
+    bytes: IQ2_XXS_BYTES,
+    sub: iq2_xxs_sub,
+    factor: 0.125,
+};
+pub const IQ2_XS: GridFormat = GridFormat {
+    bytes: IQ2_XS_BYTES,
+    sub: iq2_xs_sub,
+    factor: 0.125,
+};
+pub const IQ2_S: GridFormat = GridFormat {
+    bytes: IQ2_S_BYTES,
+    sub: iq2_s_sub,
+    factor: 0.125,
+};
+pub const IQ3_XXS: GridFormat = GridFormat {
+    bytes: IQ3_XXS_BYTES,
+    sub: iq3_xxs_sub,
+    factor: 0.25,
+};
+pub const IQ3_S: GridFormat = GridFormat {
+    bytes: IQ3_S_BYTES,
+    sub: iq3_s_sub,
+    factor: 1.0,
+};
+
+/// Four sign indices (7 bits each, from bit 0) as the 32 sign bits of their patterns.
 #[inline(always)]
-fn signed_grid_dot(g: u64, signs: u8, q8: &[u8]) -> i32 {
-    (0..8)
-        .map(|j| grid_byte(g, j) as i32 * q8[j] as i8 as i32 * sign_i(signs, j))
-        .sum()
+fn ksigns4(aux: u32) -> u32 {
+    (0..4)
+        .map(|l| (KSIGNS[((aux >> (7 * l)) & 127) as usize] as u32) << (8 * l))
+        .fold(0, |a, v| a | v)
 }
 
-pub fn dot_iq2_xxs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, y) in w.chunks_exact(IQ2_XXS_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
-        let (yd, q8, _) = q8k_parts(y);
-        let mut bsum = 0i32;
-        for ib in 0..8 {
-            let q = &b[2 + 8 * ib..10 + 8 * ib];
-            let aux = u32_at(q, 4);
-            let ls = 2 * (aux >> 28) as i32 + 1;
-            let mut s = 0i32;
-            for l in 0..4 {
-                let signs = KSIGNS[((aux >> (7 * l)) & 127) as usize];
-                s += signed_grid_dot(IQ2XXS_GRID[q[l] as usize], signs, &q8[32 * ib + 8 * l..]);
-            }
-            bsum += s * ls;
-        }
-        sum += f16_at(b, 0) * yd * bsum as f32;
-    }
-    0.125 * sum
-}
-
-pub fn dot_iq2_xs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, y) in w.chunks_exact(IQ2_XS_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
-        let (yd, q8, _) = q8k_parts(y);
-        let mut bsum = 0i32;
-        for g16 in 0..16 {
-            let ls = 2 * ((b[66 + g16 / 2] >> (4 * (g16 % 2))) & 0xf) as i32 + 1;
-            let mut s = 0i32;
-            for k in 2 * g16..2 * g16 + 2 {
-                let q = u16_at(b, 2 + 2 * k);
-                s += signed_grid_dot(IQ2XS_GRID[(q & 511) as usize], KSIGNS[(q >> 9) as usize], &q8[8 * k..]);
-            }
-            bsum += s * ls;
-        }
-        sum += f16_at(b, 0) * yd * bsum as f32;
-    }
-    0.125 * sum
-}
-
-pub fn dot_iq2_s_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, y) in w.chunks_exact(IQ2_S_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
-        let (yd, q8, _) = q8k_parts(y);
-        let mut bsum = 0i32;
-        for g16 in 0..16 {
-            let ls = 2 * ((b[74 + g16 / 2] >> (4 * (g16 % 2))) & 0xf) as i32 + 1;
-            let mut s = 0i32;
-            for k in 2 * g16..2 * g16 + 2 {
-                s += signed_grid_dot(IQ2S_GRID[iq2_s_index(b, k)], b[34 + k], &q8[8 * k..]);
-            }
-            bsum += s * ls;
-        }
-        sum += f16_at(b, 0) * yd * bsum as f32;
-    }
-    0.125 * sum
+/// The 4-bit scale `i` (0..16) of a byte array of nibbles, as the odd integer `2s + 1`.
+#[inline(always)]
+fn odd_scale(scales: &[u8], i: usize) -> i32 {
+    2 * ((scales[i / 2] >> (4 * (i % 2))) & 0xf) as i32 + 1
 }
 
 /// Two 4-value grid entries as one 8-value entry.
@@ -362,45 +290,102 @@ fn grid_pair(a: u32, b: u32) -> u64 {
     a as u64 | (b as u64) << 32
 }
 
-pub fn dot_iq3_xxs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
+#[inline(always)]
+pub fn iq2_xxs_sub(b: &[u8], ib: usize) -> GridSub {
+    let q = &b[2 + 8 * ib..10 + 8 * ib];
+    let aux = u32_at(q, 4);
+    let ls = 2 * (aux >> 28) as i32 + 1;
+    GridSub {
+        grid: [0, 1, 2, 3].map(|l| IQ2XXS_GRID[q[l] as usize]),
+        signs: ksigns4(aux),
+        scales: [ls, ls],
+    }
+}
+
+#[inline(always)]
+pub fn iq2_xs_sub(b: &[u8], ib: usize) -> GridSub {
+    let q = [0, 1, 2, 3].map(|l| u16_at(b, 2 + 2 * (4 * ib + l)));
+    GridSub {
+        grid: q.map(|q| IQ2XS_GRID[(q & 511) as usize]),
+        signs: (0..4).fold(0, |a, l| a | (KSIGNS[(q[l] >> 9) as usize] as u32) << (8 * l)),
+        scales: [odd_scale(&b[66..74], 2 * ib), odd_scale(&b[66..74], 2 * ib + 1)],
+    }
+}
+
+#[inline(always)]
+pub fn iq2_s_sub(b: &[u8], ib: usize) -> GridSub {
+    GridSub {
+        grid: [0, 1, 2, 3].map(|l| IQ2S_GRID[iq2_s_index(b, 4 * ib + l)]),
+        signs: u32_at(b, 34 + 4 * ib),
+        scales: [odd_scale(&b[74..82], 2 * ib), odd_scale(&b[74..82], 2 * ib + 1)],
+    }
+}
+
+#[inline(always)]
+pub fn iq3_xxs_sub(b: &[u8], ib: usize) -> GridSub {
+    let aux = u32_at(b, 66 + 4 * ib);
+    let ls = 2 * (aux >> 28) as i32 + 1;
+    let e = |k: usize| IQ3XXS_GRID[b[2 + 8 * ib + k] as usize];
+    GridSub {
+        grid: [0, 1, 2, 3].map(|l| grid_pair(e(2 * l), e(2 * l + 1))),
+        signs: ksigns4(aux),
+        scales: [ls, ls],
+    }
+}
+
+#[inline(always)]
+pub fn iq3_s_sub(b: &[u8], ib: usize) -> GridSub {
+    let ls = odd_scale(&b[106..110], ib);
+    let e = |k: usize| IQ3S_GRID[iq3_s_index(b, 8 * ib + k)];
+    GridSub {
+        grid: [0, 1, 2, 3].map(|l| grid_pair(e(2 * l), e(2 * l + 1))),
+        signs: u32_at(b, 74 + 4 * ib),
+        scales: [ls, ls],
+    }
+}
+
+/// The scalar dot of `n` blocks of a grid format with Q8_K activations: exact integer sums per 16 weights times
+/// their scales, one float scale per block, as ggml's reference.
+pub fn dot_grid_q8_k(f: GridFormat, n: usize, w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0.0f32;
-    for (b, y) in w.chunks_exact(IQ3_XXS_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
+    for (b, y) in w.chunks_exact(f.bytes).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
         let (yd, q8, _) = q8k_parts(y);
         let mut bsum = 0i32;
         for ib in 0..8 {
-            let aux = u32_at(b, 66 + 4 * ib);
-            let ls = 2 * (aux >> 28) as i32 + 1;
-            let mut s = 0i32;
-            for l in 0..4 {
-                let e = 2 + 8 * ib + 2 * l;
-                let g = grid_pair(IQ3XXS_GRID[b[e] as usize], IQ3XXS_GRID[b[e + 1] as usize]);
-                s += signed_grid_dot(g, KSIGNS[((aux >> (7 * l)) & 127) as usize], &q8[32 * ib + 8 * l..]);
+            let g = (f.sub)(b, ib);
+            for half in 0..2 {
+                let s: i32 = (16 * half..16 * half + 16)
+                    .map(|j| {
+                        let sign = if g.signs >> j & 1 != 0 { -1 } else { 1 };
+                        grid_byte(g.grid[j / 8], j % 8) as i32 * q8[32 * ib + j] as i8 as i32 * sign
+                    })
+                    .sum();
+                bsum += s * g.scales[half];
             }
-            bsum += s * ls;
         }
         sum += f16_at(b, 0) * yd * bsum as f32;
     }
-    0.25 * sum
+    f.factor * sum
+}
+
+pub fn dot_iq2_xxs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    dot_grid_q8_k(IQ2_XXS, n, w, x)
+}
+
+pub fn dot_iq2_xs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    dot_grid_q8_k(IQ2_XS, n, w, x)
+}
+
+pub fn dot_iq2_s_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    dot_grid_q8_k(IQ2_S, n, w, x)
+}
+
+pub fn dot_iq3_xxs_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
+    dot_grid_q8_k(IQ3_XXS, n, w, x)
 }
 
 pub fn dot_iq3_s_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
-    let mut sum = 0.0f32;
-    for (b, y) in w.chunks_exact(IQ3_S_BYTES).zip(x.chunks_exact(Q8_K_BYTES)).take(n) {
-        let (yd, q8, _) = q8k_parts(y);
-        let mut bsum = 0i32;
-        for ib in 0..8 {
-            let ls = 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xf) as i32 + 1;
-            let mut s = 0i32;
-            for l in 0..4 {
-                let e = 8 * ib + 2 * l;
-                let g = grid_pair(IQ3S_GRID[iq3_s_index(b, e)], IQ3S_GRID[iq3_s_index(b, e + 1)]);
-                s += signed_grid_dot(g, b[74 + 4 * ib + l], &q8[32 * ib + 8 * l..]);
-            }
-            bsum += s * ls;
-        }
-        sum += f16_at(b, 0) * yd * bsum as f32;
-    }
-    sum
+    dot_grid_q8_k(IQ3_S, n, w, x)
 }
 
 pub fn dot_iq1_s_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
