@@ -176,8 +176,11 @@ fn two_processes_writing_one_directory_leave_only_whole_entries() {
     assert_eq!(cached, (n - 1) / BLOCK * BLOCK, "{}", stderr(&third));
 }
 
+/// Damages one cache entry in place.
+type Damage = fn(&Path);
+
 /// Ways a cache entry is damaged under a running process.
-const DAMAGES: [(&str, fn(&Path)); 3] = [
+const DAMAGES: [(&str, Damage); 3] = [
     ("corrupt byte", |f| {
         let mut b = std::fs::read(f).unwrap();
         let i = b.len() / 2;
@@ -197,7 +200,7 @@ const DAMAGES: [(&str, fn(&Path)); 3] = [
 ];
 
 /// Damages every one of `files`; returns what each holds now (`None`: gone).
-fn damage_all(files: &[std::path::PathBuf], damage: fn(&Path)) -> Vec<Option<Vec<u8>>> {
+fn damage_all(files: &[std::path::PathBuf], damage: Damage) -> Vec<Option<Vec<u8>>> {
     files.iter().for_each(|f| damage(f));
     files.iter().map(|f| std::fs::read(f).ok()).collect()
 }
