@@ -78,6 +78,15 @@ fn serve_with_a_prefill_node_offloads_only_the_new_suffix() {
     // SmolLM2's KV is 23 KB per token at f16 (the default --kv-bits 16).
     assert!(bytes1 > n1 * 20_000.0, "{bytes1} bytes of KV for {n1} tokens");
 
+    // The prefill node said where it computes when the server's decode side opened its session (READY).
+    let (code, body) = srv.get("/v1/cluster");
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let pn = v["nodes"].as_array().unwrap().iter().find(|n| n["role"] == "prefill");
+    let pn = pn.unwrap_or_else(|| panic!("no prefill node: {v}"));
+    assert_eq!((&pn["addr"], &pn["backend"]), (&json!(p.addr), &json!("cpu")), "{v}");
+    assert!(pn["isa"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
+
     let turn2 = json!([user(q1), {"role": "assistant", "content": reply(&a)}, user("And two more?")]);
     let b = chat(&srv, turn2);
     let (n2, cached2) = usage(&b);
@@ -163,7 +172,7 @@ fn router_over_two_prefill_and_two_decode_nodes() {
 
     // The decode nodes pulled the KV themselves and told the server how many bytes (PULL_REPORT): `/v1/cluster`
     // counts them on the links prefill node → decode node, the same bytes as `/metrics`, and each decode node says
-    // where it computes (READY).
+    // where it computes (READY), as each prefill node does when the server asks it at start.
     let (code, body) = srv.get("/v1/cluster");
     assert_eq!(code, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -191,7 +200,9 @@ fn router_over_two_prefill_and_two_decode_nodes() {
         pulled(0, 0).min(pulled(0, 1)) == 0 && pulled(1, 0).min(pulled(1, 1)) == 0,
         "each prompt went from one prefill node to one decode node: {v}"
     );
-    for n in v["nodes"].as_array().unwrap().iter().filter(|n| n["role"] == "decode") {
+    let kinds = |n: &&Value| n["role"] == "decode" || n["role"] == "prefill";
+    assert_eq!(v["nodes"].as_array().unwrap().iter().filter(kinds).count(), 4, "{v}");
+    for n in v["nodes"].as_array().unwrap().iter().filter(kinds) {
         assert_eq!(n["backend"], "cpu", "{v}");
         assert!(n["isa"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
     }

@@ -10,6 +10,70 @@ use serde_json::{Value, json};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// The first key given twice in one object of the JSON `text` (`serde_json::Value` keeps only the last, so a
+/// validator of the parsed value cannot see it).
+fn repeated_key(text: &str) -> Option<String> {
+    use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+    use std::cell::RefCell;
+    use std::collections::HashSet;
+    struct Walk<'a>(&'a RefCell<Option<String>>);
+    impl<'de> DeserializeSeed<'de> for Walk<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Walk<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<(), A::Error> {
+            let mut keys = HashSet::new();
+            while let Some(k) = m.next_key::<String>()? {
+                if !keys.insert(k.clone()) {
+                    self.0.borrow_mut().get_or_insert(k);
+                }
+                m.next_value_seed(Walk(self.0))?;
+            }
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<(), A::Error> {
+            while s.next_element_seed(Walk(self.0))?.is_some() {}
+            Ok(())
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+    }
+    let found = RefCell::new(None);
+    Walk(&found)
+        .deserialize(&mut serde_json::Deserializer::from_str(text))
+        .ok()?;
+    found.into_inner()
+}
+
+#[test]
+fn repeated_keys_are_found() {
+    assert_eq!(repeated_key(r#"{"a":[{"b":1,"b":2}],"c":3}"#).as_deref(), Some("b"));
+    assert_eq!(repeated_key(r#"{"a":{"a":1},"b":[1.5,null,"x",true]}"#), None);
+}
+
 /// Validates `v` against the schema subset the server enforces (docs/server.md); `root` resolves `$ref`s.
 fn validate(v: &Value, s: &Value, root: &Value) -> Result<(), String> {
     let Some(m) = s.as_object() else {
@@ -398,6 +462,7 @@ fn constrained_replies_follow_every_schema() {
             serde_json::from_str::<Value>(text)
                 .map_err(|e| e.to_string())
                 .and_then(|v| validate(&v, schema, schema))
+                .and_then(|()| repeated_key(text).map_or(Ok(()), |k| Err(format!("key {k:?} repeated"))))
         };
         if let Err(e) = checked {
             failures.push(format!("{prompt} (sampled {sampled}): {e}: {text}"));
@@ -421,6 +486,7 @@ fn constrained_replies_follow_every_schema() {
     let text = r["choices"][0]["message"]["content"].as_str().unwrap();
     if r["choices"][0]["finish_reason"] == "stop" {
         assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text}");
+        assert_eq!(repeated_key(text), None, "{text}");
     } else {
         assert!(text.trim_start().starts_with('{'), "{text}");
     }

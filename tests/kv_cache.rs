@@ -1,8 +1,9 @@
 //! KV on disk, through real processes: the prefix cache (`--kv-cache-dir`) across a restart and with its files
-//! corrupted, truncated or deleted under a running server; sessions saved and restored across processes
-//! (`run --save-session/--load-session`, `POST /slots/{id}`), refused for other weights or a path outside the
-//! directory; across the cluster, a prefill node (`baton node --kv-cache-dir`) that serves its cached prefixes to
-//! a decode side, and a two-stage pipeline whose stages each read their own layer range back.
+//! corrupted, truncated or deleted under a running server; the router sending a prompt to where the disk holds its
+//! prefix; sessions saved and restored across processes (`run --save-session/--load-session`, `POST /slots/{id}`),
+//! refused for other weights or a path outside the directory; across the cluster, a prefill node (`baton node
+//! --kv-cache-dir`) that serves its cached prefixes to a decode side, and a two-stage pipeline whose stages each
+//! read their own layer range back and recompute one stage's damaged entries.
 
 mod cluster_util;
 
@@ -175,6 +176,53 @@ fn two_processes_writing_one_directory_leave_only_whole_entries() {
     assert_eq!(cached, (n - 1) / BLOCK * BLOCK, "{}", stderr(&third));
 }
 
+/// Damages one cache entry in place.
+type Damage = fn(&Path);
+
+/// Ways a cache entry is damaged under a running process.
+const DAMAGES: [(&str, Damage); 3] = [
+    ("corrupt byte", |f| {
+        let mut b = std::fs::read(f).unwrap();
+        let i = b.len() / 2;
+        b[i] ^= 0x40;
+        std::fs::write(f, b).unwrap();
+    }),
+    ("truncated", |f| {
+        let len = f.metadata().unwrap().len();
+        std::fs::File::options()
+            .write(true)
+            .open(f)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+    }),
+    ("deleted", |f| std::fs::remove_file(f).unwrap()),
+];
+
+/// Damages every one of `files`; returns what each holds now (`None`: gone).
+fn damage_all(files: &[std::path::PathBuf], damage: Damage) -> Vec<Option<Vec<u8>>> {
+    files.iter().for_each(|f| damage(f));
+    files.iter().map(|f| std::fs::read(f).ok()).collect()
+}
+
+/// Waits (bounded) until every one of `files` is there again and is not its `damaged` copy: rewritten (entries are
+/// renamed into place whole).
+fn wait_rewritten(files: &[std::path::PathBuf], damaged: &[Option<Vec<u8>>], why: &str, log: &dyn Fn() -> String) {
+    let t0 = Instant::now();
+    while !files
+        .iter()
+        .zip(damaged)
+        .all(|(f, bad)| std::fs::read(f).is_ok_and(|b| Some(&b) != bad.as_ref()))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{why}: entries not rewritten\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Completion request: text and cached tokens.
 fn complete(s: &ServeProc, prompt: &str) -> (String, u64) {
     let (code, v) = s.post(
@@ -188,19 +236,26 @@ fn complete(s: &ServeProc, prompt: &str) -> (String, u64) {
     )
 }
 
-#[test]
-fn damaged_cache_files_under_a_running_server_cost_only_recomputation() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = ServeProc::start(&[
+/// `baton serve` with SmolLM2 on 2 threads, a 1024-token context and its prefix cache in `dir`, plus `args`.
+fn serve_cached(dir: &Path, args: &[&str]) -> ServeProc {
+    let m = smollm2();
+    let base = [
         "-m",
-        smollm2().to_str().unwrap(),
+        m.to_str().unwrap(),
         "-t",
         "2",
         "-c",
         "1024",
         "--kv-cache-dir",
-        dir.path().to_str().unwrap(),
-    ]);
+        dir.to_str().unwrap(),
+    ];
+    ServeProc::start(&[&base[..], args].concat())
+}
+
+#[test]
+fn damaged_cache_files_under_a_running_server_cost_only_recomputation() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = serve_cached(dir.path(), &[]);
     let (p, other) = (long_prompt(2), "Hello there, how are you?");
     let (cold, cached) = complete(&s, &p);
     assert_eq!(cached, 0);
@@ -216,53 +271,17 @@ fn damaged_cache_files_under_a_running_server_cost_only_recomputation() {
     };
     assert_eq!(again("clean hit"), 2 * BLOCK as u64, "{}", s.log());
 
-    type Damage = fn(&Path);
-    let damages: [(&str, Damage); 3] = [
-        ("corrupt byte", |f| {
-            let mut b = std::fs::read(f).unwrap();
-            let i = b.len() / 2;
-            b[i] ^= 0x40;
-            std::fs::write(f, b).unwrap();
-        }),
-        ("truncated", |f| {
-            let len = f.metadata().unwrap().len();
-            std::fs::File::options()
-                .write(true)
-                .open(f)
-                .unwrap()
-                .set_len(len / 2)
-                .unwrap();
-        }),
-        ("deleted", |f| std::fs::remove_file(f).unwrap()),
-    ];
-    for (why, damage) in damages {
+    for (why, damage) in DAMAGES {
         let files = entries(dir.path());
         assert_eq!(files.len(), n_entries);
-        let lens: Vec<u64> = files.iter().map(|f| f.metadata().unwrap().len()).collect();
-        for f in &files {
-            damage(f);
-        }
-        let damaged: Vec<Option<Vec<u8>>> = files.iter().map(|f| std::fs::read(f).ok()).collect();
+        let damaged = damage_all(&files, damage);
         assert!(
             again(why) < BLOCK as u64,
             "{why}: a damaged entry was used\n{}",
             s.log()
         );
         // Recomputed and written again (whole files, renamed into place): the next request hits.
-        let t0 = Instant::now();
-        while !files
-            .iter()
-            .zip(&lens)
-            .zip(&damaged)
-            .all(|((f, &len), bad)| f.metadata().is_ok_and(|m| m.len() == len) && std::fs::read(f).ok() != *bad)
-        {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "{why}: entries not rewritten\n{}",
-                s.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_rewritten(&files, &damaged, why, &|| s.log());
         assert_eq!(
             again(why),
             2 * BLOCK as u64,
@@ -271,6 +290,36 @@ fn damaged_cache_files_under_a_running_server_cost_only_recomputation() {
         );
     }
     assert!(s.log().contains("kv-cache: dropping"), "{}", s.log());
+}
+
+/// The router counts what the local slots' disk holds (the one kind of node whose disk it counts today,
+/// docs/kv-cache.md): with two slots that both moved on to other prompts, a prompt whose prefix only the disk still
+/// has is routed for it (`reason="disk_prefix"`) and reads it back; the slot that took it then holds it resident.
+#[test]
+fn the_router_counts_a_prefix_on_the_slots_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = serve_cached(dir.path(), &["--parallel", "2"]);
+    let routed = |why: &str| s.metric(&format!("baton_routed_total{{node=\"local\",reason=\"{why}\"}}"));
+    let p = long_prompt(6);
+    let (cold, cached) = complete(&s, &p);
+    assert_eq!(cached, 0);
+    wait_entries(dir.path(), 2);
+    // Each slot takes another prompt (the least recently used one first): no slot holds `p` any more.
+    complete(&s, "Hello there, how are you?");
+    complete(&s, "Why is the sea salty?");
+    assert_eq!((routed("disk_prefix"), routed("prefix")), (0.0, 0.0), "{}", s.log());
+    let (text, cached) = complete(&s, &p);
+    assert_eq!(text, cold);
+    assert_eq!(cached, 2 * BLOCK as u64, "{}", s.log());
+    assert_eq!(routed("disk_prefix"), 1.0, "{}", s.log());
+    assert!(
+        s.log().contains(&format!("kv-cache: hit {} tokens", 2 * BLOCK)),
+        "{}",
+        s.log()
+    );
+    // Now resident in that slot: a plain prefix choice.
+    complete(&s, &p);
+    assert_eq!((routed("disk_prefix"), routed("prefix")), (1.0, 1.0), "{}", s.log());
 }
 
 #[test]
@@ -376,14 +425,6 @@ fn entry_layers(path: &Path) -> (usize, usize) {
     (field("layer_start"), field("layer_end"))
 }
 
-/// Entries of `dir` that are not byte-for-byte the `damaged` copies (rewritten since), by path.
-fn rewritten(files: &[std::path::PathBuf], damaged: &[Vec<u8>]) -> bool {
-    files
-        .iter()
-        .zip(damaged)
-        .all(|(f, bad)| std::fs::read(f).is_ok_and(|b| b != *bad))
-}
-
 #[test]
 fn a_prefill_node_serves_its_cached_prefix_after_a_restart_and_recomputes_damaged_entries() {
     let dir = tempfile::tempdir().unwrap();
@@ -428,16 +469,7 @@ fn a_prefill_node_serves_its_cached_prefix_after_a_restart_and_recomputes_damage
 
     // Damaged entries cost only recomputation, then are written again and hit.
     let files = entries(dir.path());
-    let damaged: Vec<Vec<u8>> = files
-        .iter()
-        .map(|f| {
-            let mut b = std::fs::read(f).unwrap();
-            let i = b.len() / 2;
-            b[i] ^= 0x40;
-            std::fs::write(f, &b).unwrap();
-            b
-        })
-        .collect();
+    let damaged = damage_all(&files, DAMAGES[0].1);
     assert_eq!(via(&node), local, "damaged entries are recomputed");
     assert!(node.log().contains("kv-cache: dropping"), "{}", node.log());
     assert_eq!(
@@ -446,15 +478,7 @@ fn a_prefill_node_serves_its_cached_prefix_after_a_restart_and_recomputes_damage
         "a damaged entry was used:\n{}",
         node.log()
     );
-    let t0 = Instant::now();
-    while !rewritten(&files, &damaged) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "entries not rewritten\n{}",
-            node.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_rewritten(&files, &damaged, DAMAGES[0].0, &|| node.log());
     assert_eq!(via(&node), local);
     assert_eq!(node.log().matches(&hit).count(), 2, "{}", node.log());
 }
@@ -501,11 +525,36 @@ fn each_stage_of_a_restarted_pipeline_reads_its_own_layer_range_back() {
     let blocks = (n - 1) / BLOCK;
     assert_eq!(ok_stdout(&warm), cold, "both stages read back: same text");
     assert_eq!(prompt_counts(&warm), (n, blocks * BLOCK), "{}", stderr(&warm));
+    let hit = format!("kv-cache: hit {} tokens", blocks * BLOCK);
+    let hits = |node: &NodeProc| node.log().matches(&hit).count();
     for node in &nodes {
-        let log = node.log();
+        assert_eq!(hits(node), 1, "{}", node.log());
+    }
+
+    // One stage's entries damaged under the running nodes: the pipeline recomputes (same text), that stage drops
+    // what it cannot use and writes it again, and the run after hits on both stages again.
+    let (stage, dir) = (&nodes[1], dirs[1].path());
+    for (why, damage) in DAMAGES {
+        let files = entries(dir);
+        assert_eq!(files.len(), n / BLOCK, "{why}");
+        let drops = || stage.log().matches("kv-cache: dropping").count();
+        let (before, dropped) = (hits(stage), drops());
+        let damaged = damage_all(&files, damage);
+        let o = via(&nodes);
+        assert_eq!(ok_stdout(&o), cold, "{why}: recomputed, same text");
         assert!(
-            log.contains(&format!("kv-cache: hit {} tokens", blocks * BLOCK)),
-            "{log}"
+            prompt_counts(&o).1 < blocks * BLOCK && hits(stage) == before,
+            "{why}: a damaged entry was used\n{}\nstage:\n{}",
+            stderr(&o),
+            stage.log()
         );
+        // A missing entry is only a miss; a damaged one is dropped (deleted, with a warning).
+        let want_drop = why != "deleted";
+        assert_eq!(drops() > dropped, want_drop, "{why}: {}", stage.log());
+        wait_rewritten(&files, &damaged, why, &|| stage.log());
+        let o = via(&nodes);
+        assert_eq!(ok_stdout(&o), cold, "{why}");
+        assert_eq!(prompt_counts(&o), (n, blocks * BLOCK), "{why}: {}", stderr(&o));
+        assert_eq!(hits(stage), before + 1, "{why}: {}", stage.log());
     }
 }

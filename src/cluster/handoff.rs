@@ -423,21 +423,14 @@ impl PrefillNode {
         let t0 = Instant::now();
         let hp = &s.model().hp;
         let open = Open {
-            model: ModelInfo::of(hp, s.model().fingerprint()?),
-            layers: (0, k as u32),
-            n_ctx: s.n_ctx() as u32,
-            n_batch: s.n_batch() as u32,
-            wire: RowDtype::F32,
-            session: self.session_id,
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            top_k: 0,
-            sample_top_k: 0,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 0,
             request_id: self.request_id.clone(),
+            ..Open::unsampled(
+                ModelInfo::of(hp, s.model().fingerprint()?),
+                (0, k as u32),
+                s.n_ctx() as u32,
+                s.n_batch() as u32,
+                self.session_id,
+            )
         };
         let (conn, ready) =
             handshake::connect(&self.opts.addr, self.opts.secret.as_deref(), &open, self.opts.timeouts)?;

@@ -9,8 +9,45 @@
 use super::auth;
 use super::wire::{self, Msg, Open, Ready, WireError};
 use anyhow::{Result, anyhow, bail};
+use std::collections::HashMap;
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
 use std::time::Duration;
+
+/// Addresses whose READY [`built`] remembers; a process dials those of its configuration (a decode node also those
+/// its coordinator names), so this only bounds a misuse.
+const MAX_BUILDS: usize = 256;
+
+/// What every node this process opened a session on said in READY of where it computes, by the address dialled:
+/// pipeline stages, decode and prefill nodes, remote drafts and ensemble members alike, read by the server's cluster
+/// view without each connection's owner passing it on.
+static BUILDS: Mutex<Option<HashMap<String, (String, String)>>> = Mutex::new(None);
+
+fn remember_build(addr: &str, ready: &Ready) {
+    let mut b = BUILDS.lock().unwrap_or_else(|p| p.into_inner());
+    let map = b.get_or_insert_with(HashMap::new);
+    if map.len() < MAX_BUILDS || map.contains_key(addr) {
+        map.insert(addr.to_string(), (ready.backend.clone(), ready.isa.clone()));
+    }
+}
+
+/// The session [`ask_build`] opens on a node: the same on every call, so asking again reuses it rather than taking
+/// another of the node's `--max-sessions`.
+const BUILD_SESSION: u64 = u64::from_le_bytes(*b"asklabel");
+
+/// Opens a one-layer, one-position session on the node at `addr` only to read its READY into [`built`]: for a node
+/// this process otherwise never opens a session on (a prefill node that only remote decode nodes pull from). The
+/// session stays on the node, unused, as the first to go when it needs room.
+pub fn ask_build(addr: &str, secret: Option<&[u8]>, model: wire::ModelInfo, t: Timeouts) -> Result<()> {
+    let open = Open::unsampled(model, (0, 1), 1, 1, BUILD_SESSION);
+    connect(addr, secret, &open, t).map(drop)
+}
+
+/// The backend and ISA the node at `addr` reported in its last READY to this process (`None`: never connected).
+pub fn built(addr: &str) -> Option<(String, String)> {
+    let b = BUILDS.lock().unwrap_or_else(|p| p.into_inner());
+    b.as_ref().and_then(|m| m.get(addr).cloned())
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct Timeouts {
@@ -155,5 +192,6 @@ pub fn connect(addr: &str, secret: Option<&[u8]>, open: &Open, t: Timeouts) -> R
     if !diffs.is_empty() {
         bail!("refusing stage {addr}: {}", diffs.join("; "));
     }
+    remember_build(addr, &ready);
     Ok((c, ready))
 }

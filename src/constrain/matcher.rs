@@ -1,5 +1,8 @@
 //! The byte-level matcher: a set of alternative stacks of frames (one per live `anyOf` branch), each a pushdown
 //! automaton over JSON text. Frames are small and `Copy`, so cloning a matcher for each trie node is cheap.
+//!
+//! An object's keys outside `properties` are remembered (a hash each) in [`Frame::Seen`] frames kept just under
+//! its frame, so no key repeats: JSON parsers disagree on `{"k":1,"k":2}`, and a schema's validator sees only one.
 
 use super::pattern::NON_ASCII;
 use super::schema::{Grammar, MAX_ALTS, Node, NodeId};
@@ -12,6 +15,8 @@ const MAX_STACK: usize = 64;
 const MAX_DIGITS: u8 = 20;
 /// Longest key not named in `properties` (bytes).
 const MAX_FREE_KEY: u16 = 64;
+/// Most keys outside `properties` in one object (each costs a frame while the object is open).
+pub(crate) const MAX_FREE_KEYS: u8 = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Obj {
@@ -68,6 +73,13 @@ enum Frame {
         klo: u8,
         khi: u8,
         kfree: bool,
+        /// FNV-1a hash of the key's bytes so far, and keys outside `properties` given so far.
+        khash: u64,
+        nfree: u8,
+    },
+    /// A key outside `properties` that the object frame above already has (by hash).
+    Seen {
+        hash: u64,
     },
     Arr {
         node: NodeId,
@@ -120,6 +132,8 @@ enum Step {
     TakePush(Frame),
     /// Replace this frame by the start shapes of `node` and feed them the byte.
     Expand(NodeId),
+    /// The byte ended an object's key outside `properties` with this hash: taken unless the object has it already.
+    FreeKey(u64),
     Reject,
 }
 
@@ -225,6 +239,8 @@ fn fresh(g: &Grammar, node: NodeId) -> Frame {
             klo: 0,
             khi: 0,
             kfree: false,
+            khash: FNV_OFFSET,
+            nfree: 0,
         },
         Node::Array { .. } => Frame::Arr {
             node,
@@ -269,23 +285,39 @@ fn feed(g: &Grammar, st: &mut Vec<Frame>, b: u8, extra: &mut Vec<Vec<Frame>>) ->
         match step(g, top, b) {
             Step::Take => return true,
             Step::Close => {
-                st.pop();
+                pop(st);
                 return true;
             }
             Step::Pass => {
-                st.pop();
+                pop(st);
             }
             Step::Push(f) => {
-                if st.len() >= MAX_STACK {
+                if depth(st) >= MAX_STACK {
                     return false;
                 }
                 st.push(f);
             }
             Step::TakePush(f) => {
-                if st.len() >= MAX_STACK {
+                if depth(st) >= MAX_STACK {
                     return false;
                 }
                 st.push(f);
+                return true;
+            }
+            Step::FreeKey(hash) => {
+                let top = st.len() - 1;
+                let given = st[..top]
+                    .iter()
+                    .rev()
+                    .map_while(|f| match f {
+                        Frame::Seen { hash } => Some(*hash),
+                        _ => None,
+                    })
+                    .any(|h| h == hash);
+                if given {
+                    return false;
+                }
+                st.insert(top, Frame::Seen { hash });
                 return true;
             }
             Step::Expand(node) => {
@@ -308,6 +340,25 @@ fn feed(g: &Grammar, st: &mut Vec<Frame>, b: u8, extra: &mut Vec<Vec<Frame>>) ->
     }
 }
 
+/// Pops the top frame and the keys its object had (the [`Frame::Seen`] under it).
+fn pop(st: &mut Vec<Frame>) {
+    st.pop();
+    while matches!(st.last(), Some(Frame::Seen { .. })) {
+        st.pop();
+    }
+}
+
+/// Nesting depth: the frames that are not remembered keys.
+fn depth(st: &[Frame]) -> usize {
+    st.iter().filter(|f| !matches!(f, Frame::Seen { .. })).count()
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv(h: u64, b: u8) -> u64 {
+    (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+}
+
 fn ws_step(ws: &mut u8) -> Step {
     if *ws >= MAX_WS {
         return Step::Reject;
@@ -324,6 +375,8 @@ fn range_bits(lo: u8, hi: u8) -> u64 {
 
 fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
     match f {
+        // Never on top: [`pop`] removes them with their object.
+        Frame::Seen { .. } => Step::Reject,
         Frame::Value { node, ws } => {
             if is_ws(b) {
                 ws_step(ws)
@@ -564,6 +617,8 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
             klo,
             khi,
             kfree,
+            khash,
+            nfree,
         } => {
             let Node::Object {
                 keys,
@@ -575,7 +630,8 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                 return Step::Reject;
             };
             let all = range_bits(0, keys.len() as u8);
-            let more_keys = additional.is_some() || (all & !*seen) != 0;
+            let free_left = additional.is_some() && *nfree < MAX_FREE_KEYS;
+            let more_keys = free_left || (all & !*seen) != 0;
             let can_close = *required & !*seen == 0;
             match st {
                 Obj::Fresh => {
@@ -596,7 +652,8 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                             *kpos = 0;
                             *klo = 0;
                             *khi = keys.len() as u8;
-                            *kfree = additional.is_some();
+                            *kfree = free_left;
+                            *khash = FNV_OFFSET;
                             *ws = 0;
                             Step::Take
                         }
@@ -631,7 +688,8 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                             *st = Obj::Colon;
                             *klo = u8::MAX;
                             *ws = 0;
-                            return Step::Take;
+                            *nfree += 1;
+                            return Step::FreeKey(*khash);
                         }
                         return Step::Reject;
                     }
@@ -659,6 +717,7 @@ fn step(g: &Grammar, f: &mut Frame, b: u8) -> Step {
                         *khi = 0;
                     }
                     *kfree = free;
+                    *khash = fnv(*khash, b);
                     *kpos += 1;
                     Step::Take
                 }

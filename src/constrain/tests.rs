@@ -1,3 +1,4 @@
+use super::matcher::MAX_FREE_KEYS;
 use super::*;
 use serde_json::json;
 
@@ -57,6 +58,36 @@ fn objects_follow_properties_required_and_additional() {
         &[r#"{"x":true,"y":false}"#],
         &[r#"{"x":1}"#],
     );
+}
+
+#[test]
+fn keys_outside_properties_never_repeat() {
+    let map = json!({"type":"object","properties":{"a":{"type":"integer"}},"additionalProperties":{}});
+    check(
+        map.clone(),
+        &[
+            r#"{"x":1,"xy":2,"y":{"x":1,"y":2},"a":3}"#,
+            r#"{"x":{"x":{"x":1}},"y":{"x":2}}"#,
+        ],
+        &[
+            r#"{"x":1,"x":2}"#,
+            r#"{"x":1,"y":{"z":2},"x":3}"#,
+            r#"{"y":{"z":1,"z":2}}"#,
+            r#"{"a":1,"a":2}"#,
+        ],
+    );
+    let g = grammar(map);
+    assert!(!prefix_ok(&g, r#"{"x":1,"x""#), "refused at the key's closing quote");
+    assert!(prefix_ok(&g, r#"{"x":1,"xx""#), "a longer key is another key");
+    // `json_object` has the same rule.
+    let any = Grammar::any_object();
+    assert!(accepts(&any, r#"{"k":[{"k":1}],"j":{"k":2}}"#));
+    assert!(!accepts(&any, r#"{"k":[{"k":1}],"k":2}"#));
+    // Past MAX_FREE_KEYS other keys the object may only end (or take its named keys).
+    let keys: Vec<String> = (0..MAX_FREE_KEYS).map(|i| format!("\"k{i}\":0")).collect();
+    let full = format!("{{{}", keys.join(","));
+    assert!(accepts(&g, &format!("{full}}}")) && accepts(&g, &format!("{full},\"a\":1}}")));
+    assert!(!prefix_ok(&g, &format!("{full},\"z")));
 }
 
 #[test]

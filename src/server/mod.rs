@@ -476,7 +476,6 @@ fn build_nodes(
                     status.add_link("local", a, a);
                 }
             }
-            report_builds(status, &opened);
             drop(opened);
             let factory = metered_pipeline(
                 &builder,
@@ -508,6 +507,9 @@ fn build_nodes(
             let mut nodes = Vec::new();
             for p in &prefill {
                 status.add_node(&p.name, Role::Prefill, Some(&p.addr), None, None, true);
+            }
+            if decode.iter().any(|d| d.addr != "local") {
+                ask_builds(&builder, path, &prefill)?;
             }
             for d in &decode {
                 let remote = d.addr != "local";
@@ -586,6 +588,25 @@ impl DisaggSettings {
             links: file.map(|f| f.links.clone()).unwrap_or_default(),
         })
     }
+}
+
+/// Asks each prefill node in the background where it computes, for the cluster view: only remote decode nodes open
+/// sessions on them, so this server hears no READY of theirs otherwise. A node that does not answer stays unknown.
+fn ask_builds(builder: &Builder, path: &Path, prefill: &[NodeEntry]) -> Result<()> {
+    use crate::cluster::{handshake, wire::ModelInfo};
+    let link = builder.prefill_link()?;
+    let hp = crate::model::Hparams::from_gguf(&crate::gguf::GgufFile::open(path)?)?;
+    let info = ModelInfo::of(&hp, &crate::fingerprint::fingerprint(path)?);
+    let addrs: Vec<String> = prefill.iter().map(|p| p.addr.clone()).collect();
+    std::thread::Builder::new().name("ask-builds".into()).spawn(move || {
+        for a in &addrs {
+            let timeouts = handshake::Timeouts::default();
+            if let Err(e) = handshake::ask_build(a, link.secret.as_deref(), info.clone(), timeouts) {
+                tracing::debug!("cannot ask prefill node {a} where it computes: {e:#}");
+            }
+        }
+    })?;
+    Ok(())
 }
 
 /// The prefill nodes every decode slot shares, health-checked; each prefill's outcome, tokens and KV bytes go to
@@ -697,18 +718,8 @@ struct Metered {
     status: Arc<Status>,
 }
 
-/// Passes on what each remote stage of `p` said of its backend and ISA when it connected.
-fn report_builds(status: &Status, p: &PipelineGenerator) {
-    for (spec, st) in p.session().stages().iter().zip(p.session().stats()) {
-        if let (Some(addr), Some(b), Some(i)) = (&spec.addr, &st.backend, &st.isa) {
-            status.node_build(addr, b, i);
-        }
-    }
-}
-
 impl Metered {
     fn account(&self) {
-        report_builds(&self.status, &self.inner);
         for st in self.inner.session().stats() {
             if st.bytes_sent + st.bytes_recv > 0 && !st.label.starts_with("local") {
                 let peer = st.label.split(' ').next().unwrap_or(&st.label);

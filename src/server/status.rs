@@ -93,8 +93,6 @@ struct Node {
     probed: Option<AtomicBool>,
     tokens: Rate,
     tokens_total: AtomicU64,
-    /// A remote node's backend and ISA as it reported them (READY, protocol 5), once a connection told us.
-    build: Mutex<Option<(String, String)>>,
 }
 
 /// One link as the server registers it: traffic between `a` and `b`, metered under `peer`.
@@ -148,8 +146,9 @@ pub struct NodeView {
     pub addr: Option<String>,
     /// Layer range `A:B` (B exclusive) of a pipeline stage.
     pub layers: Option<String>,
-    /// `cpu` or `gpu: NAME`: the server's own process, or what a remote stage or decode node reported once the
-    /// server connected to it (`None` before; prefill nodes, drafts and ensemble members do not report).
+    /// `cpu` or `gpu: NAME`: the server's own process, or what a remote node (stage, decode or prefill node, draft,
+    /// ensemble member) said in READY once this server opened a session on it (`None` before; see `ask_builds` for
+    /// prefill nodes that only remote decode nodes use).
     pub backend: Option<String>,
     pub isa: Option<String>,
     /// `None` when nothing checks it.
@@ -269,23 +268,7 @@ impl Status {
             probed: (probe && addr.is_some()).then(|| AtomicBool::new(true)),
             tokens: Rate::default(),
             tokens_total: AtomicU64::new(0),
-            build: Mutex::new(None),
         });
-    }
-
-    /// The backend and ISA the node at `addr` reported; escaped and bounded again here, as any peer text.
-    pub fn node_build(&self, addr: &str, backend: &str, isa: &str) {
-        let clean = |s: &str| crate::util::printable(s, crate::cluster::wire::MAX_LABEL);
-        for n in self
-            .layout
-            .read()
-            .unwrap()
-            .nodes
-            .iter()
-            .filter(|n| n.addr.as_deref() == Some(addr))
-        {
-            *n.build.lock().unwrap() = Some((clean(backend), clean(isa)));
-        }
     }
 
     /// Registers the link between nodes `a` and `b`; traffic reported under `key` counts on it (`a` sends).
@@ -472,11 +455,13 @@ impl Status {
                     (Role::Prefill, _) | (Role::Draft, _) | (_, None) => (0, 0),
                     (_, Some(s)) => (s.2, s.3),
                 };
-                let build = n.build.lock().unwrap().clone();
-                let (backend, isa) = match (in_process, build) {
-                    (true, _) => (here_backend.clone(), Some(crate::kernels::isa_label())),
-                    (false, Some((b, i))) => (Some(b), Some(i)),
-                    (false, None) => (None, None),
+                // A remote node's word (READY) once this process connected to it; escaped and bounded again here,
+                // as any peer text.
+                let clean = |s: &str| crate::util::printable(s, crate::cluster::wire::MAX_LABEL);
+                let (backend, isa) = match n.addr.as_deref().map(crate::cluster::handshake::built) {
+                    None => (here_backend.clone(), Some(crate::kernels::isa_label())),
+                    Some(Some((b, i))) => (Some(clean(&b)), Some(clean(&i))),
+                    Some(None) => (None, None),
                 };
                 NodeView {
                     name: n.name.clone(),

@@ -140,6 +140,28 @@ pub struct Open {
 }
 
 impl Open {
+    /// A session that samples nothing of its own (greedy, no penalties, f32 rows): a prefill node's, or one opened
+    /// only for its READY.
+    pub fn unsampled(model: ModelInfo, layers: (u32, u32), n_ctx: u32, n_batch: u32, session: u64) -> Open {
+        Open {
+            model,
+            layers,
+            n_ctx,
+            n_batch,
+            wire: RowDtype::F32,
+            session,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            top_k: 0,
+            sample_top_k: 0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
+            request_id: String::new(),
+        }
+    }
+
     /// The last stage's sampler settings as OPEN carries them.
     pub fn sampler(&self) -> SamplerParams {
         SamplerParams {
