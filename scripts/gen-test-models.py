@@ -50,6 +50,13 @@ MODELS["iquants"] = dict(arch="llama", pre="llama-bpe", n_layer=2, n_embd=256, n
                                      ffn_gate="IQ2_XXS", ffn_up="IQ3_XXS", ffn_down="IQ2_XS")])
 
 
+# Phi-3: Q/K/V fused into attn_qkv and gate/up into ffn_up, NeoX RoPE; a sliding window of 8 that llama.cpp ignores
+# for phi3 (so must Baton: the prompts are longer than 8); F32 matrices.
+MODELS["phi3"] = dict(arch="phi3", pre="llama-bpe", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                      head_dim=16, rope_base=10000.0, ty="F32", fused=True, sliding_window=8,
+                      name="fused projections")
+
+
 def random_iquant(rng, ty, rows, cols, std):
     """rows x cols weights of type `ty` as random blocks (any indices, signs and sub-scales), the f16 scale of each
     block chosen so the weights' standard deviation is about `std`."""
@@ -106,7 +113,9 @@ def write_model(path, name, spec, vocab, rng):
     arch, e, hd = spec["arch"], spec["n_embd"], spec["head_dim"]
     nq, nkv = spec["n_head"] * hd, spec["n_head_kv"] * hd
     w = gguf.GGUFWriter(path, arch)
-    w.add_name(f"baton test {name} (random weights)")
+    # llama.cpp gives special tokens of a model named like Phi-3 extra attributes, looking up "</s>", which this
+    # vocabulary lacks: the phi3 model is named for what it tests instead.
+    w.add_name(f"baton test {spec.get('name', name)} (random weights)")
     w.add_block_count(spec["n_layer"])
     w.add_context_length(4096)
     w.add_embedding_length(e)
@@ -122,6 +131,8 @@ def write_model(path, name, spec, vocab, rng):
         w.add_expert_count(spec["n_expert"])
         w.add_expert_used_count(spec["n_expert_used"])
         w.add_expert_feed_forward_length(spec["n_ff_exp"])
+    if "sliding_window" in spec:
+        w.add_sliding_window(spec["sliding_window"])
     if "rope_linear" in spec:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec["rope_linear"])
@@ -167,9 +178,12 @@ def write_model(path, name, spec, vocab, rng):
     for il in range(spec["n_layer"]):
         p = f"blk.{il}."
         t[p + "attn_norm.weight"] = vec(e)
-        t[p + "attn_q.weight"] = mat(nq, e, kind="attn_q", il=il)
-        t[p + "attn_k.weight"] = mat(nkv, e, kind="attn_k", il=il)
-        t[p + "attn_v.weight"] = mat(nkv, e, kind="attn_v", il=il)
+        if spec.get("fused"):
+            t[p + "attn_qkv.weight"] = mat(nq + 2 * nkv, e)
+        else:
+            t[p + "attn_q.weight"] = mat(nq, e, kind="attn_q", il=il)
+            t[p + "attn_k.weight"] = mat(nkv, e, kind="attn_k", il=il)
+            t[p + "attn_v.weight"] = mat(nkv, e, kind="attn_v", il=il)
         if spec.get("qkv_bias"):
             t[p + "attn_q.bias"] = vec(nq, -0.5, 0.5)
             t[p + "attn_k.bias"] = vec(nkv, -0.5, 0.5)
@@ -188,6 +202,9 @@ def write_model(path, name, spec, vocab, rng):
                 tensor=(rng.uniform(-1.0, 1.0, (n_x, e)) * 4.0 / np.sqrt(e)).astype(np.float32))
             for name, rows, cols in (("ffn_gate_exps", f, e), ("ffn_up_exps", f, e), ("ffn_down_exps", e, f)):
                 t[p + name + ".weight"] = stack([mat(rows, cols) for _ in range(n_x)])
+        elif spec.get("fused"):
+            t[p + "ffn_up.weight"] = mat(2 * spec["n_ff"], e)
+            t[p + "ffn_down.weight"] = mat(e, spec["n_ff"])
         else:
             t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e, kind="ffn_gate", il=il)
             t[p + "ffn_up.weight"] = mat(spec["n_ff"], e, kind="ffn_up", il=il)

@@ -271,8 +271,8 @@ fn context_overflow_is_an_error() {
 }
 
 /// The GPU backend implements llama (RoPE factors and scaling included), gemma3, qwen2 and qwen3: the generated
-/// models of those upload (their numbers are checked in `backend::gpu::layers`), and the mixture of experts and the
-/// i-quants (no shader decodes them yet) are refused with the reason, not run.
+/// models of those upload (their numbers are checked in `backend::gpu::layers`), and the mixture of experts, phi3
+/// and the i-quants (no shader decodes them yet) are refused with the reason, not run.
 #[test]
 fn gpu_backend_refuses_what_it_does_not_implement() {
     use baton::backend::gpu::layers::GpuWeights;
@@ -290,7 +290,7 @@ fn gpu_backend_refuses_what_it_does_not_implement() {
         let model = Model::load(&common::model(name)).unwrap();
         let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
         let refusal = match name {
-            "qwen3moe" => "the GPU backend implements llama, gemma3, qwen2 and qwen3, not qwen3moe",
+            "qwen3moe" | "phi3" => "the GPU backend implements llama, gemma3, qwen2 and qwen3, not",
             "iquants" => "the GPU backend has no IQ2_XXS matmul",
             _ => {
                 up.unwrap_or_else(|e| panic!("{name}: {e:#}"));

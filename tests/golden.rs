@@ -272,17 +272,25 @@ fn greedy_matches_llama_cpp_qwen3moe() {
     check_generated("qwen3moe", FLOAT_TOL);
 }
 
+/// Phi-3: Q/K/V and gate/up each one fused matrix, NeoX RoPE, and a sliding window (8) that llama.cpp ignores for
+/// phi3, so Baton must too (every prompt is longer); F32 matrices.
+#[test]
+fn greedy_matches_llama_cpp_phi3() {
+    check_generated("phi3", FLOAT_TOL);
+}
+
 /// Every i-quant (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ4_NL, IQ4_XS) as a block matrix of a small
 /// Llama, random blocks of each written by `scripts/gen-test-models.py`: the formats' decoding and Baton's integer
-/// dots against llama.cpp's. Activations are quantized to 8 bits as for Q8_0 weights, so qwen2's tolerance; measured
-/// 0.33 on logits of 30 to 42 (qwen2: 0.11 on 15 to 19), the heavy-tailed random weights amplifying the rounding. A
-/// wrong grid, sign or sub-scale moves these logits by whole units.
+/// dots against llama.cpp's. Activations are quantized to 8 bits as for Q8_0 weights. Measured on logits of 30 to
+/// 42 (qwen2's are 15 to 19): 0.33 with the scalar kernels, 0.46 with the AVX2 ones, which differ from them only in
+/// the order of their f32 sums (`simd_dots_match_scalar`); with these heavy-tailed random weights, such differences
+/// flip 8-bit roundings of the next matmul's activations. A wrong grid, sign or sub-scale moves the logits by units.
 #[test]
 fn greedy_matches_llama_cpp_iquants() {
     check_generated(
         "iquants",
         Tol {
-            logits: 0.4,
+            logits: 0.6,
             near_tie: 0.8,
         },
     );

@@ -619,8 +619,8 @@ fn node_logs_peer_text_escaped() {
     assert!(matches!(wire::read_msg(&mut s).unwrap().0, Msg::Challenge { .. }));
     wire::write_msg(&mut s, &Msg::Auth { mac: [0; 32] }).unwrap();
     assert!(matches!(wire::read_msg(&mut s).unwrap().0, Msg::AuthOk { .. }));
-    let open = Open {
-        model: ModelInfo {
+    let open = Open::unsampled(
+        ModelInfo {
             fingerprint: "00".into(),
             arch: "llama\nbaton node: FORGED\x1b[2J".into(),
             n_layer: 1,
@@ -629,21 +629,11 @@ fn node_logs_peer_text_escaped() {
             n_head: 1,
             n_head_kv: 1,
         },
-        layers: (0, 1),
-        n_ctx: 16,
-        n_batch: 16,
-        wire: baton::engine::snapshot::RowDtype::F32,
-        session: 1,
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-        top_k: 0,
-        sample_top_k: 0,
-        min_p: 0.0,
-        repeat_penalty: 1.0,
-        repeat_last_n: 0,
-        request_id: String::new(),
-    };
+        (0, 1),
+        16,
+        16,
+        1,
+    );
     wire::write_msg(&mut s, &Msg::Open(open)).unwrap();
     let (reply, _) = read_until_closed(&mut s, Duration::from_secs(5));
     assert!(error_text(&reply).contains("FORGED"), "{}", error_text(&reply));

@@ -3,6 +3,7 @@
 
 use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 use anyhow::{Context, Result, bail};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// How much of a matrix [`Matrix::repack_for_kernels`] takes out of the map at a time.
@@ -74,6 +75,34 @@ impl Matrix {
                 len: info.size,
             },
             layout: Layout::Rows,
+        })
+    }
+
+    /// Rows `r` of a row-major matrix as a matrix of its own, sharing the mapped bytes: the parts of a fused tensor
+    /// (Phi-3's Q/K/V and gate/up projections), which then load, repack and multiply as separate matrices.
+    pub fn row_range(&self, r: Range<usize>) -> Result<Matrix> {
+        let rb = self.row_bytes();
+        if self.layout != Layout::Rows || r.start > r.end || r.end > self.rows {
+            bail!("rows {r:?} of a {}-row {:?} matrix", self.rows, self.layout);
+        }
+        let (start, len) = (r.start * rb, r.len() * rb);
+        let data = match &self.data {
+            Bytes::Mapped { file, offset, .. } => Bytes::Mapped {
+                file: file.clone(),
+                offset: offset + start,
+                len,
+            },
+            Bytes::Arena { map, offset, .. } => Bytes::Arena {
+                map: map.clone(),
+                offset: offset + start,
+                len,
+            },
+            Bytes::Owned(v) => Bytes::Owned(v[start..start + len].to_vec()),
+        };
+        Ok(Matrix {
+            rows: r.len(),
+            data,
+            ..*self
         })
     }
 

@@ -14,6 +14,8 @@ pub enum Arch {
     Qwen3,
     /// Qwen 3 MoE: Qwen 3's attention, and a mixture of experts in place of the feed-forward ([`Moe`]).
     Qwen3Moe,
+    /// Phi-3 / Phi-4 mini: llama's math with NeoX RoPE, Q/K/V and gate/up each stored as one fused matrix.
+    Phi3,
 }
 
 impl Arch {
@@ -24,6 +26,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Phi3 => "phi3",
         }
     }
 }
@@ -132,7 +135,10 @@ impl Hparams {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
-            other => bail!("unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe)"),
+            "phi3" => Arch::Phi3,
+            other => {
+                bail!("unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe, phi3)")
+            }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let u = |k: &str| -> Result<usize> { Ok(g.require_u64(&key(k))? as usize) };
@@ -261,8 +267,13 @@ impl Hparams {
             // Mixtral, say, is `llama` with experts: refused rather than run as a dense model. A count of 0 is dense.
             bail!("{k} is set, but Baton's {arch_name} is a dense architecture; its experts would be ignored");
         }
-        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
+        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3) {
             hp.rope_type = RopeType::Neox;
+        }
+        if arch == Arch::Phi3 && g.get_u64(&key("attention.sliding_window")).is_some_and(|w| w > 0) {
+            // llama.cpp (the reference these models are checked against) runs Phi-3 with full attention whatever
+            // this says, as the converters fill it in wrongly (its PR 13676); Baton does the same, and says so.
+            tracing::warn!("phi3: attention.sliding_window is ignored, as llama.cpp ignores it (full attention)");
         }
         if arch == Arch::Gemma3 {
             hp.rope_type = RopeType::Neox;

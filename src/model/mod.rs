@@ -121,6 +121,9 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             "ffn_norm.weight",
         ];
         let extra: &[&[&str]] = match hp.arch {
+            // Phi-3: the fused `attn_qkv` (or Q, K and V apart, as llama.cpp takes either) and the fused gate/up
+            // stored as `ffn_up` (no `ffn_gate`).
+            Arch::Phi3 => &[&["attn_qkv.weight", "ffn_up.weight", "ffn_down.weight"]],
             Arch::Llama | Arch::Qwen2 => &[qkv_bias, dense],
             Arch::Qwen3 => &[qk_norm, dense],
             Arch::Qwen3Moe => &[qk_norm, experts],
@@ -216,6 +219,15 @@ impl Model {
         for il in range.clone() {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
             let ffn = match &hp.moe {
+                None if hp.arch == Arch::Phi3 => {
+                    // `ffn_up` holds the gate's rows, then the up projection's (ggml's swiglu of one tensor).
+                    let fused = matrix(&p("ffn_up"), e, 2 * hp.n_ff)?;
+                    Ffn::Dense(DenseFfn {
+                        gate: fused.row_range(0..hp.n_ff)?,
+                        up: fused.row_range(hp.n_ff..2 * hp.n_ff)?,
+                        down: matrix(&p("ffn_down"), hp.n_ff, e)?,
+                    })
+                }
                 None => Ffn::Dense(DenseFfn {
                     gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
                     up: matrix(&p("ffn_up"), e, hp.n_ff)?,
@@ -234,11 +246,35 @@ impl Model {
                     })
                 }
             };
+            let (nq, nk, nv) = (hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v());
+            let fused_qkv = f.tensors.contains_key(&p("attn_qkv"));
+            if fused_qkv
+                && ["attn_q", "attn_k", "attn_v"]
+                    .iter()
+                    .any(|t| f.tensors.contains_key(&p(t)))
+            {
+                bail!("layer {il} has both attn_qkv and separate attn_q/attn_k/attn_v: which one is meant?");
+            }
+            let (wq, wk, wv) = if fused_qkv {
+                // Phi-3's fused projection: Q's rows, then K's, then V's.
+                let fused = matrix(&p("attn_qkv"), e, nq + nk + nv)?;
+                (
+                    fused.row_range(0..nq)?,
+                    fused.row_range(nq..nq + nk)?,
+                    fused.row_range(nq + nk..nq + nk + nv)?,
+                )
+            } else {
+                (
+                    matrix(&p("attn_q"), e, nq)?,
+                    matrix(&p("attn_k"), e, nk)?,
+                    matrix(&p("attn_v"), e, nv)?,
+                )
+            };
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,
-                wq: matrix(&p("attn_q"), e, hp.n_embd_q())?,
-                wk: matrix(&p("attn_k"), e, hp.n_embd_k())?,
-                wv: matrix(&p("attn_v"), e, hp.n_embd_v())?,
+                wq,
+                wk,
+                wv,
                 wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
                 bq: opt_vector(&format!("blk.{il}.attn_q.bias"), hp.n_embd_q())?,
                 bk: opt_vector(&format!("blk.{il}.attn_k.bias"), hp.n_embd_k())?,
@@ -415,6 +451,33 @@ mod tests {
             };
             assert_eq!(m.hp.rope_type, neox, "{name}");
         }
+    }
+
+    /// Phi-3's fused projections load as row views of their tensors (Q, K, V; gate, up), NeoX RoPE; LongRoPE's
+    /// factors, a second copy of Q/K/V and a fused tensor on another architecture are refused by name.
+    #[test]
+    fn phi3_fused_projections_split_and_what_it_lacks_is_refused() {
+        let m = load_edited("phi3", &[], &[], &[]).unwrap();
+        assert_eq!((m.hp.arch, m.hp.rope_type), (Arch::Phi3, RopeType::Neox));
+        let l = &m.layers[0];
+        assert_eq!((l.wq.rows, l.wk.rows, l.wv.rows), (64, 32, 32));
+        let f = &m.file;
+        let fused = f.tensor_data(&f.tensors["blk.0.attn_qkv.weight"]);
+        let rb = l.wq.row_bytes();
+        assert_eq!(l.wk.row(0), &fused[64 * rb..65 * rb], "K starts after Q's rows");
+        let Ffn::Dense(d) = &l.ffn else { panic!("dense") };
+        let up = f.tensor_data(&f.tensors["blk.0.ffn_up.weight"]);
+        assert_eq!((d.gate.rows, d.up.rows), (128, 128));
+        assert_eq!(d.up.row(0), &up[128 * rb..129 * rb], "up follows the gate's rows");
+        let e = load_error("phi3", &[], &[("blk.0.rope_factors_long.weight", vec![1.0; 8])], &[]);
+        assert!(
+            e.contains("rope_factors_long.weight\" is not part of Baton's phi3"),
+            "{e}"
+        );
+        let e = load_error("phi3", &[], &[("blk.1.attn_q.weight", vec![0.0; 64])], &[]);
+        assert!(e.contains("both attn_qkv and separate"), "{e}");
+        let e = load_error("llama3", &[], &[("blk.0.attn_qkv.weight", vec![0.0; 64])], &[]);
+        assert!(e.contains("attn_qkv.weight\" is not part of Baton's llama"), "{e}");
     }
 
     #[test]

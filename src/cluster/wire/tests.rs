@@ -244,21 +244,8 @@ fn inner_lengths_are_checked() {
     assert!(Msg::decode(ty::MISMATCH, &ok).is_err());
     // Every truncation of a valid message fails cleanly.
     let full = Msg::Open(Open {
-        model: info(),
-        layers: (0, 1),
-        n_ctx: 1,
-        n_batch: 1,
-        wire: RowDtype::F32,
-        session: 1,
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-        top_k: 0,
-        sample_top_k: 0,
-        min_p: 0.0,
-        repeat_penalty: 1.0,
-        repeat_last_n: 0,
         request_id: "r".into(),
+        ..Open::unsampled(info(), (0, 1), 1, 1, 1)
     })
     .encode();
     for n in 0..full.len() {
