@@ -11,14 +11,13 @@
 //! against `N` (1..=4) activation rows, each weight block unpacked into registers once and used for all `N` tokens.
 //! Block sums are scaled in f32 vectors and reduced at the end, so results equal the scalar reference up to the order
 //! of the f32 additions. The quantizers do the scalar quantizers' f32 operations in the same order per value and give
-//! the same bytes. Formats without a kernel here (Q5_1, Q2_K, Q3_K, Q5_K, the IQ2/IQ3/IQ1 i-quants) use the scalar
-//! ones. SiLU, GELU and the attention partials have NEON versions next to their scalar references, in `ops.rs` and
-//! `attention.rs`.
+//! the same bytes. Formats without a kernel here (Q5_1, Q2_K, Q3_K, Q5_K, IQ1_S) use the scalar ones. SiLU, GELU
+//! and the attention partials have NEON versions next to their scalar references, in `ops.rs` and `attention.rs`.
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
 use super::blocks32::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::iquants::{IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
+use super::iquants::{self, GridFormat, IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, scale_min_k4};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
@@ -47,6 +46,11 @@ pub fn table_neon() -> Kernels {
     k.q6_k = q(GgmlType::Q8K, q6_k_dot, q6_k_multi);
     k.iq4_nl = q(GgmlType::Q8_0, iq4_nl_dot, iq4_nl_multi);
     k.iq4_xs = q(GgmlType::Q8K, iq4_xs_dot, iq4_xs_multi);
+    k.iq2_xxs = q(GgmlType::Q8K, iq2_xxs_dot, iq2_xxs_multi);
+    k.iq2_xs = q(GgmlType::Q8K, iq2_xs_dot, iq2_xs_multi);
+    k.iq2_s = q(GgmlType::Q8K, iq2_s_dot, iq2_s_multi);
+    k.iq3_xxs = q(GgmlType::Q8K, iq3_xxs_dot, iq3_xxs_multi);
+    k.iq3_s = q(GgmlType::Q8K, iq3_s_dot, iq3_s_multi);
     k.dot_f32 = dot_f32_neon;
     k.quant_q8_0 = quant_q8_0_neon;
     k.quant_q8_1 = quant_q8_1_neon;
@@ -71,6 +75,11 @@ pub fn table_neon_dotprod() -> Kernels {
     k.q6_k = q(GgmlType::Q8K, q6_k_dot_sdot, q6_k_multi_sdot);
     k.iq4_nl = q(GgmlType::Q8_0, iq4_nl_dot_sdot, iq4_nl_multi_sdot);
     k.iq4_xs = q(GgmlType::Q8K, iq4_xs_dot_sdot, iq4_xs_multi_sdot);
+    k.iq2_xxs = q(GgmlType::Q8K, iq2_xxs_dot_sdot, iq2_xxs_multi_sdot);
+    k.iq2_xs = q(GgmlType::Q8K, iq2_xs_dot_sdot, iq2_xs_multi_sdot);
+    k.iq2_s = q(GgmlType::Q8K, iq2_s_dot_sdot, iq2_s_multi_sdot);
+    k.iq3_xxs = q(GgmlType::Q8K, iq3_xxs_dot_sdot, iq3_xxs_multi_sdot);
+    k.iq3_s = q(GgmlType::Q8K, iq3_s_dot_sdot, iq3_s_multi_sdot);
     k
 }
 
@@ -179,6 +188,70 @@ wrap!(
     true,
     Q6_K_BYTES,
     Q8_K_BYTES
+);
+
+/// The NEON kernels (plain and `sdot`) of one grid format ([`iquants::GridFormat`]).
+macro_rules! grid_kernel {
+    ($kern:ident, $fmt:path, $bytes:path, $dot:ident, $multi:ident, $dot_s:ident, $multi_s:ident) => {
+        #[target_feature(enable = "neon")]
+        unsafe fn $kern<const N: usize, const SDOT: bool>(
+            n: usize,
+            w: *const u8,
+            x: *const u8,
+            xs: usize,
+            out: &mut [f32; N],
+        ) {
+            unsafe { grid_neon::<N, SDOT>($fmt, n, w, x, xs, out) }
+        }
+        wrap!($dot, $multi, $kern, false, $bytes, Q8_K_BYTES);
+        wrap!($dot_s, $multi_s, $kern, true, $bytes, Q8_K_BYTES);
+    };
+}
+
+grid_kernel!(
+    iq2_xxs_kernel,
+    iquants::IQ2_XXS,
+    iquants::IQ2_XXS_BYTES,
+    iq2_xxs_dot,
+    iq2_xxs_multi,
+    iq2_xxs_dot_sdot,
+    iq2_xxs_multi_sdot
+);
+grid_kernel!(
+    iq2_xs_kernel,
+    iquants::IQ2_XS,
+    iquants::IQ2_XS_BYTES,
+    iq2_xs_dot,
+    iq2_xs_multi,
+    iq2_xs_dot_sdot,
+    iq2_xs_multi_sdot
+);
+grid_kernel!(
+    iq2_s_kernel,
+    iquants::IQ2_S,
+    iquants::IQ2_S_BYTES,
+    iq2_s_dot,
+    iq2_s_multi,
+    iq2_s_dot_sdot,
+    iq2_s_multi_sdot
+);
+grid_kernel!(
+    iq3_xxs_kernel,
+    iquants::IQ3_XXS,
+    iquants::IQ3_XXS_BYTES,
+    iq3_xxs_dot,
+    iq3_xxs_multi,
+    iq3_xxs_dot_sdot,
+    iq3_xxs_multi_sdot
+);
+grid_kernel!(
+    iq3_s_kernel,
+    iquants::IQ3_S,
+    iquants::IQ3_S_BYTES,
+    iq3_s_dot,
+    iq3_s_multi,
+    iq3_s_dot_sdot,
+    iq3_s_multi_sdot
 );
 
 fn dot_f32_neon(a: &[f32], b: &[f32]) -> f32 {
@@ -443,6 +516,55 @@ unsafe fn iq4_levels(q: *const u8) -> (int8x16_t, int8x16_t) {
             vqtbl1q_s8(kv, vandq_u8(qs, vdupq_n_u8(0x0f))),
             vqtbl1q_s8(kv, vshrq_n_u8::<4>(qs)),
         )
+    }
+}
+
+/// A grid i-quant against `N` Q8_K rows: each 32-weight sub-block unpacked once ([`iquants::GridSub`]), its signs
+/// put on the activations (negated where set; Q8_K holds no -128), the magnitudes (below 64, so valid signed bytes)
+/// dotted with them 16 at a time and scaled per 16 weights.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn grid_neon<const N: usize, const SDOT: bool>(
+    f: GridFormat,
+    n: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [f32; N],
+) {
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); N];
+        for b in 0..n {
+            let wb = w.add(b * f.bytes);
+            let block = std::slice::from_raw_parts(wb, f.bytes);
+            let mut sumi = [vdupq_n_s32(0); N];
+            for ib in 0..8 {
+                let g = (f.sub)(block, ib);
+                let gp = g.grid.as_ptr() as *const u8;
+                let mags = [load_s8(gp), load_s8(gp.add(16))];
+                let minus = [
+                    vreinterpretq_s8_u8(bytes_from_bits(g.signs as u16)),
+                    vreinterpretq_s8_u8(bytes_from_bits((g.signs >> 16) as u16)),
+                ];
+                for t in 0..N {
+                    let q8 = x.add(t * xs + b * Q8_K_BYTES + 4 + 32 * ib);
+                    for h in 0..2 {
+                        let y = load_s8(q8.add(16 * h));
+                        let signed = vsubq_s8(veorq_s8(y, minus[h]), minus[h]);
+                        let d = dot16::<SDOT>(vdupq_n_s32(0), mags[h], signed);
+                        sumi[t] = vmlaq_n_s32(sumi[t], d, g.scales[h]);
+                    }
+                }
+            }
+            let dw = f16(wb);
+            for t in 0..N {
+                let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+                acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(sumi[t]), dw * yd);
+            }
+        }
+        for t in 0..N {
+            out[t] = f.factor * vaddvq_f32(acc[t]);
+        }
     }
 }
 
@@ -746,7 +868,11 @@ mod tests {
         let s = Kernels::scalar();
         let mut rng = Rng(98);
         for k in tables() {
-            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS] {
+            let iquants = [IQ4NL, IQ4XS, IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S];
+            for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K]
+                .into_iter()
+                .chain(iquants)
+            {
                 let (fast, slow): (QKernel, QKernel) = (k.for_type(ty).unwrap(), s.for_type(ty).unwrap());
                 let vdt = fast.vec_dot_type;
                 assert_eq!(vdt, slow.vec_dot_type);
