@@ -8,7 +8,7 @@
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
 use super::blocks32::{Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::iquants::{self, GridFormat, IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
+use super::iquants::{self, GridFormat, IQ1_S_BYTES, IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
@@ -170,6 +170,8 @@ grid_kernel!(
 wrap!(q4_1_dot_avx512, q4_1_multi_avx512, q4_1_avx512, Q4_1_BYTES, Q8_1_BYTES);
 wrap!(q8_0_dot_avx512, q8_0_multi_avx512, q8_0_avx512, Q8_0_BYTES, Q8_0_BYTES);
 
+wrap!(iq1_s_dot_avx2, iq1_s_multi_avx2, iq1_s_avx2, IQ1_S_BYTES, Q8_K_BYTES);
+
 fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     // SAFETY: equal lengths; only in the AVX2 table.
@@ -197,6 +199,7 @@ pub fn table_avx2() -> Kernels {
     k.iq2_s = q(GgmlType::Q8K, iq2_s_dot_avx2, iq2_s_multi_avx2);
     k.iq3_xxs = q(GgmlType::Q8K, iq3_xxs_dot_avx2, iq3_xxs_multi_avx2);
     k.iq3_s = q(GgmlType::Q8K, iq3_s_dot_avx2, iq3_s_multi_avx2);
+    k.iq1_s = q(GgmlType::Q8K, iq1_s_dot_avx2, iq1_s_multi_avx2);
     k.dot_f32 = dot_f32_avx2;
     k.quant_q8_0 = quant_q8_0_avx2;
     k.quant_q8_1 = quant_q8_1_avx2;
@@ -605,6 +608,45 @@ unsafe fn grid_avx2<const N: usize>(
         }
         for t in 0..N {
             out[t] = f.factor * hsum(acc[t]);
+        }
+    }
+}
+
+/// IQ1_S against `N` Q8_K rows: per 32-weight sub-block ([`iquants::Iq1Sub`]) the signed byte dot of its -1/0/1
+/// values, times its scale; the ±1/8 shift times the activations' sums, which Q8_K carries, on the side.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq1_s_avx2<const N: usize>(n: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [f32; N]) {
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut shift = [0.0f32; N];
+        for b in 0..n {
+            let wb = w.add(b * IQ1_S_BYTES);
+            let block = std::slice::from_raw_parts(wb, IQ1_S_BYTES);
+            let mut sumi = [_mm256_setzero_si256(); N];
+            let mut sumi1 = [0i32; N];
+            for ib in 0..8 {
+                let g = iquants::iq1_s_sub(block, ib);
+                let vals = _mm256_loadu_si256(g.grid.as_ptr() as *const __m256i);
+                let ax = _mm256_sign_epi8(vals, vals);
+                let ls = _mm256_set1_epi16(g.scale as i16);
+                for t in 0..N {
+                    let yb = x.add(t * xs + b * Q8_K_BYTES);
+                    let q8 = load256(yb.add(4 + 32 * ib));
+                    let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q8, vals));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p16, ls));
+                    let bs = |i: usize| std::ptr::read_unaligned(yb.add(260 + 2 * i) as *const i16) as i32;
+                    sumi1[t] += g.scale * g.delta * (bs(2 * ib) + bs(2 * ib + 1));
+                }
+            }
+            let dw = f16(wb);
+            for t in 0..N {
+                let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(dw * yd), acc[t]);
+                shift[t] += dw * yd * iquants::IQ1S_DELTA * sumi1[t] as f32;
+            }
+        }
+        for t in 0..N {
+            out[t] = hsum(acc[t]) + shift[t];
         }
     }
 }

@@ -55,7 +55,7 @@ pub const KSIGNS: [u8; 128] = {
 };
 
 /// The shift IQ1_S adds to every grid value, with the sign its block chooses.
-const IQ1S_DELTA: f32 = 0.125;
+pub const IQ1S_DELTA: f32 = 0.125;
 
 fn check(src: &[u8], dst: &[f32], block: usize, bytes: usize) {
     assert!(
@@ -172,19 +172,36 @@ pub fn dequantize_iq3_s(src: &[u8], dst: &mut [f32]) {
     dequantize_grid(IQ3_S, src, dst)
 }
 
+/// One 32-weight sub-block of IQ1_S: its values (signed bytes -1, 0, 1; weight `j` in byte `j % 8` of
+/// `grid[j / 8]`), the odd scale and the sign (±1) of the ±1/8 shift added to every value. Dequantization, the scalar
+/// dot and the SIMD kernels read the blocks only through this.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Iq1Sub {
+    pub grid: [u64; 4],
+    pub scale: i32,
+    pub delta: i32,
+}
+
+#[inline(always)]
+pub fn iq1_s_sub(b: &[u8], ib: usize) -> Iq1Sub {
+    let h = u16_at(b, 34 + 2 * ib);
+    Iq1Sub {
+        grid: [0, 1, 2, 3].map(|l| IQ1S_GRID[b[2 + 4 * ib + l] as usize | (((h >> (3 * l)) & 7) as usize) << 8]),
+        scale: 2 * ((h >> 12) & 7) as i32 + 1,
+        delta: if h & 0x8000 != 0 { -1 } else { 1 },
+    }
+}
+
 pub fn dequantize_iq1_s(src: &[u8], dst: &mut [f32]) {
     check(src, dst, QK_K, IQ1_S_BYTES);
     for (b, y) in src.chunks_exact(IQ1_S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_at(b, 0);
         for ib in 0..8 {
-            let h = u16_at(b, 34 + 2 * ib);
-            let dl = d * (2 * ((h >> 12) & 7) + 1) as f32;
-            let delta = if h & 0x8000 != 0 { -IQ1S_DELTA } else { IQ1S_DELTA };
-            for l in 0..4 {
-                let g = IQ1S_GRID[b[2 + 4 * ib + l] as usize | (((h >> (3 * l)) & 7) as usize) << 8];
-                for j in 0..8 {
-                    y[32 * ib + 8 * l + j] = dl * (grid_byte(g, j) as i8 as f32 + delta);
-                }
+            let g = iq1_s_sub(b, ib);
+            let dl = d * g.scale as f32;
+            let delta = g.delta as f32 * IQ1S_DELTA;
+            for j in 0..32 {
+                y[32 * ib + j] = dl * (grid_byte(g.grid[j / 8], j % 8) as i8 as f32 + delta);
             }
         }
     }
@@ -394,18 +411,12 @@ pub fn dot_iq1_s_q8_k(n: usize, w: &[u8], x: &[u8]) -> f32 {
         let (yd, q8, bsums) = q8k_parts(y);
         let (mut sumi, mut sumi1) = (0i32, 0i32);
         for ib in 0..8 {
-            let h = u16_at(b, 34 + 2 * ib);
-            let ls = 2 * ((h >> 12) & 7) as i32 + 1;
-            let delta = if h & 0x8000 != 0 { -1 } else { 1 };
-            let mut s = 0i32;
-            for l in 0..4 {
-                let g = IQ1S_GRID[b[2 + 4 * ib + l] as usize | (((h >> (3 * l)) & 7) as usize) << 8];
-                s += (0..8)
-                    .map(|j| grid_byte(g, j) as i8 as i32 * q8[32 * ib + 8 * l + j] as i8 as i32)
-                    .sum::<i32>();
-            }
-            sumi += ls * s;
-            sumi1 += ls * delta * (bsums[2 * ib] + bsums[2 * ib + 1]);
+            let g = iq1_s_sub(b, ib);
+            let s: i32 = (0..32)
+                .map(|j| grid_byte(g.grid[j / 8], j % 8) as i8 as i32 * q8[32 * ib + j] as i8 as i32)
+                .sum();
+            sumi += g.scale * s;
+            sumi1 += g.scale * g.delta * (bsums[2 * ib] + bsums[2 * ib + 1]);
         }
         sum += f16_at(b, 0) * yd * (sumi as f32 + IQ1S_DELTA * sumi1 as f32);
     }
