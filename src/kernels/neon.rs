@@ -11,13 +11,13 @@
 //! against `N` (1..=4) activation rows, each weight block unpacked into registers once and used for all `N` tokens.
 //! Block sums are scaled in f32 vectors and reduced at the end, so results equal the scalar reference up to the order
 //! of the f32 additions. The quantizers do the scalar quantizers' f32 operations in the same order per value and give
-//! the same bytes. Formats without a kernel here (Q5_1, Q2_K, Q3_K, Q5_K, IQ1_S) use the scalar ones. SiLU, GELU
+//! the same bytes. Formats without a kernel here (Q5_1, Q2_K, Q3_K, Q5_K) use the scalar ones. SiLU, GELU
 //! and the attention partials have NEON versions next to their scalar references, in `ops.rs` and `attention.rs`.
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
 use super::blocks32::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use super::iquants::{self, GridFormat, IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
+use super::iquants::{self, GridFormat, IQ1_S_BYTES, IQ4_NL_BYTES, IQ4_XS_BYTES, KVALUES_IQ4NL, iq4_xs_scale};
 use super::kquants::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, scale_min_k4};
 use super::table::{Kernels, QKernel};
 use crate::gguf::GgmlType;
@@ -51,6 +51,7 @@ pub fn table_neon() -> Kernels {
     k.iq2_s = q(GgmlType::Q8K, iq2_s_dot, iq2_s_multi);
     k.iq3_xxs = q(GgmlType::Q8K, iq3_xxs_dot, iq3_xxs_multi);
     k.iq3_s = q(GgmlType::Q8K, iq3_s_dot, iq3_s_multi);
+    k.iq1_s = q(GgmlType::Q8K, iq1_s_dot, iq1_s_multi);
     k.dot_f32 = dot_f32_neon;
     k.quant_q8_0 = quant_q8_0_neon;
     k.quant_q8_1 = quant_q8_1_neon;
@@ -80,6 +81,7 @@ pub fn table_neon_dotprod() -> Kernels {
     k.iq2_s = q(GgmlType::Q8K, iq2_s_dot_sdot, iq2_s_multi_sdot);
     k.iq3_xxs = q(GgmlType::Q8K, iq3_xxs_dot_sdot, iq3_xxs_multi_sdot);
     k.iq3_s = q(GgmlType::Q8K, iq3_s_dot_sdot, iq3_s_multi_sdot);
+    k.iq1_s = q(GgmlType::Q8K, iq1_s_dot_sdot, iq1_s_multi_sdot);
     k
 }
 
@@ -252,6 +254,16 @@ grid_kernel!(
     iq3_s_multi,
     iq3_s_dot_sdot,
     iq3_s_multi_sdot
+);
+
+wrap!(iq1_s_dot, iq1_s_multi, iq1_s_kernel, false, IQ1_S_BYTES, Q8_K_BYTES);
+wrap!(
+    iq1_s_dot_sdot,
+    iq1_s_multi_sdot,
+    iq1_s_kernel,
+    true,
+    IQ1_S_BYTES,
+    Q8_K_BYTES
 );
 
 fn dot_f32_neon(a: &[f32], b: &[f32]) -> f32 {
@@ -564,6 +576,49 @@ unsafe fn grid_neon<const N: usize, const SDOT: bool>(
         }
         for t in 0..N {
             out[t] = f.factor * vaddvq_f32(acc[t]);
+        }
+    }
+}
+
+/// IQ1_S against `N` Q8_K rows: per 32-weight sub-block ([`iquants::Iq1Sub`]) the signed byte dot of its -1/0/1
+/// values, times its scale; the ±1/8 shift times the activations' sums, which Q8_K carries, on the side.
+#[target_feature(enable = "neon")]
+unsafe fn iq1_s_kernel<const N: usize, const SDOT: bool>(
+    n: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [f32; N],
+) {
+    unsafe {
+        let mut acc = [vdupq_n_f32(0.0); N];
+        let mut shift = [0.0f32; N];
+        for b in 0..n {
+            let wb = w.add(b * IQ1_S_BYTES);
+            let block = std::slice::from_raw_parts(wb, IQ1_S_BYTES);
+            let mut sumi = [vdupq_n_s32(0); N];
+            let mut sumi1 = [0i32; N];
+            for ib in 0..8 {
+                let g = iquants::iq1_s_sub(block, ib);
+                let gp = g.grid.as_ptr() as *const u8;
+                let (lo, hi) = (load_s8(gp), load_s8(gp.add(16)));
+                for t in 0..N {
+                    let yb = x.add(t * xs + b * Q8_K_BYTES);
+                    let d = dot32::<SDOT>(lo, hi, yb.add(4 + 32 * ib));
+                    sumi[t] = vmlaq_n_s32(sumi[t], d, g.scale);
+                    let bs = |i: usize| std::ptr::read_unaligned(yb.add(260 + 2 * i) as *const i16) as i32;
+                    sumi1[t] += g.scale * g.delta * (bs(2 * ib) + bs(2 * ib + 1));
+                }
+            }
+            let dw = f16(wb);
+            for t in 0..N {
+                let yd = std::ptr::read_unaligned(x.add(t * xs + b * Q8_K_BYTES) as *const f32);
+                acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(sumi[t]), dw * yd);
+                shift[t] += dw * yd * iquants::IQ1S_DELTA * sumi1[t] as f32;
+            }
+        }
+        for t in 0..N {
+            out[t] = vaddvq_f32(acc[t]) + shift[t];
         }
     }
 }
