@@ -258,12 +258,17 @@ struct RunArgs {
     /// Split the layers over nodes: `HOST:PORT=A:B,...,local=C:end` (B exclusive); every layer exactly once.
     #[arg(long)]
     pipeline: Option<String>,
-    /// Hidden-state precision on the wire for --pipeline: 32, 16 (or bf16) or 8.
+    /// Hidden-state precision on the wire for --pipeline and --experts-split: 32, 16 (or bf16) or 8.
     #[arg(long = "wire-bits", default_value = "32")]
     wire_bits: String,
     /// Shared secret for nodes that listen beyond loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
+    /// Run about half of each mixture-of-experts layer's experts on this `baton node` (HOST:PORT, same model file):
+    /// this process routes, runs attention and the other half, and adds the node's outputs. With --wire-bits 32 the
+    /// output is the single-process output; a node that fails leaves its experts to this process.
+    #[arg(long = "experts-split", value_name = "HOST:PORT")]
+    experts_split: Option<String>,
     #[command(flatten)]
     mix: MixArgs,
     /// Prefill prompts on this `baton node` (HOST:PORT; a comma list: the least-loaded one per request); the decode
@@ -431,6 +436,11 @@ struct ServeArgs {
     /// Shared secret for nodes that listen beyond loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
+    /// Run about half of each mixture-of-experts layer's experts on this `baton node` (HOST:PORT, same model file):
+    /// this process routes, runs attention and the other half, and adds the node's outputs. With --wire-bits 32 the
+    /// output is the single-process output; a node that fails leaves its experts to this process.
+    #[arg(long = "experts-split", value_name = "HOST:PORT")]
+    experts_split: Option<String>,
     /// Seconds to wait on a node's answer before the request fails.
     #[arg(long = "node-timeout", default_value = "30", value_parser = baton::util::parse_timeout)]
     node_timeout: std::time::Duration,
@@ -523,12 +533,17 @@ struct BenchArgs {
     /// Measure through a pipeline of nodes instead (`HOST:PORT=A:B,...,local=C:end`, as `baton run --pipeline`).
     #[arg(long)]
     pipeline: Option<String>,
-    /// Hidden-state precision on the wire for --pipeline: 32, 16 (or bf16) or 8.
+    /// Hidden-state precision on the wire for --pipeline and --experts-split: 32, 16 (or bf16) or 8.
     #[arg(long = "wire-bits", default_value = "32")]
     wire_bits: String,
     /// Shared secret for nodes that listen beyond loopback.
     #[arg(long = "secret-file")]
     secret_file: Option<PathBuf>,
+    /// Run about half of each mixture-of-experts layer's experts on this `baton node` (HOST:PORT, same model file):
+    /// this process routes, runs attention and the other half, and adds the node's outputs. With --wire-bits 32 the
+    /// output is the single-process output; a node that fails leaves its experts to this process.
+    #[arg(long = "experts-split", value_name = "HOST:PORT")]
+    experts_split: Option<String>,
 }
 
 fn main() {
@@ -614,6 +629,13 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     } else {
         Prompt::Text(prompt)
     };
+    experts_split(
+        a.experts_split.as_deref(),
+        &a.common.model,
+        a.secret_file.as_deref(),
+        &a.wire_bits,
+        None,
+    )?;
     let mut generator = Builder::new(topology_args(&a, sampler)).generator()?;
     if let Some(cache) = a.kv_cache.open()? {
         generator.set_disk_cache(cache)?;
@@ -676,7 +698,45 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         o.finish.describe(),
         generator.describe()
     );
+    if a.experts_split.is_some() {
+        tracing::info!("{}", baton::cluster::experts::STATS.summary());
+    }
     Ok(())
+}
+
+/// `--experts-split`: checks that the model has experts, then makes this process's sessions of it send about half of
+/// each MoE layer's experts to the node (which must hold the same file: the handshake compares fingerprints).
+fn experts_split(
+    addr: Option<&str>,
+    model: &str,
+    secret_file: Option<&std::path::Path>,
+    wire_bits: &str,
+    io: Option<std::time::Duration>,
+) -> Result<()> {
+    use baton::cluster::experts::{SplitConfig, install};
+    use baton::cluster::handshake::Timeouts;
+    let Some(addr) = addr else {
+        return Ok(());
+    };
+    let path = fetch::resolve(model)?;
+    let hp = baton::model::Hparams::from_gguf(&baton::gguf::GgufFile::open(&path)?)?;
+    if hp.moe.is_none() {
+        bail!(
+            "--experts-split: {} is a {} model without experts; the split is for mixture-of-experts models",
+            path.display(),
+            hp.arch.name()
+        );
+    }
+    let timeouts = Timeouts {
+        io: io.unwrap_or(Timeouts::default().io),
+        ..Timeouts::default()
+    };
+    install(SplitConfig {
+        addr: addr.to_string(),
+        secret: secret_file.map(baton::cluster::auth::load_secret).transpose()?,
+        wire: baton::engine::snapshot::RowDtype::parse(wire_bits)?,
+        timeouts,
+    })
 }
 
 /// `baton run`'s sampling flags, range-checked before anything is loaded.
@@ -866,6 +926,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let cfg = bench_config(&a);
     // The deepest test is checked before the bandwidth probe and the model load.
     let n_ctx = cfg.n_ctx()?;
+    experts_split(
+        a.experts_split.as_deref(),
+        &a.model,
+        a.secret_file.as_deref(),
+        &a.wire_bits,
+        None,
+    )?;
     if a.pipeline.is_some() {
         return bench_pipeline(a, cfg);
     }
@@ -1091,6 +1158,13 @@ fn cmd_quantize(input: &str, output: &std::path::Path, ty: &str) -> Result<()> {
 
 fn cmd_serve(a: ServeArgs) -> Result<()> {
     let c = a.common;
+    experts_split(
+        a.experts_split.as_deref(),
+        &c.model,
+        a.secret_file.as_deref(),
+        &a.wire_bits,
+        Some(a.node_timeout),
+    )?;
     baton::server::serve(baton::server::ServeConfig {
         model: c.model,
         served_name: a.served_name,

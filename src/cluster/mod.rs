@@ -11,12 +11,14 @@
 //!   its cache (and runs the remaining layers), with a local fallback;
 //! - [`disagg`]: the `--offload auto` planner, the prefill pool, the remote-prefill client and the node side of PULL
 //!   (the generator that uses them is `topology::DisaggGenerator`);
+//! - [`experts`]: `--experts-split`, half of each MoE layer's experts on another node holding the same model;
 //! - [`demo`]: `baton demo`, a prefill node and a decode node on this machine;
 //! - [`topology`]: parsing `--pipeline ADDR=A:B,local=B:end` and checking that every layer is covered exactly once.
 
 pub mod auth;
 pub mod demo;
 pub mod disagg;
+pub mod experts;
 pub mod handle;
 pub mod handoff;
 pub mod handshake;

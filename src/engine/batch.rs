@@ -124,6 +124,8 @@ impl Batch {
         }
         session::embed(&model, tokens, &mut self.x)?;
         let be = crate::backend::for_numerics(crate::kernels::ggml::Numerics::from_env());
+        // Sessions of one model share its experts peer (`--experts-split`).
+        let experts = sessions[0].remote_experts().cloned();
 
         for il in model.range.clone() {
             let step = Step {
@@ -133,6 +135,7 @@ impl Batch {
                 il,
                 n_tok: n,
                 be,
+                experts: experts.as_deref(),
             };
             let mut rows = EachKv {
                 sessions: &mut *sessions,

@@ -6,9 +6,29 @@
 use crate::backend::gpu::layers::GpuWeights;
 use crate::backend::gpu::{AdapterChoice, Gpu, NoAdapter};
 use crate::model::Model;
+use crate::model::moe::RemoteExperts;
 use anyhow::{Result, anyhow, bail};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// Opens the peer that runs part of a MoE model's experts (`--experts-split`; made by `cluster::experts`, which sits
+/// above this module).
+pub type ExpertsConnector = dyn Fn(&Arc<Model>) -> Result<Arc<dyn RemoteExperts>> + Send + Sync;
+
+static EXPERTS: OnceLock<Box<ExpertsConnector>> = OnceLock::new();
+
+/// Makes every session of a mixture-of-experts model in this process send part of its experts to the peer
+/// `connect` opens (once per process, at start, as `--backend` is chosen once).
+pub fn set_experts_split(connect: Box<ExpertsConnector>) -> Result<()> {
+    EXPERTS
+        .set(connect)
+        .map_err(|_| anyhow!("--experts-split is set once per process"))
+}
+
+/// The experts peer for a session of `model` (a MoE model), when the process has one.
+pub fn experts_peer(model: &Arc<Model>) -> Result<Option<Arc<dyn RemoteExperts>>> {
+    EXPERTS.get().map(|connect| connect(model)).transpose()
+}
 
 /// What `--backend` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

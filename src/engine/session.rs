@@ -12,8 +12,9 @@ use crate::kernels::ThreadPool;
 use crate::kernels::ggml::Numerics;
 use crate::kernels::ops;
 use crate::model::blocks::{self, Buffers, SeqKv, Step};
+use crate::model::moe::{self, Pick, RemoteExperts};
 use crate::model::rope::RopeTables;
-use crate::model::{Arch, Hparams, Model, gemma3, llama};
+use crate::model::{Arch, Ffn, Hparams, Model, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
 
@@ -59,6 +60,8 @@ pub struct Session {
     /// The first layers of the range on a GPU (`--backend gpu`, `--gpu-layers`); the CPU runs the rest. `kv` keeps a
     /// copy of every row the GPU writes, so readers of the cache see all layers.
     gpu: Option<GpuLayers>,
+    /// The node running part of each MoE layer's experts (`--experts-split`).
+    experts: Option<Arc<dyn RemoteExperts>>,
 }
 
 impl Session {
@@ -100,6 +103,10 @@ impl Session {
             Some(w) => Some(GpuLayers::new(w, n_ctx, n_batch)?),
             None => None,
         };
+        let experts = match hp.moe {
+            Some(_) => super::placement::experts_peer(&model)?,
+            None => None,
+        };
         let ropes = RopeTables::new(hp, model.range.clone(), n_ctx);
         let bufs = Buffers::new(hp, n_batch, n_ctx, pool.n_threads());
         Ok(Session {
@@ -115,6 +122,7 @@ impl Session {
             pool,
             numerics,
             gpu,
+            experts,
         })
     }
 
@@ -130,6 +138,39 @@ impl Session {
             Some(g) => g.layers(),
             None => self.model.range.start..self.model.range.start,
         }
+    }
+
+    /// Sends part of each MoE layer's experts to `peer` from the next forward pass on (`None`: all run here). Sessions
+    /// of a process with `--experts-split` get theirs when made; this is for callers that hold a peer themselves.
+    pub fn set_remote_experts(&mut self, peer: Option<Arc<dyn RemoteExperts>>) {
+        self.experts = peer;
+    }
+
+    /// The node running part of this session's experts, if any.
+    pub fn remote_experts(&self) -> Option<&Arc<dyn RemoteExperts>> {
+        self.experts.as_ref()
+    }
+
+    /// Runs picks of layer `il`'s experts that another node sent (it holds this model too and runs its attention
+    /// itself; `--experts-split`): their weighted outputs, `[picks.len(), n_embd]`. `x` is the rows they index.
+    pub fn serve_experts(&mut self, il: usize, x: &[f32], picks: &[Pick]) -> Result<Vec<f32>> {
+        let model = self.model.clone();
+        if !model.range.contains(&il) {
+            bail!("layer {il} is outside this session's layers {:?}", model.range);
+        }
+        let Ffn::Moe(w) = &model.layer(il).ffn else {
+            bail!("layer {il} has no experts");
+        };
+        let step = Step {
+            hp: &model.hp,
+            pool: &self.pool,
+            rope: self.ropes.of(il),
+            il,
+            n_tok: x.len() / model.hp.n_embd,
+            be: backend::for_numerics(self.numerics),
+            experts: None,
+        };
+        moe::serve_picks(&step, w, x, picks, &mut self.bufs)
     }
 
     pub fn numerics(&self) -> Numerics {
@@ -338,6 +379,7 @@ impl Session {
                 il,
                 n_tok,
                 be: backend::for_numerics(self.numerics),
+                experts: self.experts.as_deref(),
             };
             layer(&step, &model, &mut self.x, &mut self.bufs, &mut rows);
             on_layer(il, &self.kv, pos0..pos0 + n_tok);

@@ -183,6 +183,8 @@ pub struct Step<'a> {
     pub n_tok: usize,
     /// Where the ops run: Baton's kernels, or llama.cpp's arithmetic reproduced (`crate::backend`).
     pub be: &'a dyn Backend,
+    /// Another node that runs part of each mixture-of-experts layer's experts (`--experts-split`).
+    pub experts: Option<&'a dyn moe::RemoteExperts>,
 }
 
 impl Step<'_> {

@@ -92,23 +92,57 @@ impl MoeWeights {
     }
 }
 
+/// One expert's work for one row: row `row` of the batch runs expert `expert`, its output scaled by `weight`. A
+/// batch's picks are its rows' top-k in order (`row * k + j`); the subset sent to another node keeps that order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pick {
+    pub row: u32,
+    pub expert: u32,
+    pub weight: f32,
+}
+
+/// Experts computed by another process holding the same weights (`--experts-split`, `cluster::experts`).
+pub trait RemoteExperts: Send + Sync {
+    /// Whether to send it work now: false while it is known to be down, so a dead peer costs no wait per layer.
+    fn available(&self) -> bool;
+    /// Sends layer `layer`'s `picks` over the rows `x` (`[n_rows, n_embd]`), calls `local` (which computes this
+    /// side's share meanwhile), and returns the picks' weighted outputs, `[picks.len(), n_embd]`, in their order.
+    /// An error means the peer did not answer: the caller computes those picks itself.
+    fn run(&self, layer: usize, x: &[f32], picks: &[Pick], local: &mut dyn FnMut()) -> Result<Vec<f32>>;
+}
+
 /// Working memory of one MoE layer pass over up to `n_rows` rows, allocated once per session.
 pub struct MoeScratch {
+    /// Rows one pass takes at most.
+    n_rows: usize,
     /// Router logits, `[n_rows, n_expert]`.
     logits: Vec<f32>,
     /// Each row's chosen experts and weights, `[n_rows, k]`, in the row's top-k order.
-    picks: Vec<(usize, f32)>,
-    /// Slots `t * k + j` sorted by expert (then row): expert e's are `order[start[e]..start[e + 1]]`.
+    top: Vec<(usize, f32)>,
+    /// The same as picks, `[n_rows * k]`.
+    picks: Vec<Pick>,
+    group: Grouping,
+    /// Each pick's weighted expert output, `[n_rows, k, n_embd]`.
+    out: Vec<f32>,
+    /// With a remote peer: whether expert e runs there this pass, the picks sent and where each one's output goes.
+    remote_expert: Vec<bool>,
+    remote: Vec<Pick>,
+    remote_at: Vec<usize>,
+    /// Experts by decreasing load, to balance the two sides.
+    by_load: Vec<usize>,
+}
+
+/// The buffers of running picks grouped by expert.
+struct Grouping {
+    /// Picks sorted by expert (then row): expert e's are `order[start[e]..start[e + 1]]`.
     order: Vec<usize>,
     start: Vec<usize>,
-    /// Where the counting sort puts each expert's next slot.
+    /// Where the counting sort puts each expert's next pick.
     next: Vec<usize>,
-    /// One expert's gathered input rows, its hidden activations and its output rows.
+    /// One expert's gathered input rows, its hidden activations and its output rows (at most `n_rows` at a time).
     xg: Vec<f32>,
     hg: Vec<f32>,
     yg: Vec<f32>,
-    /// Each slot's weighted expert output, `[n_rows, k, n_embd]`.
-    out: Vec<f32>,
 }
 
 impl MoeScratch {
@@ -119,29 +153,46 @@ impl MoeScratch {
             .iter()
             .fold(0usize, |n, &w| n.saturating_add(n_rows.saturating_mul(w)))
             .saturating_add(slots.saturating_mul(n_embd));
-        let words = slots.saturating_add(2 * m.n_expert + 1);
+        // order and remote_at; start, next and by_load.
+        let words = slots.saturating_mul(2).saturating_add(3 * m.n_expert + 1);
+        // picks and remote.
+        let picks = slots.saturating_mul(2 * std::mem::size_of::<Pick>());
         floats
             .saturating_mul(4)
             .saturating_add(slots.saturating_mul(std::mem::size_of::<(usize, f32)>()))
             .saturating_add(words.saturating_mul(std::mem::size_of::<usize>()))
+            .saturating_add(picks)
+            .saturating_add(m.n_expert)
     }
 
     pub fn new(m: &Moe, n_embd: usize, n_rows: usize) -> MoeScratch {
         let slots = n_rows * m.n_expert_used;
+        let pick = Pick {
+            row: 0,
+            expert: 0,
+            weight: 0.0,
+        };
         MoeScratch {
+            n_rows,
             logits: vec![0.0; n_rows * m.n_expert],
-            picks: vec![(0, 0.0); slots],
-            order: vec![0; slots],
-            start: vec![0; m.n_expert + 1],
-            next: vec![0; m.n_expert],
-            xg: vec![0.0; n_rows * n_embd],
-            hg: vec![0.0; n_rows * m.n_ff_exp],
-            yg: vec![0.0; n_rows * n_embd],
+            top: vec![(0, 0.0); slots],
+            picks: vec![pick; slots],
+            group: Grouping {
+                order: vec![0; slots],
+                start: vec![0; m.n_expert + 1],
+                next: vec![0; m.n_expert],
+                xg: vec![0.0; n_rows * n_embd],
+                hg: vec![0.0; n_rows * m.n_ff_exp],
+                yg: vec![0.0; n_rows * n_embd],
+            },
             out: vec![0.0; slots * n_embd],
+            remote_expert: vec![false; m.n_expert],
+            remote: Vec::with_capacity(slots),
+            remote_at: Vec::with_capacity(slots),
+            by_load: Vec::with_capacity(m.n_expert),
         }
     }
 }
-
 /// Chooses one row's experts from its router `logits` into `picks` (`k` of them), in descending order of
 /// probability, the lowest index first among equals, with their weights as `r` says. Softmax probabilities are
 /// computed as ggml's `soft_max` does (max subtracted, the sum in f64, one multiply by its inverse); renormalised
@@ -181,64 +232,61 @@ pub fn route(logits: &[f32], r: &Routing, picks: &mut [(usize, f32)]) {
     }
 }
 
-/// The mixture's feed-forward of the normalised input `b.xn` (`[s.n_tok, n_embd]`), written back to `b.xn`.
+/// The mixture's feed-forward of the normalised input `b.xn` (`[s.n_tok, n_embd]`), written back to `b.xn`. With a
+/// remote peer (`s.experts`), about half of the picked experts run there while this side runs the rest; a peer that
+/// fails leaves its share to run here. Each pick's output has the same bits wherever it ran, and each row sums its
+/// picks in its top-k order, so the result does not depend on the split.
 pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
     let moe = s.hp.moe.as_ref().expect("a layer with experts has MoE hyperparameters");
-    let (n, e, k, n_x, f) = (s.n_tok, s.hp.n_embd, moe.n_expert_used, moe.n_expert, moe.n_ff_exp);
+    let (n, e, k, n_x) = (s.n_tok, s.hp.n_embd, moe.n_expert_used, moe.n_expert);
     let Buffers { xn, sc, moe: ms, .. } = b;
     let ms = ms.as_mut().expect("a MoE model's scratch has the MoE buffers");
 
     project(s, &m.router, xn, &mut ms.logits, sc);
     for t in 0..n {
-        route(
-            &ms.logits[t * n_x..(t + 1) * n_x],
-            &moe.routing,
-            &mut ms.picks[t * k..(t + 1) * k],
-        );
-    }
-
-    // Counting sort of the slots by expert.
-    ms.start.fill(0);
-    for &(ex, _) in &ms.picks[..n * k] {
-        ms.start[ex + 1] += 1;
-    }
-    for ex in 0..n_x {
-        ms.start[ex + 1] += ms.start[ex];
-    }
-    ms.next.copy_from_slice(&ms.start[..n_x]);
-    for slot in 0..n * k {
-        let ex = ms.picks[slot].0;
-        ms.order[ms.next[ex]] = slot;
-        ms.next[ex] += 1;
-    }
-
-    for ex in 0..n_x {
-        let slots = &ms.order[ms.start[ex]..ms.start[ex + 1]];
-        let rows = slots.len();
-        if rows == 0 {
-            continue;
+        let top = &mut ms.top[t * k..(t + 1) * k];
+        route(&ms.logits[t * n_x..(t + 1) * n_x], &moe.routing, top);
+        for (j, &(ex, w)) in top.iter().enumerate() {
+            ms.picks[t * k + j] = Pick {
+                row: t as u32,
+                expert: ex as u32,
+                weight: w,
+            };
         }
-        for (i, &slot) in slots.iter().enumerate() {
-            let t = slot / k;
-            ms.xg[i * e..(i + 1) * e].copy_from_slice(&xn[t * e..(t + 1) * e]);
-        }
-        let (gate, up, down) = (&m.gate.mats[ex], &m.up.mats[ex], &m.down.mats[ex]);
-        s.be.matmul_glu(
-            s.pool,
-            gate,
-            up,
-            Glu::Silu,
-            &ms.xg[..rows * e],
-            rows,
-            &mut ms.hg[..rows * f],
-            sc,
-        );
-        s.be.matmul(s.pool, down, &ms.hg[..rows * f], rows, &mut ms.yg[..rows * e], sc);
-        for (i, &slot) in slots.iter().enumerate() {
-            let w = ms.picks[slot].1;
-            let y = &ms.yg[i * e..(i + 1) * e];
-            for (o, &v) in ms.out[slot * e..(slot + 1) * e].iter_mut().zip(y) {
-                *o = v * w;
+    }
+    let picks = &ms.picks[..n * k];
+    let x = &xn[..n * e];
+
+    match s.experts.filter(|p| p.available()) {
+        None => run_picks(s, m, x, picks, |_| true, &mut ms.out, &mut ms.group, sc),
+        Some(peer) => {
+            split_experts(picks, n_x, &mut ms.by_load, &mut ms.group.start, &mut ms.remote_expert);
+            ms.remote.clear();
+            ms.remote_at.clear();
+            for (i, p) in picks.iter().enumerate() {
+                if ms.remote_expert[p.expert as usize] {
+                    ms.remote.push(*p);
+                    ms.remote_at.push(i);
+                }
+            }
+            let remote = &ms.remote_expert;
+            let mut ran = false;
+            let got = peer.run(s.il, x, &ms.remote, &mut || {
+                let here = |ex: usize| !remote[ex];
+                run_picks(s, m, x, picks, here, &mut ms.out, &mut ms.group, sc);
+                ran = true;
+            });
+            if !ran {
+                run_picks(s, m, x, picks, |ex| !remote[ex], &mut ms.out, &mut ms.group, sc);
+            }
+            match got {
+                Ok(y) if y.len() == ms.remote.len() * e => {
+                    for (yi, &at) in y.chunks_exact(e).zip(&ms.remote_at) {
+                        ms.out[at * e..(at + 1) * e].copy_from_slice(yi);
+                    }
+                }
+                // The peer said why (it logs its failures); its share runs here.
+                _ => run_picks(s, m, x, picks, |ex| remote[ex], &mut ms.out, &mut ms.group, sc),
             }
         }
     }
@@ -254,6 +302,125 @@ pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
             }
         }
     }
+}
+
+/// Chooses the experts the remote side runs: the picked experts by decreasing number of rows (the lowest index
+/// first among equals), each to the side with fewer rows so far, this side first. A decode step's k experts split
+/// k/2 each; a batch's rows split about evenly.
+fn split_experts(picks: &[Pick], n_expert: usize, by_load: &mut Vec<usize>, load: &mut [usize], remote: &mut [bool]) {
+    load[..n_expert].fill(0);
+    for p in picks {
+        load[p.expert as usize] += 1;
+    }
+    by_load.clear();
+    by_load.extend((0..n_expert).filter(|&ex| load[ex] > 0));
+    by_load.sort_unstable_by_key(|&ex| (std::cmp::Reverse(load[ex]), ex));
+    remote.fill(false);
+    let (mut here, mut there) = (0, 0);
+    for &ex in by_load.iter() {
+        if there < here {
+            remote[ex] = true;
+            there += load[ex];
+        } else {
+            here += load[ex];
+        }
+    }
+}
+
+/// Runs the `picks` whose expert `mine` accepts over their rows of `x`, grouped by expert so that each expert's
+/// weights are read once, writing pick i's weighted output to `out[i * n_embd..]`. An expert's rows go through in
+/// groups of at most the scratch's rows (a remote request may repeat a row; a local batch never needs more than one).
+#[allow(clippy::too_many_arguments)]
+fn run_picks(
+    s: &Step,
+    m: &MoeWeights,
+    x: &[f32],
+    picks: &[Pick],
+    mine: impl Fn(usize) -> bool,
+    out: &mut [f32],
+    g: &mut Grouping,
+    sc: &mut crate::backend::Scratch,
+) {
+    let e = s.hp.n_embd;
+    let f = m.gate.mats.first().map_or(0, |g| g.rows);
+    let n_x = m.gate.mats.len();
+    let cap = g.xg.len() / e;
+
+    // Counting sort of the picks by expert.
+    g.start.fill(0);
+    for p in picks.iter().filter(|p| mine(p.expert as usize)) {
+        g.start[p.expert as usize + 1] += 1;
+    }
+    for ex in 0..n_x {
+        g.start[ex + 1] += g.start[ex];
+    }
+    g.next.copy_from_slice(&g.start[..n_x]);
+    for (i, p) in picks.iter().enumerate() {
+        let ex = p.expert as usize;
+        if mine(ex) {
+            g.order[g.next[ex]] = i;
+            g.next[ex] += 1;
+        }
+    }
+
+    for ex in 0..n_x {
+        for group in g.order[g.start[ex]..g.start[ex + 1]].chunks(cap.max(1)) {
+            let rows = group.len();
+            for (r, &i) in group.iter().enumerate() {
+                let t = picks[i].row as usize;
+                g.xg[r * e..(r + 1) * e].copy_from_slice(&x[t * e..(t + 1) * e]);
+            }
+            let (gate, up, down) = (&m.gate.mats[ex], &m.up.mats[ex], &m.down.mats[ex]);
+            s.be.matmul_glu(
+                s.pool,
+                gate,
+                up,
+                Glu::Silu,
+                &g.xg[..rows * e],
+                rows,
+                &mut g.hg[..rows * f],
+                sc,
+            );
+            s.be.matmul(s.pool, down, &g.hg[..rows * f], rows, &mut g.yg[..rows * e], sc);
+            for (r, &i) in group.iter().enumerate() {
+                let w = picks[i].weight;
+                let y = &g.yg[r * e..(r + 1) * e];
+                for (o, &v) in out[i * e..(i + 1) * e].iter_mut().zip(y) {
+                    *o = v * w;
+                }
+            }
+        }
+    }
+}
+
+/// Layer picks sent by another node (`--experts-split`): checks them against the layer and the scratch, runs them,
+/// and returns their weighted outputs, `[picks.len(), n_embd]`. `x` is the rows they index, `[n_rows, n_embd]`.
+pub fn serve_picks(s: &Step, m: &MoeWeights, x: &[f32], picks: &[Pick], b: &mut Buffers) -> Result<Vec<f32>> {
+    let moe = s.hp.moe.as_ref().expect("a layer with experts has MoE hyperparameters");
+    let e = s.hp.n_embd;
+    let ms = b.moe.as_mut().expect("a MoE model's scratch has the MoE buffers");
+    if x.len() % e != 0 || x.len() / e > ms.n_rows {
+        bail!("{} values are not 1..={} rows of {e}", x.len(), ms.n_rows);
+    }
+    let n_rows = x.len() / e;
+    if picks.len() > ms.picks.len() {
+        bail!("{} picks exceed the {} this session takes", picks.len(), ms.picks.len());
+    }
+    if let Some(p) = picks
+        .iter()
+        .find(|p| p.row as usize >= n_rows || p.expert as usize >= moe.n_expert || !p.weight.is_finite())
+    {
+        bail!(
+            "pick of expert {} for row {} with weight {} is out of range ({n_rows} rows, {} experts)",
+            p.expert,
+            p.row,
+            p.weight,
+            moe.n_expert
+        );
+    }
+    let mut out = vec![0.0; picks.len() * e];
+    run_picks(s, m, x, picks, |_| true, &mut out, &mut ms.group, &mut b.sc);
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -276,9 +443,15 @@ mod tests {
         };
         for n_rows in [1, 7, 64] {
             let s = MoeScratch::new(&m, 40, n_rows);
-            let f32s = s.logits.len() + s.xg.len() + s.hg.len() + s.yg.len() + s.out.len();
-            let words = s.order.len() + s.start.len() + s.next.len();
-            let held = 4 * f32s + s.picks.len() * std::mem::size_of::<(usize, f32)>() + 8 * words;
+            let g = &s.group;
+            let f32s = s.logits.len() + g.xg.len() + g.hg.len() + g.yg.len() + s.out.len();
+            let words = g.order.len() + g.start.len() + g.next.len() + s.remote_at.capacity() + s.by_load.capacity();
+            let picks = (s.picks.len() + s.remote.capacity()) * std::mem::size_of::<Pick>();
+            let held = 4 * f32s
+                + s.top.len() * std::mem::size_of::<(usize, f32)>()
+                + 8 * words
+                + picks
+                + s.remote_expert.len();
             assert_eq!(MoeScratch::bytes_for(&m, 40, n_rows), held, "{n_rows} rows");
         }
     }
@@ -346,6 +519,10 @@ mod tests {
 
     /// Layer `il`'s mixture over the rows of `x` in one pass of `n_rows`-row buffers.
     fn run_ffn(m: &Model, il: usize, x: &[f32], numerics: Numerics) -> Vec<f32> {
+        run_ffn_with(m, il, x, numerics, None)
+    }
+
+    fn run_ffn_with(m: &Model, il: usize, x: &[f32], numerics: Numerics, peer: Option<&dyn RemoteExperts>) -> Vec<f32> {
         let hp = &m.hp;
         let n = x.len() / hp.n_embd;
         let pool = ThreadPool::new(2);
@@ -357,6 +534,7 @@ mod tests {
             il,
             n_tok: n,
             be: crate::backend::for_numerics(numerics),
+            experts: peer,
         };
         let mut b = Buffers::new(hp, n, 8, 2);
         b.xn[..x.len()].copy_from_slice(x);
@@ -436,5 +614,152 @@ mod tests {
                 assert!(used.iter().filter(|&&u| u).count() >= 4, "{used:?}");
             }
         }
+    }
+
+    /// A peer in this process: runs the picks it is sent on its own copy of the layer (as a node would), or fails
+    /// as told, counting what it ran.
+    struct FakePeer {
+        model: Arc<Model>,
+        fail: Option<&'static str>,
+        sent: std::sync::Mutex<Vec<Pick>>,
+    }
+
+    impl RemoteExperts for FakePeer {
+        fn available(&self) -> bool {
+            true
+        }
+
+        fn run(&self, layer: usize, x: &[f32], picks: &[Pick], local: &mut dyn FnMut()) -> Result<Vec<f32>> {
+            self.sent.lock().unwrap().extend_from_slice(picks);
+            match self.fail {
+                Some("before") => bail!("connection refused"),
+                Some("after") => {
+                    local();
+                    bail!("closed")
+                }
+                _ => {}
+            }
+            local();
+            let hp = &self.model.hp;
+            let (pool, rope) = (ThreadPool::new(1), RopeTable::new(hp.rope_base, hp.n_rot, 8));
+            let step = Step {
+                hp,
+                pool: &pool,
+                rope: &rope,
+                il: layer,
+                n_tok: x.len() / hp.n_embd,
+                be: crate::backend::for_numerics(Numerics::Fast),
+                experts: None,
+            };
+            let mut b = Buffers::new(hp, 64, 8, 1);
+            let Ffn::Moe(w) = &self.model.layer(layer).ffn else {
+                bail!("layer {layer} has no experts")
+            };
+            serve_picks(&step, w, x, picks, &mut b)
+        }
+    }
+
+    /// Half the experts on a peer: the same bits as all here, for a batch and for single rows, whether the peer
+    /// answers or fails before or after this side's share; the peer got about half of the picks.
+    #[test]
+    fn split_with_a_peer_gives_the_bits_of_one_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = crate::engine::batch::tests::tiny(crate::model::Arch::Qwen3Moe, dir.path());
+        let (e, n) = (m.hp.n_embd, 40);
+        let k = m.hp.moe.as_ref().unwrap().n_expert_used;
+        let mut rng = StdRng::seed_from_u64(11);
+        let x: Vec<f32> = (0..n * e).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+        for fail in [None, Some("before"), Some("after")] {
+            let peer = FakePeer {
+                model: m.clone(),
+                fail,
+                sent: Default::default(),
+            };
+            for rows in [&x[..], &x[..e]] {
+                let alone = run_ffn(&m, 1, rows, Numerics::Fast);
+                let split = run_ffn_with(&m, 1, rows, Numerics::Fast, Some(&peer));
+                assert!(
+                    alone == split,
+                    "{fail:?}, {} rows: the split changed the bits",
+                    rows.len() / e
+                );
+            }
+            let sent = peer.sent.lock().unwrap().len();
+            let all = (n + 1) * k;
+            assert!(
+                sent * 10 >= all * 3 && sent * 10 <= all * 7,
+                "{fail:?}: the peer got {sent} of {all} picks"
+            );
+        }
+    }
+
+    /// Experts split by load: a decode step's k experts go k/2 each way; a batch's rows about evenly.
+    #[test]
+    fn experts_split_by_rows() {
+        let pick = |row, expert| Pick {
+            row,
+            expert,
+            weight: 1.0,
+        };
+        let (mut by, mut load, mut remote) = (Vec::new(), vec![0; 9], vec![false; 8]);
+        split_experts(
+            &[pick(0, 5), pick(0, 2), pick(0, 7), pick(0, 1)],
+            8,
+            &mut by,
+            &mut load,
+            &mut remote,
+        );
+        assert_eq!(remote.iter().filter(|&&r| r).count(), 2, "{remote:?}");
+        // Expert 3 has 5 rows, 0 has 3, 6 has 2: 3 alone here, 0 and 6 there (5 rows each).
+        let mut picks = vec![];
+        for (ex, rows) in [(3, 5), (0, 3), (6, 2)] {
+            picks.extend((0..rows).map(|r| pick(r, ex)));
+        }
+        split_experts(&picks, 8, &mut by, &mut load, &mut remote);
+        assert_eq!((0..8).filter(|&ex| remote[ex]).collect::<Vec<_>>(), [0, 6]);
+    }
+
+    /// What a node is sent is checked: rows beyond the scratch, experts and rows out of range, non-finite weights.
+    #[test]
+    fn served_picks_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = crate::engine::batch::tests::tiny(crate::model::Arch::Qwen3Moe, dir.path());
+        let hp = &m.hp;
+        let (pool, rope) = (ThreadPool::new(1), RopeTable::new(hp.rope_base, hp.n_rot, 8));
+        let step = Step {
+            hp,
+            pool: &pool,
+            rope: &rope,
+            il: 0,
+            n_tok: 2,
+            be: crate::backend::for_numerics(Numerics::Fast),
+            experts: None,
+        };
+        let Ffn::Moe(w) = &m.layer(0).ffn else { unreachable!() };
+        let mut b = Buffers::new(hp, 2, 8, 1);
+        let x = vec![0.5; 2 * hp.n_embd];
+        let n_x = hp.moe.as_ref().unwrap().n_expert as u32;
+        let ok = Pick {
+            row: 1,
+            expert: n_x - 1,
+            weight: 0.5,
+        };
+        assert_eq!(
+            serve_picks(&step, w, &x, &[ok, ok], &mut b).unwrap().len(),
+            2 * hp.n_embd
+        );
+        let bad = [
+            Pick { expert: n_x, ..ok },
+            Pick { row: 2, ..ok },
+            Pick { weight: f32::NAN, ..ok },
+        ];
+        for p in bad {
+            let err = serve_picks(&step, w, &x, &[p], &mut b).unwrap_err().to_string();
+            assert!(err.contains("out of range"), "{p:?}: {err}");
+        }
+        let err = serve_picks(&step, w, &vec![0.5; 3 * hp.n_embd], &[ok], &mut b).unwrap_err();
+        assert!(err.to_string().contains("rows"), "{err}");
+        let many = vec![ok; 2 * hp.moe.as_ref().unwrap().n_expert_used + 1];
+        assert!(serve_picks(&step, w, &x, &many, &mut b).is_err());
     }
 }

@@ -6,7 +6,9 @@ use crate::cluster::auth;
 use crate::cluster::disagg::Pulled;
 use crate::cluster::handoff::serve_prefill;
 use crate::cluster::stage::StageOut;
-use crate::cluster::wire::{self, Body, Forward, Hidden, Msg, Open, Prefill, Pull, Ready, ResultMsg, WireError};
+use crate::cluster::wire::{
+    self, Body, Experts, ExpertsOut, Forward, Hidden, Msg, Open, Prefill, Pull, Ready, ResultMsg, WireError,
+};
 use crate::logging::request_span;
 use anyhow::{Result, anyhow};
 use std::io::Read;
@@ -94,6 +96,7 @@ pub(super) fn serve(s: TcpStream, st: &State, peer: &str, authenticated: impl Fn
                 };
                 c.send(&reply)?
             }
+            Ok(Msg::Experts(x)) => c.experts(&o, x)?,
             Ok(m) => return Err(c.refuse(format!("expected FORWARD, got {}", m.name()))),
             Err(WireError::Closed) => {
                 c.closed();
@@ -297,6 +300,37 @@ impl Conn<'_> {
             }],
         };
         replies.iter().try_for_each(|m| self.send(m))
+    }
+
+    /// EXPERTS (protocol 6, `--experts-split`): runs a MoE layer's picks for a coordinator that runs the layer's
+    /// other experts and its attention itself; answered with EXPERTS_OUT, or ERROR naming what does not fit.
+    fn experts(&mut self, o: &Opened, x: Experts) -> Result<()> {
+        let e = self.st.hp.n_embd;
+        let (n, w) = (x.rows.n_rows as usize, x.rows.width as usize);
+        if w != e || n == 0 || n > o.open.n_batch as usize {
+            let message = format!("EXPERTS rows of {n}x{w}, expected 1..={}x{e}", o.open.n_batch);
+            return self.send(&Msg::Error { message });
+        }
+        let rows = x.rows.decode();
+        let (out, us) = {
+            let _c = lock(&self.st.compute);
+            let t = Instant::now();
+            let mut g = lock(&o.slot);
+            g.last_used = Instant::now();
+            let out = g.core.session_mut().serve_experts(x.layer as usize, &rows, &x.picks);
+            (out, t.elapsed().as_micros() as u64)
+        };
+        let reply = match out {
+            Ok(y) => Msg::ExpertsOut(ExpertsOut {
+                req: x.req,
+                compute_us: us,
+                out: Hidden::encode(&y, e, o.open.wire),
+            }),
+            Err(err) => Msg::Error {
+                message: format!("{err:#}"),
+            },
+        };
+        self.send(&reply)
     }
 
     /// The peer closed: logs the node's batched decode so far once some step carried more than one session.

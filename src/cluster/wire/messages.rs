@@ -7,6 +7,7 @@ use super::codec::{Codec, Dec, Enc, malformed};
 use super::hidden::Hidden;
 use crate::engine::sampler::SamplerParams;
 use crate::engine::snapshot::RowDtype;
+use crate::model::moe::Pick;
 
 /// The model as each end sees it; the handshake compares these field by field.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -621,6 +622,87 @@ impl Codec for ResultMsg {
             req: d.u64()?,
             compute_us: d.u64()?,
             body: Body::get(d)?,
+        })
+    }
+}
+
+/// Protocol 6 (`--experts-split`): one MoE layer's picks for the node to run over `rows`, the batch's normalised
+/// inputs to the layer's feed-forward. Answered with EXPERTS_OUT (or ERROR).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Experts {
+    pub req: u64,
+    /// Global layer index.
+    pub layer: u32,
+    pub rows: Hidden,
+    /// Each pick names a row of `rows`, an expert and its routing weight.
+    pub picks: Vec<Pick>,
+}
+
+impl Codec for Experts {
+    fn put(&self, e: &mut Enc) {
+        e.u64(self.req);
+        e.u32(self.layer);
+        self.rows.put(e);
+        e.u32(self.picks.len() as u32);
+        for p in &self.picks {
+            e.u32(p.row);
+            e.u32(p.expert);
+            e.f32(p.weight);
+        }
+    }
+
+    /// Each pick's row must be one of `rows` and its weight finite; the node checks the expert and layer against its
+    /// model.
+    fn get(d: &mut Dec) -> Result<Self, WireError> {
+        let req = d.u64()?;
+        let layer = d.u32()?;
+        let rows = Hidden::get(d)?;
+        let n = d.count(12)?;
+        let mut picks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let p = Pick {
+                row: d.u32()?,
+                expert: d.u32()?,
+                weight: d.f32()?,
+            };
+            if p.row >= rows.n_rows || !p.weight.is_finite() {
+                return malformed(format!(
+                    "EXPERTS pick of row {} with weight {} ({} rows sent)",
+                    p.row, p.weight, rows.n_rows
+                ));
+            }
+            picks.push(p);
+        }
+        Ok(Experts {
+            req,
+            layer,
+            rows,
+            picks,
+        })
+    }
+}
+
+/// The weighted outputs of an EXPERTS request's picks, one row each in the request's order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertsOut {
+    pub req: u64,
+    /// Time the node spent computing, microseconds.
+    pub compute_us: u64,
+    pub out: Hidden,
+}
+
+impl Codec for ExpertsOut {
+    fn put(&self, e: &mut Enc) {
+        e.u64(self.req);
+        e.u64(self.compute_us);
+        self.out.put(e);
+    }
+
+    fn get(d: &mut Dec) -> Result<Self, WireError> {
+        Ok(ExpertsOut {
+            req: d.u64()?,
+            compute_us: d.u64()?,
+            out: Hidden::get(d)?,
         })
     }
 }

@@ -18,15 +18,15 @@ mod tests;
 
 pub use hidden::Hidden;
 pub use messages::{
-    Body, Forward, HiddenRows, ModelInfo, OFFLOAD_AUTO, Open, Prefill, PrefillHidden, Pull, PullReport, Ready,
-    ResultMsg, WantOut,
+    Body, Experts, ExpertsOut, Forward, HiddenRows, ModelInfo, OFFLOAD_AUTO, Open, Prefill, PrefillHidden, Pull,
+    PullReport, Ready, ResultMsg, WantOut,
 };
 
 use codec::{Codec, Dec, Enc, malformed};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 4] = *b"BTON";
-pub const VERSION: u8 = 5;
+pub const VERSION: u8 = 6;
 pub const HEADER_LEN: usize = 12;
 /// Largest payload of any frame.
 pub const MAX_FRAME: usize = 256 << 20;
@@ -58,6 +58,8 @@ pub mod ty {
     pub const PULL_REPORT: u8 = 16;
     pub const LOOKUP: u8 = 17;
     pub const CACHED: u8 = 18;
+    pub const EXPERTS: u8 = 19;
+    pub const EXPERTS_OUT: u8 = 20;
 }
 
 /// Why reading or writing a frame failed; the caller turns it into a message naming the peer.
@@ -140,6 +142,9 @@ pub enum Msg {
         req: u64,
         n_past: u32,
     },
+    /// Protocol 6: run these picks of a MoE layer's experts (`--experts-split`).
+    Experts(Experts),
+    ExpertsOut(ExpertsOut),
 }
 
 impl Msg {
@@ -163,6 +168,8 @@ impl Msg {
             Msg::PullReport(_) => ty::PULL_REPORT,
             Msg::Lookup { .. } => ty::LOOKUP,
             Msg::Cached { .. } => ty::CACHED,
+            Msg::Experts(_) => ty::EXPERTS,
+            Msg::ExpertsOut(_) => ty::EXPERTS_OUT,
         }
     }
 
@@ -217,6 +224,8 @@ impl Msg {
                 e.u64(*req);
                 e.u32(*n_past);
             }
+            Msg::Experts(x) => x.put(&mut e),
+            Msg::ExpertsOut(x) => x.put(&mut e),
         }
         e.0
     }
@@ -275,6 +284,8 @@ impl Msg {
                 req: d.u64()?,
                 n_past: d.u32()?,
             },
+            ty::EXPERTS => Msg::Experts(Experts::get(d)?),
+            ty::EXPERTS_OUT => Msg::ExpertsOut(ExpertsOut::get(d)?),
             other => return malformed(format!("unknown message type {other}")),
         };
         if d.left() != 0 {
@@ -308,6 +319,8 @@ pub fn type_name(code: u8) -> &'static str {
         ty::PULL_REPORT => "PULL_REPORT",
         ty::LOOKUP => "LOOKUP",
         ty::CACHED => "CACHED",
+        ty::EXPERTS => "EXPERTS",
+        ty::EXPERTS_OUT => "EXPERTS_OUT",
         _ => "unknown",
     }
 }
@@ -315,7 +328,15 @@ pub fn type_name(code: u8) -> &'static str {
 /// Largest payload a frame of type `code` may carry.
 pub fn max_payload(code: u8) -> usize {
     match code {
-        ty::FORWARD | ty::RESULT | ty::PREFILL | ty::KV | ty::PREFILL_HIDDEN | ty::PULL | ty::LOOKUP => MAX_FRAME,
+        ty::FORWARD
+        | ty::RESULT
+        | ty::PREFILL
+        | ty::KV
+        | ty::PREFILL_HIDDEN
+        | ty::PULL
+        | ty::LOOKUP
+        | ty::EXPERTS
+        | ty::EXPERTS_OUT => MAX_FRAME,
         _ => MAX_SMALL_FRAME,
     }
 }

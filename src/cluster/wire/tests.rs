@@ -166,6 +166,47 @@ fn every_message_roundtrips() {
     roundtrip(Msg::Error {
         message: "nope ✓".into(),
     });
+    roundtrip(Msg::Experts(experts()));
+    roundtrip(Msg::ExpertsOut(ExpertsOut {
+        req: 9,
+        compute_us: 120,
+        out: Hidden::encode(&[0.5; 12], 4, RowDtype::F16),
+    }));
+}
+
+fn experts() -> Experts {
+    let pick = |row, expert, weight| crate::model::moe::Pick { row, expert, weight };
+    Experts {
+        req: 8,
+        layer: 3,
+        rows: Hidden::encode(&[1.5; 8], 4, RowDtype::F32),
+        picks: vec![pick(0, 7, 0.25), pick(1, 2, 0.75), pick(1, 0, -1.0)],
+    }
+}
+
+/// An EXPERTS pick naming a row that was not sent, or with a non-finite weight, is malformed; a count beyond the
+/// bytes present is refused before allocating; every truncation fails cleanly.
+#[test]
+fn experts_picks_are_checked() {
+    let full = Msg::Experts(experts()).encode();
+    for n in 0..full.len() {
+        assert!(Msg::decode(ty::EXPERTS, &full[..n]).is_err());
+    }
+    let mut x = experts();
+    x.picks[1].row = 2;
+    let err = Msg::decode(ty::EXPERTS, &Msg::Experts(x).encode()).unwrap_err();
+    assert!(err.to_string().contains("row 2"), "{err}");
+    let mut x = experts();
+    x.picks[0].weight = f32::INFINITY;
+    assert!(Msg::decode(ty::EXPERTS, &Msg::Experts(x).encode()).is_err());
+    let mut p = Msg::Experts(Experts {
+        picks: vec![],
+        ..experts()
+    })
+    .encode();
+    let at = p.len() - 4;
+    p[at..].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(Msg::decode(ty::EXPERTS, &p).is_err());
 }
 
 #[test]
