@@ -56,6 +56,15 @@ MODELS["phi3"] = dict(arch="phi3", pre="llama-bpe", n_layer=2, n_embd=64, n_ff=1
                       head_dim=16, rope_base=10000.0, ty="F32", fused=True, sliding_window=8,
                       name="fused projections")
 
+# Models for benchmarks only (`--experts-split` in docs/moe.md), written only when named: too large to commit. A
+# scaled-down Qwen3-30B-A3B: 16 experts of which each token uses 4, experts as wide as the model, Q8_0 matrices
+# (about 230 MB); the active experts are most of a token's work.
+BENCH_MODELS = {
+    "qwen3moe-bench": dict(arch="qwen3moe", pre="qwen2", n_layer=4, n_embd=1024, n_ff=1024, n_head=16,
+                           n_head_kv=4, head_dim=64, rope_base=1000000.0, ty="Q8_0", qk_norm=True, n_expert=16,
+                           n_expert_used=4, n_ff_exp=1024),
+}
+
 
 def random_iquant(rng, ty, rows, cols, std):
     """rows x cols weights of type `ty` as random blocks (any indices, signs and sub-scales), the f16 scale of each
@@ -222,20 +231,22 @@ def main():
     ap.add_argument("--vocab-from",
                     default=os.path.expanduser("~/.cache/baton/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "models"))
-    ap.add_argument("names", nargs="*", help=f"models to write (default all: {', '.join(MODELS)})")
+    ap.add_argument("names", nargs="*", help=f"models to write (default all: {', '.join(MODELS)}; for benchmarks "
+                                                f"only, when named: {', '.join(BENCH_MODELS)})")
     a = ap.parse_args()
     if not os.path.exists(a.vocab_from):
         sys.exit(f"{a.vocab_from} not found (`baton models fetch` downloads it)")
     vocab = cut_vocab(gguf.GGUFReader(a.vocab_from), N_VOCAB)
     os.makedirs(a.out, exist_ok=True)
+    every = {**MODELS, **BENCH_MODELS}
     for name in a.names or MODELS:
-        if name not in MODELS:
-            sys.exit(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+        if name not in every:
+            sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")
         path = os.path.join(a.out, f"{name}.gguf")
         # One generator per model, seeded by its position in MODELS, so adding a model leaves the others' bytes
         # alone and writing one model alone writes the bytes of a full run.
-        seed = SEED + list(MODELS).index(name)
-        write_model(path, name, MODELS[name], vocab, np.random.default_rng(seed))
+        seed = SEED + list(every).index(name)
+        write_model(path, name, every[name], vocab, np.random.default_rng(seed))
         print(f"{path}: {os.path.getsize(path)} bytes")
 
 

@@ -161,3 +161,97 @@ fn run_with_the_flag_prints_the_local_text() {
     assert!(!local.trim().is_empty());
     assert!(log.contains("experts split:") && log.contains("requests"), "{log}");
 }
+
+/// `BENCH_MODEL=PATH cargo test --release --test experts bench_experts_split -- --ignored --nocapture`: prefill and
+/// decode of a MoE model with half its experts on a node (one thread each side), over loopback and over emulated
+/// 10 and 2.5 Gbit/s links (network namespaces, `tc tbf`; needs root), against this process alone on one thread and
+/// on two. Per EXPERTS request: bytes each way, the node's compute and this side's wait. BENCH_PP, BENCH_TG as in
+/// tests/pipeline.rs. `scripts/gen-test-models.py qwen3moe-bench` writes the model of docs/moe.md.
+#[test]
+#[ignore]
+fn bench_experts_split() {
+    let path = std::path::PathBuf::from(std::env::var("BENCH_MODEL").expect("BENCH_MODEL=path of a MoE GGUF"));
+    let env = BenchEnv::from_env();
+    let (pp, tg) = (env.pp.min(128), env.tg);
+    let m = Arc::new(Model::load(&path).unwrap());
+    let prompt = prompt(pp);
+    let (l1pp, l1tg) = bench_local(&path, 1, &prompt, tg);
+    let (l2pp, l2tg) = bench_local(&path, 2, &prompt, tg);
+    println!("pp{pp} tg{tg}; alone: 1 thread pp {l1pp:.1} tg {l1tg:.1} t/s, 2 threads pp {l2pp:.1} tg {l2tg:.1} t/s");
+    println!(
+        "| link | wire | pp t/s | tg t/s | pp vs 1 thread | tg vs 1 thread | decode KiB out/in per request | node ms | \
+         wait ms |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let dir = tempfile::tempdir().unwrap();
+    let secret = cluster_util::netns::secret_file(&dir);
+    for rate in ["loopback", "10gbit", "2500mbit"] {
+        let link = match rate {
+            "loopback" => None,
+            r => match cluster_util::netns::Link::new(r) {
+                Some(l) => Some(l),
+                None => continue,
+            },
+        };
+        let node = match &link {
+            None => NodeProc::spawn(&path, "127.0.0.1:0", &[]),
+            Some(l) => NodeProc::try_spawn_in(
+                &l.in_b(),
+                &path,
+                &format!("{}:0", l.b_ip),
+                &["--secret-file", secret.to_str().unwrap()],
+            )
+            .unwrap(),
+        };
+        for wire in [RowDtype::F32, RowDtype::F16] {
+            let cfg = SplitConfig {
+                secret: link.as_ref().map(|_| cluster_util::netns::SECRET.as_bytes().to_vec()),
+                ..config(&node.addr, wire)
+            };
+            let measure = || {
+                let peer: Arc<dyn RemoteExperts> = Arc::new(ExpertsPeer::connect(cfg, &m).unwrap());
+                let mut s = Session::new(m.clone(), Arc::new(ThreadPool::new(1)), pp + tg + 8, 128).unwrap();
+                s.set_remote_experts(Some(peer));
+                let t0 = std::time::Instant::now();
+                let mut tok = argmax(s.forward(Input::Tokens(&prompt), Want::LastLogits).unwrap());
+                let pp_s = pp as f64 / t0.elapsed().as_secs_f64();
+                let before = snapshot();
+                let t0 = std::time::Instant::now();
+                for _ in 0..tg {
+                    tok = argmax(s.forward(Input::Tokens(&[tok]), Want::LastLogits).unwrap());
+                }
+                let tg_s = tg as f64 / t0.elapsed().as_secs_f64();
+                let after = snapshot();
+                let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| (a - b) as f64).collect();
+                (pp_s, tg_s, d)
+            };
+            let (ppt, tgt, d) = match &link {
+                None => measure(),
+                Some(l) => l.in_a(measure),
+            };
+            let n = d[0].max(1.0);
+            println!(
+                "| {rate} | {} | {ppt:.1} | {tgt:.1} | {:.2} | {:.2} | {:.2} / {:.2} | {:.3} | {:.3} |",
+                wire.name(),
+                ppt / l1pp,
+                tgt / l1tg,
+                d[1] / n / 1024.0,
+                d[2] / n / 1024.0,
+                d[3] / n / 1000.0,
+                d[4] / n / 1000.0
+            );
+        }
+    }
+}
+
+/// Requests, bytes sent, bytes received, node µs, wait µs so far.
+fn snapshot() -> [u64; 5] {
+    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    [
+        g(&STATS.requests),
+        g(&STATS.bytes_sent),
+        g(&STATS.bytes_recv),
+        g(&STATS.remote_us),
+        g(&STATS.wait_us),
+    ]
+}
