@@ -146,6 +146,25 @@ pub struct LayerKv<'a> {
     pub n_ctx: usize,
 }
 
+impl LayerKv<'_> {
+    /// Bytes of K and V (f16) for `n_layers` layers of `n_ctx` positions. Saturates instead of overflowing: memory
+    /// checks compare it with what a machine has.
+    pub fn bytes_for(n_layers: usize, n_head_kv: usize, n_ctx: usize, head_dim_k: usize, head_dim_v: usize) -> usize {
+        [n_head_kv, n_ctx, head_dim_k.saturating_add(head_dim_v), 2]
+            .iter()
+            .fold(n_layers, |b, &f| b.saturating_mul(f))
+    }
+}
+
+/// A layer range's KV cache as layers in the layout of [`LayerKv`], by global layer index: what a device's layers
+/// (`gpu::layers`) copy the rows they write into, and upload imported rows from, without knowing the engine's cache.
+pub trait KvLayers {
+    /// Layer `il`'s K and V to read, and the positions each head's run holds.
+    fn kv_layer(&self, il: usize) -> (&[f16], &[f16], usize);
+    /// Layer `il`'s K and V to write.
+    fn kv_layer_mut(&mut self, il: usize) -> LayerKv<'_>;
+}
+
 /// Where the rows of a batch keep their KV in one layer, and at which positions: one cache's consecutive positions
 /// (prefill, one session's decode), or each row its own session's cache at its own position (batched decode across
 /// sessions, `engine::batch`). The layer code is the same for both.

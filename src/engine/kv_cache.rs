@@ -6,7 +6,7 @@
 //! cached row, so half the bytes is nearly half the time there, and half the memory. Snapshots and the wire carry
 //! them as f32, f16 (exact), bf16 or 8 bits ([`KvBlock`] carries them as f32; `engine::snapshot` converts).
 
-use crate::backend::LayerKv;
+use crate::backend::{KvLayers, LayerKv};
 use crate::model::Hparams;
 use anyhow::{Result, bail};
 use half::f16;
@@ -88,16 +88,6 @@ impl KvCache {
         &self.v[i][(head * self.n_ctx + pos.start) * d..(head * self.n_ctx + pos.end) * d]
     }
 
-    /// K and V rows of one head for positions `pos` to overwrite as stored (a GPU's copy of the rows it wrote).
-    pub fn rows_mut(&mut self, il: usize, head: usize, pos: Range<usize>) -> (&mut [f16], &mut [f16]) {
-        let i = il - self.layers.start;
-        let (dk, dv, n_ctx) = (self.head_dim_k, self.head_dim_v, self.n_ctx);
-        (
-            &mut self.k[i][(head * n_ctx + pos.start) * dk..(head * n_ctx + pos.end) * dk],
-            &mut self.v[i][(head * n_ctx + pos.start) * dv..(head * n_ctx + pos.end) * dv],
-        )
-    }
-
     /// Appends the K rows of one head for positions `pos` to `out`, widened to f32.
     pub fn read_k_rows(&self, il: usize, head: usize, pos: Range<usize>, out: &mut Vec<f32>) {
         widen_into(self.k_rows(il, head, pos), out);
@@ -130,9 +120,18 @@ impl KvCache {
     /// Bytes a cache of `n_layers` layers of `hp` over `n_ctx` positions holds.
     /// Saturates instead of overflowing: memory checks compare it with what a machine has.
     pub fn bytes_for(hp: &Hparams, n_layers: usize, n_ctx: usize) -> usize {
-        [hp.n_head_kv, n_ctx, hp.head_dim_k + hp.head_dim_v, 2]
-            .iter()
-            .fold(n_layers, |b, &f| b.saturating_mul(f))
+        LayerKv::bytes_for(n_layers, hp.n_head_kv, n_ctx, hp.head_dim_k, hp.head_dim_v)
+    }
+}
+
+impl KvLayers for KvCache {
+    fn kv_layer(&self, il: usize) -> (&[f16], &[f16], usize) {
+        let (k, v) = self.layer(il);
+        (k, v, self.n_ctx)
+    }
+
+    fn kv_layer_mut(&mut self, il: usize) -> LayerKv<'_> {
+        self.layer_mut(il)
     }
 }
 

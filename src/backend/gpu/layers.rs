@@ -10,8 +10,7 @@
 use super::buffers::{GpuMatrix, Halves, Tensor};
 use super::rope::GpuRope;
 use super::{Gpu, u32_of};
-use crate::backend::AttnShape;
-use crate::engine::KvCache;
+use crate::backend::{self, AttnShape, KvLayers};
 use crate::kernels::Glu;
 use crate::kernels::Matrix;
 use crate::model::rope::RopeTables;
@@ -235,7 +234,7 @@ impl GpuLayers {
         ensure!(n_ctx > 0 && n_batch > 0, "a GPU session needs a context and a batch");
         let (gpu, hp) = (&w.gpu, &w.hp);
         let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
-        let kv_bytes = crate::engine::KvCache::bytes_for(hp, w.layers.len(), n_ctx);
+        let kv_bytes = backend::LayerKv::bytes_for(w.layers.len(), hp.n_head_kv, n_ctx, hdk, hdv);
         let tables = RopeTables::new(hp, w.layers.clone(), n_ctx);
         let alloc = || -> Result<GpuLayers> {
             let kv = w
@@ -311,7 +310,7 @@ impl GpuLayers {
         n: usize,
         pos0: usize,
         first: usize,
-        mirror: &mut KvCache,
+        mirror: &mut impl KvLayers,
         out: Out,
     ) -> Result<()> {
         let w = self.w.clone();
@@ -422,10 +421,23 @@ impl GpuLayers {
         let (tail, kv_runs) = got.split_last().expect("a pass that reads");
         let mut runs = kv_runs.iter();
         for il in first..w.layers.end {
+            let m = mirror.kv_layer_mut(il);
+            ensure!(
+                pos0 + n <= m.n_ctx,
+                "KV positions {pos0}..{} past a host cache of {}",
+                pos0 + n,
+                m.n_ctx
+            );
             for h in 0..hp.n_head_kv {
-                let (k, v) = mirror.rows_mut(il, h, pos0..pos0 + n);
-                halves_into(runs.next().expect("one run per head"), k);
-                halves_into(runs.next().expect("one run per head"), v);
+                let at = h * m.n_ctx + pos0;
+                halves_into(
+                    runs.next().expect("one run per head"),
+                    &mut m.k[at * hdk..(at + n) * hdk],
+                );
+                halves_into(
+                    runs.next().expect("one run per head"),
+                    &mut m.v[at * hdv..(at + n) * hdv],
+                );
             }
         }
         let Some(logits) = logits else {
@@ -458,22 +470,22 @@ impl GpuLayers {
     }
 
     /// Uploads the rows of positions `pos` of every device layer from `kv` (after an import into the host's copy).
-    pub fn upload_kv(&self, kv: &KvCache, pos: Range<usize>) -> Result<()> {
+    pub fn upload_kv(&self, kv: &impl KvLayers, pos: Range<usize>) -> Result<()> {
         let hp = &self.w.hp;
+        let (dk, dv) = (hp.head_dim_k, hp.head_dim_v);
         ensure!(
             pos.end <= self.n_ctx,
             "KV positions {pos:?} past a GPU cache of {}",
             self.n_ctx
         );
         for (i, il) in self.w.layers.clone().enumerate() {
+            let (k, v, n_ctx) = kv.kv_layer(il);
+            ensure!(pos.end <= n_ctx, "KV positions {pos:?} past a host cache of {n_ctx}");
             for h in 0..hp.n_head_kv {
-                let at = h * self.n_ctx + pos.start;
-                self.w
-                    .gpu
-                    .write_halves(&self.kv[i].k, at * hp.head_dim_k, kv.k_rows(il, h, pos.clone()))?;
-                self.w
-                    .gpu
-                    .write_halves(&self.kv[i].v, at * hp.head_dim_v, kv.v_rows(il, h, pos.clone()))?;
+                let (at, host) = (h * self.n_ctx + pos.start, h * n_ctx);
+                let (h0, h1) = (host + pos.start, host + pos.end);
+                self.w.gpu.write_halves(&self.kv[i].k, at * dk, &k[h0 * dk..h1 * dk])?;
+                self.w.gpu.write_halves(&self.kv[i].v, at * dv, &v[h0 * dv..h1 * dv])?;
             }
         }
         Ok(())
