@@ -276,7 +276,10 @@ fn name_based_strip_attributes() {
     // <|user|>, 6 bytes, <|end|>, "\n", <|endoftext|>, " x".
     assert_eq!(other.tokenize(text, false, true).len(), 12);
     let bert = bpe_vocab("gpt-2", &extra, &[], &named("modern-bert base"));
-    assert_eq!(bert.tokenize("a \t[MASK] b", false, false), bert.tokenize("a[MASK] b", false, false));
+    assert_eq!(
+        bert.tokenize("a \t[MASK] b", false, false),
+        bert.tokenize("a[MASK] b", false, false)
+    );
     assert_eq!(other.tokenize("a \t[MASK] b", false, false).len(), 6);
 }
 
@@ -287,7 +290,15 @@ fn unimplemented_pre_tokenizer_is_refused() {
     let build = |pre: &str| {
         let table = unicode::byte_to_char_table();
         let texts: Vec<Cow<str>> = table.iter().map(|c| Cow::Owned(c.to_string())).collect();
-        Vocab::build("gpt2", pre, texts, None, Some(vec![NORMAL; 256]), Some(vec![]), &no_meta())
+        Vocab::build(
+            "gpt2",
+            pre,
+            texts,
+            None,
+            Some(vec![NORMAL; 256]),
+            Some(vec![]),
+            &no_meta(),
+        )
     };
     for pre in ["tekken", "deepseek-llm", "no-such-pre"] {
         let err = build(pre).err().expect("refused").to_string();
@@ -296,6 +307,9 @@ fn unimplemented_pre_tokenizer_is_refused() {
     for pre in ["llama-bpe", "qwen2", "deepseek-r1-qwen", "gpt-2", "smollm"] {
         assert!(build(pre).is_ok(), "{pre}");
     }
-    let err = Vocab::build("rwkv", "", vec!["a".into()], None, None, None, &no_meta()).err().unwrap().to_string();
+    let err = Vocab::build("rwkv", "", vec!["a".into()], None, None, None, &no_meta())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("'rwkv'"), "{err}");
 }
