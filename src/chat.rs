@@ -135,6 +135,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         // A template is data from the model file: bounded like any other input.
         env.set_fuel(Some(TEMPLATE_FUEL));
         let uses_bos = text.contains("bos_token");
@@ -347,6 +348,41 @@ fn raise_exception(msg: String) -> Result<String, Error> {
     ))
 }
 
+/// `tojson` as Hugging Face renders it (Python's `json.dumps(ensure_ascii=False)`): `", "` and `": "` separators and
+/// no HTML escaping, so a tool definition reads as the model saw it in training (minijinja's own filter is compact
+/// and escapes `<`, `>`, `&`, `'`). `indent=n` pretty-prints. Object keys come sorted (serde_json's map), where
+/// Python keeps the request's order.
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let res = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, fmt))
+        }
+        None => serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, Spaced)),
+    };
+    res.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from_safe_string(String::from_utf8(out).unwrap_or_default()))
+}
+
+/// serde_json output with Python's default separators.
+struct Spaced;
+
+impl serde_json::ser::Formatter for Spaced {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
 /// `strftime_now(fmt)` (Llama 3 templates put today's date in the system prompt). Supports the common directives
 /// %Y %m %d %e %b %B %H %M %S %%, in UTC.
 fn strftime_now(fmt: String) -> String {
@@ -552,6 +588,19 @@ mod tests {
 
         let t = ChatTemplate::from_metadata(Some("{{ strftime_now('%d %b %Y') }}"), "llama", "", "").unwrap();
         assert_eq!(t.render(&msgs, true).unwrap().len(), 11);
+
+        // tojson as Python's json.dumps: spaced separators, no HTML escaping, indent=.
+        let t = ChatTemplate::from_metadata(
+            Some("{{ {'k': messages[0].content} | tojson }}|{{ [1, 'x'] | tojson }}|{{ [1, 2] | tojson(indent=2) }}"),
+            "llama",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::user("a<b & 'é'")], false).unwrap(),
+            "{\"k\": \"a<b & 'é'\"}|[1, \"x\"]|[\n  1,\n  2\n]"
+        );
     }
 
     #[test]
@@ -629,5 +678,116 @@ mod tests {
         )
         .unwrap();
         assert!(upper.render_marked(&msgs, None, false, false).unwrap().1.is_none());
+    }
+
+    /// `tokenizer.chat_template` texts of the new families' public GGUFs (tests/chat_templates/, one file each).
+    fn family(text: &str, arch: &str, bos: &str, eos: &str) -> ChatTemplate {
+        let t = ChatTemplate::from_metadata(Some(text), arch, bos, eos).unwrap();
+        assert_eq!(t.source(), "gguf");
+        t
+    }
+
+    fn convo() -> [ChatMessage; 4] {
+        [
+            ChatMessage::system("Be brief."),
+            ChatMessage::user("Hi"),
+            ChatMessage::assistant("Hello!"),
+            ChatMessage::user("Bye"),
+        ]
+    }
+
+    #[test]
+    fn llama3_template() {
+        let t = family(
+            include_str!("../tests/chat_templates/llama3.jinja"),
+            "llama",
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+        );
+        let want = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+                    <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+                    <|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>\
+                    <|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>\
+                    <|start_header_id|>assistant<|end_header_id|>\n\n";
+        assert_eq!(t.render(&convo(), true).unwrap(), want);
+        // The tokenizer adds BOS itself: the template's leading one is dropped, not doubled.
+        let text = t.render_for_tokenizer(&convo(), None, true, true).unwrap();
+        assert_eq!(text, want.strip_prefix("<|begin_of_text|>").unwrap());
+        // `| trim` on contents.
+        let out = t.render(&[ChatMessage::user("  x \n")], false).unwrap();
+        assert!(out.ends_with("user<|end_header_id|>\n\nx<|eot_id|>"), "{out}");
+    }
+
+    #[test]
+    fn qwen25_template() {
+        let t = family(
+            include_str!("../tests/chat_templates/qwen2.5.jinja"),
+            "qwen2",
+            "",
+            "<|im_end|>",
+        );
+        assert_eq!(t.tool_style(), ToolStyle::Hermes);
+        assert_eq!(
+            t.render(&convo(), true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // No system message: Qwen's default one.
+        assert_eq!(
+            t.render(&[ChatMessage::user("Hi")], true).unwrap(),
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n\
+             <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Tools go through the template's own `tojson` rendering.
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+        let out = t.render_tools(&[ChatMessage::user("Hi")], Some(&tools), true).unwrap();
+        assert!(
+            out.contains("<tools>\n{\"function\": {\"name\": \"f\", \"parameters\": {}}, \"type\": \"function\"}\n"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn phi3_template() {
+        let t = family(
+            include_str!("../tests/chat_templates/phi3.jinja"),
+            "phi3",
+            "<s>",
+            "<|endoftext|>",
+        );
+        assert_eq!(
+            t.render(&convo(), true).unwrap(),
+            "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello!<|end|>\n<|user|>\nBye<|end|>\n\
+             <|assistant|>\n"
+        );
+        // Without a generation prompt the template closes with EOS.
+        let out = t.render(&[ChatMessage::user("Hi")], false).unwrap();
+        assert_eq!(out, "<|user|>\nHi<|end|>\n<|endoftext|>");
+    }
+
+    #[test]
+    fn mistral_template() {
+        let t = family(
+            include_str!("../tests/chat_templates/mistral.jinja"),
+            "llama",
+            "<s>",
+            "</s>",
+        );
+        let msgs = [
+            ChatMessage::user("Hi"),
+            ChatMessage::assistant("Hello!"),
+            ChatMessage::user("Bye"),
+        ];
+        assert_eq!(
+            t.render(&msgs, true).unwrap(),
+            "<s>[INST] Hi [/INST]Hello!</s>[INST] Bye [/INST]"
+        );
+        assert_eq!(
+            t.render_for_tokenizer(&msgs, None, true, true).unwrap(),
+            "[INST] Hi [/INST]Hello!</s>[INST] Bye [/INST]"
+        );
+        // The template rejects a system message through `raise_exception`: a clear error, not a panic.
+        let err = t.render(&convo(), true).unwrap_err().to_string();
+        assert!(err.contains("Conversation roles must alternate"), "{err}");
     }
 }

@@ -16,7 +16,8 @@
 //! with `add_space_prefix` set (130 texts, both modes, all equal).
 //!
 //! Known, deliberate differences, none of which affects those models:
-//! - the name-based LSTRIP/RSTRIP attributes llama.cpp sets for phi-3, jina and modern-bert are not applied;
+//! - the name-based LSTRIP/RSTRIP attributes llama.cpp sets (phi-3, jina, modern-bert) are applied in one pass,
+//!   so a whitespace-only special token inside the stripped whitespace would still be matched (none is known);
 //! - where llama.cpp's order is unspecified (equal-length special tokens in its std::sort; which of several
 //!   candidate texts its unordered_map yields first as EOT/FIM token) the lower id is taken;
 //! - a byte with no byte token gives `<unk>` instead of llama.cpp's exception;
@@ -50,6 +51,10 @@ const ATTR_NORMAL: u16 = 1 << 2;
 const ATTR_CONTROL: u16 = 1 << 3;
 const ATTR_USER_DEFINED: u16 = 1 << 4;
 const ATTR_BYTE: u16 = 1 << 5;
+/// Whitespace before the token is dropped when the token is split out of a text (llama.cpp sets it by model name).
+const ATTR_LSTRIP: u16 = 1 << 7;
+/// Whitespace after the token is dropped when the token is split out of a text (Phi-3's `<|end|>`, `<|user|>`...).
+const ATTR_RSTRIP: u16 = 1 << 8;
 /// Baton's own mark, not llama.cpp's: the token's piece is its text, so it is not stored twice.
 const PIECE_IS_TEXT: u16 = 1 << 15;
 
@@ -312,6 +317,8 @@ impl Vocab {
         let md = Metadata {
             get_u64: &|k| g.get_u64(k),
             get_bool: &|k| g.get_bool(k),
+            general_name: g.get_str("general.name").unwrap_or(""),
+            general_arch: g.get_str("general.architecture").unwrap_or(""),
         };
         let merges = g.str_array("tokenizer.ggml.merges")?;
         let merges = merges
@@ -610,6 +617,31 @@ impl Vocab {
             .filter(|&i| attrs[i as usize] & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN) != 0)
             .collect();
         special_ids.sort_by(|&a, &b| ids.text(b).len().cmp(&ids.text(a).len()).then(a.cmp(&b)));
+        // Attributes llama.cpp sets by model, tokenizer or architecture name (`llama_vocab::impl::load`); the
+        // GGUF does not carry them. A named token missing from the vocabulary is skipped.
+        let set_attr = |attrs: &mut [u16], text: &str, attr: u16, on: bool| {
+            if let Some(id) = ids.get(text) {
+                let a = &mut attrs[id as usize];
+                *a = if on { *a | attr } else { *a & !attr };
+            }
+        };
+        let name = md.general_name.to_lowercase();
+        let has_any = |s: &str, subs: &[&str]| subs.iter().any(|sub| s.contains(sub));
+        if has_any(pre, &["jina-v2-de", "jina-v2-es", "jina-v2-code", "mmbert"])
+            || has_any(md.general_arch, &["nomic-bert-moe", "jina-bert-v3"])
+        {
+            set_attr(&mut attrs, "<mask>", ATTR_LSTRIP, true);
+        } else if has_any(&name, &["phi-3", "phi3"]) {
+            for &id in &special_ids {
+                attrs[id as usize] |= ATTR_RSTRIP;
+            }
+            set_attr(&mut attrs, "</s>", ATTR_RSTRIP, true);
+            for t in ["<unk>", "<s>", "<|endoftext|>"] {
+                set_attr(&mut attrs, t, ATTR_RSTRIP, false);
+            }
+        } else if name.contains("modern-bert") {
+            set_attr(&mut attrs, "[MASK]", ATTR_LSTRIP, true);
+        }
         let mut specials = SpecialTrie::new();
         let mut special_rank = HashMap::with_capacity_and_hasher(special_ids.len(), FastHash);
         for (rank, &id) in special_ids.iter().enumerate() {
@@ -752,17 +784,39 @@ impl Vocab {
             }
             taken.insert(start, (end, id));
         }
+        // The text between tokens, less the whitespace an RSTRIP token on its left or an LSTRIP token on its
+        // right drops (C `isspace` bytes, as llama.cpp).
+        let space = |b: u8| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r');
         let mut frags = Vec::with_capacity(taken.len() * 2 + 1);
         let mut pos = 0;
+        let mut rstrip = false;
         for (start, (end, id)) in taken {
-            if start > pos {
-                frags.push(Fragment::Text(pos, start));
+            let (mut a, mut b) = (pos, start);
+            if rstrip {
+                while a < b && space(bytes[a]) {
+                    a += 1;
+                }
+            }
+            if self.attrs[id as usize] & ATTR_LSTRIP != 0 {
+                while a < b && space(bytes[b - 1]) {
+                    b -= 1;
+                }
+            }
+            if b > a {
+                frags.push(Fragment::Text(a, b));
             }
             frags.push(Fragment::Token(id));
             pos = end;
+            rstrip = self.attrs[id as usize] & ATTR_RSTRIP != 0;
         }
-        if pos < bytes.len() {
-            frags.push(Fragment::Text(pos, bytes.len()));
+        let mut a = pos;
+        if rstrip {
+            while a < bytes.len() && space(bytes[a]) {
+                a += 1;
+            }
+        }
+        if a < bytes.len() {
+            frags.push(Fragment::Text(a, bytes.len()));
         }
         frags
     }
@@ -1002,6 +1056,10 @@ fn byte_table() -> &'static [char; 256] {
 struct Metadata<'a> {
     get_u64: &'a dyn Fn(&str) -> Option<u64>,
     get_bool: &'a dyn Fn(&str) -> Option<bool>,
+    /// `general.name`: llama.cpp picks some token attributes by model name.
+    general_name: &'a str,
+    /// `general.architecture`.
+    general_arch: &'a str,
 }
 
 impl Metadata<'_> {

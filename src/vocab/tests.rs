@@ -10,6 +10,8 @@ const BYTE: i64 = 6;
 
 fn no_meta() -> Metadata<'static> {
     Metadata {
+        general_name: "",
+        general_arch: "",
         get_u64: &|_| None,
         get_bool: &|_| None,
     }
@@ -108,6 +110,8 @@ fn partition_takes_longer_specials_first() {
 #[test]
 fn bos_eos_and_eog_follow_metadata_and_names() {
     let md = Metadata {
+        general_name: "",
+        general_arch: "",
         get_u64: &|k| match k {
             "tokenizer.ggml.bos_token_id" => Some(257),
             "tokenizer.ggml.eos_token_id" => Some(258),
@@ -167,6 +171,8 @@ fn spm_escapes_spaces_and_falls_back_to_bytes() {
         types.push(ty);
     }
     let md = Metadata {
+        general_name: "",
+        general_arch: "",
         get_u64: &|k| match k {
             "tokenizer.ggml.bos_token_id" => Some(2),
             "tokenizer.ggml.eos_token_id" => Some(1),
@@ -240,4 +246,70 @@ fn chat_contents_are_plain_text_and_the_rest_is_unchanged() {
     assert!(ids.contains(&tag), "user-defined tokens still match");
     // Without contents, exactly tokenize(.., true).
     assert_eq!(v.tokenize_chat(text, false, &[]), v.tokenize(text, false, true));
+}
+
+/// llama.cpp's name-based attributes: a model named Phi-3 drops the whitespace after its special tokens (but not
+/// after `<|endoftext|>`); modern-bert drops the whitespace before `[MASK]`.
+#[test]
+fn name_based_strip_attributes() {
+    let extra = [
+        ("<|user|>", CONTROL),
+        ("<|end|>", CONTROL),
+        ("<|endoftext|>", CONTROL),
+        ("[MASK]", USER),
+    ];
+    let named = |name: &'static str| Metadata {
+        general_name: name,
+        general_arch: "",
+        get_u64: &|_| None,
+        get_bool: &|_| None,
+    };
+    let phi3 = bpe_vocab("gpt-2", &extra, &[], &named("Phi-3 Mini 4k Instruct"));
+    let text = "<|user|>\n Hi \n<|end|>\n<|endoftext|> x";
+    assert_eq!(
+        phi3.tokenize(text, false, true),
+        phi3.tokenize("<|user|>Hi \n<|end|><|endoftext|> x", false, true)
+    );
+    // Without parse_special the markers are plain text and nothing is stripped.
+    assert_eq!(phi3.tokenize(text, false, false).len(), text.len());
+    let other = bpe_vocab("gpt-2", &extra, &[], &no_meta());
+    // <|user|>, 6 bytes, <|end|>, "\n", <|endoftext|>, " x".
+    assert_eq!(other.tokenize(text, false, true).len(), 12);
+    let bert = bpe_vocab("gpt-2", &extra, &[], &named("modern-bert base"));
+    assert_eq!(
+        bert.tokenize("a \t[MASK] b", false, false),
+        bert.tokenize("a[MASK] b", false, false)
+    );
+    assert_eq!(other.tokenize("a \t[MASK] b", false, false).len(), 6);
+}
+
+/// A `tokenizer.ggml.pre` Baton does not implement (Mistral's `tekken`, and any unknown name) is a load error
+/// naming it, never a silently different split; the implemented families load.
+#[test]
+fn unimplemented_pre_tokenizer_is_refused() {
+    let build = |pre: &str| {
+        let table = unicode::byte_to_char_table();
+        let texts: Vec<Cow<str>> = table.iter().map(|c| Cow::Owned(c.to_string())).collect();
+        Vocab::build(
+            "gpt2",
+            pre,
+            texts,
+            None,
+            Some(vec![NORMAL; 256]),
+            Some(vec![]),
+            &no_meta(),
+        )
+    };
+    for pre in ["tekken", "deepseek-llm", "no-such-pre"] {
+        let err = build(pre).err().expect("refused").to_string();
+        assert!(err.contains(&format!("'{pre}'")), "{err}");
+    }
+    for pre in ["llama-bpe", "qwen2", "deepseek-r1-qwen", "gpt-2", "smollm"] {
+        assert!(build(pre).is_ok(), "{pre}");
+    }
+    let err = Vocab::build("rwkv", "", vec!["a".into()], None, None, None, &no_meta())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("'rwkv'"), "{err}");
 }
