@@ -399,7 +399,7 @@ pub fn serve_picks(s: &Step, m: &MoeWeights, x: &[f32], picks: &[Pick], b: &mut 
     let moe = s.hp.moe.as_ref().expect("a layer with experts has MoE hyperparameters");
     let e = s.hp.n_embd;
     let ms = b.moe.as_mut().expect("a MoE model's scratch has the MoE buffers");
-    if x.len() % e != 0 || x.len() / e > ms.n_rows {
+    if !x.len().is_multiple_of(e) || x.len() / e > ms.n_rows {
         bail!("{} values are not 1..={} rows of {e}", x.len(), ms.n_rows);
     }
     let n_rows = x.len() / e;
