@@ -82,7 +82,12 @@ impl Speeds {
 pub fn attn_ratio(hp: &crate::model::Hparams) -> f64 {
     let (e, q, kv) = (hp.n_embd as f64, hp.n_head as f64, hp.n_head_kv as f64);
     let (dk, dv, ff) = (hp.head_dim_k as f64, hp.head_dim_v as f64, hp.n_ff as f64);
-    let matmul = e * q * dk + e * kv * (dk + dv) + q * dv * e + 3.0 * e * ff;
+    // A mixture's token runs its router and its k experts, not every expert.
+    let ffn = match &hp.moe {
+        Some(m) => 3.0 * e * (m.n_expert_used * m.n_ff_exp) as f64 + e * m.n_expert as f64,
+        None => 3.0 * e * ff,
+    };
+    let matmul = e * q * dk + e * kv * (dk + dv) + q * dv * e + ffn;
     let attention = q * (dk + dv);
     let global = (0..hp.n_layer).filter(|&il| hp.window(il).is_none()).count() as f64 / hp.n_layer.max(1) as f64;
     ATTN_SLOWER * attention * global / matmul
@@ -279,6 +284,20 @@ pub fn job_for(s: &Session, tokens: &[u32], kv: RowDtype) -> Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A MoE model's matmul work per token is its active experts': the generated qwen3moe (n_ff 128 dense-sized,
+    /// 2 of 8 experts of width 32) counts 2 × 32 of feed-forward, not n_ff.
+    #[test]
+    fn moe_work_counts_the_active_experts() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/qwen3moe.gguf");
+        let hp = crate::model::Hparams::from_gguf(&crate::gguf::GgufFile::open(&path).unwrap()).unwrap();
+        let m = hp.moe.clone().unwrap();
+        let (e, q, kv, dk, dv) = (64.0, 4.0, 2.0, 32.0, 32.0);
+        let matmul = e * q * dk + e * kv * (dk + dv) + q * dv * e + 3.0 * e * 64.0 + e * 8.0;
+        assert_eq!((m.n_expert_used * m.n_ff_exp, m.n_expert), (64, 8));
+        let want = ATTN_SLOWER * q * (dk + dv) / matmul;
+        assert!((attn_ratio(&hp) - want).abs() < 1e-12, "{} vs {want}", attn_ratio(&hp));
+    }
 
     #[test]
     fn offload_parses() {
