@@ -136,7 +136,9 @@ fn validate(v: &Value, s: &Value, root: &Value) -> Result<(), String> {
     let ty = match v {
         Value::Null => "null",
         Value::Bool(_) => "boolean",
-        Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        // JSON Schema's integer is any number with no fractional part: `-0` (which serde_json reads as the float
+        // -0.0) is one, and the grammar's `-?(0|[1-9][0-9]*)` may write it.
+        Value::Number(n) if n.is_i64() || n.is_u64() || n.as_f64().is_some_and(|f| f.fract() == 0.0) => "integer",
         Value::Number(_) => "number",
         Value::String(_) => "string",
         Value::Array(_) => "array",
