@@ -257,18 +257,22 @@ pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
     let picks = &ms.picks[..n * k];
     let x = &xn[..n * e];
 
-    match s.experts.filter(|p| p.available()) {
+    ms.remote.clear();
+    ms.remote_at.clear();
+    let peer = s.experts.filter(|p| p.available());
+    if peer.is_some() {
+        split_experts(picks, n_x, &mut ms.by_load, &mut ms.group.start, &mut ms.remote_expert);
+        for (i, p) in picks.iter().enumerate() {
+            if ms.remote_expert[p.expert as usize] {
+                ms.remote.push(*p);
+                ms.remote_at.push(i);
+            }
+        }
+    }
+    // A batch whose picks all stay here (one row, one expert) costs no round trip.
+    match peer.filter(|_| !ms.remote.is_empty()) {
         None => run_picks(s, m, x, picks, |_| true, &mut ms.out, &mut ms.group, sc),
         Some(peer) => {
-            split_experts(picks, n_x, &mut ms.by_load, &mut ms.group.start, &mut ms.remote_expert);
-            ms.remote.clear();
-            ms.remote_at.clear();
-            for (i, p) in picks.iter().enumerate() {
-                if ms.remote_expert[p.expert as usize] {
-                    ms.remote.push(*p);
-                    ms.remote_at.push(i);
-                }
-            }
             let remote = &ms.remote_expert;
             let mut ran = false;
             let got = peer.run(s.il, x, &ms.remote, &mut || {
