@@ -42,6 +42,12 @@ struct Cli {
     /// larger than the GPU's memory (llama.cpp's -ngl). Default: all. Same as BATON_GPU_LAYERS.
     #[arg(long = "gpu-layers", global = true, value_name = "N")]
     gpu_layers: Option<usize>,
+    /// Leave a mixture-of-experts model's experts in the mapped file, read on demand, instead of repacking them into
+    /// memory at load: for a model whose experts exceed the RAM (the kernel keeps the hot ones cached). Slower
+    /// (row-major kernels, page faults); the memory check then counts only the other weights. Same as
+    /// BATON_EXPERTS_ON_DISK=1.
+    #[arg(long = "experts-on-disk", global = true)]
+    experts_on_disk: bool,
     /// How diagnostics on standard error are written: `text` (one plain line per event) or `json` (one object per
     /// line). Which events: the RUST_LOG variable (default `info`; e.g. `RUST_LOG=debug`, `RUST_LOG=baton::cluster=debug`).
     #[arg(long = "log-format", global = true, value_enum, default_value_t = LogFormat::Text)]
@@ -560,6 +566,10 @@ fn main() {
     if let Some(n) = cli.gpu_layers {
         // SAFETY: as above.
         unsafe { std::env::set_var("BATON_GPU_LAYERS", n.to_string()) };
+    }
+    if cli.experts_on_disk {
+        // SAFETY: as above; `model::moe::experts_on_disk` reads it.
+        unsafe { std::env::set_var("BATON_EXPERTS_ON_DISK", "1") };
     }
     let result = match cli.cmd {
         Cmd::Run(a) => cmd_run(*a),

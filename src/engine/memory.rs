@@ -22,15 +22,25 @@ pub struct Need {
 
 impl Need {
     /// Weights of `layers` of the model at `path` (its file's bytes in proportion to the layers: the embeddings and
-    /// output are counted whole once) and the KV of `sessions` sessions of `n_ctx` positions over those layers.
+    /// output are counted whole once; experts left on disk not at all) and the KV of `sessions` sessions of `n_ctx` positions over those layers.
     pub fn of(path: &Path, layers: Option<Range<usize>>, n_ctx: usize, sessions: usize) -> Result<Need> {
         let file = GgufFile::open(path)?;
         let hp = Hparams::from_gguf(&file)?;
         let file_bytes = std::fs::metadata(path)?.len();
         let layers = layers.unwrap_or(0..hp.n_layer);
         let share = layers.len() as f64 / hp.n_layer.max(1) as f64;
+        // Experts left in the mapped file are the page cache's to keep or drop, not an allocation.
+        let on_disk: u64 = if crate::model::moe::experts_on_disk() {
+            file.tensors
+                .values()
+                .filter(|t| t.name.ends_with("_exps.weight"))
+                .map(|t| t.size as u64)
+                .sum()
+        } else {
+            0
+        };
         Ok(Need {
-            weights: (file_bytes as f64 * share) as u64,
+            weights: (file_bytes.saturating_sub(on_disk) as f64 * share) as u64,
             kv: KvCache::bytes_for(&hp, layers.len(), n_ctx).saturating_mul(sessions) as u64,
         })
     }

@@ -57,13 +57,18 @@ pub struct DenseFfn {
 }
 
 impl LayerWeights {
-    /// The matrices the layer multiplies by that loading may repack or copy out of the map: all of them but the
-    /// experts, which stay mapped so that a token reads only its own experts' pages.
-    pub fn matrices_mut(&mut self) -> Vec<&mut Matrix> {
+    /// The matrices the layer multiplies by that loading may repack or copy out of the map: all of them, the experts
+    /// only with `experts` (otherwise they stay mapped, and a token reads only its own experts' pages).
+    pub fn matrices_mut(&mut self, experts: bool) -> Vec<&mut Matrix> {
         let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
         match &mut self.ffn {
             Ffn::Dense(d) => v.extend([&mut d.gate, &mut d.up, &mut d.down]),
-            Ffn::Moe(m) => v.push(&mut m.router),
+            Ffn::Moe(m) => {
+                v.push(&mut m.router);
+                if experts {
+                    v.extend(m.gate.mats.iter_mut().chain(&mut m.up.mats).chain(&mut m.down.mats));
+                }
+            }
         }
         v
     }
@@ -174,7 +179,14 @@ impl Model {
         Self::from_file(file, range)
     }
 
+    /// The model in `file`; a mixture of experts' experts repacked into memory, or left mapped where the process
+    /// chose so ([`moe::experts_on_disk`]).
     pub fn from_file(file: Arc<GgufFile>, range: Option<Range<usize>>) -> Result<Model> {
+        Self::from_file_placed(file, range, moe::experts_on_disk())
+    }
+
+    /// [`Model::from_file`] with the experts' place given: in the mapped file (`experts_on_disk`) or in memory.
+    pub fn from_file_placed(file: Arc<GgufFile>, range: Option<Range<usize>>, experts_on_disk: bool) -> Result<Model> {
         let hp = Hparams::from_gguf(&file)?;
         check_tensor_names(&file, &hp)?;
         let range = range.unwrap_or(0..hp.n_layer);
@@ -324,7 +336,7 @@ impl Model {
         // some are, the others are copied out of the map as well ([`Matrix::copy_out_of_map`] says why).
         let mut multiplied: Vec<&mut Matrix> = layers
             .iter_mut()
-            .flat_map(LayerWeights::matrices_mut)
+            .flat_map(|l| l.matrices_mut(!experts_on_disk))
             .chain(output.as_mut())
             .collect();
         if multiplied.iter().any(|m| m.repacks()) {

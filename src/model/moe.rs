@@ -21,6 +21,13 @@ use anyhow::{Result, bail};
 use std::sync::Arc;
 
 /// One expert tensor: `n_expert` matrices of the same shape, each a view of its rows of the mapped 3-D tensor.
+/// Whether this process leaves experts in the mapped file (`--experts-on-disk`, BATON_EXPERTS_ON_DISK=1) rather
+/// than repacking them into memory with the other weights. Chosen once per process, as the backend is, so that
+/// every loader (the pipeline's stages, a node's ranges) places experts alike.
+pub fn experts_on_disk() -> bool {
+    std::env::var_os("BATON_EXPERTS_ON_DISK").is_some_and(|v| v == "1")
+}
+
 pub struct Experts {
     pub mats: Vec<Matrix>,
 }
