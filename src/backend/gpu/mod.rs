@@ -37,6 +37,7 @@ mod wgsl {
     pub const ACT: &str = include_str!("shaders/act.wgsl");
     pub const QUANT: &str = include_str!("shaders/quant.wgsl");
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
+    pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
     pub const NORM: &str = include_str!("shaders/norm.wgsl");
     pub const ROPE: &str = include_str!("shaders/rope.wgsl");
@@ -56,6 +57,9 @@ pub struct Pass<'g> {
     enc: wgpu::CommandEncoder,
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
     lanes: u32,
+    /// Batches of at least this many tokens take the tiled matmul (`matmul_tiled.wgsl`), smaller ones the
+    /// per-row one: [`matmul::TILED_MIN`], changed only by tests.
+    tiled_min: usize,
     /// Byte runs to copy back at [`Pass::finish_read`], after every op recorded: buffer, offset, length.
     reads: Vec<(wgpu::Buffer, u64, u64)>,
 }
@@ -69,6 +73,7 @@ impl Gpu {
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
             lanes: if self.is_software() { 1 } else { 16 },
+            tiled_min: matmul::TILED_MIN,
             reads: Vec::new(),
         }
     }
@@ -85,6 +90,13 @@ impl<'g> Pass<'g> {
     pub(super) fn with_lanes(mut self, lanes: u32) -> Self {
         assert!(lanes.is_power_of_two() && lanes <= 64);
         self.lanes = lanes;
+        self
+    }
+
+    /// The pass with the tiled matmul taken from `n` tokens on, so tests run both kernels on one batch.
+    #[cfg(test)]
+    pub(super) fn with_tiled_min(mut self, n: usize) -> Self {
+        self.tiled_min = n.max(1);
         self
     }
 
