@@ -108,7 +108,7 @@ impl Pass<'_> {
         if gate.ty == up.ty && same_parts(gate, up) {
             return self.mm(gate, Some(up), glu, x, n, h);
         }
-        let u = self.gpu().zeros(n * up.rows)?;
+        let u = self.scratch(n * up.rows)?;
         self.mm(gate, None, glu, x, n, h)?;
         self.mm(up, None, glu, x, n, &u)?;
         self.glu_mul(h, &u, glu, n * up.rows)
@@ -337,6 +337,69 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// A pass over cached bind groups gives the bits of one that builds its own, and a second such pass builds
+    /// none: for the fused gate/up projection and the unfused one (gate and up of different types), whose
+    /// intermediate is the cache's scratch tensor, through both kernels.
+    #[test]
+    fn cached_bind_groups_match_uncached() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2105);
+        let (rows, cols) = (40, 256);
+        let binds = super::super::Binds::default();
+        for (tg, tu) in [(Q4K, Q4K), (Q4K, Q6K)] {
+            let gate = gpu.upload_matrix(&random_matrix(&mut rng, tg, rows, cols)).unwrap();
+            let up = gpu.upload_matrix(&random_matrix(&mut rng, tu, rows, cols)).unwrap();
+            for n in [3, 12] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
+                let (x, h) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
+                let mut got = Vec::new();
+                for cached in [false, true, true] {
+                    let mut pass = if cached { gpu.pass_cached(&binds) } else { gpu.pass() };
+                    pass.matmul_glu(&gate, &up, Glu::Silu, &x, n, &h).unwrap();
+                    pass.finish().unwrap();
+                    let bits: Vec<u32> = gpu.read(&h).unwrap().iter().map(|v| v.to_bits()).collect();
+                    got.push((bits, binds.len()));
+                }
+                assert!(
+                    got[1].1 > 0 && got[2].1 == got[1].1,
+                    "{tg}/{tu} n {n}: {} then {}",
+                    got[1].1,
+                    got[2].1
+                );
+                assert!(
+                    got[0].0 == got[1].0 && got[1].0 == got[2].0,
+                    "{tg}/{tu} n {n}: cached bits differ"
+                );
+            }
+        }
+    }
+
+    /// Wall time of both kernels on one prefill-shaped matmul (SmolLM2's feed-forward up, Q4_1 1536×576, 64
+    /// tokens), printed: `cargo test --release --lib matmul_kernel_times -- --ignored --nocapture`. On a software
+    /// adapter it times the CPU running the shaders, not a GPU.
+    #[test]
+    #[ignore]
+    fn matmul_kernel_times() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2106);
+        let (rows, cols, n) = (1536, 576, 64);
+        let w = gpu.upload_matrix(&random_matrix(&mut rng, Q4_1, rows, cols)).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let (x, y) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
+        let lanes = if gpu.is_software() { 1 } else { 16 };
+        for (name, tiled_min) in [("per-row", usize::MAX), ("tiled", 1)] {
+            let mut best = f64::MAX;
+            for _ in 0..4 {
+                let t = std::time::Instant::now();
+                let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                pass.matmul(&w, &x, n, &y).unwrap();
+                pass.finish().unwrap();
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            eprintln!("{name}: best of 4 {:.1} ms on {}", best * 1e3, gpu.describe());
         }
     }
 
