@@ -230,7 +230,7 @@ mod tests {
     /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
     /// within [`TOL`], for one token (mat-vec) and for batches across token tiles, through both kernels; rows not a
     /// multiple of either kernel's (4, 64), tokens not a multiple of its (8, 32) and an odd number of blocks per
-    /// row put rows at every alignment the 18-, 22- and 34-byte blocks give and leave every tile partial. Then the
+    /// row put rows at every alignment the 18-, 22- and 34-byte blocks give and leave the last tiles partial. Then the
     /// CPU kernel (8-bit activations) is within its quantization error of both.
     #[test]
     fn matmul_matches_cpu_every_type() {
