@@ -15,7 +15,8 @@ use half::f16;
 /// Weights a shader dequantizes at a time: one 32-weight block, or a 32-weight slice of a 256-weight super-block.
 pub const UNIT: usize = 32;
 
-/// `len` f32 values on the device.
+/// `len` f32 values on the device. A clone is another handle to the same buffer.
+#[derive(Clone)]
 pub struct Tensor {
     pub(super) buf: wgpu::Buffer,
     len: usize,
@@ -159,6 +160,18 @@ impl Gpu {
             len: x.len(),
             max: x.iter().copied().max().unwrap_or(0),
         })
+    }
+
+    /// Overwrites `u` with `x` (no longer than the buffer `u` was made with), which is then its length and
+    /// largest value; ordered before the passes submitted after it. A session writes each batch's positions into
+    /// one buffer this way, so the ops' bind groups that hold it stay valid.
+    pub fn write_u32(&self, u: &mut U32s, x: &[u32]) -> Result<()> {
+        let cap = (u.buf.size() / 4 - 1) as usize;
+        ensure!(x.len() <= cap, "writing {} values into a buffer of {cap}", x.len());
+        self.queue.write_buffer(&u.buf, 0, bytemuck::cast_slice(x));
+        u.len = x.len();
+        u.max = x.iter().copied().max().unwrap_or(0);
+        self.check()
     }
 
     /// `x` as f16 on the device.

@@ -7,9 +7,9 @@
 //! the CPU, and keeps a copy of every KV row the device writes, brought back in the same submission: snapshots,
 //! a disaggregated prefill's KV stream and imports see one cache whichever backend ran the layers.
 
-use super::buffers::{GpuMatrix, Halves, Tensor};
+use super::buffers::{GpuMatrix, Halves, Tensor, U32s};
 use super::rope::GpuRope;
-use super::{Gpu, u32_of};
+use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, AttnShape, KvLayers};
 use crate::kernels::Glu;
 use crate::kernels::Matrix;
@@ -217,6 +217,11 @@ pub struct GpuLayers {
     /// Logits of up to `head_rows` rows at a time (when the head is here).
     logits: Tensor,
     head_rows: usize,
+    /// The batch's positions, rewritten at each forward.
+    pos: U32s,
+    /// The ops' bind groups over these buffers and the weights, built at their first dispatch and reused; `None`
+    /// only in a test that compares with building each dispatch's own.
+    binds: Option<Binds>,
 }
 
 /// What [`GpuLayers::forward`] hands back.
@@ -274,6 +279,8 @@ impl GpuLayers {
                 h: gpu.zeros(n * hp.n_ff)?,
                 logits: gpu.zeros(head_rows.max(1) * hp.n_vocab)?,
                 head_rows,
+                pos: gpu.upload_u32(&vec![0; n])?,
+                binds: Some(Binds::default()),
                 w: w.clone(),
             })
         };
@@ -333,7 +340,8 @@ impl GpuLayers {
         );
         gpu.write(&self.x, &x[..n * e])?;
         let positions: Vec<u32> = (pos0..pos0 + n).map(|p| u32_of(p, "position")).collect::<Result<_>>()?;
-        let pos = gpu.upload_u32(&positions)?;
+        gpu.write_u32(&mut self.pos, &positions)?;
+        let pos = &self.pos;
         let neox = hp.rope_type == RopeType::Neox;
         let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
         let glu = match hp.arch {
@@ -341,7 +349,7 @@ impl GpuLayers {
             _ => Glu::Silu,
         };
 
-        let mut pass = gpu.pass();
+        let mut pass = self.pass();
         for il in first..w.layers.end {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
@@ -361,10 +369,10 @@ impl GpuLayers {
                 pass.rms_norm_inplace(&self.q, qn, hp.rms_eps, n * hp.n_head)?;
                 pass.rms_norm_inplace(&self.k, kn, hp.rms_eps, n * hp.n_head_kv)?;
             }
-            pass.rope(rope, &self.q, n, hp.n_head, hdk, &pos, neox)?;
-            pass.rope(rope, &self.k, n, hp.n_head_kv, hdk, &pos, neox)?;
-            pass.kv_store(&self.k, n, hp.n_head_kv, hdk, &kv.k, self.n_ctx, &pos)?;
-            pass.kv_store(&self.v, n, hp.n_head_kv, hdv, &kv.v, self.n_ctx, &pos)?;
+            pass.rope(rope, &self.q, n, hp.n_head, hdk, pos, neox)?;
+            pass.rope(rope, &self.k, n, hp.n_head_kv, hdk, pos, neox)?;
+            pass.kv_store(&self.k, n, hp.n_head_kv, hdk, &kv.k, self.n_ctx, pos)?;
+            pass.kv_store(&self.v, n, hp.n_head_kv, hdv, &kv.v, self.n_ctx, pos)?;
             let shape = AttnShape {
                 n_tok: n,
                 n_head: hp.n_head,
@@ -374,7 +382,7 @@ impl GpuLayers {
                 window: hp.window(il),
                 scale: hp.attn_scale,
             };
-            pass.attend(&shape, &self.q, &kv.k, &kv.v, self.n_ctx, &pos, &self.att)?;
+            pass.attend(&shape, &self.q, &kv.k, &kv.v, self.n_ctx, pos, &self.att)?;
             pass.matmul(&l.wo, &self.att, n, &self.xn)?;
             if let Some([post_attn, _]) = &l.post_norms {
                 pass.rms_norm_inplace(&self.xn, post_attn, hp.rms_eps, n)?;
@@ -449,13 +457,21 @@ impl GpuLayers {
         f32s_into(tail, &mut logits[..first_rows * nv]);
         for r0 in chunks {
             let r1 = (r0 + self.head_rows).min(rows.end);
-            let mut pass = gpu.pass();
+            let mut pass = self.pass();
             self.head(&mut pass, r0..r1)?;
             let got = pass.finish_read()?;
             let at = (r0 - rows.start) * nv;
             f32s_into(&got[0], &mut logits[at..at + (r1 - r0) * nv]);
         }
         Ok(())
+    }
+
+    /// A pass over this session's bind groups.
+    fn pass(&self) -> super::Pass<'_> {
+        match &self.binds {
+            Some(b) => self.w.gpu.pass_cached(b),
+            None => self.w.gpu.pass(),
+        }
     }
 
     /// Records the final norm and head over rows `rows` of the residual stream on the device, and the read of
@@ -699,6 +715,68 @@ mod tests {
             let got = s1.forward(Input::Hidden(&h), Want::LastLogits).unwrap();
             let (d, scale) = diff(&want, got);
             assert!(d <= 1e-3 * scale.max(1.0), "{arch:?}: GPU→CPU pipeline differs by {d}");
+        }
+    }
+
+    /// The bind groups a session builds once and reuses change nothing: with them, its logits (every row of a
+    /// prompt, through the tiled matmul, then decode steps, through the per-row one) equal bit for bit those of a
+    /// session that builds each dispatch's own; from the second decode step on, no bind group is built.
+    #[test]
+    fn cached_bind_groups_change_nothing() {
+        use super::{GpuLayers, GpuWeights, Out};
+        use crate::engine::KvCache;
+        use crate::kernels::testutil::Rng;
+        let Some(gpu) = test_gpu() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        for (arch, path) in tiny_models(dir.path()) {
+            let model = Arc::new(Model::load(&path).unwrap());
+            let hp = &model.hp;
+            let w = Arc::new(GpuWeights::upload(gpu.clone(), &model, model.range.clone()).unwrap());
+            let mut rng = Rng(2104);
+            let n = 21;
+            let rows: Vec<Vec<f32>> = (0..n + 5)
+                .map(|_| (0..hp.n_embd).map(|_| rng.normal()).collect())
+                .collect();
+            let mut outs = Vec::new();
+            for cached in [true, false] {
+                let mut g = GpuLayers::new(w.clone(), 48, 32).unwrap();
+                if !cached {
+                    g.binds = None;
+                }
+                let mut kv = KvCache::new(hp, model.range.clone(), 48);
+                let mut x = rows[..n].concat();
+                let mut logits = vec![0.0; n * hp.n_vocab];
+                let out = Out::Logits {
+                    rows: 0..n,
+                    logits: &mut logits,
+                };
+                g.forward(&mut x, n, 0, 0, &mut kv, out).unwrap();
+                let mut got = vec![logits];
+                let mut built = Vec::new();
+                for (step, row) in rows[n..].iter().enumerate() {
+                    let mut x = row.clone();
+                    let mut logits = vec![0.0; hp.n_vocab];
+                    let out = Out::Logits {
+                        rows: 0..1,
+                        logits: &mut logits,
+                    };
+                    g.forward(&mut x, 1, n + step, 0, &mut kv, out).unwrap();
+                    got.push(logits);
+                    built.push(g.binds.as_ref().map_or(0, |b| b.len()));
+                }
+                if cached {
+                    assert!(built[0] > 0);
+                    assert!(
+                        built.iter().all(|&b| b == built[0]),
+                        "{arch:?}: bind groups built {built:?}"
+                    );
+                }
+                outs.push(got);
+            }
+            for (step, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                let same = a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "{arch:?} forward {step}: cached bind groups change the logits");
+            }
         }
     }
 

@@ -1,8 +1,10 @@
 //! Quantized mat-vec (decode, one token) and mat-mul (prefill, a batch of tokens), and the fused gate/up
 //! projection of the gated feed-forward (`shaders/matmul.wgsl` over `shaders/quant.wgsl`).
 //!
-//! The weights stay in their GGUF blocks and are dequantized in registers, 32 at a time; activations stay f32 (the
-//! CPU kernels quantize them to 8 bits first, so the GPU's sums are the closer of the two to the exact product).
+//! The weights stay in their GGUF blocks and are dequantized 32 at a time; activations stay f32 (the CPU kernels
+//! quantize them to 8 bits first, so the GPU's sums are the closer of the two to the exact product). Two kernels:
+//! `matmul.wgsl` dequantizes a unit into registers and dots it with up to 8 tokens (decode), `matmul_tiled.wgsl`
+//! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks.
 
 use super::buffers::{GpuMatrix, Tensor, UNIT};
 use super::device::grid;
@@ -14,6 +16,16 @@ use anyhow::{Result, ensure};
 /// Threads per workgroup and tokens per workgroup (`TT` in the shader).
 const WG: usize = 64;
 const TT: usize = 8;
+
+/// Batches of this many tokens or more take the tiled kernel: from 9 on, the per-row kernel would dequantize every
+/// weight once per 8 tokens, the tiled one once per 32.
+pub(super) const TILED_MIN: usize = TT + 1;
+
+/// The tiled kernel's tile: weight rows of the plain matmul, of each matrix of the fused gate/up one, and tokens
+/// (`matmul_tiled.wgsl`).
+const TILE_ROWS: usize = 64;
+const TILE_ROWS_GLU: usize = 32;
+const TILE_TOKENS: usize = 32;
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
 fn wgsl_type(ty: GgmlType) -> &'static str {
@@ -45,15 +57,16 @@ fn quant_of(ty: GgmlType) -> String {
         .join("\n\n")
 }
 
-/// The matmul module for weights of type `ty`: the dequantizer instantiated for both weight buffers.
-fn source(ty: GgmlType) -> String {
+/// The matmul module (`kernel`: per-row or tiled) for weights of type `ty`: the dequantizer instantiated for both
+/// weight buffers.
+fn source(ty: GgmlType, kernel: &str) -> String {
     let quant = |buf: &str, suffix: &str| {
         quant_of(ty)
             .replace("$T", wgsl_type(ty))
             .replace("$W", buf)
             .replace("$F", suffix)
     };
-    module(&[wgsl::ACT, &quant("wa", "a"), &quant("wb", "b"), wgsl::MATMUL])
+    module(&[wgsl::ACT, &quant("wa", "a"), &quant("wb", "b"), kernel])
 }
 
 /// The activation's code in `act.wgsl`.
@@ -95,7 +108,7 @@ impl Pass<'_> {
         if gate.ty == up.ty && same_parts(gate, up) {
             return self.mm(gate, Some(up), glu, x, n, h);
         }
-        let u = self.gpu().zeros(n * up.rows)?;
+        let u = self.scratch(n * up.rows)?;
         self.mm(gate, None, glu, x, n, h)?;
         self.mm(up, None, glu, x, n, &u)?;
         self.glu_mul(h, &u, glu, n * up.rows)
@@ -121,13 +134,26 @@ impl Pass<'_> {
     }
 
     fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
-        let key = format!("matmul_{}", wgsl_type(w.ty));
         let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
-        let lanes = self.lanes;
-        let rpw = WG / lanes as usize;
-        let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
-        let pipeline = self.gpu().pipeline(&key, entry, &constants, || source(w.ty))?;
-        let tiles = u32_of(n.div_ceil(TT), "matmul tokens")?;
+        // Rows and tokens per workgroup.
+        let (pipeline, rpw, tt) = if n >= self.tiled_min {
+            let key = format!("matmul_tiled_{}", wgsl_type(w.ty));
+            let pipeline = self
+                .gpu()
+                .pipeline(&key, entry, &[], || source(w.ty, wgsl::MATMUL_TILED))?;
+            let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
+            (pipeline, rows, TILE_TOKENS)
+        } else {
+            let key = format!("matmul_{}", wgsl_type(w.ty));
+            let lanes = self.lanes;
+            let rpw = WG / lanes as usize;
+            let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
+            let pipeline = self
+                .gpu()
+                .pipeline(&key, entry, &constants, || source(w.ty, wgsl::MATMUL))?;
+            (pipeline, rpw, TT)
+        };
+        let tiles = u32_of(n.div_ceil(tt), "matmul tokens")?;
         ensure!(
             tiles <= 65535,
             "{n} tokens in one matmul is more than the GPU grid takes"
@@ -197,10 +223,15 @@ mod tests {
 
     const TYPES: [GgmlType; 11] = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K];
 
+    /// The kernels a test runs on one batch, as a pass would pick them: the per-row kernel in the software adapter's
+    /// layout (a thread per row) and the GPUs' (16 threads per row), then the tiled one.
+    const KERNELS: [(u32, usize); 3] = [(1, usize::MAX), (16, usize::MAX), (16, 1)];
+
     /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
-    /// within [`TOL`], for one token (mat-vec) and for batches across token tiles; rows not a multiple of the
-    /// workgroup's 4 and an odd number of blocks per row put rows at every alignment the 18-, 22- and 34-byte
-    /// blocks give. Then the CPU kernel (8-bit activations) is within its quantization error of both.
+    /// within [`TOL`], for one token (mat-vec) and for batches across token tiles, through both kernels; rows not a
+    /// multiple of either kernel's (4, 64), tokens not a multiple of its (8, 32) and an odd number of blocks per
+    /// row put rows at every alignment the 18-, 22- and 34-byte blocks give and leave the last tiles partial. Then the
+    /// CPU kernel (8-bit activations) is within its quantization error of both.
     #[test]
     fn matmul_matches_cpu_every_type() {
         let Some(gpu) = test_gpu() else { return };
@@ -209,21 +240,20 @@ mod tests {
         let mut sc = kernels::Scratch::default();
         for ty in TYPES {
             let cols = if ty.block_size() == 256 { 768 } else { 96 };
-            for (rows, n) in [(37, 1), (6, 11)] {
+            // (rows, tokens, rows per part): the batches in parts, as a matrix larger than one buffer is split.
+            for (rows, n, part) in [(37, 1, 0), (6, 11, 2), (70, 37, 48), (131, 70, 0)] {
                 let w = random_matrix(&mut rng, ty, rows, cols);
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
-                // The batched case in parts of two rows, as a matrix larger than one buffer is split.
-                let gw = match rows {
-                    6 => gpu.upload_matrix_in_parts(&w, 2 * w.row_bytes() + 8).unwrap(),
-                    _ => gpu.upload_matrix(&w).unwrap(),
+                let gw = match part {
+                    0 => gpu.upload_matrix(&w).unwrap(),
+                    _ => gpu.upload_matrix_in_parts(&w, part * w.row_bytes() + 8).unwrap(),
                 };
-                assert_eq!(gw.parts.len(), if rows == 6 { 3 } else { 1 });
+                assert_eq!(gw.parts.len(), if part == 0 { 1 } else { rows.div_ceil(part) });
                 let gx = gpu.upload(&x).unwrap();
-                // The software adapter's layout (a thread per row) and the GPUs' (16 threads per row).
                 let mut got = Vec::new();
-                for lanes in [1, 16] {
+                for (lanes, tiled_min) in KERNELS {
                     let gy = gpu.zeros(n * rows).unwrap();
-                    let mut pass = gpu.pass().with_lanes(lanes);
+                    let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
                     pass.matmul(&gw, &gx, n, &gy).unwrap();
                     pass.finish().unwrap();
                     got.extend(gpu.read(&gy).unwrap());
@@ -238,7 +268,8 @@ mod tests {
                     let (g, e) = (g as f64, exact[i]);
                     assert!(
                         (g - e).abs() <= TOL * mag[i] + 1e-6,
-                        "{ty} {rows}x{cols} n {n} out {i}: GPU {g} vs exact {e} (magnitude {})",
+                        "{ty} {rows}x{cols} n {n} kernel {:?} out {i}: GPU {g} vs exact {e} (magnitude {})",
+                        KERNELS[j / (n * rows)],
                         mag[i]
                     );
                     // The CPU kernel rounds each activation to 8 bits: off by at most amax/254 per weight.
@@ -256,15 +287,17 @@ mod tests {
     }
 
     /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
-    /// alike into parts) and not (gate and up of different types, or split differently); the activations are
-    /// checked on their own in `elementwise.rs`.
+    /// alike into parts) and not (gate and up of different types, or split differently), through both kernels, on
+    /// a small batch and one of partial tiles (45 rows: 32 + 13; 35 tokens: 32 + 3); the activations are checked
+    /// on their own in `elementwise.rs`.
     #[test]
     fn matmul_glu_matches_reference() {
         let Some(gpu) = test_gpu() else { return };
         let mut rng = Rng(2101);
-        let (rows, cols, n) = (21, 256, 3);
+        let cols = 256;
         // split: 0 whole, 1 both in parts of 5 rows, 2 only the gate (so not fused).
-        for (tg, tu, split) in [(Q8_0, Q8_0, 0), (Q4K, Q6K, 0), (Q4_0, Q4_0, 1), (Q4_0, Q4_0, 2)] {
+        let cases = [(Q8_0, Q8_0, 0), (Q4K, Q6K, 0), (Q4_0, Q4_0, 1), (Q4_0, Q4_0, 2)];
+        for ((tg, tu, split), (rows, n)) in cases.into_iter().flat_map(|c| [(c, (21, 3)), (c, (45, 35))]) {
             let gate = random_matrix(&mut rng, tg, rows, cols);
             let up = random_matrix(&mut rng, tu, rows, cols);
             let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
@@ -280,9 +313,9 @@ mod tests {
                 _ => gpu.upload_matrix(&up).unwrap(),
             };
             let gx = gpu.upload(&x).unwrap();
-            for (glu, lanes) in [(Glu::Silu, 1), (Glu::Gelu, 1), (Glu::Silu, 16), (Glu::Gelu, 16)] {
+            for (glu, (lanes, tiled_min)) in [Glu::Silu, Glu::Gelu].into_iter().flat_map(|g| KERNELS.map(|k| (g, k))) {
                 let h = gpu.zeros(n * rows).unwrap();
-                let mut pass = gpu.pass().with_lanes(lanes);
+                let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
                 pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
                 pass.finish().unwrap();
                 let got = gpu.read(&h).unwrap();
@@ -298,7 +331,7 @@ mod tests {
                     };
                     assert!(
                         (got[i] as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
-                        "{tg}/{tu} {glu:?} out {i}: {} vs {}",
+                        "{tg}/{tu} {rows}x{cols} n {n} {glu:?} kernel {lanes}/{tiled_min} out {i}: {} vs {}",
                         got[i],
                         want[0]
                     );
@@ -307,12 +340,77 @@ mod tests {
         }
     }
 
+    /// A pass over cached bind groups gives the bits of one that builds its own, and a second such pass builds
+    /// none: for the fused gate/up projection and the unfused one (gate and up of different types), whose
+    /// intermediate is the cache's scratch tensor, through both kernels.
+    #[test]
+    fn cached_bind_groups_match_uncached() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2105);
+        let (rows, cols) = (40, 256);
+        let binds = super::super::Binds::default();
+        for (tg, tu) in [(Q4K, Q4K), (Q4K, Q6K)] {
+            let gate = gpu.upload_matrix(&random_matrix(&mut rng, tg, rows, cols)).unwrap();
+            let up = gpu.upload_matrix(&random_matrix(&mut rng, tu, rows, cols)).unwrap();
+            for n in [3, 12] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
+                let (x, h) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
+                let mut got = Vec::new();
+                for cached in [false, true, true] {
+                    let mut pass = if cached { gpu.pass_cached(&binds) } else { gpu.pass() };
+                    pass.matmul_glu(&gate, &up, Glu::Silu, &x, n, &h).unwrap();
+                    pass.finish().unwrap();
+                    let bits: Vec<u32> = gpu.read(&h).unwrap().iter().map(|v| v.to_bits()).collect();
+                    got.push((bits, binds.len()));
+                }
+                assert!(
+                    got[1].1 > 0 && got[2].1 == got[1].1,
+                    "{tg}/{tu} n {n}: {} then {}",
+                    got[1].1,
+                    got[2].1
+                );
+                assert!(
+                    got[0].0 == got[1].0 && got[1].0 == got[2].0,
+                    "{tg}/{tu} n {n}: cached bits differ"
+                );
+            }
+        }
+    }
+
+    /// Wall time of both kernels on one prefill-shaped matmul (SmolLM2's feed-forward up, Q4_1 1536×576, 64
+    /// tokens), printed: `cargo test --release --lib matmul_kernel_times -- --ignored --nocapture`. On a software
+    /// adapter it times the CPU running the shaders, not a GPU.
+    #[test]
+    #[ignore]
+    fn matmul_kernel_times() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2106);
+        let (rows, cols, n) = (1536, 576, 64);
+        let w = gpu.upload_matrix(&random_matrix(&mut rng, Q4_1, rows, cols)).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let (x, y) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
+        let lanes = if gpu.is_software() { 1 } else { 16 };
+        for (name, tiled_min) in [("per-row", usize::MAX), ("tiled", 1)] {
+            let mut best = f64::MAX;
+            for _ in 0..4 {
+                let t = std::time::Instant::now();
+                let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                pass.matmul(&w, &x, n, &y).unwrap();
+                pass.finish().unwrap();
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            eprintln!("{name}: best of 4 {:.1} ms on {}", best * 1e3, gpu.describe());
+        }
+    }
+
     /// A matmul module holds its own type's dequantizer only.
     #[test]
     fn source_holds_one_type() {
-        let s = super::source(Q8_0);
-        assert!(s.contains("fn dq_q8_0_a(") && s.contains("fn dq_q8_0_b(") && s.contains("fn dequant_a("));
-        assert!(!s.contains("dq_q4_k") && !s.contains('$'));
+        for kernel in [super::wgsl::MATMUL, super::wgsl::MATMUL_TILED] {
+            let s = super::source(Q8_0, kernel);
+            assert!(s.contains("fn dq_q8_0_a(") && s.contains("fn dq_q8_0_b(") && s.contains("fn dequant_a("));
+            assert!(!s.contains("dq_q4_k") && !s.contains('$'));
+        }
     }
 
     /// Bad shapes and types are errors, not panics or device faults.

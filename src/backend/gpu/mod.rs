@@ -30,6 +30,8 @@ pub use buffers::{GpuMatrix, Halves, Tensor, U32s};
 pub use device::{AdapterChoice, Gpu, NoAdapter};
 
 use anyhow::{Result, ensure};
+use std::collections::HashMap;
+use std::sync::Mutex;
 use wgpu::util::DeviceExt;
 
 /// WGSL sources: a shader module is the snippets it needs, in order.
@@ -37,6 +39,7 @@ mod wgsl {
     pub const ACT: &str = include_str!("shaders/act.wgsl");
     pub const QUANT: &str = include_str!("shaders/quant.wgsl");
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
+    pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
     pub const NORM: &str = include_str!("shaders/norm.wgsl");
     pub const ROPE: &str = include_str!("shaders/rope.wgsl");
@@ -49,6 +52,45 @@ fn module(parts: &[&str]) -> String {
     parts.join("\n")
 }
 
+/// Bind groups, each with the uniform buffer of its parameters, built once and reused: a session's ops
+/// ([`layers::GpuLayers`]) bind the same weights, working buffers and parameters at every decode step, so from the
+/// second step on a dispatch records a lookup instead of a buffer and a bind group. A prefill of a new batch size
+/// adds one per op; past [`Binds::CAP`] entries the cache starts over.
+#[derive(Default)]
+pub struct Binds {
+    map: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+    /// The working tensor of [`Pass::scratch`], kept so the bind groups that hold it stay valid.
+    scratch: Mutex<Option<Tensor>>,
+}
+
+/// What a bind group binds: the pipeline (its layout), the buffers at their bindings and the parameters' words. The
+/// key holds the buffers, so none is freed and its identity reused while its bind group is cached.
+#[derive(PartialEq, Eq, Hash)]
+struct BindKey {
+    pipeline: wgpu::ComputePipeline,
+    bufs: Vec<(u32, wgpu::Buffer)>,
+    params: Vec<u32>,
+}
+
+impl Binds {
+    /// Entries kept at most: a few batch sizes of every op of a large model's layers (about 20 a layer).
+    pub const CAP: usize = 1 << 14;
+
+    /// Bind groups held.
+    pub fn len(&self) -> usize {
+        self.map.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every cached bind group (tests run a session without the cache this way).
+    pub fn clear(&self) {
+        self.map.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
 /// Ops recorded for one submission. Nothing runs until [`Pass::finish`], which waits for the device and returns
 /// any error it reported.
 pub struct Pass<'g> {
@@ -56,8 +98,13 @@ pub struct Pass<'g> {
     enc: wgpu::CommandEncoder,
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
     lanes: u32,
+    /// Batches of at least this many tokens take the tiled matmul (`matmul_tiled.wgsl`), smaller ones the
+    /// per-row one: [`matmul::TILED_MIN`], changed only by tests.
+    tiled_min: usize,
     /// Byte runs to copy back at [`Pass::finish_read`], after every op recorded: buffer, offset, length.
     reads: Vec<(wgpu::Buffer, u64, u64)>,
+    /// Where bind groups are kept across passes; `None` builds each dispatch's own.
+    binds: Option<&'g Binds>,
 }
 
 impl Gpu {
@@ -69,8 +116,47 @@ impl Gpu {
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
             lanes: if self.is_software() { 1 } else { 16 },
+            tiled_min: matmul::TILED_MIN,
             reads: Vec::new(),
+            binds: None,
         }
+    }
+
+    /// An empty pass whose dispatches take their bind groups from `binds`, building only those it lacks.
+    pub fn pass_cached<'a>(&'a self, binds: &'a Binds) -> Pass<'a> {
+        Pass {
+            binds: Some(binds),
+            ..self.pass()
+        }
+    }
+
+    /// A bind group of `pipeline` with `params` in a new uniform buffer at binding 0 and `bufs` at theirs.
+    fn bind_group(
+        &self,
+        pipeline: &wgpu::ComputePipeline,
+        params: &[u32],
+        bufs: &[(u32, &wgpu::Buffer)],
+    ) -> wgpu::BindGroup {
+        let mut words = params.to_vec();
+        words.resize(params.len().next_multiple_of(4).max(4), 0);
+        let uniform = self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("params"),
+            contents: bytemuck::cast_slice(&words),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: uniform.as_entire_binding(),
+        }];
+        entries.extend(bufs.iter().map(|&(binding, b)| wgpu::BindGroupEntry {
+            binding,
+            resource: b.as_entire_binding(),
+        }));
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        })
     }
 }
 
@@ -88,6 +174,13 @@ impl<'g> Pass<'g> {
         self
     }
 
+    /// The pass with the tiled matmul taken from `n` tokens on, so tests run both kernels on one batch.
+    #[cfg(test)]
+    pub(super) fn with_tiled_min(mut self, n: usize) -> Self {
+        self.tiled_min = n.max(1);
+        self
+    }
+
     /// Records one dispatch of `pipeline` over `groups` workgroups, its uniform parameters `params` at binding 0
     /// and the buffers `bufs` at their bindings.
     fn dispatch(
@@ -97,30 +190,44 @@ impl<'g> Pass<'g> {
         bufs: &[(u32, &wgpu::Buffer)],
         groups: (u32, u32, u32),
     ) {
-        let mut words = params.to_vec();
-        words.resize(params.len().next_multiple_of(4).max(4), 0);
-        let uniform = self.gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("params"),
-            contents: bytemuck::cast_slice(&words),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: uniform.as_entire_binding(),
-        }];
-        entries.extend(bufs.iter().map(|&(binding, b)| wgpu::BindGroupEntry {
-            binding,
-            resource: b.as_entire_binding(),
-        }));
-        let bind = self.gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &entries,
-        });
+        let bind = match self.binds {
+            None => self.gpu.bind_group(pipeline, params, bufs),
+            Some(binds) => {
+                let key = BindKey {
+                    pipeline: pipeline.clone(),
+                    bufs: bufs.iter().map(|&(i, b)| (i, b.clone())).collect(),
+                    params: params.to_vec(),
+                };
+                let mut map = binds.map.lock().unwrap_or_else(|p| p.into_inner());
+                if map.len() >= Binds::CAP && !map.contains_key(&key) {
+                    map.clear();
+                }
+                map.entry(key)
+                    .or_insert_with(|| self.gpu.bind_group(pipeline, params, bufs))
+                    .clone()
+            }
+        };
         let mut cp = self.enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
         cp.set_pipeline(pipeline);
         cp.set_bind_group(0, &bind, &[]);
         cp.dispatch_workgroups(groups.0, groups.1, groups.2);
+    }
+
+    /// A tensor of at least `n` values for an op's intermediate result, used within one op: the one kept in the
+    /// pass's [`Binds`] (grown when too small), or a new one for a pass without.
+    fn scratch(&self, n: usize) -> Result<Tensor> {
+        let Some(binds) = self.binds else {
+            return self.gpu.zeros(n);
+        };
+        let mut slot = binds.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        match &*slot {
+            Some(t) if t.len() >= n => Ok(t.clone()),
+            _ => {
+                let t = self.gpu.zeros(n)?;
+                *slot = Some(t.clone());
+                Ok(t)
+            }
+        }
     }
 
     /// Copies `n` values of `src` from `src_at` to `dst` at `dst_at` (the last row of a batch to the head).
