@@ -2,7 +2,7 @@
 //!
 //! Usage: baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH]
 //!        [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] [--max-handshakes N]
-//!        [--no-batch] [--kv-budget GIB] [--no-mem-check] [--kv-cache-dir DIR] [--kv-cache-size GIB]
+//!        [--no-batch] [--kv-budget GIB] [--no-mem-check] [--experts-on-disk] [--kv-cache-dir DIR] [--kv-cache-size GIB]
 //!        [--log-format text|json]
 
 use anyhow::{Context, Result, bail};
@@ -60,6 +60,8 @@ fn real_main() -> Result<()> {
                 cfg.kv_budget = Some(baton::util::gib_bytes(gib));
             }
             "--no-mem-check" => cfg.no_mem_check = true,
+            // SAFETY: set while parsing the arguments, before this process starts any thread; the loader reads it.
+            "--experts-on-disk" => unsafe { std::env::set_var("BATON_EXPERTS_ON_DISK", "1") },
             "--kv-cache-dir" => cfg.kv_cache_dir = Some(PathBuf::from(val()?)),
             "--kv-cache-size" => {
                 cfg.kv_cache_gib = baton::util::parse_gib(&val()?).map_err(|e| anyhow::anyhow!("{a}: {e}"))?
@@ -74,7 +76,7 @@ fn real_main() -> Result<()> {
                 println!(
                     "baton-node --model PATH --listen ADDR [--layers A:B] [--secret-file S] [-t N] [-c CTX] [-b BATCH] \
                      [--timeout SECS] [--idle-timeout SECS] [--max-sessions N] [--max-connections N] \
-                     [--max-handshakes N] [--no-batch] [--kv-budget GIB] [--no-mem-check] [--kv-cache-dir DIR] \
+                     [--max-handshakes N] [--no-batch] [--kv-budget GIB] [--no-mem-check] [--experts-on-disk] [--kv-cache-dir DIR] \
                      [--kv-cache-size GIB] [--log-format text|json]"
                 );
                 return Ok(());

@@ -556,6 +556,37 @@ mod tests {
         b.xn[..x.len()].to_vec()
     }
 
+    /// Experts left on disk stay in the map; by default they move into memory with the other weights; both compute
+    /// the same mixture.
+    #[test]
+    fn experts_on_disk_stay_mapped_and_compute_the_same() {
+        use crate::kernels::matrix::Bytes;
+        let dir = tempfile::tempdir().unwrap();
+        let resident = crate::engine::batch::tests::tiny(crate::model::Arch::Qwen3Moe, dir.path());
+        let on_disk = Model::from_file_placed(resident.file.clone(), None, true).unwrap();
+        let mapped = |m: &Model| {
+            let Ffn::Moe(w) = &m.layer(0).ffn else { unreachable!() };
+            let all = || w.gate.mats.iter().chain(&w.up.mats).chain(&w.down.mats);
+            (
+                all().all(|x| matches!(x.data, Bytes::Mapped { .. })),
+                all().any(|x| matches!(x.data, Bytes::Mapped { .. })),
+            )
+        };
+        assert_eq!(
+            mapped(&on_disk),
+            (true, true),
+            "--experts-on-disk moved experts out of the map"
+        );
+        assert_eq!(mapped(&resident), (false, false), "experts left in the map by default");
+        let e = resident.hp.n_embd;
+        let mut rng = StdRng::seed_from_u64(9);
+        let x: Vec<f32> = (0..5 * e).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+        assert_eq!(
+            run_ffn(&resident, 1, &x, Numerics::Fast),
+            run_ffn(&on_disk, 1, &x, Numerics::Fast)
+        );
+    }
+
     /// On a random-weight qwen3moe: a batch of rows grouped by expert gives each row the bits it gets alone (a
     /// decode step), and both are the mixture computed the plain way (every expert's matrices as f32, f64 sums).
     #[test]
