@@ -63,7 +63,12 @@ impl LayerWeights {
         let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
         match &mut self.ffn {
             Ffn::Dense(d) => v.extend([&mut d.gate, &mut d.up, &mut d.down]),
-            Ffn::Moe(m) => v.push(&mut m.router),
+            Ffn::Moe(m) => {
+                v.push(&mut m.router);
+                if let Some(d) = &mut m.shared {
+                    v.extend([&mut d.gate, &mut d.up, &mut d.down]);
+                }
+            }
         }
         v
     }
@@ -111,7 +116,14 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
         "ffn_up_exps.weight",
         "ffn_down_exps.weight",
     ];
-    let layer = |t: &str| -> bool {
+    let shared: &[&str] = &[
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+        "exp_probs_b.bias",
+    ];
+    let has_experts = |il: usize| hp.moe.as_ref().is_some_and(|m| m.has_experts(il));
+    let layer = |il: usize, t: &str| -> bool {
         let common = [
             "attn_norm.weight",
             "attn_q.weight",
@@ -127,13 +139,16 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             Arch::Llama | Arch::Qwen2 => &[qkv_bias, dense],
             Arch::Qwen3 => &[qk_norm, dense],
             Arch::Qwen3Moe => &[qk_norm, experts],
+            // Leading dense layers, then experts with a shared expert and the selection bias.
+            Arch::Dots1 if has_experts(il) => &[qk_norm, experts, shared],
+            Arch::Dots1 => &[qk_norm, dense],
             Arch::Gemma3 => &[qk_norm, dense, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
         };
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
     };
     for name in f.tensors.keys() {
         let known = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
-            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer) && layer(t),
+            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer && layer(il, t)),
             None => global(name),
         };
         if !known {
@@ -218,7 +233,8 @@ impl Model {
         let mut layers = Vec::with_capacity(range.len());
         for il in range.clone() {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
-            let ffn = match &hp.moe {
+            let moe = hp.moe.as_ref().filter(|m| m.has_experts(il));
+            let ffn = match moe {
                 None if hp.arch == Arch::Phi3 => {
                     // `ffn_up` holds the gate's rows, then the up projection's (ggml's swiglu of one tensor).
                     let fused = matrix(&p("ffn_up"), e, 2 * hp.n_ff)?;
@@ -238,11 +254,28 @@ impl Model {
                     let experts = |t: &str, cols: usize, rows: usize| {
                         moe::Experts::mapped(f, f.tensor_info(&p(t))?, cols, rows, n_x)
                     };
+                    // The shared experts, as one feed-forward `n_shared * n_ff_exp` wide; all three or none.
+                    let sw = m.routing.n_shared * ff;
+                    let shared = if m.routing.n_shared > 0 {
+                        Some(DenseFfn {
+                            gate: matrix(&p("ffn_gate_shexp"), e, sw)?,
+                            up: matrix(&p("ffn_up_shexp"), e, sw)?,
+                            down: matrix(&p("ffn_down_shexp"), sw, e)?,
+                        })
+                    } else {
+                        None
+                    };
+                    let bias = opt_vector(&format!("blk.{il}.exp_probs_b.bias"), n_x)?;
+                    if let Some(b) = bias.as_ref().and_then(|b| b.iter().find(|v| !v.is_finite())) {
+                        bail!("blk.{il}.exp_probs_b.bias holds {b}, not a finite number");
+                    }
                     Ffn::Moe(moe::MoeWeights {
                         router: matrix(&p("ffn_gate_inp"), e, n_x)?,
                         gate: experts("ffn_gate_exps", e, ff)?,
                         up: experts("ffn_up_exps", e, ff)?,
                         down: experts("ffn_down_exps", ff, e)?,
+                        bias,
+                        shared,
                     })
                 }
             };
@@ -294,7 +327,9 @@ impl Model {
             {
                 bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
             }
-            if matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe) && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
+            if matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1)
+                && (lw.q_norm.is_none() || lw.k_norm.is_none())
+            {
                 bail!("{} layer {il} lacks its attn_q_norm/attn_k_norm", hp.arch.name());
             }
             if hp.arch == Arch::Qwen2 && (lw.bq.is_none() || lw.bk.is_none() || lw.bv.is_none()) {

@@ -1,17 +1,19 @@
-//! The mixture-of-experts feed-forward (`qwen3moe`; llama.cpp's `build_moe_ffn`): a router scores every expert for
-//! each row, the row runs its top-k experts' gated feed-forwards, and their outputs are summed with the routing
-//! weights.
+//! The mixture-of-experts feed-forward (`qwen3moe`, `dots1`; llama.cpp's `build_moe_ffn`): a router scores every
+//! expert for each row, the row runs its top-k experts' gated feed-forwards, their outputs are summed with the
+//! routing weights, and the shared experts' output (where the layer has them) is added.
 //!
 //! - **Weights stay where they are.** An expert tensor is one 3-D tensor in the file (`[cols, rows, n_expert]`);
 //!   expert e's matrix is rows `e*rows..(e+1)*rows` of its 2-D view, and [`Experts`] holds one view per expert into
 //!   the memory map: nothing is copied, and the pages of experts no token picks are never read.
-//! - **Routing is data** ([`super::hparams::Routing`]): the gating function, renormalisation, scale and shared experts
-//!   are fields, so another architecture's routing is another value, not another layer.
+//! - **Routing is data** ([`super::hparams::Routing`]): the gating function, renormalisation, scale, groups and shared
+//!   experts are fields, and the selection bias and shared experts are optional tensors of the layer, so another
+//!   architecture's routing is another value, not another layer.
 //! - **Grouped by expert.** A batch's rows are sorted by the experts they picked; each picked expert runs its matmuls
 //!   once over its gathered rows (so its weights are read once per batch), and the weighted outputs are added back to
 //!   their rows in each row's own top-k order: a row gets the same bits alone (decode, which reads only its k experts)
 //!   or in any batch.
 
+use super::DenseFfn;
 use super::blocks::{Buffers, Step, project};
 use super::hparams::{Gating, Moe, Routing};
 use crate::gguf::{GgufFile, TensorInfo};
@@ -82,13 +84,23 @@ pub struct MoeWeights {
     pub gate: Experts,
     pub up: Experts,
     pub down: Experts,
+    /// `exp_probs_b`: added to each expert's probability for choosing the experts only (DeepSeek V3, dots1); the
+    /// weights are the unbiased probabilities.
+    pub bias: Option<Vec<f32>>,
+    /// The shared experts (`ffn_{gate,up,down}_shexp`), one gated feed-forward that every row runs, added to the
+    /// routed sum.
+    pub shared: Option<DenseFfn>,
 }
 
 impl MoeWeights {
-    /// Bytes one token reads: the router and `k` experts' three matrices.
+    /// Bytes one token reads: the router, `k` experts' three matrices and the shared experts.
     pub fn active_bytes(&self, k: usize) -> usize {
         let one = |x: &Experts| x.mats.first().map_or(0, Matrix::size_bytes);
-        self.router.size_bytes() + k * (one(&self.gate) + one(&self.up) + one(&self.down))
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |d| d.gate.size_bytes() + d.up.size_bytes() + d.down.size_bytes());
+        self.router.size_bytes() + k * (one(&self.gate) + one(&self.up) + one(&self.down)) + shared
     }
 }
 
@@ -124,6 +136,8 @@ pub struct MoeScratch {
     group: Grouping,
     /// Each pick's weighted expert output, `[n_rows, k, n_embd]`.
     out: Vec<f32>,
+    /// The shared experts' output, `[n_rows, n_embd]` (empty without shared experts).
+    shared: Vec<f32>,
     /// With a remote peer: whether expert e runs there this pass, the picks sent and where each one's output goes.
     remote_expert: Vec<bool>,
     remote: Vec<Pick>,
@@ -152,7 +166,8 @@ impl MoeScratch {
         let floats = [m.n_expert, n_embd, m.n_ff_exp, n_embd]
             .iter()
             .fold(0usize, |n, &w| n.saturating_add(n_rows.saturating_mul(w)))
-            .saturating_add(slots.saturating_mul(n_embd));
+            .saturating_add(slots.saturating_mul(n_embd))
+            .saturating_add(Self::shared_len(m, n_embd, n_rows));
         // order and remote_at; start, next and by_load.
         let words = slots.saturating_mul(2).saturating_add(3 * m.n_expert + 1);
         // picks and remote.
@@ -163,6 +178,14 @@ impl MoeScratch {
             .saturating_add(words.saturating_mul(std::mem::size_of::<usize>()))
             .saturating_add(picks)
             .saturating_add(m.n_expert)
+    }
+
+    fn shared_len(m: &Moe, n_embd: usize, n_rows: usize) -> usize {
+        if m.routing.n_shared > 0 {
+            n_rows.saturating_mul(n_embd)
+        } else {
+            0
+        }
     }
 
     pub fn new(m: &Moe, n_embd: usize, n_rows: usize) -> MoeScratch {
@@ -186,6 +209,7 @@ impl MoeScratch {
                 yg: vec![0.0; n_rows * n_embd],
             },
             out: vec![0.0; slots * n_embd],
+            shared: vec![0.0; Self::shared_len(m, n_embd, n_rows)],
             remote_expert: vec![false; m.n_expert],
             remote: Vec::with_capacity(slots),
             remote_at: Vec::with_capacity(slots),
@@ -193,30 +217,88 @@ impl MoeScratch {
         }
     }
 }
-/// Chooses one row's experts from its router `logits` into `picks` (`k` of them), in descending order of
-/// probability, the lowest index first among equals, with their weights as `r` says. Softmax probabilities are
-/// computed as ggml's `soft_max` does (max subtracted, the sum in f64, one multiply by its inverse); renormalised
-/// weights divide by their sum, clamped to f16's smallest normal as llama.cpp clamps it.
-pub fn route(logits: &[f32], r: &Routing, picks: &mut [(usize, f32)]) {
-    debug_assert_eq!(r.gating, Gating::Softmax, "the loader refuses other gating functions");
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
-    let inv = (1.0 / sum) as f32;
-    let prob = |e: usize| (logits[e] - max).exp() * inv;
+/// Chooses one row's experts from its router `logits` into `picks` (`k` of them), as llama.cpp's `build_moe_ffn`:
+/// 1. the logits become probabilities in place (`logits` holds them afterwards): softmax as ggml's `soft_max` (max
+///    subtracted, the sum in f64, one multiply by its inverse), or sigmoid `1 / (1 + e^-x)`;
+/// 2. an expert's selection score is its probability plus its `bias` (`exp_probs_b`), if the layer has one;
+/// 3. with groups, each group scores the sum of its two best selection scores, and only the `n_group_used` best
+///    groups' experts may be chosen;
+/// 4. the top k by selection score, in descending order, the lowest index first among equals (a NaN ranks below
+///    every number);
+/// 5. their weights are their unbiased probabilities, renormalised to sum to 1 if `r.normalise` (the sum clamped to
+///    f16's smallest normal as llama.cpp clamps it), then multiplied by `r.scale`.
+pub fn route(logits: &mut [f32], bias: Option<&[f32]>, r: &Routing, picks: &mut [(usize, f32)]) {
+    match r.gating {
+        Gating::Softmax => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f64;
+            for l in logits.iter_mut() {
+                *l = (*l - max).exp();
+                sum += f64::from(*l);
+            }
+            let inv = (1.0 / sum) as f32;
+            for l in logits.iter_mut() {
+                *l *= inv;
+            }
+        }
+        Gating::Sigmoid => {
+            for l in logits.iter_mut() {
+                *l = 1.0 / (1.0 + (-*l).exp());
+            }
+        }
+    }
+    let probs: &[f32] = logits;
+    let score = |e: usize| match bias {
+        Some(b) => probs[e] + b[e],
+        None => probs[e],
+    };
+    // Strictly greater: the lowest index wins a tie; a NaN ranks below every number.
+    let better = |a: f32, b: f32| a > b || (b.is_nan() && !a.is_nan());
+
+    // Groups kept, as a bit mask (at most 64 groups, checked at load); all experts without groups.
+    let n_x = probs.len();
+    let per = if r.grouped() { n_x / r.n_group } else { n_x };
+    let mut kept: u64 = if r.grouped() { 0 } else { 1 };
+    if r.grouped() {
+        let group_score = |gi: usize| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for e in gi * per..(gi + 1) * per {
+                let s = score(e);
+                if better(s, a) {
+                    b = a;
+                    a = s;
+                } else if better(s, b) {
+                    b = s;
+                }
+            }
+            a + b
+        };
+        for _ in 0..r.n_group_used {
+            let mut best: Option<(usize, f32)> = None;
+            for gi in (0..r.n_group).filter(|&gi| kept & (1 << gi) == 0) {
+                let s = group_score(gi);
+                if best.is_none_or(|(_, bs)| better(s, bs)) {
+                    best = Some((gi, s));
+                }
+            }
+            let (gi, _) = best.expect("n_group_used < n_group, checked at load");
+            kept |= 1 << gi;
+        }
+    }
+    let allowed = |e: usize| kept & (1 << (e / per)) != 0;
+
     for j in 0..picks.len() {
         let mut best: Option<usize> = None;
-        for e in 0..logits.len() {
+        for e in (0..n_x).filter(|&e| allowed(e)) {
             if picks[..j].iter().any(|&(p, _)| p == e) {
                 continue;
             }
-            // Strictly greater: the lowest index wins a tie. A NaN logit (a broken model) ranks below every number
-            // and picks nothing it should not: a row of NaNs picks 0, 1, ...
-            if best.is_none_or(|b| logits[e] > logits[b] || (logits[b].is_nan() && !logits[e].is_nan())) {
+            if best.is_none_or(|b| better(score(e), score(b))) {
                 best = Some(e);
             }
         }
-        let e = best.expect("k <= n_expert, checked at load");
-        picks[j] = (e, prob(e));
+        let e = best.expect("k <= the experts of the kept groups, checked at load");
+        picks[j] = (e, probs[e]);
     }
     if r.normalise {
         let sum = picks.iter().map(|&(_, w)| f64::from(w)).sum::<f64>() as f32;
@@ -239,13 +321,23 @@ pub fn route(logits: &[f32], r: &Routing, picks: &mut [(usize, f32)]) {
 pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
     let moe = s.hp.moe.as_ref().expect("a layer with experts has MoE hyperparameters");
     let (n, e, k, n_x) = (s.n_tok, s.hp.n_embd, moe.n_expert_used, moe.n_expert);
-    let Buffers { xn, sc, moe: ms, .. } = b;
+    let Buffers {
+        xn, sc, moe: ms, work, ..
+    } = b;
     let ms = ms.as_mut().expect("a MoE model's scratch has the MoE buffers");
+
+    // The shared experts first, while `xn` still holds the input (their hidden activations in the working buffer,
+    // free during the feed-forward).
+    if let Some(d) = &m.shared {
+        let h = &mut work[..n * d.gate.rows];
+        s.be.matmul_glu(s.pool, &d.gate, &d.up, Glu::Silu, &xn[..n * e], n, h, sc);
+        project(s, &d.down, h, &mut ms.shared, sc);
+    }
 
     project(s, &m.router, xn, &mut ms.logits, sc);
     for t in 0..n {
         let top = &mut ms.top[t * k..(t + 1) * k];
-        route(&ms.logits[t * n_x..(t + 1) * n_x], &moe.routing, top);
+        route(&mut ms.logits[t * n_x..(t + 1) * n_x], m.bias.as_deref(), &moe.routing, top);
         for (j, &(ex, w)) in top.iter().enumerate() {
             ms.picks[t * k + j] = Pick {
                 row: t as u32,
@@ -295,13 +387,18 @@ pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
         }
     }
 
-    // Each row's weighted outputs summed in its top-k order, as llama.cpp's chain of adds.
+    // Each row's weighted outputs summed in its top-k order, as llama.cpp's chain of adds, then the shared experts'.
     for t in 0..n {
         let row = &mut xn[t * e..(t + 1) * e];
         row.copy_from_slice(&ms.out[t * k * e..(t * k + 1) * e]);
         for j in 1..k {
             let slot = t * k + j;
             for (o, &v) in row.iter_mut().zip(&ms.out[slot * e..(slot + 1) * e]) {
+                *o += v;
+            }
+        }
+        if m.shared.is_some() {
+            for (o, &v) in row.iter_mut().zip(&ms.shared[t * e..(t + 1) * e]) {
                 *o += v;
             }
         }
