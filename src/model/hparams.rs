@@ -290,10 +290,15 @@ impl Hparams {
                 bail!("dots1 has as many KV heads as query heads, but this file says {n_head_kv} and {n_head}");
             }
             if n_rot != head_dim_k || head_dim_v != head_dim_k {
-                bail!("dots1 rotates whole heads of one size: rope dimensions {n_rot}, head sizes {head_dim_k}/{head_dim_v}");
+                bail!(
+                    "dots1 rotates whole heads of one size: rope dimensions {n_rot}, head sizes {head_dim_k}/{head_dim_v}"
+                );
             }
         }
-        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3) {
+        if matches!(
+            arch,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3
+        ) {
             hp.rope_type = RopeType::Neox;
         }
         if arch == Arch::Phi3 && g.get_u64(&key("attention.sliding_window")).is_some_and(|w| w > 0) {
@@ -440,7 +445,9 @@ fn moe_hparams(g: &GgufFile, arch: Arch, n_layer: usize, n_ff: usize, key: &dyn 
         let k = key(k);
         let Some(v) = g.get(&k) else { return Ok(None) };
         let n = g.get_u64(&k).with_context(|| format!("{k} is {v:?}, not an integer"))?;
-        Ok(Some(usize::try_from(n).with_context(|| format!("{k} = {n} is too large"))?))
+        Ok(Some(
+            usize::try_from(n).with_context(|| format!("{k} = {n} is too large"))?,
+        ))
     };
     let req = |k: &str| -> Result<usize> { opt(k)?.with_context(|| format!("missing {}", key(k))) };
     let n_expert = req("expert_count")?;

@@ -614,16 +614,28 @@ mod tests {
             ),
             ("expert_gating_func", Some(Value::U32(2)), "Sigmoid"),
             ("expert_gating_func", Some(Value::U32(7)), "expert_gating_func"),
-            ("expert_weights_scale", Some(Value::F32(2.5)), "expert_weights_scale is 2.5"),
+            (
+                "expert_weights_scale",
+                Some(Value::F32(2.5)),
+                "expert_weights_scale is 2.5",
+            ),
             ("expert_shared_count", Some(Value::U32(1)), "expert_shared_count is 1"),
-            ("leading_dense_block_count", Some(Value::U32(1)), "every qwen3moe layer has experts"),
+            (
+                "leading_dense_block_count",
+                Some(Value::U32(1)),
+                "every qwen3moe layer has experts",
+            ),
             (
                 "expert_weights_norm",
                 Some(Value::Bool(false)),
                 "expert_weights_norm is false",
             ),
             // Groups are read (llama.cpp applies them to any architecture), and checked.
-            ("expert_group_count", Some(Value::U32(4)), "expert_group_used_count is 0"),
+            (
+                "expert_group_count",
+                Some(Value::U32(4)),
+                "expert_group_used_count is 0",
+            ),
             ("expert_group_count", Some(Value::U32(8)), "expert_group_count is 8"),
             // The expert width does not match the tensors'.
             (
@@ -675,7 +687,10 @@ mod tests {
         let m = load_edited("dots1", &[], &[], &[]).unwrap();
         assert_eq!((m.hp.arch, m.hp.rope_type), (Arch::Dots1, RopeType::Neox));
         let moe = m.hp.moe.clone().unwrap();
-        assert_eq!((moe.n_expert, moe.n_expert_used, moe.n_ff_exp, moe.n_dense_lead), (16, 4, 32, 1));
+        assert_eq!(
+            (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, moe.n_dense_lead),
+            (16, 4, 32, 1)
+        );
         let want = Routing {
             gating: Gating::Sigmoid,
             normalise: true,
@@ -715,12 +730,28 @@ mod tests {
             ("expert_shared_count", Some(Value::U32(0)), "expert_shared_count is 0"),
             // 16 experts do not split into 3 groups; 4 groups of which 4 are used is no selection.
             ("expert_group_count", Some(Value::U32(3)), "expert_group_count is 3"),
-            ("expert_group_used_count", Some(Value::U32(4)), "expert_group_used_count is 4"),
-            ("expert_weights_scale", Some(Value::F32(f32::NAN)), "expert_weights_scale is NaN"),
-            ("leading_dense_block_count", Some(Value::U32(4)), "more than the 3 layers"),
+            (
+                "expert_group_used_count",
+                Some(Value::U32(4)),
+                "expert_group_used_count is 4",
+            ),
+            (
+                "expert_weights_scale",
+                Some(Value::F32(f32::NAN)),
+                "expert_weights_scale is NaN",
+            ),
+            (
+                "leading_dense_block_count",
+                Some(Value::U32(4)),
+                "more than the 3 layers",
+            ),
             ("attention.head_count_kv", Some(Value::U32(2)), "as many KV heads"),
             // The shared experts' width follows the count: 3 × 32 is not the tensors' 64.
-            ("expert_shared_count", Some(Value::U32(3)), "ffn_gate_shexp.weight\" is 64x64, expected 64x96"),
+            (
+                "expert_shared_count",
+                Some(Value::U32(3)),
+                "ffn_gate_shexp.weight\" is 64x64, expected 64x96",
+            ),
         ];
         for (key, v, want) in cases {
             let key = k(key);
@@ -731,17 +762,29 @@ mod tests {
         // experts' tensors: both name the tensor.
         let lead = k("leading_dense_block_count");
         let e = load_error("dots1", &[(lead.as_str(), Some(Value::U32(0)))], &[], &[]);
-        assert!(e.contains("\"blk.0.ffn_") && e.contains("is not part of Baton's dots1"), "{e}");
+        assert!(
+            e.contains("\"blk.0.ffn_") && e.contains("is not part of Baton's dots1"),
+            "{e}"
+        );
         let e = load_error("dots1", &[(lead.as_str(), Some(Value::U32(2)))], &[], &[]);
-        assert!(e.contains("blk.1.") && e.contains("is not part of Baton's dots1"), "{e}");
+        assert!(
+            e.contains("blk.1.") && e.contains("is not part of Baton's dots1"),
+            "{e}"
+        );
         // Tensors: a missing shared expert, a bias on the dense layer, a shared expert's own router (Qwen 2 MoE's,
         // which dots1 does not have), a bias of the wrong length or not finite.
         let e = load_error("dots1", &[], &[], &["blk.2.ffn_down_shexp.weight"]);
         assert!(e.contains("blk.2.ffn_down_shexp.weight"), "{e}");
         let e = load_error("dots1", &[], &[("blk.0.exp_probs_b.bias", vec![0.0; 16])], &[]);
-        assert!(e.contains("\"blk.0.exp_probs_b.bias\" is not part of Baton's dots1"), "{e}");
+        assert!(
+            e.contains("\"blk.0.exp_probs_b.bias\" is not part of Baton's dots1"),
+            "{e}"
+        );
         let e = load_error("dots1", &[], &[("blk.1.ffn_gate_inp_shexp.weight", vec![0.0; 64])], &[]);
-        assert!(e.contains("ffn_gate_inp_shexp.weight\" is not part of Baton's dots1"), "{e}");
+        assert!(
+            e.contains("ffn_gate_inp_shexp.weight\" is not part of Baton's dots1"),
+            "{e}"
+        );
         let b = "blk.1.exp_probs_b.bias";
         let e = load_error("dots1", &[], &[(b, vec![0.0; 8])], &[b]);
         assert!(e.contains("exp_probs_b.bias\" has 8 elements, expected 16"), "{e}");
@@ -749,7 +792,9 @@ mod tests {
         assert!(e.contains("not a finite number"), "{e}");
         // Without the bias (llama.cpp's dots1 does not require it) the model loads and chooses on probabilities.
         let m = load_edited("dots1", &[], &[], &[b]).unwrap();
-        let Ffn::Moe(x) = &m.layers[1].ffn else { panic!("experts") };
+        let Ffn::Moe(x) = &m.layers[1].ffn else {
+            panic!("experts")
+        };
         assert!(x.bias.is_none());
     }
 

@@ -337,7 +337,12 @@ pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
     project(s, &m.router, xn, &mut ms.logits, sc);
     for t in 0..n {
         let top = &mut ms.top[t * k..(t + 1) * k];
-        route(&mut ms.logits[t * n_x..(t + 1) * n_x], m.bias.as_deref(), &moe.routing, top);
+        route(
+            &mut ms.logits[t * n_x..(t + 1) * n_x],
+            m.bias.as_deref(),
+            &moe.routing,
+            top,
+        );
         for (j, &(ex, w)) in top.iter().enumerate() {
             ms.picks[t * k + j] = Pick {
                 row: t as u32,
@@ -645,12 +650,18 @@ mod tests {
         let mut picks = [(9, 0.0); 2];
         routed(&logits, None, &sigmoid(), &mut picks);
         assert_eq!((picks[0].0, picks[1].0), (2, 1));
-        assert!((picks[0].1 - 0.8).abs() < 1e-6 && (picks[1].1 - 0.75).abs() < 1e-6, "{picks:?}");
+        assert!(
+            (picks[0].1 - 0.8).abs() < 1e-6 && (picks[1].1 - 0.75).abs() < 1e-6,
+            "{picks:?}"
+        );
 
         let bias = [0.6f32, 0.0, 0.0, 0.0];
         routed(&logits, Some(&bias), &sigmoid(), &mut picks);
         assert_eq!((picks[0].0, picks[1].0), (0, 2), "0 scores 1.1, 2 scores 0.8");
-        assert!((picks[0].1 - 0.5).abs() < 1e-6 && (picks[1].1 - 0.8).abs() < 1e-6, "{picks:?}");
+        assert!(
+            (picks[0].1 - 0.5).abs() < 1e-6 && (picks[1].1 - 0.8).abs() < 1e-6,
+            "{picks:?}"
+        );
 
         let r = Routing {
             normalise: true,
@@ -681,7 +692,10 @@ mod tests {
         };
         let probs = [0.9f32, 0.0, 0.5, 0.5, 0.7, 0.7, 0.8, 0.4];
         // Logits whose sigmoids are these probabilities (0 for 0 via a very negative logit).
-        let logits: Vec<f32> = probs.iter().map(|&p| if p == 0.0 { -200.0 } else { (p / (1.0 - p)).ln() }).collect();
+        let logits: Vec<f32> = probs
+            .iter()
+            .map(|&p| if p == 0.0 { -200.0 } else { (p / (1.0 - p)).ln() })
+            .collect();
         let mut picks = [(9, 0.0); 3];
         routed(&logits, None, &r, &mut picks);
         assert_eq!(picks.map(|p| p.0), [6, 4, 5]);
@@ -692,7 +706,11 @@ mod tests {
         let mut bias = [0.0f32; 8];
         bias[1] = 0.6;
         routed(&logits, Some(&bias), &r, &mut picks);
-        assert_eq!(picks.map(|p| p.0), [0, 4, 5], "groups (0, 1) and (4, 5); 5 ties 4 and loses on index");
+        assert_eq!(
+            picks.map(|p| p.0),
+            [0, 4, 5],
+            "groups (0, 1) and (4, 5); 5 ties 4 and loses on index"
+        );
     }
 
     /// The router against a plain one written from llama.cpp's description (sort, not scan): random logits, biases
@@ -752,7 +770,11 @@ mod tests {
             };
             let n = if n_group > 1 { n_group * per } else { per };
             let r = Routing {
-                gating: if case % 2 == 0 { Gating::Sigmoid } else { Gating::Softmax },
+                gating: if case % 2 == 0 {
+                    Gating::Sigmoid
+                } else {
+                    Gating::Softmax
+                },
                 normalise: case % 5 != 0,
                 scale: if case % 4 == 0 { 2.5 } else { 1.0 },
                 n_shared: 0,
@@ -772,7 +794,10 @@ mod tests {
                 "case {case}: {r:?}"
             );
             for (p, w) in picks.iter().zip(&want) {
-                assert!((p.1 - w.1).abs() <= 1e-6 * w.1.abs().max(1.0), "case {case}: {picks:?} vs {want:?}");
+                assert!(
+                    (p.1 - w.1).abs() <= 1e-6 * w.1.abs().max(1.0),
+                    "case {case}: {picks:?} vs {want:?}"
+                );
             }
         }
     }
