@@ -234,7 +234,10 @@ pub fn route(logits: &mut [f32], bias: Option<&[f32]>, r: &Routing, picks: &mut 
             let mut sum = 0.0f64;
             for l in logits.iter_mut() {
                 *l = (*l - max).exp();
-                sum += f64::from(*l);
+                // A NaN logit (a broken model) stays NaN, ranks last, and leaves the others' probabilities alone.
+                if !l.is_nan() {
+                    sum += f64::from(*l);
+                }
             }
             let inv = (1.0 / sum) as f32;
             for l in logits.iter_mut() {
