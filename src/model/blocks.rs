@@ -338,13 +338,17 @@ mod tests {
         Hparams::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
     }
 
-    /// What a node counts against its budget at OPEN is what a session's buffers hold, for dense and MoE models.
+    /// What a node counts against its budget at OPEN is what a session's buffers hold, for dense and MoE models;
+    /// dots1's working buffer holds its dense layer's hidden activations (128 wide, wider than its shared experts).
     #[test]
     fn scratch_bytes_are_what_new_allocates() {
-        for name in ["llama3", "qwen3moe"] {
+        for name in ["llama3", "qwen3moe", "dots1"] {
             let hp = hp(name);
             for (n_batch, n_ctx, threads) in [(1, 16, 1), (32, 256, 2), (4096, 1000, 3)] {
                 let b = Buffers::new(&hp, n_batch, n_ctx, threads);
+                if name == "dots1" {
+                    assert!(b.work.len() >= b.n_rows * 128, "{n_batch}");
+                }
                 let moe = hp
                     .moe
                     .as_ref()

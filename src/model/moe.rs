@@ -545,25 +545,33 @@ mod tests {
 
     #[test]
     fn scratch_bytes_are_what_new_allocates() {
-        let m = Moe {
-            n_expert: 8,
-            n_expert_used: 2,
-            n_ff_exp: 96,
-            n_dense_lead: 0,
-            routing: softmax(),
-        };
-        for n_rows in [1, 7, 64] {
-            let s = MoeScratch::new(&m, 40, n_rows);
-            let g = &s.group;
-            let f32s = s.logits.len() + g.xg.len() + g.hg.len() + g.yg.len() + s.out.len();
-            let words = g.order.len() + g.start.len() + g.next.len() + s.remote_at.capacity() + s.by_load.capacity();
-            let picks = (s.picks.len() + s.remote.capacity()) * std::mem::size_of::<Pick>();
-            let held = 4 * f32s
-                + s.top.len() * std::mem::size_of::<(usize, f32)>()
-                + 8 * words
-                + picks
-                + s.remote_expert.len();
-            assert_eq!(MoeScratch::bytes_for(&m, 40, n_rows), held, "{n_rows} rows");
+        for n_shared in [0, 2] {
+            let m = Moe {
+                n_expert: 8,
+                n_expert_used: 2,
+                n_ff_exp: 96,
+                n_dense_lead: 0,
+                routing: Routing { n_shared, ..softmax() },
+            };
+            for n_rows in [1, 7, 64] {
+                let s = MoeScratch::new(&m, 40, n_rows);
+                assert_eq!(s.shared.len(), if n_shared > 0 { n_rows * 40 } else { 0 });
+                let g = &s.group;
+                let f32s = s.logits.len() + g.xg.len() + g.hg.len() + g.yg.len() + s.out.len() + s.shared.len();
+                let words =
+                    g.order.len() + g.start.len() + g.next.len() + s.remote_at.capacity() + s.by_load.capacity();
+                let picks = (s.picks.len() + s.remote.capacity()) * std::mem::size_of::<Pick>();
+                let held = 4 * f32s
+                    + s.top.len() * std::mem::size_of::<(usize, f32)>()
+                    + 8 * words
+                    + picks
+                    + s.remote_expert.len();
+                assert_eq!(
+                    MoeScratch::bytes_for(&m, 40, n_rows),
+                    held,
+                    "{n_rows} rows, {n_shared} shared"
+                );
+            }
         }
     }
 
