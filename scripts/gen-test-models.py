@@ -56,6 +56,15 @@ MODELS["phi3"] = dict(arch="phi3", pre="llama-bpe", n_layer=2, n_embd=64, n_ff=1
                       head_dim=16, rope_base=10000.0, ty="F32", fused=True, sliding_window=8,
                       name="fused projections")
 
+# dots.llm1: qwen3's attention without GQA (llama.cpp's dots1 sizes K and V for every head), one leading dense layer,
+# then DeepSeek V3-style routing written as data: sigmoid gating, a selection bias (exp_probs_b) that only chooses,
+# 16 experts in 4 groups of which the best 2 are kept (llama.cpp applies groups to any architecture), 4 experts per
+# token, weights renormalised then scaled by 2.5, and 2 shared experts (one feed-forward 2 x 32 wide); F32 matrices.
+MODELS["dots1"] = dict(arch="dots1", pre="qwen2", n_layer=3, n_embd=64, n_ff=128, n_head=4, n_head_kv=4,
+                       head_dim=16, rope_base=1000000.0, ty="F32", qk_norm=True, n_expert=16, n_expert_used=4,
+                       n_ff_exp=32, n_dense_lead=1, n_shared=2, gating="SIGMOID", norm_w=True, w_scale=2.5,
+                       probs_bias=True, n_group=4, n_group_used=2)
+
 # Models for benchmarks only (`--experts-split` in docs/moe.md), written only when named: too large to commit. A
 # scaled-down Qwen3-30B-A3B: 16 experts of which each token uses 4, experts as wide as the model, Q8_0 matrices
 # (about 230 MB); the active experts are most of a token's work.
@@ -140,6 +149,15 @@ def write_model(path, name, spec, vocab, rng):
         w.add_expert_count(spec["n_expert"])
         w.add_expert_used_count(spec["n_expert_used"])
         w.add_expert_feed_forward_length(spec["n_ff_exp"])
+    if "gating" in spec:
+        w.add_expert_gating_func(getattr(gguf.ExpertGatingFuncType, spec["gating"]))
+        w.add_expert_weights_norm(spec["norm_w"])
+        w.add_expert_weights_scale(spec["w_scale"])
+        w.add_expert_shared_count(spec["n_shared"])
+        w.add_leading_dense_block_count(spec["n_dense_lead"])
+    if "n_group" in spec:
+        w.add_expert_group_count(spec["n_group"])
+        w.add_expert_group_used_count(spec["n_group_used"])
     if "sliding_window" in spec:
         w.add_sliding_window(spec["sliding_window"])
     if "rope_linear" in spec:
@@ -202,7 +220,7 @@ def write_model(path, name, spec, vocab, rng):
             t[p + "attn_k_norm.weight"] = vec(hd)
         t[p + "attn_output.weight"] = mat(e, nq, kind="attn_output", il=il)
         t[p + "ffn_norm.weight"] = vec(e)
-        if "n_expert" in spec:
+        if "n_expert" in spec and il >= spec.get("n_dense_lead", 0):
             # The router stays F32 (as llama.cpp's quantizer leaves it), with logits spread wide enough that the
             # k-th and (k+1)-th experts rarely tie. A 3-D tensor is written in numpy's order [expert, row, col],
             # which gguf reverses into llama.cpp's {cols, rows, n_expert}.
@@ -211,6 +229,14 @@ def write_model(path, name, spec, vocab, rng):
                 tensor=(rng.uniform(-1.0, 1.0, (n_x, e)) * 4.0 / np.sqrt(e)).astype(np.float32))
             for name, rows, cols in (("ffn_gate_exps", f, e), ("ffn_up_exps", f, e), ("ffn_down_exps", e, f)):
                 t[p + name + ".weight"] = stack([mat(rows, cols) for _ in range(n_x)])
+            if spec.get("probs_bias"):
+                # Sigmoid probabilities spread over (0, 1); a bias of this size often changes which experts win.
+                t[p + "exp_probs_b.bias"] = vec(n_x, -0.4, 0.4)
+            if spec.get("n_shared"):
+                sw = spec["n_shared"] * f
+                t[p + "ffn_gate_shexp.weight"] = mat(sw, e)
+                t[p + "ffn_up_shexp.weight"] = mat(sw, e)
+                t[p + "ffn_down_shexp.weight"] = mat(e, sw)
         elif spec.get("fused"):
             t[p + "ffn_up.weight"] = mat(2 * spec["n_ff"], e)
             t[p + "ffn_down.weight"] = mat(e, spec["n_ff"])
@@ -239,13 +265,15 @@ def main():
     vocab = cut_vocab(gguf.GGUFReader(a.vocab_from), N_VOCAB)
     os.makedirs(a.out, exist_ok=True)
     every = {**MODELS, **BENCH_MODELS}
+    # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
+    seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")
         path = os.path.join(a.out, f"{name}.gguf")
-        # One generator per model, seeded by its position in MODELS, so adding a model leaves the others' bytes
-        # alone and writing one model alone writes the bytes of a full run.
-        seed = SEED + list(every).index(name)
+        # One generator per model, seeded by its position in seed_order, so writing one model alone writes the
+        # bytes of a full run.
+        seed = SEED + seed_order.index(name)
         write_model(path, name, every[name], vocab, np.random.default_rng(seed))
         print(f"{path}: {os.path.getsize(path)} bytes")
 

@@ -272,6 +272,14 @@ fn greedy_matches_llama_cpp_qwen3moe() {
     check_generated("qwen3moe", FLOAT_TOL);
 }
 
+/// dots1: qwen3's attention (no GQA), a leading dense layer, then DeepSeek V3-style routing as data: sigmoid gating,
+/// a selection bias (`exp_probs_b`), 2 of 4 expert groups, 4 of 16 experts renormalised and scaled by 2.5, and two
+/// shared experts; F32 matrices.
+#[test]
+fn greedy_matches_llama_cpp_dots1() {
+    check_generated("dots1", FLOAT_TOL);
+}
+
 /// Phi-3: Q/K/V and gate/up each one fused matrix, NeoX RoPE, and a sliding window (8) that llama.cpp ignores for
 /// phi3, so Baton must too (every prompt is longer); F32 matrices.
 #[test]

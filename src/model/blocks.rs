@@ -27,10 +27,11 @@ pub struct Buffers {
     /// Normalised input of the current sub-block, `[n_tok, n_embd]`. Once Q/K/V or gate/up are computed from it,
     /// the sub-block's output projection is written back into it.
     pub xn: Vec<f32>,
-    work: Vec<f32>,
+    /// The attention's Q, K, V and output, or a gated feed-forward's hidden activations (a dense layer's, or a
+    /// mixture's shared experts').
+    pub(super) work: Vec<f32>,
     /// Lengths of Q, K and V in `work` (the attention output follows them).
     qkv_len: [usize; 3],
-    n_ff: usize,
     /// The backend's working memory (matmul activations, attention partials).
     pub sc: Scratch,
     /// The mixture of experts' buffers (MoE models only).
@@ -55,8 +56,16 @@ impl Buffers {
         let n_rows = n_batch.min(LAYER_SLICE);
         let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_rows * w);
         let attn_len = qkv_len.iter().sum::<usize>() + n_rows * hp.n_head * hp.head_dim_v;
-        // A mixture's hidden activations live in its own buffers.
-        let ffn_len = if hp.moe.is_some() { 0 } else { n_rows * hp.n_ff };
+        // A mixture's routed experts' hidden activations live in its own buffers; its shared experts' and its
+        // leading dense layers' use this one.
+        let ffn_width = match &hp.moe {
+            None => hp.n_ff,
+            Some(m) => {
+                let dense = if m.n_dense_lead > 0 { hp.n_ff } else { 0 };
+                dense.max(m.routing.n_shared * m.n_ff_exp)
+            }
+        };
+        let ffn_len = n_rows * ffn_width;
         (n_rows, qkv_len, attn_len.max(ffn_len))
     }
 
@@ -68,7 +77,6 @@ impl Buffers {
             xn: vec![0.0; n_rows * hp.n_embd],
             work: vec![0.0; work_len],
             qkv_len,
-            n_ff: hp.n_ff,
             sc: Scratch::new(n_threads, n_ctx, hp.n_head / hp.n_head_kv, hp.head_dim_v),
             moe: hp.moe.as_ref().map(|m| MoeScratch::new(m, hp.n_embd, n_rows)),
         }
@@ -270,7 +278,7 @@ pub fn ffn(s: &Step, lw: &LayerWeights, b: &mut Buffers, glu: Glu) {
             return moe::ffn(s, m, b);
         }
     };
-    let h = &mut b.work[..s.n_tok * b.n_ff];
+    let h = &mut b.work[..s.n_tok * d.gate.rows];
     let x = &b.xn[..s.n_tok * d.gate.cols];
     s.be.matmul_glu(s.pool, &d.gate, &d.up, glu, x, s.n_tok, h, &mut b.sc);
     project(s, &d.down, h, &mut b.xn, &mut b.sc);
@@ -330,13 +338,17 @@ mod tests {
         Hparams::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
     }
 
-    /// What a node counts against its budget at OPEN is what a session's buffers hold, for dense and MoE models.
+    /// What a node counts against its budget at OPEN is what a session's buffers hold, for dense and MoE models;
+    /// dots1's working buffer holds its dense layer's hidden activations (128 wide, wider than its shared experts).
     #[test]
     fn scratch_bytes_are_what_new_allocates() {
-        for name in ["llama3", "qwen3moe"] {
+        for name in ["llama3", "qwen3moe", "dots1"] {
             let hp = hp(name);
             for (n_batch, n_ctx, threads) in [(1, 16, 1), (32, 256, 2), (4096, 1000, 3)] {
                 let b = Buffers::new(&hp, n_batch, n_ctx, threads);
+                if name == "dots1" {
+                    assert!(b.work.len() >= b.n_rows * 128, "{n_batch}");
+                }
                 let moe = hp
                     .moe
                     .as_ref()

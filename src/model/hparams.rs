@@ -14,11 +14,19 @@ pub enum Arch {
     Qwen3,
     /// Qwen 3 MoE: Qwen 3's attention, and a mixture of experts in place of the feed-forward ([`Moe`]).
     Qwen3Moe,
+    /// dots.llm1: Qwen 3's attention (no GQA), leading dense layers, then a mixture of experts with DeepSeek V3's
+    /// routing (sigmoid gating, a selection bias, a weights scale) and a shared expert.
+    Dots1,
     /// Phi-3 / Phi-4 mini: llama's math with NeoX RoPE, Q/K/V and gate/up each stored as one fused matrix.
     Phi3,
 }
 
 impl Arch {
+    /// Whether the architecture's feed-forward is a mixture of experts (on all layers, or after dense ones).
+    pub fn is_moe(self) -> bool {
+        matches!(self, Arch::Qwen3Moe | Arch::Dots1)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
@@ -26,6 +34,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Dots1 => "dots1",
             Arch::Phi3 => "phi3",
         }
     }
@@ -81,14 +90,25 @@ pub struct Moe {
     pub n_expert: usize,
     /// Experts each token runs (top-k).
     pub n_expert_used: usize,
-    /// Width of one expert's feed-forward.
+    /// Width of one expert's feed-forward (and of each shared expert's).
     pub n_ff_exp: usize,
+    /// The first layers have a dense feed-forward of width `n_ff` instead (dots1's `leading_dense_block_count`).
+    pub n_dense_lead: usize,
     pub routing: Routing,
 }
 
+impl Moe {
+    /// Whether layer `il` has the mixture (rather than one of the leading dense feed-forwards).
+    pub fn has_experts(&self, il: usize) -> bool {
+        il >= self.n_dense_lead
+    }
+}
+
 /// How a token's experts and their weights follow from the router's logits, as data, so that another
-/// architecture's routing (DeepSeek 2's sigmoid, scale and shared experts) is a different value rather than a copy
-/// of the layer. The loader refuses what [`Routing::unsupported`] names.
+/// architecture's routing (DeepSeek V3's sigmoid, groups, scale and shared experts) is a different value rather than
+/// a copy of the layer. As llama.cpp's `build_moe_ffn`: probabilities from the gating function; the selection bias
+/// (`exp_probs_b`, a per-layer tensor) added for choosing only; the best groups kept; the top k chosen; their
+/// unbiased probabilities renormalised and scaled; the shared experts added to the routed sum.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Routing {
     pub gating: Gating,
@@ -96,8 +116,20 @@ pub struct Routing {
     pub normalise: bool,
     /// Factor on the weights after normalising.
     pub scale: f32,
-    /// Experts every token runs besides the routed ones.
+    /// Experts every token runs besides the routed ones, stored as one feed-forward `n_shared * n_ff_exp` wide.
     pub n_shared: usize,
+    /// Expert groups (`expert_group_count`; 0 or 1: none): the experts are split into this many groups of
+    /// consecutive indices, each scored by the sum of its best two selection scores, and a token chooses its experts
+    /// among the `n_group_used` best groups only.
+    pub n_group: usize,
+    pub n_group_used: usize,
+}
+
+impl Routing {
+    /// Whether the experts are chosen within groups.
+    pub fn grouped(&self) -> bool {
+        self.n_group > 1
+    }
 }
 
 /// The function from router logits to expert probabilities.
@@ -105,25 +137,6 @@ pub struct Routing {
 pub enum Gating {
     Softmax,
     Sigmoid,
-}
-
-impl Routing {
-    /// What of this routing Baton does not compute, if anything.
-    pub fn unsupported(&self) -> Option<String> {
-        if self.gating != Gating::Softmax {
-            return Some(format!(
-                "expert gating function {:?} (only softmax is implemented)",
-                self.gating
-            ));
-        }
-        if self.scale != 1.0 {
-            return Some(format!("expert weights scale {} (only 1 is implemented)", self.scale));
-        }
-        if self.n_shared != 0 {
-            return Some(format!("{} shared experts (none are implemented)", self.n_shared));
-        }
-        None
-    }
 }
 
 impl Hparams {
@@ -135,9 +148,12 @@ impl Hparams {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
+            "dots1" => Arch::Dots1,
             "phi3" => Arch::Phi3,
             other => {
-                bail!("unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe, phi3)")
+                bail!(
+                    "unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe, dots1, phi3)"
+                )
             }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -145,8 +161,9 @@ impl Hparams {
 
         let n_layer = u("block_count")?;
         let n_embd = u("embedding_length")?;
-        // A mixture of experts has its own width (`expert_feed_forward_length`); llama.cpp does not need this one.
-        let n_ff = if arch == Arch::Qwen3Moe {
+        // A mixture of experts has its own width (`expert_feed_forward_length`); llama.cpp does not need this one
+        // (dots1's leading dense layers do: checked in `moe_hparams`).
+        let n_ff = if arch.is_moe() {
             g.get_u64(&key("feed_forward_length")).unwrap_or(0) as usize
         } else {
             u("feed_forward_length")?
@@ -198,7 +215,7 @@ impl Hparams {
         }
         if n_layer == 0
             || n_embd == 0
-            || (n_ff == 0 && arch != Arch::Qwen3Moe)
+            || (n_ff == 0 && !arch.is_moe())
             || head_dim_k == 0
             || head_dim_v == 0
             || n_ctx_train == 0
@@ -257,8 +274,8 @@ impl Hparams {
             rope_freqs,
             moe: None,
         };
-        if arch == Arch::Qwen3Moe {
-            hp.moe = Some(moe_hparams(g, &key)?);
+        if arch.is_moe() {
+            hp.moe = Some(moe_hparams(g, arch, n_layer, n_ff, &key)?);
         } else if let Some(k) = ["expert_count", "expert_used_count"]
             .map(&key)
             .into_iter()
@@ -267,7 +284,21 @@ impl Hparams {
             // Mixtral, say, is `llama` with experts: refused rather than run as a dense model. A count of 0 is dense.
             bail!("{k} is set, but Baton's {arch_name} is a dense architecture; its experts would be ignored");
         }
-        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3) {
+        if arch == Arch::Dots1 {
+            // llama.cpp's dots1 sizes K and V for every query head and asserts that RoPE turns the whole head.
+            if n_head_kv != n_head {
+                bail!("dots1 has as many KV heads as query heads, but this file says {n_head_kv} and {n_head}");
+            }
+            if n_rot != head_dim_k || head_dim_v != head_dim_k {
+                bail!(
+                    "dots1 rotates whole heads of one size: rope dimensions {n_rot}, head sizes {head_dim_k}/{head_dim_v}"
+                );
+            }
+        }
+        if matches!(
+            arch,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3
+        ) {
             hp.rope_type = RopeType::Neox;
         }
         if arch == Arch::Phi3 && g.get_u64(&key("attention.sliding_window")).is_some_and(|w| w > 0) {
@@ -344,19 +375,30 @@ impl fmt::Display for Hparams {
         writeln!(f, "embedding:        {}", self.n_embd)?;
         match &self.moe {
             None => writeln!(f, "feed-forward:     {}", self.n_ff)?,
-            Some(m) => writeln!(
-                f,
-                "experts:          {} of {}, feed-forward {} each, {:?} routing{}",
-                m.n_expert_used,
-                m.n_expert,
-                m.n_ff_exp,
-                m.routing.gating,
-                if m.routing.normalise {
-                    ", weights renormalised"
-                } else {
-                    ""
+            Some(m) => {
+                let r = &m.routing;
+                let mut how = format!("{:?} routing", r.gating);
+                if r.normalise {
+                    how += ", weights renormalised";
                 }
-            )?,
+                if r.scale != 1.0 {
+                    how += &format!(", scaled by {}", r.scale);
+                }
+                if r.grouped() {
+                    how += &format!(", {} of {} groups", r.n_group_used, r.n_group);
+                }
+                if r.n_shared > 0 {
+                    how += &format!(", {} shared", r.n_shared);
+                }
+                writeln!(
+                    f,
+                    "experts:          {} of {}, feed-forward {} each, {how}",
+                    m.n_expert_used, m.n_expert, m.n_ff_exp
+                )?;
+                if m.n_dense_lead > 0 {
+                    writeln!(f, "dense layers:     0..{}, feed-forward {}", m.n_dense_lead, self.n_ff)?;
+                }
+            }
         }
         writeln!(f, "heads (q/kv):     {}/{}", self.n_head, self.n_head_kv)?;
         writeln!(f, "head size (k/v):  {}/{}", self.head_dim_k, self.head_dim_v)?;
@@ -388,15 +430,26 @@ impl fmt::Display for Hparams {
     }
 }
 
-/// The mixture of experts of `qwen3moe`, checked: llama.cpp's qwen3moe routes with a softmax over all experts, takes
-/// the top `expert_used_count` and renormalises their weights to sum to 1 (`build_moe_ffn` with `norm_w`), with no
-/// scale and no shared expert. A key saying otherwise is a load error, not ignored.
-fn moe_hparams(g: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<Moe> {
-    let req = |k: &str| -> Result<usize> {
+/// The mixture of experts, checked, as llama.cpp reads it for the architecture:
+/// - `qwen3moe` routes with a softmax over all experts and renormalises the top-k weights, with no scale, bias or
+///   shared expert, whatever the keys say (llama.cpp's graph fixes them): a key saying otherwise is refused.
+/// - `dots1` reads the gating function (required: llama.cpp aborts without one), renormalisation (default off), the
+///   weights scale (0, the default, means none), the shared expert count and the leading dense layers; the selection
+///   bias is an optional per-layer tensor.
+/// - Expert groups are read for both, as llama.cpp's `build_moe_ffn` applies them for any architecture.
+///
+/// What Baton does not compute (another gating function, a group layout llama.cpp asserts against) is a load error
+/// naming the key, not ignored.
+fn moe_hparams(g: &GgufFile, arch: Arch, n_layer: usize, n_ff: usize, key: &dyn Fn(&str) -> String) -> Result<Moe> {
+    let opt = |k: &str| -> Result<Option<usize>> {
         let k = key(k);
-        let v = g.get_u64(&k).with_context(|| format!("missing or non-integer {k}"))?;
-        usize::try_from(v).with_context(|| format!("{k} = {v} is too large"))
+        let Some(v) = g.get(&k) else { return Ok(None) };
+        let n = g.get_u64(&k).with_context(|| format!("{k} is {v:?}, not an integer"))?;
+        Ok(Some(
+            usize::try_from(n).with_context(|| format!("{k} = {n} is too large"))?,
+        ))
     };
+    let req = |k: &str| -> Result<usize> { opt(k)?.with_context(|| format!("missing {}", key(k))) };
     let n_expert = req("expert_count")?;
     let n_expert_used = req("expert_used_count")?;
     let n_ff_exp = req("expert_feed_forward_length")?;
@@ -412,49 +465,140 @@ fn moe_hparams(g: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<Moe> {
     if n_ff_exp == 0 {
         bail!("{} is 0", key("expert_feed_forward_length"));
     }
-    let mut routing = Routing {
-        gating: Gating::Softmax,
-        normalise: true,
-        scale: 1.0,
-        n_shared: 0,
-    };
-    // llama.cpp's enum: 1 softmax, 2 sigmoid.
+
+    // llama.cpp's enum: 1 softmax, 2 sigmoid (3 softmax of the chosen weights, 4 sqrt-softplus: not implemented).
     let k = key("expert_gating_func");
-    if let Some(v) = g.get(&k) {
-        routing.gating = match g.get_u64(&k) {
-            Some(1) => Gating::Softmax,
-            Some(2) => Gating::Sigmoid,
-            _ => bail!("{k} is {v:?}, not a gating function Baton knows (1 softmax, 2 sigmoid)"),
-        };
-    }
+    let gating = match (g.get(&k), g.get_u64(&k)) {
+        (None, _) => None,
+        (_, Some(1)) => Some(Gating::Softmax),
+        (_, Some(2)) => Some(Gating::Sigmoid),
+        (Some(v), _) => bail!("{k} is {v:?}, not a gating function Baton implements (1 softmax, 2 sigmoid)"),
+    };
     let k = key("expert_weights_norm");
-    if let Some(v) = g.get(&k) {
-        routing.normalise = g.get_bool(&k).with_context(|| format!("{k} is {v:?}, not a bool"))?;
-        if !routing.normalise {
-            bail!("{k} is false, but qwen3moe renormalises its experts' weights (as llama.cpp does regardless)");
-        }
-    }
+    let normalise = match g.get(&k) {
+        None => None,
+        Some(v) => Some(g.get_bool(&k).with_context(|| format!("{k} is {v:?}, not a bool"))?),
+    };
     let k = key("expert_weights_scale");
-    if let Some(v) = g.get(&k) {
-        routing.scale = g.get_f32(&k).with_context(|| format!("{k} is {v:?}, not a number"))?;
-    }
-    let k = key("expert_shared_count");
-    if let Some(v) = g.get(&k) {
-        routing.n_shared = g.get_u64(&k).with_context(|| format!("{k} is {v:?}, not an integer"))? as usize;
-    }
-    for k in ["expert_group_count", "expert_group_used_count"].map(key) {
-        let v = g.get(&k);
-        if v.is_some() && !matches!(g.get_u64(&k), Some(0 | 1)) {
-            bail!("{k} is {v:?}: grouped expert selection is not implemented");
+    let scale = match g.get(&k) {
+        None => None,
+        Some(v) => {
+            let s = g.get_f32(&k).with_context(|| format!("{k} is {v:?}, not a number"))?;
+            if !s.is_finite() {
+                bail!("{k} is {s}, not a finite number");
+            }
+            Some(s)
         }
+    };
+    let n_shared = opt("expert_shared_count")?;
+    let n_group = opt("expert_group_count")?.unwrap_or(0);
+    let n_group_used = opt("expert_group_used_count")?.unwrap_or(0);
+    let n_dense_lead = opt("leading_dense_block_count")?.unwrap_or(0);
+
+    let routing = match arch {
+        Arch::Qwen3Moe => {
+            // llama.cpp's qwen3moe graph ignores these keys; a file whose keys say otherwise is ambiguous.
+            if let Some(gf) = gating.filter(|&gf| gf != Gating::Softmax) {
+                bail!(
+                    "{} is {gf:?}, but qwen3moe routes with a softmax (as llama.cpp does regardless)",
+                    key("expert_gating_func")
+                );
+            }
+            if normalise == Some(false) {
+                bail!(
+                    "{} is false, but qwen3moe renormalises its experts' weights (as llama.cpp does regardless)",
+                    key("expert_weights_norm")
+                );
+            }
+            if let Some(s) = scale.filter(|&s| s != 1.0 && s != 0.0) {
+                bail!(
+                    "{} is {s}, but llama.cpp's qwen3moe applies no scale to its experts' weights",
+                    key("expert_weights_scale")
+                );
+            }
+            if let Some(n) = n_shared.filter(|&n| n != 0) {
+                bail!(
+                    "{} is {n}, but qwen3moe has no shared experts (llama.cpp's qwen3moe would ignore them)",
+                    key("expert_shared_count")
+                );
+            }
+            if n_dense_lead != 0 {
+                bail!(
+                    "{} is {n_dense_lead}, but every qwen3moe layer has experts",
+                    key("leading_dense_block_count")
+                );
+            }
+            Routing {
+                gating: Gating::Softmax,
+                normalise: true,
+                scale: 1.0,
+                n_shared: 0,
+                n_group,
+                n_group_used,
+            }
+        }
+        Arch::Dots1 => {
+            let Some(gating) = gating else {
+                bail!("missing {}: dots1 names its gating function", key("expert_gating_func"));
+            };
+            let n_shared = n_shared.with_context(|| format!("missing {}", key("expert_shared_count")))?;
+            if n_shared == 0 {
+                bail!("{} is 0, but dots1 has a shared expert", key("expert_shared_count"));
+            }
+            if n_dense_lead > n_layer {
+                bail!(
+                    "{} is {n_dense_lead}, more than the {n_layer} layers",
+                    key("leading_dense_block_count")
+                );
+            }
+            if n_dense_lead > 0 && n_ff == 0 {
+                bail!(
+                    "{} is {n_dense_lead}, but {} is missing or 0",
+                    key("leading_dense_block_count"),
+                    key("feed_forward_length")
+                );
+            }
+            Routing {
+                gating,
+                normalise: normalise.unwrap_or(false),
+                // As llama.cpp: 0 (the default) and 1 both mean no scale.
+                scale: scale.filter(|&s| s != 0.0).unwrap_or(1.0),
+                n_shared,
+                n_group,
+                n_group_used,
+            }
+        }
+        other => bail!("{} has no mixture of experts", other.name()),
+    };
+    let n_shared = routing.n_shared;
+    if n_shared > 0 && n_ff_exp.checked_mul(n_shared).is_none_or(|w| w > 1 << 24) {
+        bail!("{n_shared} shared experts of width {n_ff_exp} are implausibly wide");
     }
-    if let Some(what) = routing.unsupported() {
-        bail!("this qwen3moe model asks for {what}; computing without it would give wrong output");
+    if routing.grouped() {
+        // llama.cpp asserts these; each group's score is the sum of its best two experts, and the top k must be
+        // found among the kept groups.
+        let (ng, nu) = (n_group, n_group_used);
+        let per = n_expert / ng;
+        if ng >= n_expert || !n_expert.is_multiple_of(ng) || per < 2 || ng > 64 {
+            bail!(
+                "{} is {ng}: expected a divisor of expert_count ({n_expert}) of at most 64 leaving at least two \
+                 experts per group",
+                key("expert_group_count")
+            );
+        }
+        if nu == 0 || nu >= ng || nu * per < n_expert_used {
+            bail!(
+                "{} is {nu}: expected 1 to {} groups holding at least expert_used_count ({n_expert_used}) experts",
+                key("expert_group_used_count"),
+                ng - 1
+            );
+        }
     }
     Ok(Moe {
         n_expert,
         n_expert_used,
         n_ff_exp,
+        n_dense_lead,
         routing,
     })
 }

@@ -5,7 +5,8 @@
 //! llama graph adds Q/K/V biases where present); the loader requires them of qwen2/qwen3 and refuses norms on llama.
 //! Both Qwens rotate the two halves of each head (NeoX RoPE), llama adjacent pairs: [`super::Hparams::rope_type`].
 //! `qwen3moe` is qwen3's block with a mixture of experts for its feed-forward (as llama.cpp's qwen3moe graph is
-//! qwen3's with `build_moe_ffn`): [`blocks::ffn`] runs whichever feed-forward the layer has ([`super::moe`]).
+//! qwen3's with `build_moe_ffn`): [`blocks::ffn`] runs whichever feed-forward the layer has ([`super::moe`]). So is
+//! `dots1` (no GQA, leading dense layers, DeepSeek V3-style routing with a shared expert: data of the same layer).
 
 use super::LayerWeights;
 use super::blocks::{self, Buffers, Step};

@@ -65,6 +65,9 @@ impl LayerWeights {
             Ffn::Dense(d) => v.extend([&mut d.gate, &mut d.up, &mut d.down]),
             Ffn::Moe(m) => {
                 v.push(&mut m.router);
+                if let Some(d) = &mut m.shared {
+                    v.extend([&mut d.gate, &mut d.up, &mut d.down]);
+                }
                 if experts {
                     v.extend(m.gate.mats.iter_mut().chain(&mut m.up.mats).chain(&mut m.down.mats));
                 }
@@ -116,7 +119,14 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
         "ffn_up_exps.weight",
         "ffn_down_exps.weight",
     ];
-    let layer = |t: &str| -> bool {
+    let shared: &[&str] = &[
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+        "exp_probs_b.bias",
+    ];
+    let has_experts = |il: usize| hp.moe.as_ref().is_some_and(|m| m.has_experts(il));
+    let layer = |il: usize, t: &str| -> bool {
         let common = [
             "attn_norm.weight",
             "attn_q.weight",
@@ -132,13 +142,16 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             Arch::Llama | Arch::Qwen2 => &[qkv_bias, dense],
             Arch::Qwen3 => &[qk_norm, dense],
             Arch::Qwen3Moe => &[qk_norm, experts],
+            // Leading dense layers, then experts with a shared expert and the selection bias.
+            Arch::Dots1 if has_experts(il) => &[qk_norm, experts, shared],
+            Arch::Dots1 => &[qk_norm, dense],
             Arch::Gemma3 => &[qk_norm, dense, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
         };
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
     };
     for name in f.tensors.keys() {
         let known = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
-            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer) && layer(t),
+            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer && layer(il, t)),
             None => global(name),
         };
         if !known {
@@ -230,7 +243,8 @@ impl Model {
         let mut layers = Vec::with_capacity(range.len());
         for il in range.clone() {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
-            let ffn = match &hp.moe {
+            let moe = hp.moe.as_ref().filter(|m| m.has_experts(il));
+            let ffn = match moe {
                 None if hp.arch == Arch::Phi3 => {
                     // `ffn_up` holds the gate's rows, then the up projection's (ggml's swiglu of one tensor).
                     let fused = matrix(&p("ffn_up"), e, 2 * hp.n_ff)?;
@@ -250,11 +264,28 @@ impl Model {
                     let experts = |t: &str, cols: usize, rows: usize| {
                         moe::Experts::mapped(f, f.tensor_info(&p(t))?, cols, rows, n_x)
                     };
+                    // The shared experts, as one feed-forward `n_shared * n_ff_exp` wide; all three or none.
+                    let sw = m.routing.n_shared * ff;
+                    let shared = if m.routing.n_shared > 0 {
+                        Some(DenseFfn {
+                            gate: matrix(&p("ffn_gate_shexp"), e, sw)?,
+                            up: matrix(&p("ffn_up_shexp"), e, sw)?,
+                            down: matrix(&p("ffn_down_shexp"), sw, e)?,
+                        })
+                    } else {
+                        None
+                    };
+                    let bias = opt_vector(&format!("blk.{il}.exp_probs_b.bias"), n_x)?;
+                    if let Some(b) = bias.as_ref().and_then(|b| b.iter().find(|v| !v.is_finite())) {
+                        bail!("blk.{il}.exp_probs_b.bias holds {b}, not a finite number");
+                    }
                     Ffn::Moe(moe::MoeWeights {
                         router: matrix(&p("ffn_gate_inp"), e, n_x)?,
                         gate: experts("ffn_gate_exps", e, ff)?,
                         up: experts("ffn_up_exps", e, ff)?,
                         down: experts("ffn_down_exps", ff, e)?,
+                        bias,
+                        shared,
                     })
                 }
             };
@@ -306,7 +337,9 @@ impl Model {
             {
                 bail!("gemma3 layer {il} lacks one of its q/k/post-attention/post-ffn norms");
             }
-            if matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe) && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
+            if matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1)
+                && (lw.q_norm.is_none() || lw.k_norm.is_none())
+            {
                 bail!("{} layer {il} lacks its attn_q_norm/attn_k_norm", hp.arch.name());
             }
             if hp.arch == Arch::Qwen2 && (lw.bq.is_none() || lw.bk.is_none() || lw.bv.is_none()) {
@@ -591,14 +624,29 @@ mod tests {
             ),
             ("expert_gating_func", Some(Value::U32(2)), "Sigmoid"),
             ("expert_gating_func", Some(Value::U32(7)), "expert_gating_func"),
-            ("expert_weights_scale", Some(Value::F32(2.5)), "scale 2.5"),
-            ("expert_shared_count", Some(Value::U32(1)), "1 shared experts"),
+            (
+                "expert_weights_scale",
+                Some(Value::F32(2.5)),
+                "expert_weights_scale is 2.5",
+            ),
+            ("expert_shared_count", Some(Value::U32(1)), "expert_shared_count is 1"),
+            (
+                "leading_dense_block_count",
+                Some(Value::U32(1)),
+                "every qwen3moe layer has experts",
+            ),
             (
                 "expert_weights_norm",
                 Some(Value::Bool(false)),
                 "expert_weights_norm is false",
             ),
-            ("expert_group_count", Some(Value::U32(4)), "expert_group_count"),
+            // Groups are read (llama.cpp applies them to any architecture), and checked.
+            (
+                "expert_group_count",
+                Some(Value::U32(4)),
+                "expert_group_used_count is 0",
+            ),
+            ("expert_group_count", Some(Value::U32(8)), "expert_group_count is 8"),
             // The expert width does not match the tensors'.
             (
                 "expert_feed_forward_length",
@@ -639,6 +687,125 @@ mod tests {
         // A dense architecture with experts is refused, not run without them.
         let e = load_error("qwen3", &[("qwen3.expert_count", Some(Value::U32(8)))], &[], &[]);
         assert!(e.contains("qwen3.expert_count is set") && e.contains("dense"), "{e}");
+    }
+
+    /// The generated dots1: a leading dense layer, then experts with the selection bias and two shared experts (one
+    /// feed-forward 64 wide); sigmoid routing in 2 of 4 groups, renormalised, scaled by 2.5. A token reads the
+    /// router, four experts and the shared ones of each MoE layer.
+    #[test]
+    fn generated_dots1_loads_its_routing_and_shared_experts() {
+        let m = load_edited("dots1", &[], &[], &[]).unwrap();
+        assert_eq!((m.hp.arch, m.hp.rope_type), (Arch::Dots1, RopeType::Neox));
+        let moe = m.hp.moe.clone().unwrap();
+        assert_eq!(
+            (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, moe.n_dense_lead),
+            (16, 4, 32, 1)
+        );
+        let want = Routing {
+            gating: Gating::Sigmoid,
+            normalise: true,
+            scale: 2.5,
+            n_shared: 2,
+            n_group: 4,
+            n_group_used: 2,
+        };
+        assert_eq!(moe.routing, want);
+        let Ffn::Dense(d) = &m.layers[0].ffn else {
+            panic!("dots1 layer 0 is a leading dense layer")
+        };
+        assert_eq!(d.gate.rows, 128);
+        for il in [1, 2] {
+            let Ffn::Moe(x) = &m.layers[il].ffn else {
+                panic!("dots1 layer {il} has experts")
+            };
+            assert_eq!(x.bias.as_ref().map(Vec::len), Some(16));
+            let sh = x.shared.as_ref().expect("shared experts");
+            assert_eq!((sh.gate.rows, sh.up.rows, sh.down.cols), (64, 64, 64));
+        }
+        let attn = 64 * 4 * (4 * 64);
+        let dense = 3 * 64 * 128 * 4;
+        let moe_layer = 16 * 64 * 4 + 4 * 3 * 32 * 64 * 4 + 3 * 64 * 64 * 4;
+        let head = 4096 * 64 * 2;
+        assert_eq!(m.weight_bytes_per_token(), 3 * attn + dense + 2 * moe_layer + head);
+    }
+
+    /// What dots1's routing does not allow, or Baton does not compute, is refused by name.
+    #[test]
+    fn bad_dots1_routing_is_refused() {
+        let k = |s: &str| format!("dots1.{s}");
+        let cases = [
+            ("expert_gating_func", None, "missing dots1.expert_gating_func"),
+            ("expert_gating_func", Some(Value::U32(3)), "expert_gating_func is"),
+            ("expert_shared_count", None, "missing dots1.expert_shared_count"),
+            ("expert_shared_count", Some(Value::U32(0)), "expert_shared_count is 0"),
+            // 16 experts do not split into 3 groups; 4 groups of which 4 are used is no selection.
+            ("expert_group_count", Some(Value::U32(3)), "expert_group_count is 3"),
+            (
+                "expert_group_used_count",
+                Some(Value::U32(4)),
+                "expert_group_used_count is 4",
+            ),
+            (
+                "expert_weights_scale",
+                Some(Value::F32(f32::NAN)),
+                "expert_weights_scale is NaN",
+            ),
+            (
+                "leading_dense_block_count",
+                Some(Value::U32(4)),
+                "more than the 3 layers",
+            ),
+            ("attention.head_count_kv", Some(Value::U32(2)), "as many KV heads"),
+            // The shared experts' width follows the count: 3 × 32 is not the tensors' 64.
+            (
+                "expert_shared_count",
+                Some(Value::U32(3)),
+                "ffn_gate_shexp.weight\" is 64x64, expected 64x96",
+            ),
+        ];
+        for (key, v, want) in cases {
+            let key = k(key);
+            let e = load_error("dots1", &[(key.as_str(), v.clone())], &[], &[]);
+            assert!(e.contains(want), "{key} = {v:?}: {e}");
+        }
+        // A leading dense block count of 0 makes layer 0 a MoE layer without experts; 2 makes layer 1 dense with
+        // experts' tensors: both name the tensor.
+        let lead = k("leading_dense_block_count");
+        let e = load_error("dots1", &[(lead.as_str(), Some(Value::U32(0)))], &[], &[]);
+        assert!(
+            e.contains("\"blk.0.ffn_") && e.contains("is not part of Baton's dots1"),
+            "{e}"
+        );
+        let e = load_error("dots1", &[(lead.as_str(), Some(Value::U32(2)))], &[], &[]);
+        assert!(
+            e.contains("blk.1.") && e.contains("is not part of Baton's dots1"),
+            "{e}"
+        );
+        // Tensors: a missing shared expert, a bias on the dense layer, a shared expert's own router (Qwen 2 MoE's,
+        // which dots1 does not have), a bias of the wrong length or not finite.
+        let e = load_error("dots1", &[], &[], &["blk.2.ffn_down_shexp.weight"]);
+        assert!(e.contains("blk.2.ffn_down_shexp.weight"), "{e}");
+        let e = load_error("dots1", &[], &[("blk.0.exp_probs_b.bias", vec![0.0; 16])], &[]);
+        assert!(
+            e.contains("\"blk.0.exp_probs_b.bias\" is not part of Baton's dots1"),
+            "{e}"
+        );
+        let e = load_error("dots1", &[], &[("blk.1.ffn_gate_inp_shexp.weight", vec![0.0; 64])], &[]);
+        assert!(
+            e.contains("ffn_gate_inp_shexp.weight\" is not part of Baton's dots1"),
+            "{e}"
+        );
+        let b = "blk.1.exp_probs_b.bias";
+        let e = load_error("dots1", &[], &[(b, vec![0.0; 8])], &[b]);
+        assert!(e.contains("exp_probs_b.bias\" has 8 elements, expected 16"), "{e}");
+        let e = load_error("dots1", &[], &[(b, vec![f32::INFINITY; 16])], &[b]);
+        assert!(e.contains("not a finite number"), "{e}");
+        // Without the bias (llama.cpp's dots1 does not require it) the model loads and chooses on probabilities.
+        let m = load_edited("dots1", &[], &[], &[b]).unwrap();
+        let Ffn::Moe(x) = &m.layers[1].ffn else {
+            panic!("experts")
+        };
+        assert!(x.bias.is_none());
     }
 
     #[test]

@@ -1,17 +1,19 @@
-//! The mixture-of-experts feed-forward (`qwen3moe`; llama.cpp's `build_moe_ffn`): a router scores every expert for
-//! each row, the row runs its top-k experts' gated feed-forwards, and their outputs are summed with the routing
-//! weights.
+//! The mixture-of-experts feed-forward (`qwen3moe`, `dots1`; llama.cpp's `build_moe_ffn`): a router scores every
+//! expert for each row, the row runs its top-k experts' gated feed-forwards, their outputs are summed with the
+//! routing weights, and the shared experts' output (where the layer has them) is added.
 //!
 //! - **Weights stay where they are.** An expert tensor is one 3-D tensor in the file (`[cols, rows, n_expert]`);
 //!   expert e's matrix is rows `e*rows..(e+1)*rows` of its 2-D view, and [`Experts`] holds one view per expert into
 //!   the memory map: nothing is copied, and the pages of experts no token picks are never read.
-//! - **Routing is data** ([`super::hparams::Routing`]): the gating function, renormalisation, scale and shared experts
-//!   are fields, so another architecture's routing is another value, not another layer.
+//! - **Routing is data** ([`super::hparams::Routing`]): the gating function, renormalisation, scale, groups and shared
+//!   experts are fields, and the selection bias and shared experts are optional tensors of the layer, so another
+//!   architecture's routing is another value, not another layer.
 //! - **Grouped by expert.** A batch's rows are sorted by the experts they picked; each picked expert runs its matmuls
 //!   once over its gathered rows (so its weights are read once per batch), and the weighted outputs are added back to
 //!   their rows in each row's own top-k order: a row gets the same bits alone (decode, which reads only its k experts)
 //!   or in any batch.
 
+use super::DenseFfn;
 use super::blocks::{Buffers, Step, project};
 use super::hparams::{Gating, Moe, Routing};
 use crate::gguf::{GgufFile, TensorInfo};
@@ -89,13 +91,23 @@ pub struct MoeWeights {
     pub gate: Experts,
     pub up: Experts,
     pub down: Experts,
+    /// `exp_probs_b`: added to each expert's probability for choosing the experts only (DeepSeek V3, dots1); the
+    /// weights are the unbiased probabilities.
+    pub bias: Option<Vec<f32>>,
+    /// The shared experts (`ffn_{gate,up,down}_shexp`), one gated feed-forward that every row runs, added to the
+    /// routed sum.
+    pub shared: Option<DenseFfn>,
 }
 
 impl MoeWeights {
-    /// Bytes one token reads: the router and `k` experts' three matrices.
+    /// Bytes one token reads: the router, `k` experts' three matrices and the shared experts.
     pub fn active_bytes(&self, k: usize) -> usize {
         let one = |x: &Experts| x.mats.first().map_or(0, Matrix::size_bytes);
-        self.router.size_bytes() + k * (one(&self.gate) + one(&self.up) + one(&self.down))
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |d| d.gate.size_bytes() + d.up.size_bytes() + d.down.size_bytes());
+        self.router.size_bytes() + k * (one(&self.gate) + one(&self.up) + one(&self.down)) + shared
     }
 }
 
@@ -131,6 +143,8 @@ pub struct MoeScratch {
     group: Grouping,
     /// Each pick's weighted expert output, `[n_rows, k, n_embd]`.
     out: Vec<f32>,
+    /// The shared experts' output, `[n_rows, n_embd]` (empty without shared experts).
+    shared: Vec<f32>,
     /// With a remote peer: whether expert e runs there this pass, the picks sent and where each one's output goes.
     remote_expert: Vec<bool>,
     remote: Vec<Pick>,
@@ -159,7 +173,8 @@ impl MoeScratch {
         let floats = [m.n_expert, n_embd, m.n_ff_exp, n_embd]
             .iter()
             .fold(0usize, |n, &w| n.saturating_add(n_rows.saturating_mul(w)))
-            .saturating_add(slots.saturating_mul(n_embd));
+            .saturating_add(slots.saturating_mul(n_embd))
+            .saturating_add(Self::shared_len(m, n_embd, n_rows));
         // order and remote_at; start, next and by_load.
         let words = slots.saturating_mul(2).saturating_add(3 * m.n_expert + 1);
         // picks and remote.
@@ -170,6 +185,14 @@ impl MoeScratch {
             .saturating_add(words.saturating_mul(std::mem::size_of::<usize>()))
             .saturating_add(picks)
             .saturating_add(m.n_expert)
+    }
+
+    fn shared_len(m: &Moe, n_embd: usize, n_rows: usize) -> usize {
+        if m.routing.n_shared > 0 {
+            n_rows.saturating_mul(n_embd)
+        } else {
+            0
+        }
     }
 
     pub fn new(m: &Moe, n_embd: usize, n_rows: usize) -> MoeScratch {
@@ -193,6 +216,7 @@ impl MoeScratch {
                 yg: vec![0.0; n_rows * n_embd],
             },
             out: vec![0.0; slots * n_embd],
+            shared: vec![0.0; Self::shared_len(m, n_embd, n_rows)],
             remote_expert: vec![false; m.n_expert],
             remote: Vec::with_capacity(slots),
             remote_at: Vec::with_capacity(slots),
@@ -200,30 +224,91 @@ impl MoeScratch {
         }
     }
 }
-/// Chooses one row's experts from its router `logits` into `picks` (`k` of them), in descending order of
-/// probability, the lowest index first among equals, with their weights as `r` says. Softmax probabilities are
-/// computed as ggml's `soft_max` does (max subtracted, the sum in f64, one multiply by its inverse); renormalised
-/// weights divide by their sum, clamped to f16's smallest normal as llama.cpp clamps it.
-pub fn route(logits: &[f32], r: &Routing, picks: &mut [(usize, f32)]) {
-    debug_assert_eq!(r.gating, Gating::Softmax, "the loader refuses other gating functions");
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
-    let inv = (1.0 / sum) as f32;
-    let prob = |e: usize| (logits[e] - max).exp() * inv;
+/// Chooses one row's experts from its router `logits` into `picks` (`k` of them), as llama.cpp's `build_moe_ffn`:
+/// 1. the logits become probabilities in place (`logits` holds them afterwards): softmax as ggml's `soft_max` (max
+///    subtracted, the sum in f64, one multiply by its inverse), or sigmoid `1 / (1 + e^-x)`;
+/// 2. an expert's selection score is its probability plus its `bias` (`exp_probs_b`), if the layer has one;
+/// 3. with groups, each group scores the sum of its two best selection scores, and only the `n_group_used` best
+///    groups' experts may be chosen;
+/// 4. the top k by selection score, in descending order, the lowest index first among equals (a NaN ranks below
+///    every number);
+/// 5. their weights are their unbiased probabilities, renormalised to sum to 1 if `r.normalise` (the sum clamped to
+///    f16's smallest normal as llama.cpp clamps it), then multiplied by `r.scale`.
+pub fn route(logits: &mut [f32], bias: Option<&[f32]>, r: &Routing, picks: &mut [(usize, f32)]) {
+    match r.gating {
+        Gating::Softmax => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f64;
+            for l in logits.iter_mut() {
+                *l = (*l - max).exp();
+                // A NaN logit (a broken model) stays NaN, ranks last, and leaves the others' probabilities alone.
+                if !l.is_nan() {
+                    sum += f64::from(*l);
+                }
+            }
+            let inv = (1.0 / sum) as f32;
+            for l in logits.iter_mut() {
+                *l *= inv;
+            }
+        }
+        Gating::Sigmoid => {
+            for l in logits.iter_mut() {
+                *l = 1.0 / (1.0 + (-*l).exp());
+            }
+        }
+    }
+    let probs: &[f32] = logits;
+    let score = |e: usize| match bias {
+        Some(b) => probs[e] + b[e],
+        None => probs[e],
+    };
+    // Strictly greater: the lowest index wins a tie; a NaN ranks below every number.
+    let better = |a: f32, b: f32| a > b || (b.is_nan() && !a.is_nan());
+
+    // Groups kept, as a bit mask (at most 64 groups, checked at load); all experts without groups.
+    let n_x = probs.len();
+    let per = if r.grouped() { n_x / r.n_group } else { n_x };
+    let mut kept: u64 = if r.grouped() { 0 } else { 1 };
+    if r.grouped() {
+        let group_score = |gi: usize| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for e in gi * per..(gi + 1) * per {
+                let s = score(e);
+                if better(s, a) {
+                    b = a;
+                    a = s;
+                } else if better(s, b) {
+                    b = s;
+                }
+            }
+            a + b
+        };
+        for _ in 0..r.n_group_used {
+            let mut best: Option<(usize, f32)> = None;
+            for gi in (0..r.n_group).filter(|&gi| kept & (1 << gi) == 0) {
+                let s = group_score(gi);
+                if best.is_none_or(|(_, bs)| better(s, bs)) {
+                    best = Some((gi, s));
+                }
+            }
+            let (gi, _) = best.expect("n_group_used < n_group, checked at load");
+            kept |= 1 << gi;
+        }
+    }
+    let allowed = |e: usize| kept & (1 << (e / per)) != 0;
+
     for j in 0..picks.len() {
         let mut best: Option<usize> = None;
-        for e in 0..logits.len() {
+        for e in (0..n_x).filter(|&e| allowed(e)) {
             if picks[..j].iter().any(|&(p, _)| p == e) {
                 continue;
             }
-            // Strictly greater: the lowest index wins a tie. A NaN logit (a broken model) ranks below every number
-            // and picks nothing it should not: a row of NaNs picks 0, 1, ...
-            if best.is_none_or(|b| logits[e] > logits[b] || (logits[b].is_nan() && !logits[e].is_nan())) {
+            if best.is_none_or(|b| better(score(e), score(b))) {
                 best = Some(e);
             }
         }
-        let e = best.expect("k <= n_expert, checked at load");
-        picks[j] = (e, prob(e));
+        let e = best.expect("k <= the experts of the kept groups, checked at load");
+        picks[j] = (e, probs[e]);
     }
     if r.normalise {
         let sum = picks.iter().map(|&(_, w)| f64::from(w)).sum::<f64>() as f32;
@@ -246,13 +331,28 @@ pub fn route(logits: &[f32], r: &Routing, picks: &mut [(usize, f32)]) {
 pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
     let moe = s.hp.moe.as_ref().expect("a layer with experts has MoE hyperparameters");
     let (n, e, k, n_x) = (s.n_tok, s.hp.n_embd, moe.n_expert_used, moe.n_expert);
-    let Buffers { xn, sc, moe: ms, .. } = b;
+    let Buffers {
+        xn, sc, moe: ms, work, ..
+    } = b;
     let ms = ms.as_mut().expect("a MoE model's scratch has the MoE buffers");
+
+    // The shared experts first, while `xn` still holds the input (their hidden activations in the working buffer,
+    // free during the feed-forward).
+    if let Some(d) = &m.shared {
+        let h = &mut work[..n * d.gate.rows];
+        s.be.matmul_glu(s.pool, &d.gate, &d.up, Glu::Silu, &xn[..n * e], n, h, sc);
+        project(s, &d.down, h, &mut ms.shared, sc);
+    }
 
     project(s, &m.router, xn, &mut ms.logits, sc);
     for t in 0..n {
         let top = &mut ms.top[t * k..(t + 1) * k];
-        route(&ms.logits[t * n_x..(t + 1) * n_x], &moe.routing, top);
+        route(
+            &mut ms.logits[t * n_x..(t + 1) * n_x],
+            m.bias.as_deref(),
+            &moe.routing,
+            top,
+        );
         for (j, &(ex, w)) in top.iter().enumerate() {
             ms.picks[t * k + j] = Pick {
                 row: t as u32,
@@ -302,13 +402,18 @@ pub fn ffn(s: &Step, m: &MoeWeights, b: &mut Buffers) {
         }
     }
 
-    // Each row's weighted outputs summed in its top-k order, as llama.cpp's chain of adds.
+    // Each row's weighted outputs summed in its top-k order, as llama.cpp's chain of adds, then the shared experts'.
     for t in 0..n {
         let row = &mut xn[t * e..(t + 1) * e];
         row.copy_from_slice(&ms.out[t * k * e..(t * k + 1) * e]);
         for j in 1..k {
             let slot = t * k + j;
             for (o, &v) in row.iter_mut().zip(&ms.out[slot * e..(slot + 1) * e]) {
+                *o += v;
+            }
+        }
+        if m.shared.is_some() {
+            for (o, &v) in row.iter_mut().zip(&ms.shared[t * e..(t + 1) * e]) {
                 *o += v;
             }
         }
@@ -443,27 +548,37 @@ mod tests {
     use crate::model::{Ffn, Model};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+    use std::path::Path;
 
     #[test]
     fn scratch_bytes_are_what_new_allocates() {
-        let m = Moe {
-            n_expert: 8,
-            n_expert_used: 2,
-            n_ff_exp: 96,
-            routing: softmax(),
-        };
-        for n_rows in [1, 7, 64] {
-            let s = MoeScratch::new(&m, 40, n_rows);
-            let g = &s.group;
-            let f32s = s.logits.len() + g.xg.len() + g.hg.len() + g.yg.len() + s.out.len();
-            let words = g.order.len() + g.start.len() + g.next.len() + s.remote_at.capacity() + s.by_load.capacity();
-            let picks = (s.picks.len() + s.remote.capacity()) * std::mem::size_of::<Pick>();
-            let held = 4 * f32s
-                + s.top.len() * std::mem::size_of::<(usize, f32)>()
-                + 8 * words
-                + picks
-                + s.remote_expert.len();
-            assert_eq!(MoeScratch::bytes_for(&m, 40, n_rows), held, "{n_rows} rows");
+        for n_shared in [0, 2] {
+            let m = Moe {
+                n_expert: 8,
+                n_expert_used: 2,
+                n_ff_exp: 96,
+                n_dense_lead: 0,
+                routing: Routing { n_shared, ..softmax() },
+            };
+            for n_rows in [1, 7, 64] {
+                let s = MoeScratch::new(&m, 40, n_rows);
+                assert_eq!(s.shared.len(), if n_shared > 0 { n_rows * 40 } else { 0 });
+                let g = &s.group;
+                let f32s = s.logits.len() + g.xg.len() + g.hg.len() + g.yg.len() + s.out.len() + s.shared.len();
+                let words =
+                    g.order.len() + g.start.len() + g.next.len() + s.remote_at.capacity() + s.by_load.capacity();
+                let picks = (s.picks.len() + s.remote.capacity()) * std::mem::size_of::<Pick>();
+                let held = 4 * f32s
+                    + s.top.len() * std::mem::size_of::<(usize, f32)>()
+                    + 8 * words
+                    + picks
+                    + s.remote_expert.len();
+                assert_eq!(
+                    MoeScratch::bytes_for(&m, 40, n_rows),
+                    held,
+                    "{n_rows} rows, {n_shared} shared"
+                );
+            }
         }
     }
 
@@ -473,7 +588,14 @@ mod tests {
             normalise: true,
             scale: 1.0,
             n_shared: 0,
+            n_group: 0,
+            n_group_used: 0,
         }
+    }
+
+    /// [`route`] of a copy of `logits` (which it turns into probabilities).
+    fn routed(logits: &[f32], bias: Option<&[f32]>, r: &Routing, picks: &mut [(usize, f32)]) {
+        route(&mut logits.to_vec(), bias, r, picks);
     }
 
     /// Logits ln 1, ln 2, ln 4, ln 3 give probabilities 0.1, 0.2, 0.4, 0.3: the top two are experts 2 and 3, and
@@ -482,7 +604,7 @@ mod tests {
     fn top_k_and_renormalised_weights() {
         let logits = [1.0f32, 2.0, 4.0, 3.0].map(f32::ln);
         let mut picks = [(9, 0.0); 2];
-        route(&logits, &softmax(), &mut picks);
+        routed(&logits, None, &softmax(), &mut picks);
         assert_eq!((picks[0].0, picks[1].0), (2, 3));
         assert!((picks[0].1 - 4.0 / 7.0).abs() < 1e-6, "{picks:?}");
         assert!((picks[1].1 - 3.0 / 7.0).abs() < 1e-6, "{picks:?}");
@@ -491,7 +613,7 @@ mod tests {
             normalise: false,
             ..softmax()
         };
-        route(&logits, &raw, &mut picks);
+        routed(&logits, None, &raw, &mut picks);
         assert!(
             (picks[0].1 - 0.4).abs() < 1e-6 && (picks[1].1 - 0.3).abs() < 1e-6,
             "{picks:?}"
@@ -501,12 +623,12 @@ mod tests {
             scale: 2.5,
             ..softmax()
         };
-        route(&logits, &scaled, &mut picks);
+        routed(&logits, None, &scaled, &mut picks);
         assert!((picks[0].1 - 2.5 * 4.0 / 7.0).abs() < 1e-5, "{picks:?}");
 
         // k = n_expert: every expert, the weights are the probabilities themselves.
         let mut all = [(9, 0.0); 4];
-        route(&logits, &softmax(), &mut all);
+        routed(&logits, None, &softmax(), &mut all);
         assert_eq!(all.map(|p| p.0), [2, 3, 1, 0]);
         assert!((all.iter().map(|p| p.1).sum::<f32>() - 1.0).abs() < 1e-6);
         assert!((all[3].1 - 0.1).abs() < 1e-6, "{all:?}");
@@ -517,15 +639,185 @@ mod tests {
     fn ties_go_to_the_lowest_index() {
         let logits = [0.5f32, 2.0, -1.0, 2.0, 2.0];
         let mut picks = [(9, 0.0); 2];
-        route(&logits, &softmax(), &mut picks);
+        routed(&logits, None, &softmax(), &mut picks);
         assert_eq!((picks[0].0, picks[1].0), (1, 3));
         assert_eq!(picks[0].1, picks[1].1);
         assert!((picks[0].1 - 0.5).abs() < 1e-6);
         let mut one = [(9, 0.0)];
-        route(&[3.0, 3.0, 3.0], &softmax(), &mut one);
+        routed(&[3.0, 3.0, 3.0], None, &softmax(), &mut one);
         assert_eq!(one, [(0, 1.0)]);
-        route(&[f32::NAN, 1.0, 2.0], &softmax(), &mut picks);
+        routed(&[f32::NAN, 1.0, 2.0], None, &softmax(), &mut picks);
         assert_eq!((picks[0].0, picks[1].0), (2, 1));
+    }
+
+    fn sigmoid() -> Routing {
+        Routing {
+            gating: Gating::Sigmoid,
+            normalise: false,
+            scale: 1.0,
+            ..softmax()
+        }
+    }
+
+    /// Sigmoid gating: logits 0, ln 3, ln 4, -ln 3 give probabilities 1/2, 3/4, 4/5, 1/4. Without a bias the top two
+    /// are experts 2 and 1; a bias of +0.6 on expert 0 makes it the first choice, but its weight stays its unbiased
+    /// 1/2. Renormalised and scaled by 2.5, the weights are 2.5 · (1/2, 4/5) / 1.3.
+    #[test]
+    fn sigmoid_gating_and_a_selection_bias_that_only_chooses() {
+        let logits = [0.0f32, 3.0f32.ln(), 4.0f32.ln(), -(3.0f32.ln())];
+        let mut picks = [(9, 0.0); 2];
+        routed(&logits, None, &sigmoid(), &mut picks);
+        assert_eq!((picks[0].0, picks[1].0), (2, 1));
+        assert!(
+            (picks[0].1 - 0.8).abs() < 1e-6 && (picks[1].1 - 0.75).abs() < 1e-6,
+            "{picks:?}"
+        );
+
+        let bias = [0.6f32, 0.0, 0.0, 0.0];
+        routed(&logits, Some(&bias), &sigmoid(), &mut picks);
+        assert_eq!((picks[0].0, picks[1].0), (0, 2), "0 scores 1.1, 2 scores 0.8");
+        assert!(
+            (picks[0].1 - 0.5).abs() < 1e-6 && (picks[1].1 - 0.8).abs() < 1e-6,
+            "{picks:?}"
+        );
+
+        let r = Routing {
+            normalise: true,
+            scale: 2.5,
+            ..sigmoid()
+        };
+        routed(&logits, Some(&bias), &r, &mut picks);
+        assert!((picks[0].1 - 2.5 * 0.5 / 1.3).abs() < 1e-6, "{picks:?}");
+        assert!((picks[1].1 - 2.5 * 0.8 / 1.3).abs() < 1e-6, "{picks:?}");
+
+        // A negative bias removes an expert that would win on its probability alone; the probabilities are left in
+        // the logits' place.
+        let mut probs = logits.to_vec();
+        route(&mut probs, Some(&[0.0, 0.0, -1.0, 0.0]), &sigmoid(), &mut picks);
+        assert_eq!((picks[0].0, picks[1].0), (1, 0));
+        assert!((probs[3] - 0.25).abs() < 1e-6, "{probs:?}");
+    }
+
+    /// Groups: 8 experts in 4 groups of 2, the best 2 groups kept. Expert 0 has the highest score, but its group
+    /// (0, 1) sums to 0.9 + 0.0 and loses to groups (4, 5) and (6, 7), which sum to 1.4 and 1.2; the top 3 are then
+    /// chosen among experts 4..8 only.
+    #[test]
+    fn groups_keep_the_best_pairs_and_choose_within_them() {
+        let r = Routing {
+            n_group: 4,
+            n_group_used: 2,
+            ..sigmoid()
+        };
+        let probs = [0.9f32, 0.0, 0.5, 0.5, 0.7, 0.7, 0.8, 0.4];
+        // Logits whose sigmoids are these probabilities (0 for 0 via a very negative logit).
+        let logits: Vec<f32> = probs
+            .iter()
+            .map(|&p| if p == 0.0 { -200.0 } else { (p / (1.0 - p)).ln() })
+            .collect();
+        let mut picks = [(9, 0.0); 3];
+        routed(&logits, None, &r, &mut picks);
+        assert_eq!(picks.map(|p| p.0), [6, 4, 5]);
+        // Without groups expert 0 wins.
+        routed(&logits, None, &sigmoid(), &mut picks);
+        assert_eq!(picks.map(|p| p.0), [0, 6, 4]);
+        // The bias counts in the group scores too: +0.6 on expert 1 makes group (0, 1) the best (1.5).
+        let mut bias = [0.0f32; 8];
+        bias[1] = 0.6;
+        routed(&logits, Some(&bias), &r, &mut picks);
+        assert_eq!(
+            picks.map(|p| p.0),
+            [0, 4, 5],
+            "groups (0, 1) and (4, 5); 5 ties 4 and loses on index"
+        );
+    }
+
+    /// The router against a plain one written from llama.cpp's description (sort, not scan): random logits, biases
+    /// and routings, gating softmax and sigmoid, with and without groups, renormalisation and scale.
+    #[test]
+    fn route_matches_a_plain_reference() {
+        fn reference(logits: &[f32], bias: Option<&[f32]>, r: &Routing, k: usize) -> Vec<(usize, f32)> {
+            let n = logits.len();
+            let probs: Vec<f32> = match r.gating {
+                Gating::Softmax => {
+                    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+                    let inv = (1.0 / sum) as f32;
+                    logits.iter().map(|&l| (l - max).exp() * inv).collect()
+                }
+                Gating::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+            };
+            let mut sel: Vec<f32> = (0..n).map(|e| probs[e] + bias.map_or(0.0, |b| b[e])).collect();
+            // Sorts by descending score, the lower index first among equals (a stable sort).
+            let top = |v: &[f32], m: usize| -> Vec<usize> {
+                let mut idx: Vec<usize> = (0..v.len()).collect();
+                idx.sort_by(|&a, &b| v[b].partial_cmp(&v[a]).unwrap());
+                idx.truncate(m);
+                idx
+            };
+            if r.n_group > 1 {
+                let per = n / r.n_group;
+                let scores: Vec<f32> = (0..r.n_group)
+                    .map(|g| {
+                        let grp = &sel[g * per..(g + 1) * per];
+                        let t = top(grp, 2);
+                        grp[t[0]] + grp[t[1]]
+                    })
+                    .collect();
+                let kept = top(&scores, r.n_group_used);
+                for (e, s) in sel.iter_mut().enumerate() {
+                    if !kept.contains(&(e / per)) {
+                        *s = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let mut w: Vec<(usize, f32)> = top(&sel, k).into_iter().map(|e| (e, probs[e])).collect();
+            if r.normalise {
+                let sum = (w.iter().map(|p| f64::from(p.1)).sum::<f64>() as f32).max(6.103_515_6e-5);
+                w.iter_mut().for_each(|p| p.1 /= sum);
+            }
+            w.iter_mut().for_each(|p| p.1 *= r.scale);
+            w
+        }
+
+        let mut rng = StdRng::seed_from_u64(3);
+        for case in 0..2000 {
+            let (n_group, n_group_used, per) = match case % 3 {
+                0 => (0, 0, 16),
+                1 => (4, 2, 4),
+                _ => (8, 3, 4),
+            };
+            let n = if n_group > 1 { n_group * per } else { per };
+            let r = Routing {
+                gating: if case % 2 == 0 {
+                    Gating::Sigmoid
+                } else {
+                    Gating::Softmax
+                },
+                normalise: case % 5 != 0,
+                scale: if case % 4 == 0 { 2.5 } else { 1.0 },
+                n_shared: 0,
+                n_group,
+                n_group_used,
+            };
+            let k = rng.gen_range(1..=n_group_used.max(1) * per).min(8);
+            let logits: Vec<f32> = (0..n).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+            let bias: Vec<f32> = (0..n).map(|_| rng.gen_range(-0.5f32..0.5)).collect();
+            let bias = (case % 7 != 0).then_some(&bias[..]);
+            let mut picks = vec![(0, 0.0); k];
+            routed(&logits, bias, &r, &mut picks);
+            let want = reference(&logits, bias, &r, k);
+            assert_eq!(
+                picks.iter().map(|p| p.0).collect::<Vec<_>>(),
+                want.iter().map(|p| p.0).collect::<Vec<_>>(),
+                "case {case}: {r:?}"
+            );
+            for (p, w) in picks.iter().zip(&want) {
+                assert!(
+                    (p.1 - w.1).abs() <= 1e-6 * w.1.abs().max(1.0),
+                    "case {case}: {picks:?} vs {want:?}"
+                );
+            }
+        }
     }
 
     /// Layer `il`'s mixture over the rows of `x` in one pass of `n_rows`-row buffers.
@@ -587,73 +879,86 @@ mod tests {
         );
     }
 
-    /// On a random-weight qwen3moe: a batch of rows grouped by expert gives each row the bits it gets alone (a
-    /// decode step), and both are the mixture computed the plain way (every expert's matrices as f32, f64 sums).
+    /// `down(silu(gate · x) * (up · x))` with f64 dot products: a feed-forward computed the plain way.
+    fn plain_glu(gate: &Matrix, up: &Matrix, down: &Matrix, x: &[f32]) -> Vec<f64> {
+        let (g, u, d) = (gate.to_f32(), up.to_f32(), down.to_f32());
+        let dot = |m: &[f32], v: &[f32], i: usize| -> f64 {
+            m[i * v.len()..(i + 1) * v.len()]
+                .iter()
+                .zip(v)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum()
+        };
+        let h: Vec<f32> = (0..gate.rows)
+            .map(|i| {
+                let (gv, uv) = (dot(&g, x, i), dot(&u, x, i));
+                (gv / (1.0 + (-gv).exp()) * uv) as f32
+            })
+            .collect();
+        (0..down.rows).map(|o| dot(&d, &h, o)).collect()
+    }
+
+    /// On a random-weight qwen3moe and on the generated dots1 (sigmoid gating, selection bias, groups, scale, two
+    /// shared experts): a batch of rows grouped by expert gives each row the bits it gets alone (a decode step), and
+    /// both are the mixture computed the plain way (every expert's matrices as f32, f64 sums, the shared experts'
+    /// output added).
     #[test]
     fn grouped_batch_matches_rows_alone_and_the_plain_sum() {
         let dir = tempfile::tempdir().unwrap();
-        let m = crate::engine::batch::tests::tiny(crate::model::Arch::Qwen3Moe, dir.path());
-        let (e, n) = (m.hp.n_embd, 40);
-        let moe = m.hp.moe.clone().unwrap();
-        let mut rng = StdRng::seed_from_u64(7);
-        let x: Vec<f32> = (0..n * e).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
-        for numerics in [Numerics::Fast, Numerics::Ggml] {
-            for il in [0, 3] {
-                let batch = run_ffn(&m, il, &x, numerics);
-                let mut used = vec![false; moe.n_expert];
-                for t in 0..n {
-                    let row = &x[t * e..(t + 1) * e];
-                    let alone = run_ffn(&m, il, row, numerics);
-                    assert!(
-                        alone == batch[t * e..(t + 1) * e],
-                        "{numerics:?} layer {il} row {t}: the batch changed its bits"
-                    );
-
-                    let Ffn::Moe(w) = &m.layer(il).ffn else { unreachable!() };
-                    let router = w.router.to_f32();
-                    let logits: Vec<f32> = router
-                        .chunks(e)
-                        .map(|r| r.iter().zip(row).map(|(a, b)| f64::from(a * b)).sum::<f64>() as f32)
-                        .collect();
-                    let mut picks = vec![(0, 0.0); moe.n_expert_used];
-                    route(&logits, &moe.routing, &mut picks);
-                    let mut want = vec![0.0f64; e];
-                    for &(ex, wt) in &picks {
-                        used[ex] = true;
-                        let (g, u, d) = (
-                            w.gate.mats[ex].to_f32(),
-                            w.up.mats[ex].to_f32(),
-                            w.down.mats[ex].to_f32(),
+        let qwen = crate::engine::batch::tests::tiny(crate::model::Arch::Qwen3Moe, dir.path());
+        let dots = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/dots1.gguf");
+        let dots = Arc::new(Model::load(&dots).unwrap());
+        assert!(dots.hp.moe.as_ref().unwrap().routing.n_shared > 0);
+        for (m, layers) in [(&qwen, [0, 3]), (&dots, [1, 2])] {
+            let (e, n) = (m.hp.n_embd, 40);
+            let moe = m.hp.moe.clone().unwrap();
+            let mut rng = StdRng::seed_from_u64(7);
+            let x: Vec<f32> = (0..n * e).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+            let arch = m.hp.arch.name();
+            for numerics in [Numerics::Fast, Numerics::Ggml] {
+                for il in layers {
+                    let batch = run_ffn(m, il, &x, numerics);
+                    let mut used = vec![false; moe.n_expert];
+                    for t in 0..n {
+                        let row = &x[t * e..(t + 1) * e];
+                        let alone = run_ffn(m, il, row, numerics);
+                        assert!(
+                            alone == batch[t * e..(t + 1) * e],
+                            "{arch} {numerics:?} layer {il} row {t}: the batch changed its bits"
                         );
-                        let dot = |m: &[f32], v: &[f32], i: usize| -> f64 {
-                            m[i * v.len()..(i + 1) * v.len()]
-                                .iter()
-                                .zip(v)
-                                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                                .sum()
-                        };
-                        let h: Vec<f32> = (0..moe.n_ff_exp)
-                            .map(|i| {
-                                let (gv, uv) = (dot(&g, row, i), dot(&u, row, i));
-                                (gv / (1.0 + (-gv).exp()) * uv) as f32
-                            })
+
+                        let Ffn::Moe(w) = &m.layer(il).ffn else { unreachable!() };
+                        let router = w.router.to_f32();
+                        let logits: Vec<f32> = router
+                            .chunks(e)
+                            .map(|r| r.iter().zip(row).map(|(a, b)| f64::from(a * b)).sum::<f64>() as f32)
                             .collect();
-                        for (o, wo) in want.iter_mut().enumerate() {
-                            *wo += f64::from(wt) * dot(&d, &h, o);
+                        let mut picks = vec![(0, 0.0); moe.n_expert_used];
+                        routed(&logits, w.bias.as_deref(), &moe.routing, &mut picks);
+                        let mut want = match &w.shared {
+                            Some(d) => plain_glu(&d.gate, &d.up, &d.down, row),
+                            None => vec![0.0f64; e],
+                        };
+                        for &(ex, wt) in &picks {
+                            used[ex] = true;
+                            let y = plain_glu(&w.gate.mats[ex], &w.up.mats[ex], &w.down.mats[ex], row);
+                            for (wo, yo) in want.iter_mut().zip(y) {
+                                *wo += f64::from(wt) * yo;
+                            }
                         }
+                        let err = want
+                            .iter()
+                            .zip(&alone)
+                            .map(|(a, b)| (*a as f32 - b).abs())
+                            .fold(0.0, f32::max);
+                        assert!(
+                            err < 1e-3,
+                            "{arch} {numerics:?} layer {il} row {t}: differs from the plain sum by {err}"
+                        );
                     }
-                    let err = want
-                        .iter()
-                        .zip(&alone)
-                        .map(|(a, b)| (*a as f32 - b).abs())
-                        .fold(0.0, f32::max);
-                    assert!(
-                        err < 1e-3,
-                        "{numerics:?} layer {il} row {t}: differs from the plain sum by {err}"
-                    );
+                    // The rows spread over several experts, so the grouping is exercised.
+                    assert!(used.iter().filter(|&&u| u).count() >= 4, "{arch}: {used:?}");
                 }
-                // The rows spread over several experts, so the grouping is exercised.
-                assert!(used.iter().filter(|&&u| u).count() >= 4, "{used:?}");
             }
         }
     }

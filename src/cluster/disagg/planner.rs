@@ -82,9 +82,9 @@ impl Speeds {
 pub fn attn_ratio(hp: &crate::model::Hparams) -> f64 {
     let (e, q, kv) = (hp.n_embd as f64, hp.n_head as f64, hp.n_head_kv as f64);
     let (dk, dv, ff) = (hp.head_dim_k as f64, hp.head_dim_v as f64, hp.n_ff as f64);
-    // A mixture's token runs its router and its k experts, not every expert.
+    // A mixture's token runs its router, its k experts and the shared ones, not every expert.
     let ffn = match &hp.moe {
-        Some(m) => 3.0 * e * (m.n_expert_used * m.n_ff_exp) as f64 + e * m.n_expert as f64,
+        Some(m) => 3.0 * e * ((m.n_expert_used + m.routing.n_shared) * m.n_ff_exp) as f64 + e * m.n_expert as f64,
         None => 3.0 * e * ff,
     };
     let matmul = e * q * dk + e * kv * (dk + dv) + q * dv * e + ffn;
