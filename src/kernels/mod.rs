@@ -84,8 +84,9 @@ pub fn quantize_activations(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
 pub use table::{DotFn, Kernels, MULTI, MultiDotFn, QKernel, QuantFn};
 
 impl Kernels {
-    /// The best table this CPU supports. `BATON_ISA=scalar|avx2|avx512` (x86-64) or `BATON_ISA=scalar|neon`
-    /// (AArch64, `neon` without the dot-product instructions) picks a lower one (benchmarks, debugging).
+    /// The best table this CPU supports. `BATON_ISA=scalar|avx2|avx512` (x86-64; `avx512` without VNNI) or
+    /// `BATON_ISA=scalar|neon` (AArch64, `neon` without the dot-product instructions) picks a lower one (benchmarks,
+    /// debugging).
     pub fn detect() -> Kernels {
         let want = std::env::var("BATON_ISA").unwrap_or_default();
         #[cfg(target_arch = "x86_64")]

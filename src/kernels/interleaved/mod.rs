@@ -121,10 +121,16 @@ pub enum Level {
 
 impl Level {
     /// The level of kernel table `k`. Tables are only built for CPUs that run them, so the level runs here too.
+    /// `BATON_ISA=avx512` asks for AVX-512 without VNNI, so that level can be measured on a CPU that has VNNI.
     pub fn of(k: &crate::kernels::Kernels) -> Level {
         match k.isa {
             #[cfg(target_arch = "x86_64")]
-            "avx512" if std::arch::is_x86_feature_detected!("avx512vnni") => Level::Vnni,
+            "avx512"
+                if std::arch::is_x86_feature_detected!("avx512vnni")
+                    && std::env::var("BATON_ISA").map_or(true, |v| v != "avx512") =>
+            {
+                Level::Vnni
+            }
             "avx512" => Level::Avx512,
             "avx2" => Level::Avx2,
             _ => Level::Scalar,
@@ -166,8 +172,8 @@ pub fn dot_group(ty: GgmlType, nb: usize, w: &[u8], x: &[u8], xs: usize, n: usiz
     dot_group_with(level(), ty, nb, w, x, xs, n, out)
 }
 
-/// Whether the dispatched kernels are the VNNI ones (AVX512-VNNI, and `BATON_ISA` does not ask for less than
-/// AVX-512).
+/// Whether the dispatched kernels are the VNNI ones (AVX512-VNNI, and `BATON_ISA` asks for no level, or
+/// none below AVX-512 with VNNI).
 pub fn vnni() -> bool {
     level() == Level::Vnni
 }
