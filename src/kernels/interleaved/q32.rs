@@ -18,7 +18,9 @@
 
 use super::group::ROWS;
 use crate::gguf::GgmlType;
-use crate::kernels::blocks32::{self, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::blocks32::Q8_1_BYTES;
+use crate::kernels::blocks32::{self, Q4_1_BYTES, Q5_0_BYTES, Q8_0_BYTES};
 
 /// Bytes of one block of `ty` and of its f16 header.
 pub(super) fn block_shape(ty: GgmlType) -> (usize, usize) {

@@ -12,8 +12,8 @@
 //! in its high ones) and each 4-byte quad `k` of it, `qs_r[32j + 4k..32j + 4k + 4]` for `r` in 0..16. Rows past the
 //! last whole group stay row-major after the groups.
 
-#[cfg(any(target_arch = "x86_64", test))]
 use super::group::ROWS;
+#[cfg(any(target_arch = "x86_64", test))]
 use crate::kernels::kquants::Q8_K_BYTES;
 use crate::kernels::kquants::{Q4_K_BYTES, scale_min_k4};
 
