@@ -66,7 +66,7 @@ fn source(ty: GgmlType, kernel: &str) -> String {
             .replace("$W", buf)
             .replace("$F", suffix)
     };
-    module(&[wgsl::ACT, &quant("wa", "a"), &quant("wb", "b"), kernel])
+    module(&[wgsl::ACT, wgsl::MATMUL_IO, &quant("wa", "a"), &quant("wb", "b"), kernel])
 }
 
 /// The activation's code in `act.wgsl`.

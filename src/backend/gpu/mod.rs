@@ -38,6 +38,7 @@ use wgpu::util::DeviceExt;
 mod wgsl {
     pub const ACT: &str = include_str!("shaders/act.wgsl");
     pub const QUANT: &str = include_str!("shaders/quant.wgsl");
+    pub const MATMUL_IO: &str = include_str!("shaders/matmul_io.wgsl");
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
     pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");

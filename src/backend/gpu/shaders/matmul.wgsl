@@ -8,26 +8,6 @@
 // costs more than a whole row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see
 // device::grid) and z over the token tiles.
 
-struct Params {
-    rows: u32,
-    cols: u32,
-    n_tok: u32,
-    row_bytes: u32,
-    units: u32,
-    nx: u32,
-    act: u32,
-    y_stride: u32,
-    row0: u32,
-    pad0: u32,
-    pad1: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> wa: array<u32>;
-@group(0) @binding(2) var<storage, read> x: array<f32>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read> wb: array<u32>;
-
 override LANES: u32 = 16u;
 override RPW: u32 = 4u;
 const TT: u32 = 8u;

@@ -1,5 +1,5 @@
 // The tiled y[t, row0 + r] = W[r, :] · x[t, :] for batches of many tokens (prefill), over the same quantized
-// weights (quant.wgsl) and parameters as matmul.wgsl, which stays the decode kernel (up to 8 tokens).
+// weights (quant.wgsl) and parameters (matmul_io.wgsl) as matmul.wgsl, which stays the decode kernel (up to 8 tokens).
 //
 // A workgroup of 64 threads owns a tile of BM weight rows × BN = 32 tokens and walks the columns one 32-weight unit
 // (the K-chunk) at a time: each thread dequantizes one row's unit into workgroup memory (ws) and loads 16 of the
@@ -9,26 +9,6 @@
 // the matrix or the batch are zeros in the tiles and are not written. A thread's rows and tokens are strided (tr +
 // 16i, tc + 4j) and the tiles' rows padded to 33 floats, so neighbouring threads read different memory banks.
 // The grid: (x, y) over the row tiles (index wid.x + wid.y·nx, see device::grid), z over the token tiles.
-
-struct Params {
-    rows: u32,
-    cols: u32,
-    n_tok: u32,
-    row_bytes: u32,
-    units: u32,
-    nx: u32,
-    act: u32,
-    y_stride: u32,
-    row0: u32,
-    pad0: u32,
-    pad1: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> wa: array<u32>;
-@group(0) @binding(2) var<storage, read> x: array<f32>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read> wb: array<u32>;
 
 const BN: u32 = 32u;
 const S: u32 = 33u;

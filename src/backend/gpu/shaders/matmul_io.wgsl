@@ -1,0 +1,23 @@
+// The parameters and bindings both mat-mul kernels (matmul.wgsl for decode, matmul_tiled.wgsl for prefill) take,
+// in one place so they cannot drift apart: the Rust side fills one parameter block and one bind group layout for
+// either kernel (matmul.rs).
+
+struct Params {
+    rows: u32,
+    cols: u32,
+    n_tok: u32,
+    row_bytes: u32,
+    units: u32,
+    nx: u32,
+    act: u32,
+    y_stride: u32,
+    row0: u32,
+    pad0: u32,
+    pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> wa: array<u32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> wb: array<u32>;
