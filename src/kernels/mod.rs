@@ -431,7 +431,16 @@ fn matmul_float(
     let dot = k.dot_f32;
     let row_dots = |m: &Matrix, r: usize, buf: &mut [f32], out: &mut dyn FnMut(usize, f32)| {
         let rb = m.row_bytes();
-        dequantize_row(m.ty, &m.bytes()[r * rb..(r + 1) * rb], buf);
+        let row = &m.bytes()[r * rb..(r + 1) * rb];
+        // A row dotted with one or two tokens (decode's F16 output head) is converted in registers: writing it out
+        // as f32 first cost more than the dot.
+        if let (GgmlType::F16, Some(dot_f16), 1..=2) = (m.ty, k.dot_f16, n_tok) {
+            for t in 0..n_tok {
+                out(t, dot_f16(row, &x[t * cols..(t + 1) * cols]));
+            }
+            return;
+        }
+        dequantize_row(m.ty, row, buf);
         for t in 0..n_tok {
             out(t, dot(buf, &x[t * cols..(t + 1) * cols]));
         }

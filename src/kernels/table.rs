@@ -48,6 +48,9 @@ pub struct Kernels {
     pub iq3_s: QKernel,
     pub iq1_s: QKernel,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// `dot_f32` of an F16 row (its bytes) converted in registers, with the same bits; `None` where the table has
+    /// none, and the row is converted to f32 first.
+    pub dot_f16: Option<fn(&[u8], &[f32]) -> f32>,
 }
 
 impl Kernels {
@@ -116,6 +119,7 @@ impl Kernels {
             iq3_s: k(Q8K, iquants::dot_iq3_s_q8_k),
             iq1_s: k(Q8K, iquants::dot_iq1_s_q8_k),
             dot_f32: float::dot_f32,
+            dot_f16: None,
         }
     }
 }

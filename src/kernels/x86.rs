@@ -178,6 +178,12 @@ fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     unsafe { f32_dot(a.len(), a.as_ptr(), b.as_ptr()) }
 }
 
+fn dot_f16_avx2(a: &[u8], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), 2 * b.len());
+    // SAFETY: a half for each float; only in the AVX2 table, whose CPUs have F16C (`has_avx2` checks it).
+    unsafe { f16_dot(b.len(), a.as_ptr(), b.as_ptr()) }
+}
+
 /// The AVX2 table (call only when [`has_avx2`]).
 pub fn table_avx2() -> Kernels {
     let mut k = Kernels::scalar();
@@ -201,6 +207,7 @@ pub fn table_avx2() -> Kernels {
     k.iq3_s = q(GgmlType::Q8K, iq3_s_dot_avx2, iq3_s_multi_avx2);
     k.iq1_s = q(GgmlType::Q8K, iq1_s_dot_avx2, iq1_s_multi_avx2);
     k.dot_f32 = dot_f32_avx2;
+    k.dot_f16 = Some(dot_f16_avx2);
     k.quant_q8_0 = quant_q8_0_avx2;
     k.quant_q8_1 = quant_q8_1_avx2;
     k.quant_q8_k = quant_q8_k_avx2;
@@ -280,17 +287,41 @@ fn dot_i8_signed(ax: __m256i, sign_src: __m256i, y: __m256i) -> __m256i {
 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn f32_dot(n: usize, a: *const f32, b: *const f32) -> f32 {
+    // SAFETY: the caller's `n` floats at `a`.
+    unsafe { dot_with(n, |i| _mm256_loadu_ps(a.add(i)), |i| *a.add(i), b) }
+}
+
+/// `f32_dot` of F16 weights (`n` little-endian halves at `a`), converted in registers: the products and sums of
+/// `f32_dot` on the converted row, so the same bits, without writing the row out first.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_dot(n: usize, a: *const u8, b: *const f32) -> f32 {
+    // SAFETY: the caller's `2n` bytes at `a`.
+    unsafe {
+        dot_with(
+            n,
+            |i| _mm256_cvtph_ps(_mm_loadu_si128(a.add(2 * i) as *const __m128i)),
+            |i| half::f16::from_le_bytes([*a.add(2 * i), *a.add(2 * i + 1)]).to_f32(),
+            b,
+        )
+    }
+}
+
+/// Four 8-lane partial sums over 32 values at a time, then 8 at a time into the first, then the scalar tail: one
+/// order for every weight storage, given how to load 8 weights (`load8`) and one (`load1`) from index `i`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn dot_with(n: usize, load8: impl Fn(usize) -> __m256, load1: impl Fn(usize) -> f32, b: *const f32) -> f32 {
     unsafe {
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
             for (k, s) in acc.iter_mut().enumerate() {
-                *s = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8 * k)), _mm256_loadu_ps(b.add(i + 8 * k)), *s);
+                *s = _mm256_fmadd_ps(load8(i + 8 * k), _mm256_loadu_ps(b.add(i + 8 * k)), *s);
             }
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
+            acc[0] = _mm256_fmadd_ps(load8(i), _mm256_loadu_ps(b.add(i)), acc[0]);
             i += 8;
         }
         let mut s = hsum(_mm256_add_ps(
@@ -298,7 +329,7 @@ unsafe fn f32_dot(n: usize, a: *const f32, b: *const f32) -> f32 {
             _mm256_add_ps(acc[2], acc[3]),
         ));
         while i < n {
-            s += *a.add(i) * *b.add(i);
+            s += load1(i) * *b.add(i);
             i += 1;
         }
         s
@@ -936,6 +967,26 @@ mod tests {
             let a: Vec<f32> = (0..77).map(|_| rng.normal()).collect();
             let b: Vec<f32> = (0..77).map(|_| rng.normal()).collect();
             assert!(((k.dot_f32)(&a, &b) - (s.dot_f32)(&a, &b)).abs() < 1e-4);
+        }
+    }
+
+    /// The fused F16 dot gives the bits of converting the row and taking the table's f32 dot, for lengths with
+    /// every tail (32-wide, 8-wide, scalar) and rows at odd byte addresses.
+    #[test]
+    fn f16_dot_is_the_f32_dot_of_the_converted_row() {
+        let mut rng = Rng(7);
+        for k in tables() {
+            let dot_f16 = k.dot_f16.expect("every x86 SIMD table has an F16 dot");
+            for n in [1, 7, 8, 31, 32, 33, 77, 1024] {
+                let w: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+                let x: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+                let mut bytes = vec![0u8];
+                bytes.extend(w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()));
+                let mut row = vec![0.0; n];
+                crate::kernels::float::dequantize_f16(&bytes[1..], &mut row);
+                let want = (k.dot_f32)(&row, &x);
+                assert_eq!(dot_f16(&bytes[1..], &x).to_bits(), want.to_bits(), "{} n{n}", k.isa);
+            }
         }
     }
 
