@@ -878,11 +878,20 @@ mod tests {
         for (il, l) in m.layers.iter().enumerate() {
             assert!(l.bq.is_some() && l.bk.is_some() && l.bv.is_some(), "layer {il} biases");
             assert!(l.post_attn_norm.is_none(), "layer {il}");
-            let info = m.file.tensor_info(&format!("blk.{il}.post_attention_norm.weight")).unwrap();
-            assert_eq!(Matrix::mapped(&m.file, info).unwrap().to_f32(), l.ffn_norm, "layer {il}");
+            let info = m
+                .file
+                .tensor_info(&format!("blk.{il}.post_attention_norm.weight"))
+                .unwrap();
+            assert_eq!(
+                Matrix::mapped(&m.file, info).unwrap().to_f32(),
+                l.ffn_norm,
+                "layer {il}"
+            );
             assert_eq!(matches!(l.ffn, Ffn::Moe(_)), il > 0, "layer {il}");
         }
-        let Ffn::Moe(x) = &m.layers[2].ffn else { panic!("experts") };
+        let Ffn::Moe(x) = &m.layers[2].ffn else {
+            panic!("experts")
+        };
         assert_eq!(x.bias.as_ref().map(Vec::len), Some(32));
         assert_eq!(x.shared.as_ref().map(|d| d.gate.rows), Some(16));
         let attn = 64 * 4 * (128 + 64 + 64 + 128);
@@ -902,11 +911,19 @@ mod tests {
         let sections = Value::Array(vec![Value::U32(8), Value::U32(8), Value::U32(0), Value::U32(0)]);
         let cases = [
             ("expert_shared_count", None, "missing glm4moe.expert_shared_count"),
-            ("expert_shared_count", Some(Value::U32(0)), "glm4moe has a shared expert"),
+            (
+                "expert_shared_count",
+                Some(Value::U32(0)),
+                "glm4moe has a shared expert",
+            ),
             ("expert_gating_func", Some(Value::U32(4)), "expert_gating_func is"),
             ("attention.value_length", Some(Value::U32(16)), "one head size"),
             ("rope.dimension_sections", Some(sections), "M-RoPE"),
-            ("nextn_predict_layers", Some(Value::U32(4)), "leaving none of the 4 blocks"),
+            (
+                "nextn_predict_layers",
+                Some(Value::U32(4)),
+                "leaving none of the 4 blocks",
+            ),
             // Without the NextN count, block 3 is a trunk layer, whose nextn.* tensors are not Baton's.
             ("nextn_predict_layers", None, "\"blk.3.nextn."),
         ];
@@ -923,12 +940,23 @@ mod tests {
         assert!(e.contains("blk.0.post_attention_norm.weight"), "{e}");
         // glm4moe has no ffn_norm (llama.cpp would not read it), and nothing past the NextN layers.
         let e = load_error("glm4moe", &[], &[("blk.1.ffn_norm.weight", vec![1.0; 64])], &[]);
-        assert!(e.contains("\"blk.1.ffn_norm.weight\" is not part of Baton's glm4moe"), "{e}");
+        assert!(
+            e.contains("\"blk.1.ffn_norm.weight\" is not part of Baton's glm4moe"),
+            "{e}"
+        );
         let e = load_error("glm4moe", &[], &[("blk.4.attn_norm.weight", vec![1.0; 64])], &[]);
         assert!(e.contains("\"blk.4.attn_norm.weight\" is not part of"), "{e}");
         // Another architecture's NextN layers would be run as ordinary ones: refused.
-        let e = load_error("dots1", &[("dots1.nextn_predict_layers", Some(Value::U32(1)))], &[], &[]);
-        assert!(e.contains("dots1.nextn_predict_layers is 1") && e.contains("no NextN"), "{e}");
+        let e = load_error(
+            "dots1",
+            &[("dots1.nextn_predict_layers", Some(Value::U32(1)))],
+            &[],
+            &[],
+        );
+        assert!(
+            e.contains("dots1.nextn_predict_layers is 1") && e.contains("no NextN"),
+            "{e}"
+        );
         // A trunk without Q/K norms at all is GLM-4.5-Air's, and loads.
         let drop = ["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"];
         let m = load_edited("glm4moe", &[], &[], &drop).unwrap();
