@@ -65,6 +65,17 @@ MODELS["dots1"] = dict(arch="dots1", pre="qwen2", n_layer=3, n_embd=64, n_ff=128
                        n_ff_exp=32, n_dense_lead=1, n_shared=2, gating="SIGMOID", norm_w=True, w_scale=2.5,
                        probs_bias=True, n_group=4, n_group_used=2)
 
+# GLM-4.5 / GLM-4.5-Air: biases on Q, K and V; a head of 32 of which RoPE turns the first 16 (partial NeoX RoPE, as
+# GLM's partial_rotary_factor 0.5); Q/K norms on layers 0 and 2 only (llama.cpp applies them where present: GLM-4.5
+# has them, Air not); no ffn_norm, its pre-FFN norm is post_attention_norm; one leading dense layer, then 32 experts of
+# which each token uses 4, sigmoid gating with a selection bias, weights renormalised and scaled by 2.5, one shared
+# expert; and one NextN/MTP layer after the 3 trunk layers (nextn_predict_layers 1, block_count 4), which llama.cpp
+# loads (or skips) but never runs in its decoder graph; F32 matrices.
+MODELS["glm4moe"] = dict(arch="glm4moe", pre="qwen2", n_layer=3, n_nextn=1, n_embd=64, n_ff=128, n_head=4,
+                         n_head_kv=2, head_dim=32, n_rot=16, rope_base=1000000.0, ty="F32", qkv_bias=True,
+                         qk_norm_layers=[0, 2], post_attn_norm=True, n_expert=32, n_expert_used=4, n_ff_exp=16,
+                         n_dense_lead=1, n_shared=1, gating="SIGMOID", norm_w=True, w_scale=2.5, probs_bias=True)
+
 # Models for benchmarks only (`--experts-split` in docs/moe.md), written only when named: too large to commit. A
 # scaled-down Qwen3-30B-A3B: 16 experts of which each token uses 4, experts as wide as the model, Q8_0 matrices
 # (about 230 MB); the active experts are most of a token's work.
@@ -134,7 +145,10 @@ def write_model(path, name, spec, vocab, rng):
     # llama.cpp gives special tokens of a model named like Phi-3 extra attributes, looking up "</s>", which this
     # vocabulary lacks: the phi3 model is named for what it tests instead.
     w.add_name(f"baton test {spec.get('name', name)} (random weights)")
-    w.add_block_count(spec["n_layer"])
+    n_nextn = spec.get("n_nextn", 0)
+    w.add_block_count(spec["n_layer"] + n_nextn)
+    if n_nextn:
+        w.add_uint32(f"{arch}.nextn_predict_layers", n_nextn)
     w.add_context_length(4096)
     w.add_embedding_length(e)
     w.add_feed_forward_length(spec["n_ff"])
@@ -142,7 +156,7 @@ def write_model(path, name, spec, vocab, rng):
     w.add_head_count_kv(spec["n_head_kv"])
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    w.add_rope_dimension_count(spec.get("n_rot", hd))
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(spec["rope_base"])
     if "n_expert" in spec:
@@ -202,7 +216,7 @@ def write_model(path, name, spec, vocab, rng):
     t["output.weight"] = dict(tensor=rng.normal(0.0, 0.6, (len(tokens), e)).astype(np.float16))
     if spec.get("rope_freqs"):
         t["rope_freqs.weight"] = dict(tensor=llama3_rope_factors(hd, spec["rope_base"]))
-    for il in range(spec["n_layer"]):
+    for il in range(spec["n_layer"] + n_nextn):
         p = f"blk.{il}."
         t[p + "attn_norm.weight"] = vec(e)
         if spec.get("fused"):
@@ -215,11 +229,11 @@ def write_model(path, name, spec, vocab, rng):
             t[p + "attn_q.bias"] = vec(nq, -0.5, 0.5)
             t[p + "attn_k.bias"] = vec(nkv, -0.5, 0.5)
             t[p + "attn_v.bias"] = vec(nkv, -0.5, 0.5)
-        if spec.get("qk_norm"):
+        if spec.get("qk_norm") or il in spec.get("qk_norm_layers", []):
             t[p + "attn_q_norm.weight"] = vec(hd)
             t[p + "attn_k_norm.weight"] = vec(hd)
         t[p + "attn_output.weight"] = mat(e, nq, kind="attn_output", il=il)
-        t[p + "ffn_norm.weight"] = vec(e)
+        t[p + ("post_attention_norm.weight" if spec.get("post_attn_norm") else "ffn_norm.weight")] = vec(e)
         if "n_expert" in spec and il >= spec.get("n_dense_lead", 0):
             # The router stays F32 (as llama.cpp's quantizer leaves it), with logits spread wide enough that the
             # k-th and (k+1)-th experts rarely tie. A 3-D tensor is written in numpy's order [expert, row, col],
@@ -244,6 +258,12 @@ def write_model(path, name, spec, vocab, rng):
             t[p + "ffn_gate.weight"] = mat(spec["n_ff"], e, kind="ffn_gate", il=il)
             t[p + "ffn_up.weight"] = mat(spec["n_ff"], e, kind="ffn_up", il=il)
             t[p + "ffn_down.weight"] = mat(e, spec["n_ff"], kind="ffn_down", il=il)
+        if il >= spec["n_layer"]:
+            # A NextN/MTP layer's own tensors (its embedding and head are the model's): never run by the decoder.
+            t[p + "nextn.eh_proj.weight"] = mat(e, 2 * e)
+            t[p + "nextn.enorm.weight"] = vec(e)
+            t[p + "nextn.hnorm.weight"] = vec(e)
+            t[p + "nextn.shared_head_norm.weight"] = vec(e)
     for k, v in t.items():
         w.add_tensor(k, v["tensor"], raw_dtype=v.get("raw_dtype"))
     w.write_header_to_file()
@@ -266,7 +286,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     every = {**MODELS, **BENCH_MODELS}
     # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
-    seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1"]
+    seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")

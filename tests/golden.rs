@@ -280,6 +280,15 @@ fn greedy_matches_llama_cpp_dots1() {
     check_generated("dots1", FLOAT_TOL);
 }
 
+/// glm4moe (GLM-4.5): Q/K/V biases, Q/K norms on two of its three layers, partial NeoX RoPE (16 of a head's 32
+/// dimensions), the pre-FFN norm stored as `post_attention_norm`, a leading dense layer, then 4 of 32 experts by
+/// sigmoid gating with a selection bias, renormalised and scaled by 2.5, plus a shared expert; and a NextN/MTP layer
+/// after the trunk that llama.cpp does not run (nor must Baton); F32 matrices.
+#[test]
+fn greedy_matches_llama_cpp_glm4moe() {
+    check_generated("glm4moe", FLOAT_TOL);
+}
+
 /// Phi-3: Q/K/V and gate/up each one fused matrix, NeoX RoPE, and a sliding window (8) that llama.cpp ignores for
 /// phi3, so Baton must too (every prompt is longer); F32 matrices.
 #[test]

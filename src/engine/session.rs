@@ -551,7 +551,7 @@ pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> 
 pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffers, kv: &mut impl RowsKv) {
     let lw = model.layer(step.il);
     blocks::for_each_slice(step, x, bufs, kv, |s, x, b, kv| match model.hp.arch {
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3 => {
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3 | Arch::Glm4Moe => {
             llama::layer(s, lw, x, b, kv)
         }
         Arch::Gemma3 => gemma3::layer(s, lw, x, b, kv),

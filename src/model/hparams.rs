@@ -19,12 +19,16 @@ pub enum Arch {
     Dots1,
     /// Phi-3 / Phi-4 mini: llama's math with NeoX RoPE, Q/K/V and gate/up each stored as one fused matrix.
     Phi3,
+    /// GLM-4.5 / GLM-4.5-Air: llama's block with Q/K/V biases, optional per-head Q/K norms, partial NeoX RoPE, the
+    /// pre-FFN norm stored as `post_attention_norm`, leading dense layers, then dots1's kind of mixture (sigmoid
+    /// gating by default, a required selection bias, a scale, shared experts); its NextN/MTP layers are not run.
+    Glm4Moe,
 }
 
 impl Arch {
     /// Whether the architecture's feed-forward is a mixture of experts (on all layers, or after dense ones).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen3Moe | Arch::Dots1)
+        matches!(self, Arch::Qwen3Moe | Arch::Dots1 | Arch::Glm4Moe)
     }
 
     pub fn name(self) -> &'static str {
@@ -36,6 +40,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Dots1 => "dots1",
             Arch::Phi3 => "phi3",
+            Arch::Glm4Moe => "glm4moe",
         }
     }
 }
@@ -51,7 +56,11 @@ pub enum RopeType {
 #[derive(Clone, Debug)]
 pub struct Hparams {
     pub arch: Arch,
+    /// Layers the forward runs: `block_count` less the NextN/MTP layers stored after them.
     pub n_layer: usize,
+    /// NextN/MTP layers (`nextn_predict_layers`, GLM-4.5): stored as blocks `n_layer..n_layer + n_layer_nextn`, for
+    /// speculative decoding; llama.cpp's decoder graph does not run them, and neither does Baton.
+    pub n_layer_nextn: usize,
     pub n_embd: usize,
     pub n_ff: usize,
     pub n_head: usize,
@@ -150,16 +159,33 @@ impl Hparams {
             "qwen3moe" => Arch::Qwen3Moe,
             "dots1" => Arch::Dots1,
             "phi3" => Arch::Phi3,
+            "glm4moe" => Arch::Glm4Moe,
             other => {
                 bail!(
-                    "unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe, dots1, phi3)"
+                    "unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe, dots1, phi3, \
+                     glm4moe)"
                 )
             }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let u = |k: &str| -> Result<usize> { Ok(g.require_u64(&key(k))? as usize) };
 
-        let n_layer = u("block_count")?;
+        let n_layer_all = u("block_count")?;
+        // As llama.cpp, which reads the key for every architecture; only glm4moe's graph knows to leave them out.
+        let n_layer_nextn = g.get_u64(&key("nextn_predict_layers")).unwrap_or(0) as usize;
+        if n_layer_nextn > 0 && arch != Arch::Glm4Moe {
+            bail!(
+                "{} is {n_layer_nextn}, but Baton's {arch_name} has no NextN/MTP layers",
+                key("nextn_predict_layers")
+            );
+        }
+        if n_layer_nextn >= n_layer_all {
+            bail!(
+                "{} is {n_layer_nextn}, leaving none of the {n_layer_all} blocks to run",
+                key("nextn_predict_layers")
+            );
+        }
+        let n_layer = n_layer_all - n_layer_nextn;
         let n_embd = u("embedding_length")?;
         // A mixture of experts has its own width (`expert_feed_forward_length`); llama.cpp does not need this one
         // (dots1's leading dense layers do: checked in `moe_hparams`).
@@ -239,9 +265,9 @@ impl Hparams {
         }
         // Every layer has tensors of its own, so a count above the file's tensors is corrupt metadata; refused here,
         // before anything is reserved per layer.
-        if n_layer > g.tensors.len() {
+        if n_layer_all > g.tensors.len() {
             bail!(
-                "{} is {n_layer}, but the file holds only {} tensors",
+                "{} is {n_layer_all}, but the file holds only {} tensors",
                 key("block_count"),
                 g.tensors.len()
             );
@@ -253,6 +279,7 @@ impl Hparams {
         let mut hp = Hparams {
             arch,
             n_layer,
+            n_layer_nextn,
             n_embd,
             n_ff,
             n_head,
@@ -295,9 +322,21 @@ impl Hparams {
                 );
             }
         }
+        if arch == Arch::Glm4Moe {
+            // llama.cpp asserts one head size; its rope type is NeoX unless `rope.dimension_sections` asks for
+            // M-RoPE (sections 0 and 1 both set), which Baton does not implement.
+            if head_dim_v != head_dim_k {
+                bail!("glm4moe has one head size, but this file says {head_dim_k} for K and {head_dim_v} for V");
+            }
+            let k = key("rope.dimension_sections");
+            let sections = g.num_array(&k, crate::gguf::Value::as_u64)?.unwrap_or_default();
+            if sections.len() >= 2 && sections[0] > 0 && sections[1] > 0 {
+                bail!("{k} is {sections:?}: multimodal RoPE (M-RoPE) is not implemented");
+            }
+        }
         if matches!(
             arch,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Dots1 | Arch::Phi3 | Arch::Glm4Moe
         ) {
             hp.rope_type = RopeType::Neox;
         }
@@ -372,6 +411,13 @@ impl fmt::Display for Hparams {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "architecture:     {}", self.arch.name())?;
         writeln!(f, "layers:           {}", self.n_layer)?;
+        if self.n_layer_nextn > 0 {
+            writeln!(
+                f,
+                "NextN/MTP layers: {} (stored after the others; not run, as in llama.cpp's decoder)",
+                self.n_layer_nextn
+            )?;
+        }
         writeln!(f, "embedding:        {}", self.n_embd)?;
         match &self.moe {
             None => writeln!(f, "feed-forward:     {}", self.n_ff)?,
@@ -436,7 +482,9 @@ impl fmt::Display for Hparams {
 /// - `dots1` reads the gating function (required: llama.cpp aborts without one), renormalisation (default off), the
 ///   weights scale (0, the default, means none), the shared expert count and the leading dense layers; the selection
 ///   bias is an optional per-layer tensor.
-/// - Expert groups are read for both, as llama.cpp's `build_moe_ffn` applies them for any architecture.
+/// - `glm4moe` reads the same keys as dots1, but its gating function defaults to sigmoid (as llama.cpp's); its
+///   selection bias is a required tensor (checked at load).
+/// - Expert groups are read for all, as llama.cpp's `build_moe_ffn` applies them for any architecture.
 ///
 /// What Baton does not compute (another gating function, a group layout llama.cpp asserts against) is a load error
 /// naming the key, not ignored.
@@ -537,13 +585,17 @@ fn moe_hparams(g: &GgufFile, arch: Arch, n_layer: usize, n_ff: usize, key: &dyn 
                 n_group_used,
             }
         }
-        Arch::Dots1 => {
-            let Some(gating) = gating else {
-                bail!("missing {}: dots1 names its gating function", key("expert_gating_func"));
+        Arch::Dots1 | Arch::Glm4Moe => {
+            let name = arch.name();
+            let gating = match (gating, arch) {
+                (Some(gf), _) => gf,
+                // llama.cpp's glm4moe defaults to sigmoid; its dots1 aborts without the key.
+                (None, Arch::Glm4Moe) => Gating::Sigmoid,
+                (None, _) => bail!("missing {}: dots1 names its gating function", key("expert_gating_func")),
             };
             let n_shared = n_shared.with_context(|| format!("missing {}", key("expert_shared_count")))?;
             if n_shared == 0 {
-                bail!("{} is 0, but dots1 has a shared expert", key("expert_shared_count"));
+                bail!("{} is 0, but {name} has a shared expert", key("expert_shared_count"));
             }
             if n_dense_lead > n_layer {
                 bail!(

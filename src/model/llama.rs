@@ -7,6 +7,9 @@
 //! `qwen3moe` is qwen3's block with a mixture of experts for its feed-forward (as llama.cpp's qwen3moe graph is
 //! qwen3's with `build_moe_ffn`): [`blocks::ffn`] runs whichever feed-forward the layer has ([`super::moe`]). So is
 //! `dots1` (no GQA, leading dense layers, DeepSeek V3-style routing with a shared expert: data of the same layer).
+//! `glm4moe` (GLM-4.5) is this block too, as llama.cpp's graph shows: Q/K/V biases and, where a layer has them, Q/K
+//! norms; RoPE on the first `n_rot` dimensions of each head only (the rest pass through, as ggml's); its pre-FFN
+//! norm, stored as `post_attention_norm`, is loaded as the layer's `ffn_norm`; the feed-forward is dots1's kind.
 
 use super::LayerWeights;
 use super::blocks::{self, Buffers, Step};

@@ -126,14 +126,30 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
         "exp_probs_b.bias",
     ];
     let has_experts = |il: usize| hp.moe.as_ref().is_some_and(|m| m.has_experts(il));
+    // GLM-4.5's NextN/MTP layers, stored after the trunk: a MoE layer's tensors plus their own, which llama.cpp
+    // loads (or skips) but its decoder graph never reads; nor does Baton.
+    let nextn: &[&str] = &[
+        "nextn.eh_proj.weight",
+        "nextn.embed_tokens.weight",
+        "nextn.enorm.weight",
+        "nextn.hnorm.weight",
+        "nextn.shared_head_head.weight",
+        "nextn.shared_head_norm.weight",
+    ];
     let layer = |il: usize, t: &str| -> bool {
+        // GLM-4.5's norm before the feed-forward is stored as `post_attention_norm`.
+        let ffn_norm = if hp.arch == Arch::Glm4Moe {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
         let common = [
             "attn_norm.weight",
             "attn_q.weight",
             "attn_k.weight",
             "attn_v.weight",
             "attn_output.weight",
-            "ffn_norm.weight",
+            ffn_norm,
         ];
         let extra: &[&[&str]] = match hp.arch {
             // Phi-3: the fused `attn_qkv` (or Q, K and V apart, as llama.cpp takes either) and the fused gate/up
@@ -145,13 +161,18 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             // Leading dense layers, then experts with a shared expert and the selection bias.
             Arch::Dots1 if has_experts(il) => &[qk_norm, experts, shared],
             Arch::Dots1 => &[qk_norm, dense],
+            Arch::Glm4Moe if il >= hp.n_layer => &[qkv_bias, qk_norm, experts, shared, nextn],
+            Arch::Glm4Moe if has_experts(il) => &[qkv_bias, qk_norm, experts, shared],
+            Arch::Glm4Moe => &[qkv_bias, qk_norm, dense],
             Arch::Gemma3 => &[qk_norm, dense, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
         };
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
     };
     for name in f.tensors.keys() {
         let known = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
-            Some((il, t)) => il.parse::<usize>().is_ok_and(|il| il < hp.n_layer && layer(il, t)),
+            Some((il, t)) => il
+                .parse::<usize>()
+                .is_ok_and(|il| il < hp.n_layer + hp.n_layer_nextn && layer(il, t)),
             None => global(name),
         };
         if !known {
@@ -275,7 +296,11 @@ impl Model {
                     } else {
                         None
                     };
-                    let bias = opt_vector(&format!("blk.{il}.exp_probs_b.bias"), n_x)?;
+                    let bias_name = format!("blk.{il}.exp_probs_b.bias");
+                    if hp.arch == Arch::Glm4Moe && !f.tensors.contains_key(&bias_name) {
+                        bail!("glm4moe layer {il} lacks its selection bias {bias_name:?} (llama.cpp requires it)");
+                    }
+                    let bias = opt_vector(&bias_name, n_x)?;
                     if let Some(b) = bias.as_ref().and_then(|b| b.iter().find(|v| !v.is_finite())) {
                         bail!("blk.{il}.exp_probs_b.bias holds {b}, not a finite number");
                     }
@@ -324,8 +349,18 @@ impl Model {
                 bv: opt_vector(&format!("blk.{il}.attn_v.bias"), hp.n_embd_v())?,
                 q_norm: opt_vector(&p("attn_q_norm"), hp.head_dim_k)?,
                 k_norm: opt_vector(&p("attn_k_norm"), hp.head_dim_k)?,
-                post_attn_norm: opt_vector(&p("post_attention_norm"), e)?,
-                ffn_norm: vector(&p("ffn_norm"), e)?,
+                // glm4moe's `post_attention_norm` is the pre-FFN norm (llama.cpp's `attn_post_norm`), not Gemma's
+                // norm of the attention output.
+                post_attn_norm: if hp.arch == Arch::Glm4Moe {
+                    None
+                } else {
+                    opt_vector(&p("post_attention_norm"), e)?
+                },
+                ffn_norm: if hp.arch == Arch::Glm4Moe {
+                    vector(&p("post_attention_norm"), e)?
+                } else {
+                    vector(&p("ffn_norm"), e)?
+                },
                 ffn,
                 post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
             };
@@ -341,6 +376,11 @@ impl Model {
                 && (lw.q_norm.is_none() || lw.k_norm.is_none())
             {
                 bail!("{} layer {il} lacks its attn_q_norm/attn_k_norm", hp.arch.name());
+            }
+            // GLM-4.5 has Q/K norms and GLM-4.5-Air not (llama.cpp applies each where present); Baton normalises
+            // both or neither.
+            if hp.arch == Arch::Glm4Moe && lw.q_norm.is_some() != lw.k_norm.is_some() {
+                bail!("glm4moe layer {il} has one of attn_q_norm/attn_k_norm without the other");
             }
             if hp.arch == Arch::Qwen2 && (lw.bq.is_none() || lw.bk.is_none() || lw.bv.is_none()) {
                 bail!("qwen2 layer {il} lacks one of its attn_q/attn_k/attn_v biases");
@@ -806,6 +846,121 @@ mod tests {
             panic!("experts")
         };
         assert!(x.bias.is_none());
+    }
+
+    /// The generated glm4moe: 3 trunk layers (one dense) and a NextN/MTP layer that is not loaded; Q/K/V biases
+    /// everywhere, Q/K norms on layers 0 and 2; 16 of 32 head dimensions rotated; `post_attention_norm` as the pre-FFN
+    /// norm; sigmoid routing (the default without `expert_gating_func`), renormalised, scaled by 2.5, one shared
+    /// expert. A token reads the router, four experts and the shared one of each MoE layer.
+    #[test]
+    fn generated_glm4moe_loads_without_its_nextn_layer() {
+        let m = load_edited("glm4moe", &[], &[], &[]).unwrap();
+        let hp = &m.hp;
+        assert_eq!((hp.arch, hp.rope_type), (Arch::Glm4Moe, RopeType::Neox));
+        assert_eq!((hp.n_layer, hp.n_layer_nextn, m.layers.len()), (3, 1, 3));
+        assert_eq!((hp.head_dim_k, hp.n_rot), (32, 16));
+        let moe = hp.moe.clone().unwrap();
+        assert_eq!(
+            (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, moe.n_dense_lead),
+            (32, 4, 16, 1)
+        );
+        let want = Routing {
+            gating: Gating::Sigmoid,
+            normalise: true,
+            scale: 2.5,
+            n_shared: 1,
+            n_group: 0,
+            n_group_used: 0,
+        };
+        assert_eq!(moe.routing, want);
+        let norms: Vec<bool> = m.layers.iter().map(|l| l.q_norm.is_some()).collect();
+        assert_eq!(norms, [true, false, true]);
+        for (il, l) in m.layers.iter().enumerate() {
+            assert!(l.bq.is_some() && l.bk.is_some() && l.bv.is_some(), "layer {il} biases");
+            assert!(l.post_attn_norm.is_none(), "layer {il}");
+            let info = m
+                .file
+                .tensor_info(&format!("blk.{il}.post_attention_norm.weight"))
+                .unwrap();
+            assert_eq!(
+                Matrix::mapped(&m.file, info).unwrap().to_f32(),
+                l.ffn_norm,
+                "layer {il}"
+            );
+            assert_eq!(matches!(l.ffn, Ffn::Moe(_)), il > 0, "layer {il}");
+        }
+        let Ffn::Moe(x) = &m.layers[2].ffn else {
+            panic!("experts")
+        };
+        assert_eq!(x.bias.as_ref().map(Vec::len), Some(32));
+        assert_eq!(x.shared.as_ref().map(|d| d.gate.rows), Some(16));
+        let attn = 64 * 4 * (128 + 64 + 64 + 128);
+        let dense = 3 * 64 * 128 * 4;
+        let moe_layer = 32 * 64 * 4 + 5 * 3 * 16 * 64 * 4;
+        let head = 4096 * 64 * 2;
+        assert_eq!(m.weight_bytes_per_token(), 3 * attn + dense + 2 * moe_layer + head);
+        // Without the key, llama.cpp's glm4moe gates by sigmoid too.
+        let m = load_edited("glm4moe", &[("glm4moe.expert_gating_func", None)], &[], &[]).unwrap();
+        assert_eq!(m.hp.moe.unwrap().routing.gating, Gating::Sigmoid);
+    }
+
+    /// What glm4moe's graph does not allow, or Baton does not compute, is refused by name.
+    #[test]
+    fn bad_glm4moe_is_refused() {
+        let k = |s: &str| format!("glm4moe.{s}");
+        let sections = Value::Array(vec![Value::U32(8), Value::U32(8), Value::U32(0), Value::U32(0)]);
+        let cases = [
+            ("expert_shared_count", None, "missing glm4moe.expert_shared_count"),
+            (
+                "expert_shared_count",
+                Some(Value::U32(0)),
+                "glm4moe has a shared expert",
+            ),
+            ("expert_gating_func", Some(Value::U32(4)), "expert_gating_func is"),
+            ("attention.value_length", Some(Value::U32(16)), "one head size"),
+            ("rope.dimension_sections", Some(sections), "M-RoPE"),
+            (
+                "nextn_predict_layers",
+                Some(Value::U32(4)),
+                "leaving none of the 4 blocks",
+            ),
+            // Without the NextN count, block 3 is a trunk layer, whose nextn.* tensors are not Baton's.
+            ("nextn_predict_layers", None, "\"blk.3.nextn."),
+        ];
+        for (key, v, want) in cases {
+            let key = k(key);
+            let e = load_error("glm4moe", &[(key.as_str(), v.clone())], &[], &[]);
+            assert!(e.contains(want), "{key} = {v:?}: {e}");
+        }
+        let e = load_error("glm4moe", &[], &[], &["blk.1.exp_probs_b.bias"]);
+        assert!(e.contains("lacks its selection bias \"blk.1.exp_probs_b.bias\""), "{e}");
+        let e = load_error("glm4moe", &[], &[], &["blk.2.attn_k_norm.weight"]);
+        assert!(e.contains("glm4moe layer 2 has one of attn_q_norm/attn_k_norm"), "{e}");
+        let e = load_error("glm4moe", &[], &[], &["blk.0.post_attention_norm.weight"]);
+        assert!(e.contains("blk.0.post_attention_norm.weight"), "{e}");
+        // glm4moe has no ffn_norm (llama.cpp would not read it), and nothing past the NextN layers.
+        let e = load_error("glm4moe", &[], &[("blk.1.ffn_norm.weight", vec![1.0; 64])], &[]);
+        assert!(
+            e.contains("\"blk.1.ffn_norm.weight\" is not part of Baton's glm4moe"),
+            "{e}"
+        );
+        let e = load_error("glm4moe", &[], &[("blk.4.attn_norm.weight", vec![1.0; 64])], &[]);
+        assert!(e.contains("\"blk.4.attn_norm.weight\" is not part of"), "{e}");
+        // Another architecture's NextN layers would be run as ordinary ones: refused.
+        let e = load_error(
+            "dots1",
+            &[("dots1.nextn_predict_layers", Some(Value::U32(1)))],
+            &[],
+            &[],
+        );
+        assert!(
+            e.contains("dots1.nextn_predict_layers is 1") && e.contains("no NextN"),
+            "{e}"
+        );
+        // A trunk without Q/K norms at all is GLM-4.5-Air's, and loads.
+        let drop = ["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"];
+        let m = load_edited("glm4moe", &[], &[], &drop).unwrap();
+        assert!(m.layers[0].q_norm.is_none());
     }
 
     #[test]
