@@ -9,8 +9,7 @@
 //!
 //! Loop order: for each block, the per-token scalars (activation scales, `Σx`, the Q8_K block sums) are read once for
 //! both halves; within a half, quad by quad, the weight nibbles are unpacked once and multiplied with every token's
-//! quads. The Q8_0 kernel instead runs over all blocks one half at a time: it keeps one accumulator per 4-value lane
-//! (see below), 8 registers per token, which with one token (decode) stay in registers.
+//! quads. The Q8_0 kernel instead runs over all blocks one half at a time, one f32 accumulator per token.
 //!
 //! Tokens per call (thread CPU time of each kernel on 8 groups × 64 tokens, AMD EPYC Zen 3): Q4_1 N = 4 and 8 within
 //! 3% (4 kept), Q5_0 8 (+10% over 4: its fifth-bit unpacking is dearer), Q6_K 8 (+10%, the same reason), Q4_K 4
@@ -18,8 +17,9 @@
 //!
 //! Exactness: the integer sums are the row-major kernels' (the i16 bounds are argued at each `maddubs` chain), and
 //! every f32 operation per row is the AVX-512 group kernel's, in the same order, so both levels give the same bits.
-//! Q8_0 sums in llama.cpp's order (one accumulator per 4-value lane, then `hsum_float_8`), as the row-major AVX2
-//! kernel does; its result is the row-major kernel's bit for bit too.
+//! Q8_0 sums each block's 32 products exactly in i32, then one FMA per block with the two scales (as the scalar
+//! `dot_q8_0_q8_0` does); the row-major AVX2 kernel (the tail rows) keeps llama.cpp's order of one f32 accumulator
+//! per 4-value lane, so the two differ in the last bits.
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts and the token tile
 
@@ -196,19 +196,10 @@ pub unsafe fn q5_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
     }
 }
 
-/// ggml's `hsum_float_8` order over the 8 lane accumulators, for 8 rows at once.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn hsum8(a: &[__m256; 8]) -> __m256 {
-    let p04 = _mm256_add_ps(a[4], a[0]);
-    let p15 = _mm256_add_ps(a[5], a[1]);
-    let p26 = _mm256_add_ps(a[6], a[2]);
-    let p37 = _mm256_add_ps(a[7], a[3]);
-    _mm256_add_ps(_mm256_add_ps(p04, p26), _mm256_add_ps(p15, p37))
-}
-
 /// The 16 dots of one Q8_0 group with `N` Q8_0 activation rows `xs` bytes apart: `out[t][r]`. One half at a time
-/// over all blocks, so that with one token (decode) its 8 lane accumulators stay in registers.
+/// over all blocks. Each block's integer sum comes first and meets the scales once: llama.cpp's order (a convert
+/// and an FMA per 4 products, 8 f32 accumulators) cost 14–50% of prefill on both levels (`cargo bench --bench
+/// kernels Q8_0`, Zen 4, session 19).
 ///
 /// # Safety
 /// As [`q4_1_group`], with Q8_0 group blocks and activation rows.
@@ -216,17 +207,16 @@ fn hsum8(a: &[__m256; 8]) -> __m256 {
 pub unsafe fn q8_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [[f32; ROWS]; N]) {
     unsafe {
         let ones = _mm256_set1_epi16(1);
+        let zero = _mm256_setzero_si256();
         let mut res = [[_mm256_setzero_ps(); 2]; N];
         for h in 0..2 {
-            let mut acc = [[_mm256_setzero_ps(); 8]; N];
+            let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..nb {
                 let gb = w.add(b * ROWS * Q8_0_BYTES);
                 let y = |t: usize| x.add(t * xs + b * Q8_0_BYTES);
                 let d = f16x8(gb.add(16 * h));
-                let mut dd = [_mm256_setzero_ps(); N];
-                for t in 0..N {
-                    dd[t] = _mm256_mul_ps(d, _mm256_set1_ps(f16_at(y(t))));
-                }
+                // The block's 32 products per row summed exactly in i32 (|sum| ≤ 32·128·127), in two chains.
+                let mut s = [[zero; 2]; N];
                 for k in 0..8 {
                     // maddubs takes unsigned × signed: |w| against the activation with w's sign moved onto it.
                     let q = load(gb.add(2 * ROWS + 64 * k + 32 * h));
@@ -235,12 +225,17 @@ pub unsafe fn q8_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
                         let sy = _mm256_sign_epi8(quad(y(t).add(2 + 4 * k)), q);
                         // Two products of ≤ 128·127 per i16 lane: no saturation.
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), ones);
-                        acc[t][k] = _mm256_fmadd_ps(dd[t], _mm256_cvtepi32_ps(p), acc[t][k]);
+                        s[t][k % 2] = _mm256_add_epi32(s[t][k % 2], p);
                     }
+                }
+                for t in 0..N {
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(f16_at(y(t))));
+                    let isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s[t][0], s[t][1]));
+                    acc[t] = _mm256_fmadd_ps(dd, isum, acc[t]);
                 }
             }
             for t in 0..N {
-                res[t][h] = hsum8(&acc[t]);
+                res[t][h] = acc[t];
             }
         }
         for t in 0..N {

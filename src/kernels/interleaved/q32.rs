@@ -12,9 +12,11 @@
 //! each into byte form with one masked add instead of shifting bits per row.
 //! The group's blocks follow each other; groups follow each other; rows past the last whole group stay row-major
 //! after the groups. The integer sums are the same as the row-major kernel's; only the f32 summation order differs.
-//! The Q8_0 kernel adds in llama.cpp's order (one accumulator per 4-value lane, then its `hsum_float_8`), which
-//! raised Gemma 3's argmax agreement with llama.cpp by half a point at no measurable cost; for Q4_1 the same order
-//! cost 15-20% of SmolLM2's prefill and did not raise its agreement, so that kernel sums per block.
+//! The Q8_0 kernel sums each block's products exactly in i32 and meets the two scales once per block. It used to add
+//! in llama.cpp's order (one f32 accumulator per 4-value lane, then its `hsum_float_8`), which raised Gemma 3's
+//! argmax agreement with llama.cpp by half a point; measured again in session 19 that order cost 33–51% of Q8_0
+//! prefill (`cargo bench --bench kernels Q8_0`, Zen 4), so it went, as it had for Q4_1 (15-20% of SmolLM2's
+//! prefill, no gain in agreement). `--numerics ggml` keeps llama.cpp's order.
 
 use super::group::ROWS;
 use crate::gguf::GgmlType;
@@ -234,19 +236,6 @@ unsafe fn q4_1_group<const N: usize, const VNNI: bool>(
     }
 }
 
-/// ggml's `hsum_float_8` order over the 8 lane accumulators, for 16 rows at once.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn hsum8(a: &[std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    let p04 = _mm512_add_ps(a[4], a[0]);
-    let p15 = _mm512_add_ps(a[5], a[1]);
-    let p26 = _mm512_add_ps(a[6], a[2]);
-    let p37 = _mm512_add_ps(a[7], a[3]);
-    _mm512_add_ps(_mm512_add_ps(p04, p26), _mm512_add_ps(p15, p37))
-}
-
 /// The 16 dots of one Q5_0 group with `N` (1..=4) Q8_0 activation rows `xs` bytes apart: `out[t][r]`. The weights
 /// enter `maddubs` as unsigned 0..31 (nibble plus fifth bit); their offset of 16 is taken off once per block as
 /// 16 · Σx, the same for all 16 rows.
@@ -396,7 +385,7 @@ unsafe fn q8_0_group<const N: usize, const VNNI: bool>(
     unsafe {
         let ones = _mm512_set1_epi16(1);
         let zero = _mm512_setzero_si512();
-        let mut acc = [[_mm512_setzero_ps(); 8]; N];
+        let mut acc = [_mm512_setzero_ps(); N];
         for b in 0..nb {
             let gb = w.add(b * ROWS * Q8_0_BYTES);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(gb as *const __m256i));
@@ -411,22 +400,24 @@ unsafe fn q8_0_group<const N: usize, const VNNI: bool>(
             for (t, acc) in acc.iter_mut().enumerate() {
                 let y = x.add(t * xs + b * Q8_0_BYTES);
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(f16_at(y)));
-                // One accumulator per 4-value lane, in ggml's order (see `hsum8`).
+                // The block's 32 products per row summed exactly in i32 (|sum| ≤ 32·128·127), in four chains.
+                let mut s = [zero; 4];
                 for k in 0..8 {
                     let yk = _mm512_set1_epi32(std::ptr::read_unaligned(y.add(2 + 4 * k) as *const i32));
                     let sy = _mm512_mask_sub_epi8(yk, neg[k], zero, yk);
-                    let p = if VNNI {
-                        _mm512_dpbusd_epi32(zero, aw[k], sy)
+                    s[k % 4] = if VNNI {
+                        _mm512_dpbusd_epi32(s[k % 4], aw[k], sy)
                     } else {
                         // Two products of ≤ 128·127 per i16 lane: no saturation.
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(aw[k], sy), ones)
+                        _mm512_add_epi32(s[k % 4], _mm512_madd_epi16(_mm512_maddubs_epi16(aw[k], sy), ones))
                     };
-                    acc[k] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(p), acc[k]);
                 }
+                let isum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), *acc);
             }
         }
         for t in 0..N {
-            _mm512_storeu_ps(out[t].as_mut_ptr(), hsum8(&acc[t]));
+            _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
         }
     }
 }
