@@ -42,7 +42,8 @@ struct Layer {
 /// The final norm and output head, on the device when its layers end the model.
 struct Head {
     norm: Tensor,
-    out: GpuMatrix,
+    /// The embedding matrix itself where the model ties them.
+    out: Arc<GpuMatrix>,
 }
 
 /// The weights of a model's layers `layers` on one GPU, uploaded once per process and shared by its sessions.
@@ -51,6 +52,8 @@ pub struct GpuWeights {
     hp: Hparams,
     layers: Range<usize>,
     w: Vec<Layer>,
+    /// The token embeddings, on the device when its layers start the model: a batch's rows are looked up there.
+    embd: Option<Arc<GpuMatrix>>,
     head: Option<Head>,
     bytes: u64,
 }
@@ -86,7 +89,20 @@ impl GpuWeights {
         };
         let mut w = Vec::with_capacity(layers.len());
         let bar = crate::util::count_bar(layers.len() as u64, "uploading to the GPU", "layers");
+        // The embedding and head tensors: the head is the embedding matrix where there is no `output.weight`.
+        let (embd_name, out_name) = match (
+            f.tensors.contains_key("token_embd.weight"),
+            f.tensors.contains_key("output.weight"),
+        ) {
+            (true, true) => ("token_embd.weight", "output.weight"),
+            (true, false) => ("token_embd.weight", "token_embd.weight"),
+            _ => ("output.weight", "output.weight"),
+        };
+        let mut embd = None;
         let result = (|| -> Result<Option<Head>> {
+            if layers.start == 0 {
+                embd = Some(Arc::new(up(&mapped(embd_name)?)?));
+            }
             for il in layers.clone() {
                 bar.inc(1);
                 let p = |t: &str| format!("blk.{il}.{t}.weight");
@@ -122,14 +138,13 @@ impl GpuWeights {
             if layers.end < hp.n_layer || !model.is_last() {
                 return Ok(None);
             }
-            let out = if f.tensors.contains_key("output.weight") {
-                "output.weight"
-            } else {
-                "token_embd.weight"
+            let out = match &embd {
+                Some(m) if out_name == embd_name => m.clone(),
+                _ => Arc::new(up(&mapped(out_name)?)?),
             };
             Ok(Some(Head {
                 norm: gpu.upload(&mapped("output_norm.weight")?.to_f32())?,
-                out: up(&mapped(out)?)?,
+                out,
             }))
         })();
         bar.finish_and_clear();
@@ -150,6 +165,7 @@ impl GpuWeights {
             hp,
             layers,
             w,
+            embd,
             head,
             bytes,
             gpu,
@@ -168,6 +184,11 @@ impl GpuWeights {
     /// Whether the final norm and output head are on the device too.
     pub fn has_head(&self) -> bool {
         self.head.is_some()
+    }
+
+    /// Whether the token embeddings are on the device too (the layers start the model).
+    pub fn embeds(&self) -> bool {
+        self.embd.is_some()
     }
 
     /// Bytes of the weight matrices uploaded.
@@ -217,6 +238,8 @@ pub struct GpuLayers {
     head_rows: usize,
     /// The batch's positions, rewritten at each forward.
     pos: U32s,
+    /// The batch's token ids, where the device embeds them.
+    tok: U32s,
     /// The ops' bind groups over these buffers and the weights, built at their first dispatch and reused; `None`
     /// only in a test that compares with building each dispatch's own.
     binds: Option<Binds>,
@@ -278,6 +301,7 @@ impl GpuLayers {
                 logits: gpu.zeros(head_rows.max(1) * hp.n_vocab)?,
                 head_rows,
                 pos: gpu.upload_u32(&vec![0; n])?,
+                tok: gpu.upload_u32(&vec![0; n])?,
                 binds: Some(Binds::default()),
                 w: w.clone(),
             })
@@ -302,16 +326,24 @@ impl GpuLayers {
         self.w.has_head()
     }
 
+    pub fn embeds(&self) -> bool {
+        self.w.embeds()
+    }
+
     pub fn weights(&self) -> &Arc<GpuWeights> {
         &self.w
     }
 
     /// Runs layers `first..` of the device's range over the `n` rows of `x` (`[n, n_embd]`, the residual stream
-    /// entering `first`) at positions `pos0..pos0 + n`. The KV rows they write are copied into `mirror` too; the
-    /// output is the residual stream (back into `x`) or the logits of some rows ([`Out`]).
+    /// entering `first`) at positions `pos0..pos0 + n`, or over the embeddings of `tokens` (ids the caller checked
+    /// against the vocabulary), looked up on the device, where they are given (the range starts the model). The KV
+    /// rows they write are copied into `mirror` too; the output is the residual stream (back into `x`) or the
+    /// logits of some rows ([`Out`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
         x: &mut [f32],
+        tokens: Option<&[u32]>,
         n: usize,
         pos0: usize,
         first: usize,
@@ -336,7 +368,25 @@ impl GpuLayers {
             "layer {first} is outside the GPU's layers {:?}",
             w.layers
         );
-        gpu.write(&self.x, &x[..n * e])?;
+        let embd = match tokens {
+            Some(toks) => {
+                ensure!(
+                    toks.len() == n && first == w.layers.start,
+                    "{} tokens for a GPU batch of {n} rows from layer {first}",
+                    toks.len()
+                );
+                let embd = w
+                    .embd
+                    .as_ref()
+                    .with_context(|| format!("GPU layers {:?} take the hidden state, not tokens", w.layers))?;
+                gpu.write_u32(&mut self.tok, toks)?;
+                Some(embd)
+            }
+            None => {
+                gpu.write(&self.x, &x[..n * e])?;
+                None
+            }
+        };
         let positions: Vec<u32> = (pos0..pos0 + n).map(|p| u32_of(p, "position")).collect::<Result<_>>()?;
         gpu.write_u32(&mut self.pos, &positions)?;
         let pos = &self.pos;
@@ -348,6 +398,9 @@ impl GpuLayers {
         };
 
         let mut pass = self.pass();
+        if let Some(embd) = embd {
+            pass.embed(embd, &self.tok, hp.embd_scale, &self.x)?;
+        }
         for il in first..w.layers.end {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
@@ -759,7 +812,7 @@ mod tests {
                     rows: 0..n,
                     logits: &mut logits,
                 };
-                g.forward(&mut x, n, 0, 0, &mut kv, out).unwrap();
+                g.forward(&mut x, None, n, 0, 0, &mut kv, out).unwrap();
                 let mut got = vec![logits];
                 let mut built = Vec::new();
                 for (step, row) in rows[n..].iter().enumerate() {
@@ -769,7 +822,7 @@ mod tests {
                         rows: 0..1,
                         logits: &mut logits,
                     };
-                    g.forward(&mut x, 1, n + step, 0, &mut kv, out).unwrap();
+                    g.forward(&mut x, None, 1, n + step, 0, &mut kv, out).unwrap();
                     got.push(logits);
                     built.push(g.binds.as_ref().map_or(0, |b| b.len()));
                 }

@@ -95,6 +95,17 @@ impl super::Gpu {
     }
 }
 
+impl<'g> Pass<'g> {
+    /// The codebooks at binding 5, for a module over weights of type `ty` that reads them; none for the others
+    /// (a binding the entry point does not use is not in its layout).
+    pub(super) fn grid_binding(&self, ty: GgmlType) -> Result<Option<(u32, &'g wgpu::Buffer)>> {
+        if !uses_grid(ty) {
+            return Ok(None);
+        }
+        Ok(Some((5, self.gpu().grid_buffer()?)))
+    }
+}
+
 /// `quant.wgsl` with only `ty`'s dequantizer (and the shared readers): a driver then compiles one type, not eleven.
 fn quant_of(ty: GgmlType) -> String {
     let own = format!("fn dq_{}_$F(", wgsl_type(ty));
@@ -105,26 +116,31 @@ fn quant_of(ty: GgmlType) -> String {
         .join("\n\n")
 }
 
-/// The matmul module (`kernel`: per-row or tiled) for weights of type `ty`: the dequantizer instantiated for both
-/// weight buffers.
-fn source(ty: GgmlType, kernel: &str) -> String {
-    let quant = |buf: &str, suffix: &str| {
-        quant_of(ty)
-            .replace("$T", wgsl_type(ty))
-            .replace("$W", buf)
-            .replace("$F", suffix)
-    };
-    let grids: String = grid_tables()
+/// `ty`'s dequantizer instantiated for each weight buffer (name, suffix) of a module, after the codebooks' offsets
+/// (`GRID_*`). The module declares the buffers, and `iq_grid` at binding 5 ([`Pass::grid_binding`]).
+pub(super) fn dequantizers(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
+    let mut out: String = grid_tables()
         .1
         .iter()
         .map(|(name, at)| format!("const GRID_{name}: u32 = {at}u;\n"))
         .collect();
+    for (buf, suffix) in bufs {
+        out += &quant_of(ty)
+            .replace("$T", wgsl_type(ty))
+            .replace("$W", buf)
+            .replace("$F", suffix);
+        out += "\n";
+    }
+    out
+}
+
+/// The matmul module (`kernel`: per-row or tiled) for weights of type `ty`: the dequantizer instantiated for both
+/// weight buffers.
+fn source(ty: GgmlType, kernel: &str) -> String {
     module(&[
         wgsl::ACT,
         wgsl::MATMUL_IO,
-        &grids,
-        &quant("wa", "a"),
-        &quant("wb", "b"),
+        &dequantizers(ty, &[("wa", "a"), ("wb", "b")]),
         kernel,
     ])
 }
@@ -238,9 +254,7 @@ impl Pass<'_> {
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
             }
-            if uses_grid(w.ty) {
-                bufs.push((5, self.gpu().grid_buffer()?));
-            }
+            bufs.extend(self.grid_binding(w.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         }
         Ok(())
