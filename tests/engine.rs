@@ -270,9 +270,9 @@ fn context_overflow_is_an_error() {
     assert!(e.contains("context"), "{e}");
 }
 
-/// The GPU backend implements llama (RoPE factors and scaling included), gemma3, qwen2 and qwen3: the generated
-/// models of those upload (their numbers are checked in `backend::gpu::layers`), and the mixture of experts, phi3
-/// and the i-quants (no shader decodes them yet) are refused with the reason, not run.
+/// The GPU backend implements llama (RoPE factors and scaling included), gemma3, qwen2, qwen3 and phi3 in every
+/// weight type: the generated models of those upload, the i-quants' included (their numbers are checked in
+/// `backend::gpu::layers`), and the mixtures of experts are refused with the reason, not run.
 #[test]
 fn gpu_backend_refuses_what_it_does_not_implement() {
     use baton::backend::gpu::layers::GpuWeights;
@@ -290,10 +290,7 @@ fn gpu_backend_refuses_what_it_does_not_implement() {
         let model = Model::load(&common::model(name)).unwrap();
         let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
         let refusal = match name {
-            "qwen3moe" | "phi3" | "dots1" | "glm4moe" => {
-                "the GPU backend implements llama, gemma3, qwen2 and qwen3, not"
-            }
-            "iquants" => "the GPU backend has no IQ2_XXS matmul",
+            "qwen3moe" | "dots1" | "glm4moe" => "the GPU backend implements llama, gemma3, qwen2, qwen3 and phi3, not",
             _ => {
                 up.unwrap_or_else(|e| panic!("{name}: {e:#}"));
                 continue;

@@ -327,10 +327,16 @@ impl Session {
             bail!("this session holds layers {:?}, not the output head", model.range);
         }
 
-        // Input: embed the tokens, or take the hidden state as is.
+        // Input: embed the tokens (on the GPU where its layers start the model), or take the hidden state as is.
+        let mut gpu_tokens = None;
         match input {
             Input::Tokens(toks) => {
-                embed(&model, toks, &mut self.x)?;
+                if self.gpu.as_ref().is_some_and(|g| g.embeds()) {
+                    check_tokens(&model, toks)?;
+                    gpu_tokens = Some(toks);
+                } else {
+                    embed(&model, toks, &mut self.x)?;
+                }
                 if self.tokens.len() == pos0 {
                     self.tokens.extend_from_slice(toks);
                 }
@@ -356,7 +362,7 @@ impl Session {
                     logits: grown(&mut self.logits, n_tok * hp.n_vocab),
                 },
             };
-            g.forward(&mut self.x, n_tok, pos0, first, &mut self.kv, out)?;
+            g.forward(&mut self.x, gpu_tokens, n_tok, pos0, first, &mut self.kv, out)?;
             for il in first..g.layers().end {
                 on_layer(il, &self.kv, pos0..pos0 + n_tok);
             }
@@ -524,20 +530,27 @@ fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 /// One RoPE table per frequency base the model's layer range uses, for `n_ctx` positions.
-/// Embeds `tokens` into the first rows of `x` (scaled where the architecture asks).
-pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> {
-    let hp = &model.hp;
-    let e = hp.n_embd;
-    let Some(embd) = model.embeddings() else {
+/// Errors unless `model` embeds tokens (its range starts the model) and every id of `tokens` is in its vocabulary.
+fn check_tokens(model: &Model, tokens: &[u32]) -> Result<()> {
+    if model.embeddings().is_none() {
         bail!(
             "this session holds layers {:?}, it takes hidden states, not tokens",
             model.range
         );
-    };
+    }
+    if let Some(id) = tokens.iter().find(|&&id| id as usize >= model.hp.n_vocab) {
+        bail!("token id {id} is outside the vocabulary of {}", model.hp.n_vocab);
+    }
+    Ok(())
+}
+
+/// Embeds `tokens` into the first rows of `x` (scaled where the architecture asks).
+pub(super) fn embed(model: &Model, tokens: &[u32], x: &mut [f32]) -> Result<()> {
+    let hp = &model.hp;
+    let e = hp.n_embd;
+    check_tokens(model, tokens)?;
+    let embd = model.embeddings().expect("checked");
     for (t, &id) in tokens.iter().enumerate() {
-        if id as usize >= hp.n_vocab {
-            bail!("token id {id} is outside the vocabulary of {}", hp.n_vocab);
-        }
         let row = &mut x[t * e..(t + 1) * e];
         embd.dequantize_row_into(id as usize, row);
         if hp.embd_scale != 1.0 {

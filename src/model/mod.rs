@@ -185,6 +185,67 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
     Ok(())
 }
 
+/// Tensor `name` of `f`, mapped, checked to be `cols`×`rows` of a type Baton computes with.
+fn mapped_matrix(f: &Arc<GgufFile>, name: &str, cols: usize, rows: usize) -> Result<Matrix> {
+    let m = Matrix::mapped(f, f.tensor_info(name)?)?;
+    if m.cols != cols || m.rows != rows {
+        bail!("tensor {name:?} is {}x{}, expected {cols}x{rows}", m.cols, m.rows);
+    }
+    if !crate::kernels::matrix::supports(m.ty) {
+        bail!("tensor {name:?} has type {} which Baton cannot compute with", m.ty);
+    }
+    Ok(m)
+}
+
+/// Layer `il`'s Q, K and V projections as `f` stores them (mapped, not repacked): three tensors, or row views of
+/// Phi-3's fused `attn_qkv` (Q's rows, then K's, then V's). The CPU's layers and the GPU's upload both take them
+/// from here, so the two split a fused tensor one way.
+pub(crate) fn attn_qkv(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<[Matrix; 3]> {
+    let p = |t: &str| format!("blk.{il}.{t}.weight");
+    let (e, nq, nk, nv) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v());
+    let fused_qkv = f.tensors.contains_key(&p("attn_qkv"));
+    if fused_qkv
+        && ["attn_q", "attn_k", "attn_v"]
+            .iter()
+            .any(|t| f.tensors.contains_key(&p(t)))
+    {
+        bail!("layer {il} has both attn_qkv and separate attn_q/attn_k/attn_v: which one is meant?");
+    }
+    if fused_qkv {
+        let fused = mapped_matrix(f, &p("attn_qkv"), e, nq + nk + nv)?;
+        return Ok([
+            fused.row_range(0..nq)?,
+            fused.row_range(nq..nq + nk)?,
+            fused.row_range(nq + nk..nq + nk + nv)?,
+        ]);
+    }
+    Ok([
+        mapped_matrix(f, &p("attn_q"), e, nq)?,
+        mapped_matrix(f, &p("attn_k"), e, nk)?,
+        mapped_matrix(f, &p("attn_v"), e, nv)?,
+    ])
+}
+
+/// Layer `il`'s dense feed-forward as `f` stores it (mapped, not repacked); Phi-3's `ffn_up` holds the gate's rows,
+/// then the up projection's (ggml's swiglu of one tensor), split here into row views for the CPU and the GPU alike.
+pub(crate) fn dense_ffn(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<DenseFfn> {
+    let p = |t: &str| format!("blk.{il}.{t}.weight");
+    let (e, ff) = (hp.n_embd, hp.n_ff);
+    if hp.arch == Arch::Phi3 {
+        let fused = mapped_matrix(f, &p("ffn_up"), e, 2 * ff)?;
+        return Ok(DenseFfn {
+            gate: fused.row_range(0..ff)?,
+            up: fused.row_range(ff..2 * ff)?,
+            down: mapped_matrix(f, &p("ffn_down"), ff, e)?,
+        });
+    }
+    Ok(DenseFfn {
+        gate: mapped_matrix(f, &p("ffn_gate"), e, ff)?,
+        up: mapped_matrix(f, &p("ffn_up"), e, ff)?,
+        down: mapped_matrix(f, &p("ffn_down"), ff, e)?,
+    })
+}
+
 /// Parses `"A:B"` (B exclusive, `end` allowed) into a layer range checked against `n_layer`.
 pub fn parse_layer_range(s: &str, n_layer: usize) -> Result<Range<usize>> {
     let (a, b) = s
@@ -233,17 +294,7 @@ impl Model {
             );
         }
         let f = &file;
-        let matrix = |name: &str, cols: usize, rows: usize| -> Result<Matrix> {
-            let info = f.tensor_info(name)?;
-            let m = Matrix::mapped(f, info)?;
-            if m.cols != cols || m.rows != rows {
-                bail!("tensor {name:?} is {}x{}, expected {cols}x{rows}", m.cols, m.rows);
-            }
-            if !crate::kernels::matrix::supports(m.ty) {
-                bail!("tensor {name:?} has type {} which Baton cannot compute with", m.ty);
-            }
-            Ok(m)
-        };
+        let matrix = |name: &str, cols: usize, rows: usize| mapped_matrix(f, name, cols, rows);
         let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
             let info = f.tensor_info(name)?;
             let m = Matrix::mapped(f, info)?;
@@ -266,20 +317,7 @@ impl Model {
             let p = |t: &str| format!("blk.{il}.{t}.weight");
             let moe = hp.moe.as_ref().filter(|m| m.has_experts(il));
             let ffn = match moe {
-                None if hp.arch == Arch::Phi3 => {
-                    // `ffn_up` holds the gate's rows, then the up projection's (ggml's swiglu of one tensor).
-                    let fused = matrix(&p("ffn_up"), e, 2 * hp.n_ff)?;
-                    Ffn::Dense(DenseFfn {
-                        gate: fused.row_range(0..hp.n_ff)?,
-                        up: fused.row_range(hp.n_ff..2 * hp.n_ff)?,
-                        down: matrix(&p("ffn_down"), hp.n_ff, e)?,
-                    })
-                }
-                None => Ffn::Dense(DenseFfn {
-                    gate: matrix(&p("ffn_gate"), e, hp.n_ff)?,
-                    up: matrix(&p("ffn_up"), e, hp.n_ff)?,
-                    down: matrix(&p("ffn_down"), hp.n_ff, e)?,
-                }),
+                None => Ffn::Dense(dense_ffn(f, &hp, il)?),
                 Some(m) => {
                     let (n_x, ff) = (m.n_expert, m.n_ff_exp);
                     let experts = |t: &str, cols: usize, rows: usize| {
@@ -314,30 +352,7 @@ impl Model {
                     })
                 }
             };
-            let (nq, nk, nv) = (hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v());
-            let fused_qkv = f.tensors.contains_key(&p("attn_qkv"));
-            if fused_qkv
-                && ["attn_q", "attn_k", "attn_v"]
-                    .iter()
-                    .any(|t| f.tensors.contains_key(&p(t)))
-            {
-                bail!("layer {il} has both attn_qkv and separate attn_q/attn_k/attn_v: which one is meant?");
-            }
-            let (wq, wk, wv) = if fused_qkv {
-                // Phi-3's fused projection: Q's rows, then K's, then V's.
-                let fused = matrix(&p("attn_qkv"), e, nq + nk + nv)?;
-                (
-                    fused.row_range(0..nq)?,
-                    fused.row_range(nq..nq + nk)?,
-                    fused.row_range(nq + nk..nq + nk + nv)?,
-                )
-            } else {
-                (
-                    matrix(&p("attn_q"), e, nq)?,
-                    matrix(&p("attn_k"), e, nk)?,
-                    matrix(&p("attn_v"), e, nv)?,
-                )
-            };
+            let [wq, wk, wv] = attn_qkv(f, &hp, il)?;
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,
                 wq,

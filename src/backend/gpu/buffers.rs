@@ -1,7 +1,7 @@
 //! Device buffers: f32 activations ([`Tensor`]), f16 rows packed two to a word ([`Halves`], the KV cache), and
 //! weight matrices uploaded once in their GGUF block layout ([`GpuMatrix`]).
 //!
-//! Shaders read every buffer as 32-bit words. GGUF blocks are 18, 20, 22, 34, 144, 176 or 210 bytes, so blocks and
+//! Shaders read every buffer as 32-bit words. GGUF blocks are any even number of bytes from 18 to 210, so blocks and
 //! rows start at any even byte; a weight buffer is padded to a whole number of words (plus one) and the shaders
 //! assemble bytes, halves and unaligned words from the words around them (`shaders/quant.wgsl`).
 
@@ -90,13 +90,11 @@ const USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
 
-/// The GPU types [`Gpu::upload_matrix`] takes: the types of the two default models and their float tensors.
+/// The GPU types [`Gpu::upload_matrix`] takes: every weight type the CPU computes with (all but the activation
+/// types Q8_1 and Q8_K).
 pub fn supports(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4K | Q5K | Q6K
-    )
+    !matches!(ty, Q8_1 | Q8K)
 }
 
 impl Gpu {
@@ -196,7 +194,7 @@ impl Gpu {
     pub(super) fn upload_matrix_in_parts(&self, m: &Matrix, part_bytes: usize) -> Result<GpuMatrix> {
         ensure!(
             supports(m.ty),
-            "the GPU backend has no {} matmul (it has F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
+            "the GPU backend has no {} matmul (it takes every weight type but the activation types Q8_1 and Q8_K)",
             m.ty
         );
         ensure!(

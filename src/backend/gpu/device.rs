@@ -59,6 +59,8 @@ pub struct Gpu {
     /// The first error wgpu reported outside an error scope (validation, out of memory, device lost), taken by
     /// the next [`Gpu::check`].
     error: Arc<Mutex<Option<String>>>,
+    /// The grid i-quants' codebooks, uploaded at the first matmul of such a type (`matmul::grid_buffer`).
+    pub(super) iq_grid: std::sync::OnceLock<wgpu::Buffer>,
 }
 
 /// Preference among real adapters: a discrete GPU over an integrated one over anything else that is not software.
@@ -136,6 +138,7 @@ impl Gpu {
             limits,
             pipelines: Mutex::new(HashMap::new()),
             error,
+            iq_grid: std::sync::OnceLock::new(),
         })
     }
 

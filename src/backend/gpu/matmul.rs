@@ -42,8 +42,67 @@ fn wgsl_type(ty: GgmlType) -> &'static str {
         Q4K => "q4_k",
         Q5K => "q5_k",
         Q6K => "q6_k",
-        // `upload_matrix` refuses the others.
-        Q8_1 | Q2K | Q3K | Q8K | IQ4NL | IQ4XS | IQ2XXS | IQ2XS | IQ2S | IQ3XXS | IQ3S | IQ1S => "unsupported",
+        Q2K => "q2_k",
+        Q3K => "q3_k",
+        IQ4NL => "iq4_nl",
+        IQ4XS => "iq4_xs",
+        IQ2XXS => "iq2_xxs",
+        IQ2XS => "iq2_xs",
+        IQ2S => "iq2_s",
+        IQ3XXS => "iq3_xxs",
+        IQ3S => "iq3_s",
+        IQ1S => "iq1_s",
+        // Activation types only: `upload_matrix` refuses them.
+        Q8_1 | Q8K => "unsupported",
+    }
+}
+
+/// The grid i-quants' codebooks (`kernels::iquants`) as one table of u32 words (an 8-byte entry is two, low word
+/// first), and where each begins: `GRID_<NAME>` in WGSL.
+fn grid_tables() -> (Vec<u32>, Vec<(&'static str, usize)>) {
+    use crate::kernels::iquants::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
+    let wide = |t: &[u64]| -> Vec<u32> { t.iter().flat_map(|&e| [e as u32, (e >> 32) as u32]).collect() };
+    let tables = [
+        ("IQ2XXS", wide(&IQ2XXS_GRID)),
+        ("IQ2XS", wide(&IQ2XS_GRID)),
+        ("IQ2S", wide(&IQ2S_GRID)),
+        ("IQ3XXS", IQ3XXS_GRID.to_vec()),
+        ("IQ3S", IQ3S_GRID.to_vec()),
+        ("IQ1S", wide(&IQ1S_GRID)),
+    ];
+    let (mut words, mut offsets) = (Vec::new(), Vec::new());
+    for (name, t) in tables {
+        offsets.push((name, words.len()));
+        words.extend(t);
+    }
+    (words, offsets)
+}
+
+/// Whether `ty`'s dequantizer reads the codebooks (binding 5 of the matmuls).
+fn uses_grid(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, IQ2XXS | IQ2XS | IQ2S | IQ3XXS | IQ3S | IQ1S)
+}
+
+impl super::Gpu {
+    /// The codebooks on this device, uploaded once (34 KiB).
+    fn grid_buffer(&self) -> Result<&wgpu::Buffer> {
+        if let Some(b) = self.iq_grid.get() {
+            return Ok(b);
+        }
+        let t = self.upload_u32(&grid_tables().0)?;
+        Ok(self.iq_grid.get_or_init(|| t.buf))
+    }
+}
+
+impl<'g> Pass<'g> {
+    /// The codebooks at binding 5, for a module over weights of type `ty` that reads them; none for the others
+    /// (a binding the entry point does not use is not in its layout).
+    pub(super) fn grid_binding(&self, ty: GgmlType) -> Result<Option<(u32, &'g wgpu::Buffer)>> {
+        if !uses_grid(ty) {
+            return Ok(None);
+        }
+        Ok(Some((5, self.gpu().grid_buffer()?)))
     }
 }
 
@@ -57,16 +116,33 @@ fn quant_of(ty: GgmlType) -> String {
         .join("\n\n")
 }
 
+/// `ty`'s dequantizer instantiated for each weight buffer (name, suffix) of a module, after the codebooks' offsets
+/// (`GRID_*`). The module declares the buffers, and `iq_grid` at binding 5 ([`Pass::grid_binding`]).
+pub(super) fn dequantizers(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
+    let mut out: String = grid_tables()
+        .1
+        .iter()
+        .map(|(name, at)| format!("const GRID_{name}: u32 = {at}u;\n"))
+        .collect();
+    for (buf, suffix) in bufs {
+        out += &quant_of(ty)
+            .replace("$T", wgsl_type(ty))
+            .replace("$W", buf)
+            .replace("$F", suffix);
+        out += "\n";
+    }
+    out
+}
+
 /// The matmul module (`kernel`: per-row or tiled) for weights of type `ty`: the dequantizer instantiated for both
 /// weight buffers.
 fn source(ty: GgmlType, kernel: &str) -> String {
-    let quant = |buf: &str, suffix: &str| {
-        quant_of(ty)
-            .replace("$T", wgsl_type(ty))
-            .replace("$W", buf)
-            .replace("$F", suffix)
-    };
-    module(&[wgsl::ACT, wgsl::MATMUL_IO, &quant("wa", "a"), &quant("wb", "b"), kernel])
+    module(&[
+        wgsl::ACT,
+        wgsl::MATMUL_IO,
+        &dequantizers(ty, &[("wa", "a"), ("wb", "b")]),
+        kernel,
+    ])
 }
 
 /// The activation's code in `act.wgsl`.
@@ -178,6 +254,7 @@ impl Pass<'_> {
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
             }
+            bufs.extend(self.grid_binding(w.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         }
         Ok(())
@@ -221,7 +298,11 @@ mod tests {
     /// (≈ 170 ulps) is far above that yet far below any wrong weight or scale, which moves a sum by ~1e-2 of it.
     const TOL: f64 = 1e-5;
 
-    const TYPES: [GgmlType; 11] = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K];
+    /// Every weight type: the float types, the 32-weight blocks, the K-quants and the i-quants.
+    const TYPES: [GgmlType; 21] = [
+        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS, IQ2XXS, IQ2XS, IQ2S,
+        IQ3XXS, IQ3S, IQ1S,
+    ];
 
     /// The kernels a test runs on one batch, as a pass would pick them: the per-row kernel in the software adapter's
     /// layout (a thread per row) and the GPUs' (16 threads per row), then the tiled one.
@@ -287,7 +368,7 @@ mod tests {
     }
 
     /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
-    /// alike into parts) and not (gate and up of different types, or split differently), through both kernels, on
+    /// alike into parts; a grid i-quant, whose two dequantizers share the codebooks) and not (gate and up of different types, or split differently), through both kernels, on
     /// a small batch and one of partial tiles (45 rows: 32 + 13; 35 tokens: 32 + 3); the activations are checked
     /// on their own in `elementwise.rs`.
     #[test]
@@ -296,7 +377,14 @@ mod tests {
         let mut rng = Rng(2101);
         let cols = 256;
         // split: 0 whole, 1 both in parts of 5 rows, 2 only the gate (so not fused).
-        let cases = [(Q8_0, Q8_0, 0), (Q4K, Q6K, 0), (Q4_0, Q4_0, 1), (Q4_0, Q4_0, 2)];
+        let cases = [
+            (Q8_0, Q8_0, 0),
+            (Q4K, Q6K, 0),
+            (Q4_0, Q4_0, 1),
+            (Q4_0, Q4_0, 2),
+            (Q3K, Q3K, 0),
+            (IQ2S, IQ2S, 1),
+        ];
         for ((tg, tu, split), (rows, n)) in cases.into_iter().flat_map(|c| [(c, (21, 3)), (c, (45, 35))]) {
             let gate = random_matrix(&mut rng, tg, rows, cols);
             let up = random_matrix(&mut rng, tu, rows, cols);
@@ -426,7 +514,7 @@ mod tests {
         assert!(pass.matmul(&gw, &x, 2, &y).is_err());
         assert!(pass.matmul(&gw, &x, 0, &y).is_err());
         pass.finish().unwrap();
-        let q2 = random_matrix(&mut rng, Q2K, 2, 256);
-        assert!(gpu.upload_matrix(&q2).is_err());
+        let q8k = random_matrix(&mut rng, Q8K, 2, 256);
+        assert!(gpu.upload_matrix(&q8k).is_err());
     }
 }

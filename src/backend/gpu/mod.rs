@@ -12,6 +12,7 @@
 //! - `buffers.rs`: device buffers and uploads.
 //! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
 //! - `norm.rs`: RMSNorm. `rope.rs`: RoPE, both styles. `elementwise.rs`: residual add, SwiGLU/GeGLU.
+//! - `embed.rs`: the embedding lookup of a batch's tokens.
 //! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
 //! - `layers.rs`: a layer range of llama / gemma3 on the device (weights shared per model, KV per session), and
 //!   the head when the range ends the model.
@@ -21,6 +22,7 @@ pub mod attention;
 pub mod buffers;
 pub mod device;
 pub mod elementwise;
+pub mod embed;
 pub mod layers;
 pub mod matmul;
 pub mod norm;
@@ -46,6 +48,7 @@ mod wgsl {
     pub const ROPE: &str = include_str!("shaders/rope.wgsl");
     pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
     pub const KV: &str = include_str!("shaders/kv.wgsl");
+    pub const EMBED: &str = include_str!("shaders/embed.wgsl");
 }
 
 /// One shader module's source: the snippets joined.

@@ -21,3 +21,5 @@ struct Params {
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> wb: array<u32>;
+// The grid i-quants' codebooks (quant.wgsl), bound only for those types.
+@group(0) @binding(5) var<storage, read> iq_grid: array<u32>;
