@@ -24,6 +24,9 @@ pub struct QKernel {
 }
 
 /// The dispatch table: one per instruction set, chosen once.
+/// An F16 row's bytes dotted with f32 activations.
+pub type DotF16 = fn(&[u8], &[f32]) -> f32;
+
 pub struct Kernels {
     pub isa: &'static str,
     pub quant_q8_0: QuantFn,
@@ -50,7 +53,7 @@ pub struct Kernels {
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
     /// `dot_f32` of an F16 row (its bytes) converted in registers, with the same bits; `None` where the table has
     /// none, and the row is converted to f32 first.
-    pub dot_f16: Option<fn(&[u8], &[f32]) -> f32>,
+    pub dot_f16: Option<DotF16>,
 }
 
 impl Kernels {
