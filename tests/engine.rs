@@ -290,7 +290,7 @@ fn gpu_backend_refuses_what_it_does_not_implement() {
         let model = Model::load(&common::model(name)).unwrap();
         let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
         let refusal = match name {
-            "qwen3moe" | "phi3" | "dots1" | "glm4moe" => {
+            "qwen3moe" | "phi3" | "dots1" | "glm4moe" | "deepseek2" => {
                 "the GPU backend implements llama, gemma3, qwen2 and qwen3, not"
             }
             "iquants" => "the GPU backend has no IQ2_XXS matmul",

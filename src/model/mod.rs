@@ -1008,7 +1008,10 @@ mod tests {
         assert_eq!((moe.routing, moe.n_dense_lead), (routing, 1));
         for (il, l) in m.layers.iter().enumerate() {
             let mla = l.mla.as_ref().unwrap();
-            assert_eq!(mla.q_a.as_ref().map(|(w, n)| (w.rows, w.cols, n.len())), Some((32, 64, 32)));
+            assert_eq!(
+                mla.q_a.as_ref().map(|(w, n)| (w.rows, w.cols, n.len())),
+                Some((32, 64, 32))
+            );
             assert_eq!((l.wq.rows, l.wq.cols), (4 * 48, 32), "layer {il} attn_q_b");
             assert_eq!((l.wk.rows, l.wk.cols), (32 + 16, 64), "layer {il} attn_kv_a_mqa");
             assert_eq!((l.wv.rows, l.wv.cols), (4 * (32 + 24), 32), "layer {il} attn_kv_b");
@@ -1032,16 +1035,36 @@ mod tests {
         let k = |s: &str| format!("deepseek2.{s}");
         let cases = [
             ("attention.key_length_mla", Some(Value::U32(48)), "absorbed MLA layout"),
-            ("attention.value_length_mla", Some(Value::U32(24)), "absorbed MLA layout"),
+            (
+                "attention.value_length_mla",
+                Some(Value::U32(24)),
+                "absorbed MLA layout",
+            ),
             ("rope.scaling.factor", Some(Value::F32(4.0)), "YaRN's mscale"),
             ("rope.scaling.type", Some(Value::Str("yarn".into())), "\"yarn\""),
-            ("attention.temperature_scale", Some(Value::F32(0.5)), "temperature tuning"),
-            ("attention.head_count_kv", Some(Value::U32(1)), "one KV head per query head"),
+            (
+                "attention.temperature_scale",
+                Some(Value::F32(0.5)),
+                "temperature tuning",
+            ),
+            (
+                "attention.head_count_kv",
+                Some(Value::U32(1)),
+                "one KV head per query head",
+            ),
             ("attention.q_lora_rank", None, "missing deepseek2.attention.q_lora_rank"),
             ("attention.q_lora_rank", Some(Value::U32(0)), "has \"attn_q_a\""),
-            ("attention.kv_lora_rank", None, "missing deepseek2.attention.kv_lora_rank"),
+            (
+                "attention.kv_lora_rank",
+                None,
+                "missing deepseek2.attention.kv_lora_rank",
+            ),
             ("rope.dimension_count", Some(Value::U32(48)), "leaves no unrotated part"),
-            ("expert_shared_count", Some(Value::U32(0)), "deepseek2 has a shared expert"),
+            (
+                "expert_shared_count",
+                Some(Value::U32(0)),
+                "deepseek2 has a shared expert",
+            ),
         ];
         for (key, v, want) in cases {
             let key = k(key);
