@@ -743,10 +743,16 @@ fn mla_hparams(g: &GgufFile, hp: &Hparams, key: &dyn Fn(&str) -> String) -> Resu
     };
     let kv_lora_rank =
         opt("attention.kv_lora_rank").with_context(|| format!("missing {}", key("attention.kv_lora_rank")))?;
-    if kv_lora_rank == 0 || kv_lora_rank > 1 << 24 || q_lora_rank > 1 << 24 {
+    if kv_lora_rank == 0 || kv_lora_rank > 1 << 24 {
         bail!(
             "{} is {kv_lora_rank}: expected 1 to 2^24",
             key("attention.kv_lora_rank")
+        );
+    }
+    if q_lora_rank > 1 << 24 {
+        bail!(
+            "{} is {q_lora_rank}: expected at most 2^24",
+            key("attention.q_lora_rank")
         );
     }
     if hp.n_rot >= hp.head_dim_k {

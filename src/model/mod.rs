@@ -1059,6 +1059,11 @@ mod tests {
                 None,
                 "missing deepseek2.attention.kv_lora_rank",
             ),
+            (
+                "attention.kv_lora_rank",
+                Some(Value::U32(0)),
+                "kv_lora_rank is 0: expected 1 to 2^24",
+            ),
             ("rope.dimension_count", Some(Value::U32(48)), "leaves no unrotated part"),
             (
                 "expert_shared_count",
