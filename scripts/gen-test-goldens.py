@@ -100,9 +100,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.names:
             model = os.path.join(MODELS, f"{name}.gguf")
-            # llama3's vocabulary and pre-tokenizer: tokens-llama3.json covers iquants and phi3; qwen3moe's (qwen2) dots1
-            # and glm4moe.
-            if name not in ("iquants", "phi3", "dots1", "glm4moe"):
+            # llama3's vocabulary and pre-tokenizer: tokens-llama3.json covers iquants and phi3; qwen3moe's (qwen2) dots1,
+            # glm4moe and deepseek2.
+            if name not in ("iquants", "phi3", "dots1", "glm4moe", "deepseek2"):
                 run([ref, "tokens", "-m", model, "--name", name, "--texts",
                      os.path.join(GOLDEN, "tokenizer_texts.json"), "-o", os.path.join(GOLDEN, f"tokens-{name}.json")])
             doc = greedy(ref, name, prompts, tmp)

@@ -76,6 +76,19 @@ MODELS["glm4moe"] = dict(arch="glm4moe", pre="qwen2", n_layer=3, n_nextn=1, n_em
                          qk_norm_layers=[0, 2], post_attn_norm=True, n_expert=32, n_expert_used=4, n_ff_exp=16,
                          n_dense_lead=1, n_shared=1, gating="SIGMOID", norm_w=True, w_scale=2.5, probs_bias=True)
 
+# DeepSeek V3 / Kimi K2 (deepseek2): multi-head latent attention in llama.cpp's layout without the absorption
+# (attn_kv_b, not attn_k_b/attn_v_b): Q through a low-rank pair (q_lora_rank 32, attn_q_a_norm between), one
+# attn_kv_a_mqa row giving a compressed KV vector of 32 (kv_lora_rank, normalised by attn_kv_a_norm) and a RoPE key of
+# 16 shared by the heads; attn_kv_b gives each head a K_nope of 32 and a V of 24, so K heads are 48 wide (32 unrotated,
+# then 16 turned by RoPE in adjacent pairs) and V heads 24; one leading dense layer, then V3's routing: 16 experts in
+# 4 groups of which the best 2 are kept, sigmoid gating with a selection bias, 4 experts per token, renormalised and
+# scaled by 2.5, 2 shared experts; F32 matrices.
+MODELS["deepseek2"] = dict(arch="deepseek2", pre="qwen2", n_layer=3, n_embd=64, n_ff=128, n_head=4, n_head_kv=4,
+                           head_dim=48, head_dim_v=24, n_rot=16, q_lora_rank=32, kv_lora_rank=32,
+                           rope_base=10000.0, ty="F32", n_expert=16, n_expert_used=4, n_ff_exp=32, n_dense_lead=1,
+                           n_shared=2, gating="SIGMOID", norm_w=True, w_scale=2.5, probs_bias=True, n_group=4,
+                           n_group_used=2)
+
 # Models for benchmarks only (`--experts-split` in docs/moe.md), written only when named: too large to commit. A
 # scaled-down Qwen3-30B-A3B: 16 experts of which each token uses 4, experts as wide as the model, Q8_0 matrices
 # (about 230 MB); the active experts are most of a token's work.
@@ -155,7 +168,10 @@ def write_model(path, name, spec, vocab, rng):
     w.add_head_count(spec["n_head"])
     w.add_head_count_kv(spec["n_head_kv"])
     w.add_key_length(hd)
-    w.add_value_length(hd)
+    w.add_value_length(spec.get("head_dim_v", hd))
+    if "kv_lora_rank" in spec:
+        w.add_q_lora_rank(spec["q_lora_rank"])
+        w.add_kv_lora_rank(spec["kv_lora_rank"])
     w.add_rope_dimension_count(spec.get("n_rot", hd))
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(spec["rope_base"])
@@ -221,6 +237,15 @@ def write_model(path, name, spec, vocab, rng):
         t[p + "attn_norm.weight"] = vec(e)
         if spec.get("fused"):
             t[p + "attn_qkv.weight"] = mat(nq + 2 * nkv, e)
+        elif "kv_lora_rank" in spec:
+            # DeepSeek's latent attention (see MODELS["deepseek2"]); the norms sit in the path of Q and of K/V.
+            ql, kl, rot, hv = spec["q_lora_rank"], spec["kv_lora_rank"], spec["n_rot"], spec["head_dim_v"]
+            t[p + "attn_q_a.weight"] = mat(ql, e)
+            t[p + "attn_q_a_norm.weight"] = vec(ql)
+            t[p + "attn_q_b.weight"] = mat(nq, ql)
+            t[p + "attn_kv_a_mqa.weight"] = mat(kl + rot, e)
+            t[p + "attn_kv_a_norm.weight"] = vec(kl)
+            t[p + "attn_kv_b.weight"] = mat(spec["n_head"] * (hd - rot + hv), kl)
         else:
             t[p + "attn_q.weight"] = mat(nq, e, kind="attn_q", il=il)
             t[p + "attn_k.weight"] = mat(nkv, e, kind="attn_k", il=il)
@@ -232,7 +257,7 @@ def write_model(path, name, spec, vocab, rng):
         if spec.get("qk_norm") or il in spec.get("qk_norm_layers", []):
             t[p + "attn_q_norm.weight"] = vec(hd)
             t[p + "attn_k_norm.weight"] = vec(hd)
-        t[p + "attn_output.weight"] = mat(e, nq, kind="attn_output", il=il)
+        t[p + "attn_output.weight"] = mat(e, spec["n_head"] * spec.get("head_dim_v", hd), kind="attn_output", il=il)
         t[p + ("post_attention_norm.weight" if spec.get("post_attn_norm") else "ffn_norm.weight")] = vec(e)
         if "n_expert" in spec and il >= spec.get("n_dense_lead", 0):
             # The router stays F32 (as llama.cpp's quantizer leaves it), with logits spread wide enough that the
@@ -286,7 +311,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     every = {**MODELS, **BENCH_MODELS}
     # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
-    seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe"]
+    seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe",
+                  "deepseek2"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")

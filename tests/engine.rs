@@ -290,7 +290,9 @@ fn gpu_backend_refuses_what_it_does_not_implement() {
         let model = Model::load(&common::model(name)).unwrap();
         let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
         let refusal = match name {
-            "qwen3moe" | "dots1" | "glm4moe" => "the GPU backend implements llama, gemma3, qwen2, qwen3 and phi3, not",
+            "qwen3moe" | "dots1" | "glm4moe" | "deepseek2" => {
+                "the GPU backend implements llama, gemma3, qwen2, qwen3 and phi3, not"
+            }
             _ => {
                 up.unwrap_or_else(|e| panic!("{name}: {e:#}"));
                 continue;

@@ -289,6 +289,15 @@ fn greedy_matches_llama_cpp_glm4moe() {
     check_generated("glm4moe", FLOAT_TOL);
 }
 
+/// deepseek2 (DeepSeek V3 / Kimi K2): multi-head latent attention without the absorption (Q through a low-rank pair
+/// with a norm, K_nope and V from a normalised compressed vector through `attn_kv_b`, a RoPE key shared by the heads,
+/// RoPE on the last 16 of each 48-wide K head, V heads of 24), a leading dense layer, then 4 of 16 experts by sigmoid
+/// gating in 2 of 4 groups with a selection bias, renormalised and scaled by 2.5, plus 2 shared experts; F32 matrices.
+#[test]
+fn greedy_matches_llama_cpp_deepseek2() {
+    check_generated("deepseek2", FLOAT_TOL);
+}
+
 /// Phi-3: Q/K/V and gate/up each one fused matrix, NeoX RoPE, and a sliding window (8) that llama.cpp ignores for
 /// phi3, so Baton must too (every prompt is longer); F32 matrices.
 #[test]

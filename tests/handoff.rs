@@ -132,7 +132,7 @@ fn gemma3_full_and_partial_offload_match_local() {
     check_equivalence(&gemma3(), 18, 7, &[12, 100], 32);
 }
 
-/// The generated models of the other architectures (llama with RoPE factors, qwen2, qwen3, qwen3moe, dots1, glm4moe, phi3,
+/// The generated models of the other architectures (llama with RoPE factors, qwen2, qwen3, qwen3moe, dots1, glm4moe, deepseek2, phi3,
 /// and a llama of every i-quant; tests/models/), two layers offloaded (all of most of them) and one.
 #[test]
 fn new_architectures_full_and_partial_offload_match_local() {

@@ -84,7 +84,7 @@ fn two_and_three_stages_match_the_local_run() {
     assert_eq!(p.replays(), 0);
 }
 
-/// The generated models of the other architectures (llama with RoPE factors, qwen2, qwen3, qwen3moe, dots1, glm4moe, phi3, and a llama of every i-quant; tests/models/)
+/// The generated models of the other architectures (llama with RoPE factors, qwen2, qwen3, qwen3moe, dots1, glm4moe, deepseek2, phi3, and a llama of every i-quant; tests/models/)
 /// over two stages, a node's layer then the coordinator's, give the local run's logits and greedy tokens.
 #[test]
 fn new_architectures_two_stages_match_the_local_run() {

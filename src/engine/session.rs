@@ -14,7 +14,7 @@ use crate::kernels::ops;
 use crate::model::blocks::{self, Buffers, SeqKv, Step};
 use crate::model::moe::{self, Pick, RemoteExperts};
 use crate::model::rope::RopeTables;
-use crate::model::{Arch, Ffn, Hparams, Model, gemma3, llama};
+use crate::model::{Arch, Ffn, Hparams, Model, deepseek2, gemma3, llama};
 use anyhow::{Result, bail};
 use std::sync::Arc;
 
@@ -568,6 +568,7 @@ pub(super) fn layer(step: &Step, model: &Model, x: &mut [f32], bufs: &mut Buffer
             llama::layer(s, lw, x, b, kv)
         }
         Arch::Gemma3 => gemma3::layer(s, lw, x, b, kv),
+        Arch::Deepseek2 => deepseek2::layer(s, lw, x, b, kv),
     });
 }
 

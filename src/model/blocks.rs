@@ -31,7 +31,9 @@ pub struct Buffers {
     /// mixture's shared experts').
     pub(super) work: Vec<f32>,
     /// Lengths of Q, K and V in `work` (the attention output follows them).
-    qkv_len: [usize; 3],
+    pub(super) qkv_len: [usize; 3],
+    /// Length of DeepSeek's latent attention's intermediates at the end of `work` ([`Buffers::mla_len`]).
+    pub(super) mla_len: usize,
     /// The backend's working memory (matmul activations, attention partials).
     pub sc: Scratch,
     /// The mixture of experts' buffers (MoE models only).
@@ -55,7 +57,7 @@ impl Buffers {
     fn lens(hp: &Hparams, n_batch: usize) -> (usize, [usize; 3], usize) {
         let n_rows = n_batch.min(LAYER_SLICE);
         let qkv_len = [hp.n_embd_q(), hp.n_embd_k(), hp.n_embd_v()].map(|w| n_rows * w);
-        let attn_len = qkv_len.iter().sum::<usize>() + n_rows * hp.n_head * hp.head_dim_v;
+        let attn_len = qkv_len.iter().sum::<usize>() + n_rows * hp.n_head * hp.head_dim_v + Self::mla_len(hp, n_rows);
         // A mixture's routed experts' hidden activations live in its own buffers; its shared experts' and its
         // leading dense layers' use this one.
         let ffn_width = match &hp.moe {
@@ -69,6 +71,15 @@ impl Buffers {
         (n_rows, qkv_len, attn_len.max(ffn_len))
     }
 
+    /// Floats DeepSeek's latent attention keeps besides Q, K, V and the output, for `n_rows` rows: Q's low-rank
+    /// intermediate, the `attn_kv_a_mqa` rows, the normalised compressed vectors and the `attn_kv_b` rows.
+    fn mla_len(hp: &Hparams, n_rows: usize) -> usize {
+        hp.mla.as_ref().map_or(0, |m| {
+            let kv_b = hp.n_head * (m.n_nope + hp.head_dim_v);
+            n_rows * (m.q_lora_rank + (m.kv_lora_rank + hp.n_rot) + m.kv_lora_rank + kv_b)
+        })
+    }
+
     /// Scratch for batches of up to `n_batch` rows.
     pub fn new(hp: &Hparams, n_batch: usize, n_ctx: usize, n_threads: usize) -> Buffers {
         let (n_rows, qkv_len, work_len) = Self::lens(hp, n_batch);
@@ -77,6 +88,7 @@ impl Buffers {
             xn: vec![0.0; n_rows * hp.n_embd],
             work: vec![0.0; work_len],
             qkv_len,
+            mla_len: Self::mla_len(hp, n_rows),
             sc: Scratch::new(n_threads, n_ctx, hp.n_head / hp.n_head_kv, hp.head_dim_v),
             moe: hp.moe.as_ref().map(|m| MoeScratch::new(m, hp.n_embd, n_rows)),
         }
@@ -110,7 +122,7 @@ impl Buffers {
 
 impl<'a> Attn<'a> {
     /// A function of the two fields, not a method of [`Buffers`], so the other fields stay free to borrow.
-    fn split(work: &'a mut [f32], [nq, nk, nv]: [usize; 3]) -> Attn<'a> {
+    pub(super) fn split(work: &'a mut [f32], [nq, nk, nv]: [usize; 3]) -> Attn<'a> {
         let (q, rest) = work.split_at_mut(nq);
         let (k, rest) = rest.split_at_mut(nk);
         let (v, att) = rest.split_at_mut(nv);
@@ -311,13 +323,18 @@ pub fn rope_and_store(s: &Step, b: &mut Buffers, rows: &mut impl RowsKv) {
         let (k, v) = (&mut a.k[t * nk..(t + 1) * nk], &a.v[t * nv..(t + 1) * nv]);
         s.be.rope(s.rope, &mut a.q[t * nq..(t + 1) * nq], hdk, pos, neox);
         s.be.rope(s.rope, k, hdk, pos, neox);
-        let kv = rows.write(t);
-        for h in 0..hp.n_head_kv {
-            let dst = (h * kv.n_ctx + pos) * hdk;
-            kv.k[dst..dst + hdk].convert_from_f32_slice(&k[h * hdk..(h + 1) * hdk]);
-            let dst = (h * kv.n_ctx + pos) * hdv;
-            kv.v[dst..dst + hdv].convert_from_f32_slice(&v[h * hdv..(h + 1) * hdv]);
-        }
+        store(hp, pos, k, v, rows.write(t));
+    }
+}
+
+/// Writes one row's K and V (`[n_head_kv, head_dim]` each) into its cache at `pos`, rounded to f16 to nearest.
+pub fn store(hp: &Hparams, pos: usize, k: &[f32], v: &[f32], kv: LayerKv<'_>) {
+    let (hdk, hdv) = (hp.head_dim_k, hp.head_dim_v);
+    for h in 0..hp.n_head_kv {
+        let dst = (h * kv.n_ctx + pos) * hdk;
+        kv.k[dst..dst + hdk].convert_from_f32_slice(&k[h * hdk..(h + 1) * hdk]);
+        let dst = (h * kv.n_ctx + pos) * hdv;
+        kv.v[dst..dst + hdv].convert_from_f32_slice(&v[h * hdv..(h + 1) * hdv]);
     }
 }
 

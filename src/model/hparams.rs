@@ -23,12 +23,16 @@ pub enum Arch {
     /// pre-FFN norm stored as `post_attention_norm`, leading dense layers, then dots1's kind of mixture (sigmoid
     /// gating by default, a required selection bias, a scale, shared experts); its NextN/MTP layers are not run.
     Glm4Moe,
+    /// DeepSeek V2/V3, Kimi K2: multi-head latent attention ([`Mla`]: Q through an optional low-rank pair, K and V
+    /// from one compressed vector per token plus a RoPE key shared by all heads, RoPE on the last `n_rot` dimensions of
+    /// each head, adjacent pairs), leading dense layers, then dots1's kind of mixture (softmax gating by default).
+    Deepseek2,
 }
 
 impl Arch {
     /// Whether the architecture's feed-forward is a mixture of experts (on all layers, or after dense ones).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen3Moe | Arch::Dots1 | Arch::Glm4Moe)
+        matches!(self, Arch::Qwen3Moe | Arch::Dots1 | Arch::Glm4Moe | Arch::Deepseek2)
     }
 
     pub fn name(self) -> &'static str {
@@ -41,6 +45,7 @@ impl Arch {
             Arch::Dots1 => "dots1",
             Arch::Phi3 => "phi3",
             Arch::Glm4Moe => "glm4moe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 }
@@ -91,6 +96,23 @@ pub struct Hparams {
     pub rope_freqs: Option<Vec<f32>>,
     /// The mixture of experts that replaces the feed-forward (`qwen3moe`); `None` for dense models.
     pub moe: Option<Moe>,
+    /// DeepSeek's multi-head latent attention (`deepseek2` only).
+    pub mla: Option<Mla>,
+}
+
+/// The shape of DeepSeek's multi-head latent attention, as llama.cpp's deepseek2 graph without the absorption
+/// (legacy `attn_kv_b` files): each head's K is `[K_nope (n_nope) | k_pe (n_rot)]` (`head_dim_k`), its V
+/// `head_dim_v` wide; K_nope and V come from the normalised compressed vector through `attn_kv_b`, `k_pe` (rotated,
+/// one for all heads) from the same `attn_kv_a_mqa` row. Baton stores the full per-head K and V in its ordinary KV
+/// cache (not the compressed vector llama.cpp's absorbed form caches).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mla {
+    /// Width of Q's low-rank intermediate (`attention.q_lora_rank`; 0: Q is one matrix, `attn_q`).
+    pub q_lora_rank: usize,
+    /// Width of the compressed KV vector (`attention.kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Dimensions of each head that RoPE does not turn: `head_dim_k - n_rot`, first in the head.
+    pub n_nope: usize,
 }
 
 /// A mixture-of-experts feed-forward's shape and how it routes.
@@ -160,10 +182,11 @@ impl Hparams {
             "dots1" => Arch::Dots1,
             "phi3" => Arch::Phi3,
             "glm4moe" => Arch::Glm4Moe,
+            "deepseek2" => Arch::Deepseek2,
             other => {
                 bail!(
                     "unsupported architecture {other:?} (supported: llama, gemma3, qwen2, qwen3, qwen3moe, dots1, phi3, \
-                     glm4moe)"
+                     glm4moe, deepseek2)"
                 )
             }
         };
@@ -300,6 +323,7 @@ impl Hparams {
             rope_freq_scale,
             rope_freqs,
             moe: None,
+            mla: None,
         };
         if arch.is_moe() {
             hp.moe = Some(moe_hparams(g, arch, n_layer, n_ff, &key)?);
@@ -333,6 +357,9 @@ impl Hparams {
             if sections.len() >= 2 && sections[0] > 0 && sections[1] > 0 {
                 bail!("{k} is {sections:?}: multimodal RoPE (M-RoPE) is not implemented");
             }
+        }
+        if arch == Arch::Deepseek2 {
+            hp.mla = Some(mla_hparams(g, &hp, &key)?);
         }
         if matches!(
             arch,
@@ -484,6 +511,8 @@ impl fmt::Display for Hparams {
 ///   bias is an optional per-layer tensor.
 /// - `glm4moe` reads the same keys as dots1, but its gating function defaults to sigmoid (as llama.cpp's); its
 ///   selection bias is a required tensor (checked at load).
+/// - `deepseek2` reads the same keys as dots1, but its gating function defaults to softmax (sigmoid for GLM 4.7
+///   Lite, as llama.cpp's); the selection bias is optional.
 /// - Expert groups are read for all, as llama.cpp's `build_moe_ffn` applies them for any architecture.
 ///
 /// What Baton does not compute (another gating function, a group layout llama.cpp asserts against) is a load error
@@ -585,12 +614,22 @@ fn moe_hparams(g: &GgufFile, arch: Arch, n_layer: usize, n_ff: usize, key: &dyn 
                 n_group_used,
             }
         }
-        Arch::Dots1 | Arch::Glm4Moe => {
+        Arch::Dots1 | Arch::Glm4Moe | Arch::Deepseek2 => {
             let name = arch.name();
             let gating = match (gating, arch) {
                 (Some(gf), _) => gf,
                 // llama.cpp's glm4moe defaults to sigmoid; its dots1 aborts without the key.
                 (None, Arch::Glm4Moe) => Gating::Sigmoid,
+                // llama.cpp's deepseek2: softmax for the DeepSeek V2/V2.5 files that lack the key, sigmoid for GLM
+                // 4.7 Lite (47 or 48 layers and a vocabulary of 154880).
+                (None, Arch::Deepseek2) => {
+                    let n_vocab = g.tensor_info("token_embd.weight")?.n_rows();
+                    if matches!(n_layer, 47 | 48) && n_vocab == 154880 {
+                        Gating::Sigmoid
+                    } else {
+                        Gating::Softmax
+                    }
+                }
                 (None, _) => bail!("missing {}: dots1 names its gating function", key("expert_gating_func")),
             };
             let n_shared = n_shared.with_context(|| format!("missing {}", key("expert_shared_count")))?;
@@ -652,6 +691,81 @@ fn moe_hparams(g: &GgufFile, arch: Arch, n_layer: usize, n_ff: usize, key: &dyn 
         n_ff_exp,
         n_dense_lead,
         routing,
+    })
+}
+
+/// DeepSeek's MLA shape (`deepseek2`), checked against what llama.cpp's graph without the absorption computes.
+/// What it does not (the split `attn_k_b`/`attn_v_b` of MLA-absorbed files, YaRN's attention scale, temperature
+/// tuning, grouped KV heads) is a load error naming the key.
+fn mla_hparams(g: &GgufFile, hp: &Hparams, key: &dyn Fn(&str) -> String) -> Result<Mla> {
+    let opt = |k: &str| g.get_u64(&key(k)).map(|v| v as usize);
+    for k in ["attention.key_length_mla", "attention.value_length_mla"] {
+        if g.get(&key(k)).is_some() {
+            bail!(
+                "{} is set: this file is in llama.cpp's absorbed MLA layout (attn_k_b/attn_v_b and a compressed KV \
+                 cache), which Baton does not implement; a file with attn_kv_b loads",
+                key(k)
+            );
+        }
+    }
+    // llama.cpp's kq_scale carries YaRN's mscale (from the scaling factor and `rope.scaling.yarn_log_multiplier`)
+    // whenever positions are scaled; Baton has no YaRN, and refuses any position scaling here.
+    if hp.rope_freq_scale != 1.0 {
+        bail!(
+            "deepseek2 with RoPE scaling (factor {}) scales its attention by YaRN's mscale, which Baton does not \
+             implement",
+            1.0 / hp.rope_freq_scale
+        );
+    }
+    if let Some(v) = g.get(&key("attention.temperature_scale"))
+        && g.get_f32(&key("attention.temperature_scale")) != Some(0.0)
+    {
+        bail!(
+            "{} is {v:?}: attention temperature tuning is not implemented",
+            key("attention.temperature_scale")
+        );
+    }
+    if hp.n_head_kv != hp.n_head {
+        bail!(
+            "deepseek2 without the absorbed MLA layout has one KV head per query head, but this file says {} and {}",
+            hp.n_head_kv,
+            hp.n_head
+        );
+    }
+    // As llama.cpp: its DeepSeek-V2-Lite-like files (27 or 26 layers, or 48 with a vocabulary of 128256) have no
+    // `q_lora_rank`; the others must.
+    let n_vocab = hp.n_vocab;
+    let lite = matches!(hp.n_layer, 26 | 27) || (hp.n_layer == 48 && n_vocab == 128256);
+    let q_lora_rank = match opt("attention.q_lora_rank") {
+        Some(r) => r,
+        None if lite => 0,
+        None => bail!("missing {}", key("attention.q_lora_rank")),
+    };
+    let kv_lora_rank =
+        opt("attention.kv_lora_rank").with_context(|| format!("missing {}", key("attention.kv_lora_rank")))?;
+    if kv_lora_rank == 0 || kv_lora_rank > 1 << 24 {
+        bail!(
+            "{} is {kv_lora_rank}: expected 1 to 2^24",
+            key("attention.kv_lora_rank")
+        );
+    }
+    if q_lora_rank > 1 << 24 {
+        bail!(
+            "{} is {q_lora_rank}: expected at most 2^24",
+            key("attention.q_lora_rank")
+        );
+    }
+    if hp.n_rot >= hp.head_dim_k {
+        bail!(
+            "rope dimension count {} leaves no unrotated part of the {}-wide K head (llama.cpp asserts one)",
+            hp.n_rot,
+            hp.head_dim_k
+        );
+    }
+    Ok(Mla {
+        q_lora_rank,
+        kv_lora_rank,
+        n_nope: hp.head_dim_k - hp.n_rot,
     })
 }
 

@@ -6,6 +6,7 @@
 
 pub mod blocks;
 pub mod cache;
+pub mod deepseek2;
 pub mod gemma3;
 pub mod hparams;
 pub mod llama;
@@ -15,7 +16,7 @@ pub mod random;
 pub mod rope;
 
 pub use cache::ModelCache;
-pub use hparams::{Arch, Gating, Hparams, Moe, RopeType, Routing};
+pub use hparams::{Arch, Gating, Hparams, Mla, Moe, RopeType, Routing};
 
 use crate::gguf::GgufFile;
 use crate::kernels::Matrix;
@@ -27,8 +28,11 @@ use std::sync::Arc;
 /// The weights of one transformer block. Tensors of some architectures only are `None` for the others.
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
+    /// Q's projection (`attn_q`; DeepSeek's `attn_q_b` after its low-rank `attn_q_a`).
     pub wq: Matrix,
+    /// K's projection (DeepSeek: `attn_kv_a_mqa`, the compressed KV vector and the shared RoPE key).
     pub wk: Matrix,
+    /// V's projection (DeepSeek: `attn_kv_b`, every head's K_nope and V from the compressed vector).
     pub wv: Matrix,
     pub wo: Matrix,
     /// Biases added to Q, K and V (Qwen 2; optional in llama, as in llama.cpp).
@@ -41,6 +45,16 @@ pub struct LayerWeights {
     pub ffn_norm: Vec<f32>,
     pub ffn: Ffn,
     pub post_ffn_norm: Option<Vec<f32>>,
+    /// DeepSeek's latent attention's own tensors (`deepseek2`).
+    pub mla: Option<MlaWeights>,
+}
+
+/// What DeepSeek's multi-head latent attention has besides `wq`, `wk` (= `attn_kv_a_mqa`) and `wv` (= `attn_kv_b`).
+pub struct MlaWeights {
+    /// Q's low-rank first half and its norm (`attn_q_a`, `attn_q_a_norm`), where `q_lora_rank` > 0.
+    pub q_a: Option<(Matrix, Vec<f32>)>,
+    /// RMSNorm of the compressed KV vector (`attn_kv_a_norm`).
+    pub kv_a_norm: Vec<f32>,
 }
 
 /// A layer's feed-forward: one gated MLP, or a mixture of experts.
@@ -61,6 +75,9 @@ impl LayerWeights {
     /// only with `experts` (otherwise they stay mapped, and a token reads only its own experts' pages).
     pub fn matrices_mut(&mut self, experts: bool) -> Vec<&mut Matrix> {
         let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
+        if let Some((q_a, _)) = self.mla.as_mut().and_then(|m| m.q_a.as_mut()) {
+            v.push(q_a);
+        }
         match &mut self.ffn {
             Ffn::Dense(d) => v.extend([&mut d.gate, &mut d.up, &mut d.down]),
             Ffn::Moe(m) => {
@@ -136,6 +153,16 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
         "nextn.shared_head_head.weight",
         "nextn.shared_head_norm.weight",
     ];
+    // DeepSeek's latent attention: Q one matrix or a low-rank pair with a norm between; K and V through the
+    // compressed vector.
+    let mla: &[&str] = &[
+        "attn_q_a.weight",
+        "attn_q_a_norm.weight",
+        "attn_q_b.weight",
+        "attn_kv_a_mqa.weight",
+        "attn_kv_a_norm.weight",
+        "attn_kv_b.weight",
+    ];
     let layer = |il: usize, t: &str| -> bool {
         // GLM-4.5's norm before the feed-forward is stored as `post_attention_norm`.
         let ffn_norm = if hp.arch == Arch::Glm4Moe {
@@ -165,7 +192,13 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             Arch::Glm4Moe if has_experts(il) => &[qkv_bias, qk_norm, experts, shared],
             Arch::Glm4Moe => &[qkv_bias, qk_norm, dense],
             Arch::Gemma3 => &[qk_norm, dense, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
+            Arch::Deepseek2 if has_experts(il) => &[mla, experts, shared],
+            Arch::Deepseek2 => &[mla, dense],
         };
+        // DeepSeek has none of attn_k/attn_v: its K and V come through the compressed vector.
+        if hp.arch == Arch::Deepseek2 && matches!(t, "attn_k.weight" | "attn_v.weight") {
+            return false;
+        }
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
     };
     for name in f.tensors.keys() {
@@ -352,7 +385,47 @@ impl Model {
                     })
                 }
             };
-            let [wq, wk, wv] = attn_qkv(f, &hp, il)?;
+            let nq = hp.n_embd_q();
+            let mut mla = None;
+            let [wq, wk, wv] = if let Some(m) = &hp.mla {
+                // DeepSeek's latent attention (llama.cpp's deepseek2 without the absorption).
+                let (r, hdv, nh) = (m.kv_lora_rank, hp.head_dim_v, hp.n_head);
+                let has_q_a = m.q_lora_rank > 0;
+                for (t, want) in [
+                    ("attn_q_a", has_q_a),
+                    ("attn_q_a_norm", has_q_a),
+                    ("attn_q_b", has_q_a),
+                    ("attn_q", !has_q_a),
+                ] {
+                    if f.tensors.contains_key(&p(t)) != want {
+                        let why = if want { "lacks" } else { "has" };
+                        bail!(
+                            "deepseek2 layer {il} {why} {t:?} with attention.q_lora_rank {}",
+                            m.q_lora_rank
+                        );
+                    }
+                }
+                let (q_a, wq) = if has_q_a {
+                    let q_a = (
+                        matrix(&p("attn_q_a"), e, m.q_lora_rank)?,
+                        vector(&p("attn_q_a_norm"), m.q_lora_rank)?,
+                    );
+                    (Some(q_a), matrix(&p("attn_q_b"), m.q_lora_rank, nq)?)
+                } else {
+                    (None, matrix(&p("attn_q"), e, nq)?)
+                };
+                mla = Some(MlaWeights {
+                    q_a,
+                    kv_a_norm: vector(&p("attn_kv_a_norm"), r)?,
+                });
+                [
+                    wq,
+                    matrix(&p("attn_kv_a_mqa"), e, r + hp.n_rot)?,
+                    matrix(&p("attn_kv_b"), r, nh * (m.n_nope + hdv))?,
+                ]
+            } else {
+                attn_qkv(f, &hp, il)?
+            };
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,
                 wq,
@@ -378,6 +451,7 @@ impl Model {
                 },
                 ffn,
                 post_ffn_norm: opt_vector(&p("post_ffw_norm"), e)?,
+                mla,
             };
             if hp.arch == Arch::Gemma3
                 && (lw.q_norm.is_none()
@@ -490,7 +564,12 @@ impl Model {
                     Ffn::Dense(d) => d.gate.size_bytes() + d.up.size_bytes() + d.down.size_bytes(),
                     Ffn::Moe(m) => m.active_bytes(k),
                 };
-                l.wq.size_bytes() + l.wk.size_bytes() + l.wv.size_bytes() + l.wo.size_bytes() + ffn
+                let q_a = l
+                    .mla
+                    .as_ref()
+                    .and_then(|m| m.q_a.as_ref())
+                    .map_or(0, |(w, _)| w.size_bytes());
+                l.wq.size_bytes() + l.wk.size_bytes() + l.wv.size_bytes() + l.wo.size_bytes() + q_a + ffn
             })
             .sum();
         per_layer + self.output.as_ref().map_or(0, |m| m.size_bytes())
@@ -917,6 +996,113 @@ mod tests {
         // Without the key, llama.cpp's glm4moe gates by sigmoid too.
         let m = load_edited("glm4moe", &[("glm4moe.expert_gating_func", None)], &[], &[]).unwrap();
         assert_eq!(m.hp.moe.unwrap().routing.gating, Gating::Sigmoid);
+    }
+
+    /// The generated deepseek2: MLA with Q's low-rank pair, 48-wide K heads (32 unrotated, 16 turned in adjacent
+    /// pairs) and 24-wide V heads; one dense layer, then V3's routing. A token reads Q's pair, `attn_kv_a_mqa`,
+    /// `attn_kv_b`, the output, and the router, four experts and the shared ones of each MoE layer.
+    #[test]
+    fn generated_deepseek2_loads() {
+        let m = load_edited("deepseek2", &[], &[], &[]).unwrap();
+        let hp = &m.hp;
+        assert_eq!((hp.arch, hp.rope_type), (Arch::Deepseek2, RopeType::Norm));
+        assert_eq!((hp.head_dim_k, hp.head_dim_v, hp.n_rot, hp.n_head_kv), (48, 24, 16, 4));
+        let want = Mla {
+            q_lora_rank: 32,
+            kv_lora_rank: 32,
+            n_nope: 32,
+        };
+        assert_eq!(hp.mla.as_ref(), Some(&want));
+        assert!((hp.attn_scale - 1.0 / 48f32.sqrt()).abs() < 1e-7);
+        let moe = hp.moe.clone().unwrap();
+        let routing = Routing {
+            gating: Gating::Sigmoid,
+            normalise: true,
+            scale: 2.5,
+            n_shared: 2,
+            n_group: 4,
+            n_group_used: 2,
+        };
+        assert_eq!((moe.routing, moe.n_dense_lead), (routing, 1));
+        for (il, l) in m.layers.iter().enumerate() {
+            let mla = l.mla.as_ref().unwrap();
+            assert_eq!(
+                mla.q_a.as_ref().map(|(w, n)| (w.rows, w.cols, n.len())),
+                Some((32, 64, 32))
+            );
+            assert_eq!((l.wq.rows, l.wq.cols), (4 * 48, 32), "layer {il} attn_q_b");
+            assert_eq!((l.wk.rows, l.wk.cols), (32 + 16, 64), "layer {il} attn_kv_a_mqa");
+            assert_eq!((l.wv.rows, l.wv.cols), (4 * (32 + 24), 32), "layer {il} attn_kv_b");
+            assert_eq!(mla.kv_a_norm.len(), 32);
+            assert_eq!(matches!(l.ffn, Ffn::Moe(_)), il > 0, "layer {il}");
+        }
+        let attn = 4 * (32 * 64 + 192 * 32 + 48 * 64 + 224 * 32 + 64 * 96);
+        let dense = 3 * 64 * 128 * 4;
+        let moe_layer = 16 * 64 * 4 + (4 * 3 * 32 * 64 + 3 * 64 * 64) * 4;
+        let head = 4096 * 64 * 2;
+        assert_eq!(m.weight_bytes_per_token(), 3 * attn + dense + 2 * moe_layer + head);
+        // Without the key, llama.cpp's deepseek2 gates by softmax (DeepSeek V2's files lack it).
+        let m = load_edited("deepseek2", &[("deepseek2.expert_gating_func", None)], &[], &[]).unwrap();
+        assert_eq!(m.hp.moe.unwrap().routing.gating, Gating::Softmax);
+    }
+
+    /// What llama.cpp's deepseek2 graph does not allow, or Baton does not compute (the absorbed MLA layout, YaRN's
+    /// attention scale), is refused by name.
+    #[test]
+    fn bad_deepseek2_is_refused() {
+        let k = |s: &str| format!("deepseek2.{s}");
+        let cases = [
+            ("attention.key_length_mla", Some(Value::U32(48)), "absorbed MLA layout"),
+            (
+                "attention.value_length_mla",
+                Some(Value::U32(24)),
+                "absorbed MLA layout",
+            ),
+            ("rope.scaling.factor", Some(Value::F32(4.0)), "YaRN's mscale"),
+            ("rope.scaling.type", Some(Value::Str("yarn".into())), "\"yarn\""),
+            (
+                "attention.temperature_scale",
+                Some(Value::F32(0.5)),
+                "temperature tuning",
+            ),
+            (
+                "attention.head_count_kv",
+                Some(Value::U32(1)),
+                "one KV head per query head",
+            ),
+            ("attention.q_lora_rank", None, "missing deepseek2.attention.q_lora_rank"),
+            ("attention.q_lora_rank", Some(Value::U32(0)), "has \"attn_q_a\""),
+            (
+                "attention.kv_lora_rank",
+                None,
+                "missing deepseek2.attention.kv_lora_rank",
+            ),
+            (
+                "attention.kv_lora_rank",
+                Some(Value::U32(0)),
+                "kv_lora_rank is 0: expected 1 to 2^24",
+            ),
+            ("rope.dimension_count", Some(Value::U32(48)), "leaves no unrotated part"),
+            (
+                "expert_shared_count",
+                Some(Value::U32(0)),
+                "deepseek2 has a shared expert",
+            ),
+        ];
+        for (key, v, want) in cases {
+            let key = k(key);
+            let e = load_error("deepseek2", &[(key.as_str(), v.clone())], &[], &[]);
+            assert!(e.contains(want), "{key} = {v:?}: {e}");
+        }
+        let e = load_error("deepseek2", &[], &[], &["blk.1.attn_q_b.weight"]);
+        assert!(e.contains("deepseek2 layer 1 lacks \"attn_q_b\""), "{e}");
+        let e = load_error("deepseek2", &[], &[], &["blk.2.attn_kv_a_norm.weight"]);
+        assert!(e.contains("blk.2.attn_kv_a_norm.weight"), "{e}");
+        // The absorbed layout's split K/V decompression, and a plain attn_k, are not this layout's.
+        for t in ["blk.1.attn_k_b.weight", "blk.1.attn_k.weight"] {
+            let e = load_error("deepseek2", &[], &[(t, vec![0.0; 32])], &[]);
+            assert!(e.contains(&format!("{t:?} is not part of Baton's deepseek2")), "{e}");
+        }
     }
 
     /// What glm4moe's graph does not allow, or Baton does not compute, is refused by name.

@@ -6,8 +6,16 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// The small random-weight models committed in tests/models/ (written by scripts/gen-test-models.py).
-pub const GENERATED: [&str; 8] = [
-    "llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "dots1", "glm4moe",
+pub const GENERATED: [&str; 9] = [
+    "llama3",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "iquants",
+    "phi3",
+    "dots1",
+    "glm4moe",
+    "deepseek2",
 ];
 
 /// Path of a default model (`smollm2` or `gemma3`), fetched into the cache on first use, or of a generated one
