@@ -9,7 +9,7 @@
 //!
 //! Loop order: for each block, the per-token scalars (activation scales, `Σx`, the Q8_K block sums) are read once for
 //! both halves; within a half, quad by quad, the weight nibbles are unpacked once and multiplied with every token's
-//! quads. The Q8_0 kernel instead runs over all blocks one half at a time, one f32 accumulator per token.
+//! quads. The Q8_0 kernel instead runs over all blocks one half at a time (both at once for one token).
 //!
 //! Tokens per call (thread CPU time of each kernel on 8 groups × 64 tokens, AMD EPYC Zen 3): Q4_1 N = 4 and 8 within
 //! 3% (4 kept), Q5_0 8 (+10% over 4: its fifth-bit unpacking is dearer), Q6_K 8 (+10%, the same reason), Q4_K 4
@@ -197,14 +197,18 @@ pub unsafe fn q5_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
 }
 
 /// The 16 dots of one Q8_0 group with `N` Q8_0 activation rows `xs` bytes apart: `out[t][r]`. One half at a time
-/// over all blocks. Each block's integer sum comes first and meets the scales once: llama.cpp's order (a convert
-/// and an FMA per 4 products, 8 f32 accumulators) cost 14–50% of prefill on both levels (`cargo bench --bench
-/// kernels Q8_0`, Zen 4, session 19).
+/// over all blocks (one token: [`q8_0_group_whole`]). Each block's integer sum comes first and meets the scales
+/// once: llama.cpp's order (a convert and an FMA per 4 products, 8 f32 accumulators) cost 14–50% of prefill on both
+/// levels (`cargo bench --bench kernels Q8_0`, Zen 4, session 19).
 ///
 /// # Safety
 /// As [`q4_1_group`], with Q8_0 group blocks and activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q8_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, xs: usize, out: &mut [[f32; ROWS]; N]) {
+    if N == 1 {
+        // SAFETY: as this function's.
+        return unsafe { q8_0_group_whole(nb, w, x, xs, out) };
+    }
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let zero = _mm256_setzero_si256();
@@ -240,6 +244,58 @@ pub unsafe fn q8_0_group<const N: usize>(nb: usize, w: *const u8, x: *const u8, 
         }
         for t in 0..N {
             store(&mut out[t], res[t][0], res[t][1]);
+        }
+    }
+}
+
+/// [`q8_0_group`] for one token (decode): both 8-row halves in one pass over the blocks, so each 64-byte
+/// line of weights is used whole when it arrives from memory and each activation quad is broadcast once. The
+/// operations of each row are [`q8_0_group`]'s, so the bits are too. Its own function because with more tokens the
+/// accumulators of both halves do not fit the 16 registers (already at two they spill; a body shared with
+/// [`q8_0_group`] spilled at four too: GEMM −20%).
+///
+/// # Safety
+/// As [`q8_0_group`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_group_whole<const N: usize>(
+    nb: usize,
+    w: *const u8,
+    x: *const u8,
+    xs: usize,
+    out: &mut [[f32; ROWS]; N],
+) {
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let zero = _mm256_setzero_si256();
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..nb {
+            let gb = w.add(b * ROWS * Q8_0_BYTES);
+            let y = |t: usize| x.add(t * xs + b * Q8_0_BYTES);
+            // Per token and half, the block's 32 products per row in i32, in two chains.
+            let mut s = [[[zero; 2]; 2]; N];
+            for k in 0..8 {
+                let q = [load(gb.add(2 * ROWS + 64 * k)), load(gb.add(2 * ROWS + 64 * k + 32))];
+                let aw = [_mm256_abs_epi8(q[0]), _mm256_abs_epi8(q[1])];
+                for t in 0..N {
+                    let yq = quad(y(t).add(2 + 4 * k));
+                    for h in 0..2 {
+                        let sy = _mm256_sign_epi8(yq, q[h]);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], sy), ones);
+                        s[t][h][k % 2] = _mm256_add_epi32(s[t][h][k % 2], p);
+                    }
+                }
+            }
+            for h in 0..2 {
+                let d = f16x8(gb.add(16 * h));
+                for t in 0..N {
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(f16_at(y(t))));
+                    let isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s[t][h][0], s[t][h][1]));
+                    acc[t][h] = _mm256_fmadd_ps(dd, isum, acc[t][h]);
+                }
+            }
+        }
+        for t in 0..N {
+            store(&mut out[t], acc[t][0], acc[t][1]);
         }
     }
 }
