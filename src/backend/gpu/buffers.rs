@@ -60,6 +60,15 @@ pub struct GpuMatrix {
     pub(super) parts: Vec<Part>,
 }
 
+/// A mixture of experts' 3-D tensor on the device: `n_expert` matrices of `rows` × `mat.cols`, expert e's the rows
+/// `e * rows..(e + 1) * rows` of the 2-D view `mat` (split into parts of whole rows like any matrix). The indexed
+/// matmuls (`Pass::matmul_ids`) pick an expert on the device.
+pub struct GpuExperts {
+    pub mat: GpuMatrix,
+    pub n_expert: usize,
+    pub rows: usize,
+}
+
 /// Rows `row0..row0 + rows` of a matrix.
 pub(super) struct Part {
     pub row0: usize,
@@ -188,6 +197,25 @@ impl Gpu {
     /// ([`Layout::X16`]) is refused: upload before repacking.
     pub fn upload_matrix(&self, m: &Matrix) -> Result<GpuMatrix> {
         self.upload_matrix_in_parts(m, self.max_binding() as usize)
+    }
+
+    /// The `n_expert` experts of `m`, a 3-D expert tensor's 2-D view (expert e's rows follow expert e - 1's).
+    pub fn upload_experts(&self, m: &Matrix, n_expert: usize) -> Result<GpuExperts> {
+        self.upload_experts_in_parts(m, n_expert, self.max_binding() as usize)
+    }
+
+    /// [`Gpu::upload_experts`] in parts of at most `part_bytes` bytes (tests ask for small parts).
+    pub(super) fn upload_experts_in_parts(&self, m: &Matrix, n_expert: usize, part_bytes: usize) -> Result<GpuExperts> {
+        ensure!(
+            n_expert > 0 && m.rows.is_multiple_of(n_expert),
+            "{} rows are not {n_expert} experts of equal size",
+            m.rows
+        );
+        Ok(GpuExperts {
+            mat: self.upload_matrix_in_parts(m, part_bytes)?,
+            n_expert,
+            rows: m.rows / n_expert,
+        })
     }
 
     /// [`Gpu::upload_matrix`] in parts of at most `part_bytes` bytes (tests ask for small parts).
