@@ -230,11 +230,6 @@ impl Gpu {
             "a {} matrix repacked for the CPU kernels cannot go to the GPU: upload it before repacking",
             m.ty
         );
-        ensure!(
-            m.cols.is_multiple_of(UNIT),
-            "the GPU matmul needs rows of a multiple of {UNIT} weights, not {}",
-            m.cols
-        );
         let row_bytes =
             m.ty.row_bytes(m.cols)
                 .ok_or_else(|| anyhow::anyhow!("{} rows of {} weights are not whole blocks", m.ty, m.cols))?;
@@ -248,6 +243,26 @@ impl Gpu {
             m.rows * row_bytes,
             bytes.len()
         );
+        // The shaders dequantize whole 32-weight units. Every block type's rows are whole units; a float matrix's
+        // rows that are not (glm4moe's generated experts are 16 wide) are padded with zeros to the next unit, and
+        // the matmuls stop at `cols`.
+        let padded;
+        let (bytes, row_bytes) = if m.cols.is_multiple_of(UNIT) {
+            (bytes, row_bytes)
+        } else {
+            ensure!(
+                matches!(m.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16),
+                "the GPU matmul needs {} rows of a multiple of {UNIT} weights, not {}",
+                m.ty,
+                m.cols
+            );
+            let wide = m.cols.next_multiple_of(UNIT) * (row_bytes / m.cols);
+            padded = bytes
+                .chunks_exact(row_bytes)
+                .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, wide - row_bytes)))
+                .collect::<Vec<u8>>();
+            (&padded[..], wide)
+        };
         ensure!(
             m.rows <= u32::MAX as usize && bytes.len() < u32::MAX as usize,
             "a {}×{} matrix is too large for 32-bit offsets",

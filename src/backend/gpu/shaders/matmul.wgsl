@@ -21,8 +21,15 @@ fn dot_unit(w: ptr<function, array<f32, 32>>, u: u32, t0: u32, nt: u32, acc: ptr
         if (t < nt) {
             let xb = (t0 + t) * p.cols + u * 32u;
             var s = 0.0;
-            for (var i = 0u; i < 32u; i++) {
-                s += (*w)[i] * x[xb + i];
+            if (u * 32u + 32u <= p.cols) {
+                for (var i = 0u; i < 32u; i++) {
+                    s += (*w)[i] * x[xb + i];
+                }
+            } else {
+                // A float matrix's last unit padded past the row (buffers.rs).
+                for (var i = 0u; i < p.cols - u * 32u; i++) {
+                    s += (*w)[i] * x[xb + i];
+                }
             }
             (*acc)[t] += s;
         }
