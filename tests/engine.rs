@@ -291,8 +291,10 @@ fn gpu_backend_refuses_what_it_does_not_implement() {
         let model = Model::load(&common::model(name)).unwrap();
         let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
         let refusal = match name {
-            "deepseek2" => "the GPU backend implements llama, gemma3, qwen2, qwen3, phi3, qwen3moe, dots1 and glm4moe, \
-                            not deepseek2",
+            "deepseek2" => {
+                "the GPU backend implements llama, gemma3, qwen2, qwen3, phi3, qwen3moe, dots1 and glm4moe, \
+                            not deepseek2"
+            }
             _ => {
                 up.unwrap_or_else(|e| panic!("{name}: {e:#}"));
                 continue;

@@ -86,7 +86,13 @@ impl Experts {
 
 /// The 3-D expert tensor `name` of `f` as one mapped 2-D matrix, `n_expert · rows` rows of `cols` (expert e's rows
 /// after expert e - 1's), its shape checked: what the GPU uploads (`backend::gpu::GpuExperts`) and picks from.
-pub(crate) fn experts_matrix(f: &Arc<GgufFile>, name: &str, cols: usize, rows: usize, n_expert: usize) -> Result<Matrix> {
+pub(crate) fn experts_matrix(
+    f: &Arc<GgufFile>,
+    name: &str,
+    cols: usize,
+    rows: usize,
+    n_expert: usize,
+) -> Result<Matrix> {
     let info = f.tensor_info(name)?;
     // Its shape, type and size, checked as the CPU's views check them.
     Experts::mapped(f, info, cols, rows, n_expert)?;

@@ -1,7 +1,8 @@
 //! A model's layers on the GPU: the weights of a layer range uploaded once and shared by every session of the
 //! model ([`GpuWeights`]), and each session's f16 KV cache and working buffers on the device ([`GpuLayers`]).
 //! `engine::Session` runs the first layers of its range here and the rest, if any, on the CPU (`--gpu-layers`).
-//! The layer scripts are those of `model/llama.rs` (llama, qwen2, qwen3, phi3) and `model/gemma3.rs`.
+//! The layer scripts are those of `model/llama.rs` (llama, qwen2, qwen3, phi3, and the mixtures of experts qwen3moe,
+//! dots1 and glm4moe, whose feed-forward is `model/moe.rs`'s: `GpuLayers::moe_ffn`) and `model/gemma3.rs`.
 //!
 //! The host embeds the tokens (a row per token, uploaded), holds the residual stream where the range continues on
 //! the CPU, and keeps a copy of every KV row the device writes, brought back in the same submission: snapshots,
@@ -163,7 +164,10 @@ impl GpuWeights {
                         }
                     }
                     crate::model::Ffn::Moe(m) => {
-                        let moe = hp.moe.as_ref().context("a layer of experts without MoE hyperparameters")?;
+                        let moe = hp
+                            .moe
+                            .as_ref()
+                            .context("a layer of experts without MoE hyperparameters")?;
                         let (e, ff, n_x) = (hp.n_embd, moe.n_ff_exp, moe.n_expert);
                         let exps = |t: &str, cols, rows| {
                             experts(crate::model::moe::experts_matrix(f, &p(t), cols, rows, n_x)?, n_x)
@@ -379,7 +383,9 @@ impl GpuLayers {
                 }
             };
             // The dense feed-forward's hidden activations, or the shared experts'.
-            let n_ff = hp.n_ff.max(hp.moe.as_ref().map_or(0, |m| m.routing.n_shared * m.n_ff_exp));
+            let n_ff = hp
+                .n_ff
+                .max(hp.moe.as_ref().map_or(0, |m| m.routing.n_shared * m.n_ff_exp));
             Ok(GpuLayers {
                 kv,
                 ropes,
@@ -626,8 +632,14 @@ impl GpuLayers {
     /// expert's weights are read once per row that picks it (docs/gpu.md, "What is left").
     fn moe_ffn(&self, pass: &mut super::Pass, m: &Moe, n: usize) -> Result<()> {
         let hp = &self.w.hp;
-        let moe = hp.moe.as_ref().context("a layer of experts without MoE hyperparameters")?;
-        let b = self.moe.as_ref().context("a session without the buffers of its experts")?;
+        let moe = hp
+            .moe
+            .as_ref()
+            .context("a layer of experts without MoE hyperparameters")?;
+        let b = self
+            .moe
+            .as_ref()
+            .context("a session without the buffers of its experts")?;
         let (e, k, n_x) = (hp.n_embd, moe.n_expert_used, moe.n_expert);
         if let Some([gate, up, down]) = &m.shared {
             pass.matmul_glu(gate, up, Glu::Silu, &self.xn, n, &self.h)?;

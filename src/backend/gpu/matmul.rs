@@ -307,13 +307,17 @@ impl Pass<'_> {
         self.glu_mul(y, &u, glu, n_picks * up.rows)
     }
 
-    fn check_ids(&self, w: &GpuExperts, x: &Tensor, x_div: usize, ids: &U32s, n_picks: usize, y: &Tensor) -> Result<()> {
+    fn check_ids(
+        &self,
+        w: &GpuExperts,
+        x: &Tensor,
+        x_div: usize,
+        ids: &U32s,
+        n_picks: usize,
+        y: &Tensor,
+    ) -> Result<()> {
         ensure!(n_picks > 0 && x_div > 0, "an indexed matmul over no picks");
-        ensure!(
-            ids.len() >= n_picks,
-            "{n_picks} picks with {} expert ids",
-            ids.len()
-        );
+        ensure!(ids.len() >= n_picks, "{n_picks} picks with {} expert ids", ids.len());
         ensure!(
             x.len() >= n_picks.div_ceil(x_div) * w.mat.cols,
             "indexed matmul input holds {} values, {n_picks} picks of {x_div} a row of {} need more",

@@ -16,8 +16,8 @@
 //! - `moe.rs`: a mixture of experts' routing (top-k on the device) and weighted sum; its indexed matmuls are in
 //!   `matmul.rs`.
 //! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
-//! - `layers.rs`: a layer range of llama / gemma3 on the device (weights shared per model, KV per session), and
-//!   the head when the range ends the model.
+//! - `layers.rs`: a layer range of llama / gemma3 (and the families and mixtures of experts built on llama's block)
+//!   on the device (weights shared per model, KV per session), and the head when the range ends the model.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
 
 pub mod attention;

@@ -25,10 +25,7 @@ impl Pass<'_> {
         ids: &U32s,
         wts: &Tensor,
     ) -> Result<()> {
-        ensure!(
-            k > 0 && k <= n_expert,
-            "routing {k} experts of {n_expert} a row"
-        );
+        ensure!(k > 0 && k <= n_expert, "routing {k} experts of {n_expert} a row");
         if r.grouped() {
             ensure!(
                 r.n_group <= 64
@@ -46,7 +43,11 @@ impl Pass<'_> {
             "routing {n_rows} rows of {n_expert} experts, {k} each: buffers too small"
         );
         if let Some(b) = bias {
-            ensure!(b.len() >= n_expert, "a selection bias of {} for {n_expert} experts", b.len());
+            ensure!(
+                b.len() >= n_expert,
+                "a selection bias of {} for {n_expert} experts",
+                b.len()
+            );
         }
         if n_rows == 0 {
             return Ok(());
@@ -112,12 +113,7 @@ impl Pass<'_> {
         let entry = if shared.is_some() { "moe_sum_shared" } else { "moe_sum" };
         let pipeline = self.gpu().pipeline("moe", entry, &[], || module(&[wgsl::MOE]))?;
         let (gx, gy) = grid(u32_of(n.div_ceil(256), "values")?);
-        let params = [
-            u32_of(n, "values")?,
-            u32_of(width, "width")?,
-            u32_of(k, "picks")?,
-            gx,
-        ];
+        let params = [u32_of(n, "values")?, u32_of(width, "width")?, u32_of(k, "picks")?, gx];
         let mut bufs = vec![(1, &o.buf), (2, &w.buf), (3, &y.buf)];
         if let Some(s) = shared {
             bufs.push((4, &s.buf));
@@ -162,7 +158,11 @@ mod tests {
             };
             let n_x = if n_group > 1 { n_group * per } else { per };
             let r = Routing {
-                gating: if case % 2 == 0 { Gating::Sigmoid } else { Gating::Softmax },
+                gating: if case % 2 == 0 {
+                    Gating::Sigmoid
+                } else {
+                    Gating::Softmax
+                },
                 normalise: case % 5 != 0,
                 scale: if case % 4 == 0 { 2.5 } else { 1.0 },
                 n_shared: 0,
@@ -186,7 +186,10 @@ mod tests {
             pass.read_u32(&ids, 0, n_rows * k).unwrap();
             let got = pass.finish_read().unwrap();
             let w = f32s(&got[0]);
-            let e: Vec<u32> = got[1].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+            let e: Vec<u32> = got[1]
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
             for t in 0..n_rows {
                 let mut row = logits[t * n_x..(t + 1) * n_x].to_vec();
                 let mut want = vec![(0, 0.0); k];
@@ -217,7 +220,11 @@ mod tests {
         let w: Vec<f32> = (0..n * k).map(|_| rng.uniform()).collect();
         let sh: Vec<f32> = (0..n * width).map(|_| rng.normal()).collect();
         for shared in [false, true] {
-            let (go, gw, gs) = (gpu.upload(&o).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&sh).unwrap());
+            let (go, gw, gs) = (
+                gpu.upload(&o).unwrap(),
+                gpu.upload(&w).unwrap(),
+                gpu.upload(&sh).unwrap(),
+            );
             let y = gpu.zeros(n * width).unwrap();
             let mut pass = gpu.pass();
             pass.moe_sum(&go, &gw, shared.then_some(&gs), n, k, width, &y).unwrap();
@@ -277,7 +284,9 @@ mod tests {
             let picks: Vec<u32> = vec![4, 0, 2, 4, 1, 3];
             let gx = gpu.upload(&x).unwrap();
             // The down projection's shape: each pick its own input row (here its row's, repeated).
-            let xd: Vec<f32> = (0..n * k).flat_map(|z| x[(z / k) * cols..(z / k + 1) * cols].to_vec()).collect();
+            let xd: Vec<f32> = (0..n * k)
+                .flat_map(|z| x[(z / k) * cols..(z / k + 1) * cols].to_vec())
+                .collect();
             let xd = gpu.upload(&xd).unwrap();
             let ids = gpu.upload_u32(&picks).unwrap();
             let part = |m: &Matrix| m.row_bytes() * 50 + 8;
@@ -291,7 +300,8 @@ mod tests {
                     let y = gpu.zeros(n * k * rows).unwrap();
                     let h = gpu.zeros(n * k * rows).unwrap();
                     let mut pass = gpu.pass().with_lanes(lanes);
-                    pass.matmul_glu_ids(&gg, &gu, Glu::Silu, &gx, k, &ids, n * k, &h).unwrap();
+                    pass.matmul_glu_ids(&gg, &gu, Glu::Silu, &gx, k, &ids, n * k, &h)
+                        .unwrap();
                     pass.matmul_ids(&gg, &xd, 1, &ids, n * k, &y).unwrap();
                     pass.read(&y, 0, n * k * rows).unwrap();
                     pass.read(&h, 0, n * k * rows).unwrap();
