@@ -270,9 +270,10 @@ fn context_overflow_is_an_error() {
     assert!(e.contains("context"), "{e}");
 }
 
-/// The GPU backend implements llama (RoPE factors and scaling included), gemma3, qwen2, qwen3 and phi3 in every
-/// weight type: the generated models of those upload, the i-quants' included (their numbers are checked in
-/// `backend::gpu::layers`), and the mixtures of experts are refused with the reason, not run.
+/// The GPU backend implements llama (RoPE factors and scaling included), gemma3, qwen2, qwen3, phi3 and the
+/// mixtures of experts qwen3moe, dots1 and glm4moe in every weight type: the generated models of those upload, the
+/// i-quants' included (their numbers are checked in `backend::gpu::layers`), and deepseek2 (latent attention) is
+/// refused with the reason, not run.
 #[test]
 fn gpu_backend_refuses_what_it_does_not_implement() {
     use baton::backend::gpu::layers::GpuWeights;
@@ -290,8 +291,9 @@ fn gpu_backend_refuses_what_it_does_not_implement() {
         let model = Model::load(&common::model(name)).unwrap();
         let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
         let refusal = match name {
-            "qwen3moe" | "dots1" | "glm4moe" | "deepseek2" => {
-                "the GPU backend implements llama, gemma3, qwen2, qwen3 and phi3, not"
+            "deepseek2" => {
+                "the GPU backend implements llama, gemma3, qwen2, qwen3, phi3, qwen3moe, dots1 and glm4moe, \
+                            not deepseek2"
             }
             _ => {
                 up.unwrap_or_else(|e| panic!("{name}: {e:#}"));

@@ -63,15 +63,23 @@ fn greedy(s: &mut Session, logits: &[f32], n: usize) -> Vec<u32> {
 }
 
 /// `baton run` on the GPU prints the CPU's greedy text and names its adapter; `--gpu-layers 2` too; `--backend
-/// gpu` with only a software adapter and `auto` chosen is a clear error; `auto` alone falls back to the CPU.
+/// gpu` with only a software adapter and `auto` chosen is a clear error; `auto` alone falls back to the CPU. For the
+/// tiny llama and gemma3 and the generated mixtures of experts qwen3moe (all its layers at `--gpu-layers 2`) and
+/// glm4moe (a dense layer and a layer of experts on the GPU, one on the CPU).
 #[test]
 fn run_on_the_gpu_gives_the_cpu_text() {
     if software_gpu().is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Arch::Llama, Arch::Gemma3] {
-        let m = tiny(arch, dir.path());
+    let generated = |name: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
+    let models = [
+        (Arch::Llama, tiny(Arch::Llama, dir.path())),
+        (Arch::Gemma3, tiny(Arch::Gemma3, dir.path())),
+        (Arch::Qwen3Moe, generated("qwen3moe")),
+        (Arch::Glm4Moe, generated("glm4moe")),
+    ];
+    for (arch, m) in models {
         let run = |env: &[(&str, &str)], extra: &[&str]| {
             let mut c = Command::new(baton_bin());
             c.args(["run", "-m", m.to_str().unwrap(), "-n", "12", "The capital of France is"])

@@ -84,6 +84,31 @@ impl Experts {
     }
 }
 
+/// The 3-D expert tensor `name` of `f` as one mapped 2-D matrix, `n_expert · rows` rows of `cols` (expert e's rows
+/// after expert e - 1's), its shape checked: what the GPU uploads (`backend::gpu::GpuExperts`) and picks from.
+pub(crate) fn experts_matrix(
+    f: &Arc<GgufFile>,
+    name: &str,
+    cols: usize,
+    rows: usize,
+    n_expert: usize,
+) -> Result<Matrix> {
+    let info = f.tensor_info(name)?;
+    // Its shape, type and size, checked as the CPU's views check them.
+    Experts::mapped(f, info, cols, rows, n_expert)?;
+    Ok(Matrix {
+        ty: info.ty,
+        rows: n_expert * rows,
+        cols,
+        data: Bytes::Mapped {
+            file: f.clone(),
+            offset: info.offset,
+            len: info.size,
+        },
+        layout: Layout::Rows,
+    })
+}
+
 /// A mixture-of-experts layer's tensors.
 pub struct MoeWeights {
     /// `ffn_gate_inp`: one row of router weights per expert.

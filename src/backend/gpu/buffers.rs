@@ -60,6 +60,15 @@ pub struct GpuMatrix {
     pub(super) parts: Vec<Part>,
 }
 
+/// A mixture of experts' 3-D tensor on the device: `n_expert` matrices of `rows` × `mat.cols`, expert e's the rows
+/// `e * rows..(e + 1) * rows` of the 2-D view `mat` (split into parts of whole rows like any matrix). The indexed
+/// matmuls (`Pass::matmul_ids`) pick an expert on the device.
+pub struct GpuExperts {
+    pub mat: GpuMatrix,
+    pub n_expert: usize,
+    pub rows: usize,
+}
+
 /// Rows `row0..row0 + rows` of a matrix.
 pub(super) struct Part {
     pub row0: usize,
@@ -190,6 +199,25 @@ impl Gpu {
         self.upload_matrix_in_parts(m, self.max_binding() as usize)
     }
 
+    /// The `n_expert` experts of `m`, a 3-D expert tensor's 2-D view (expert e's rows follow expert e - 1's).
+    pub fn upload_experts(&self, m: &Matrix, n_expert: usize) -> Result<GpuExperts> {
+        self.upload_experts_in_parts(m, n_expert, self.max_binding() as usize)
+    }
+
+    /// [`Gpu::upload_experts`] in parts of at most `part_bytes` bytes (tests ask for small parts).
+    pub(super) fn upload_experts_in_parts(&self, m: &Matrix, n_expert: usize, part_bytes: usize) -> Result<GpuExperts> {
+        ensure!(
+            n_expert > 0 && m.rows.is_multiple_of(n_expert),
+            "{} rows are not {n_expert} experts of equal size",
+            m.rows
+        );
+        Ok(GpuExperts {
+            mat: self.upload_matrix_in_parts(m, part_bytes)?,
+            n_expert,
+            rows: m.rows / n_expert,
+        })
+    }
+
     /// [`Gpu::upload_matrix`] in parts of at most `part_bytes` bytes (tests ask for small parts).
     pub(super) fn upload_matrix_in_parts(&self, m: &Matrix, part_bytes: usize) -> Result<GpuMatrix> {
         ensure!(
@@ -201,11 +229,6 @@ impl Gpu {
             m.layout == Layout::Rows,
             "a {} matrix repacked for the CPU kernels cannot go to the GPU: upload it before repacking",
             m.ty
-        );
-        ensure!(
-            m.cols.is_multiple_of(UNIT),
-            "the GPU matmul needs rows of a multiple of {UNIT} weights, not {}",
-            m.cols
         );
         let row_bytes =
             m.ty.row_bytes(m.cols)
@@ -220,6 +243,26 @@ impl Gpu {
             m.rows * row_bytes,
             bytes.len()
         );
+        // The shaders dequantize whole 32-weight units. Every block type's rows are whole units; a float matrix's
+        // rows that are not (glm4moe's generated experts are 16 wide) are padded with zeros to the next unit, and
+        // the matmuls stop at `cols`.
+        let padded;
+        let (bytes, row_bytes) = if m.cols.is_multiple_of(UNIT) {
+            (bytes, row_bytes)
+        } else {
+            ensure!(
+                matches!(m.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16),
+                "the GPU matmul needs {} rows of a multiple of {UNIT} weights, not {}",
+                m.ty,
+                m.cols
+            );
+            let wide = m.cols.next_multiple_of(UNIT) * (row_bytes / m.cols);
+            padded = bytes
+                .chunks_exact(row_bytes)
+                .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, wide - row_bytes)))
+                .collect::<Vec<u8>>();
+            (&padded[..], wide)
+        };
         ensure!(
             m.rows <= u32::MAX as usize && bytes.len() < u32::MAX as usize,
             "a {}×{} matrix is too large for 32-bit offsets",

@@ -27,6 +27,11 @@ impl Pass<'_> {
             embd.cols,
             n * embd.cols
         );
+        ensure!(
+            embd.cols.is_multiple_of(UNIT),
+            "the GPU embedding lookup needs rows of a multiple of {UNIT} values, not {}",
+            embd.cols
+        );
         let key = format!("embed_{}", embd.ty);
         let ty = embd.ty;
         let pipeline = self.gpu().pipeline(&key, "embed", &[], || {

@@ -1,13 +1,14 @@
 //! A model's layers on the GPU: the weights of a layer range uploaded once and shared by every session of the
 //! model ([`GpuWeights`]), and each session's f16 KV cache and working buffers on the device ([`GpuLayers`]).
 //! `engine::Session` runs the first layers of its range here and the rest, if any, on the CPU (`--gpu-layers`).
-//! The layer scripts are those of `model/llama.rs` (llama, qwen2, qwen3, phi3) and `model/gemma3.rs`.
+//! The layer scripts are those of `model/llama.rs` (llama, qwen2, qwen3, phi3, and the mixtures of experts qwen3moe,
+//! dots1 and glm4moe, whose feed-forward is `model/moe.rs`'s: `GpuLayers::moe_ffn`) and `model/gemma3.rs`.
 //!
 //! The host embeds the tokens (a row per token, uploaded), holds the residual stream where the range continues on
 //! the CPU, and keeps a copy of every KV row the device writes, brought back in the same submission: snapshots,
 //! a disaggregated prefill's KV stream and imports see one cache whichever backend ran the layers.
 
-use super::buffers::{GpuMatrix, Halves, Tensor, U32s};
+use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 use super::rope::GpuRope;
 use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, AttnShape, KvLayers};
@@ -34,9 +35,30 @@ struct Layer {
     /// Gemma 3's norms of the attention's and the feed-forward's outputs.
     post_norms: Option<[Tensor; 2]>,
     ffn_norm: Tensor,
-    gate: GpuMatrix,
-    up: GpuMatrix,
-    down: GpuMatrix,
+    ffn: Ffn,
+}
+
+/// A block's feed-forward on the device, as the CPU's layer has it (`model::Ffn`).
+enum Ffn {
+    /// `down(act(gate · x) * (up · x))`.
+    Dense {
+        gate: GpuMatrix,
+        up: GpuMatrix,
+        down: GpuMatrix,
+    },
+    Moe(Box<Moe>),
+}
+
+/// A mixture of experts' tensors (`model::moe::MoeWeights`): the router, the 3-D expert tensors (picked from on the
+/// device), the selection bias and the shared experts where the layer has them.
+struct Moe {
+    router: GpuMatrix,
+    gate: GpuExperts,
+    up: GpuExperts,
+    down: GpuExperts,
+    bias: Option<Tensor>,
+    /// The shared experts' gate, up and down: one SwiGLU feed-forward every row runs.
+    shared: Option<[GpuMatrix; 3]>,
 }
 
 /// The final norm and output head, on the device when its layers end the model.
@@ -64,14 +86,23 @@ impl GpuWeights {
     /// that runs out of memory gives an error naming the sizes and a `--gpu-layers` that would fit.
     pub fn upload(gpu: Arc<Gpu>, model: &Model, layers: Range<usize>) -> Result<GpuWeights> {
         let hp = model.hp.clone();
-        // The GPU layers run the dense blocks of these architectures, with the tensors the CPU's layer has (checked
-        // at load); RoPE scaling is in the tables ([`RopeTables`]). Mixtures of experts stay on the CPU.
+        // The GPU layers run the blocks of these architectures, with the tensors the CPU's layer has (checked at
+        // load); RoPE scaling is in the tables ([`RopeTables`]). The mixtures of experts are llama's block with
+        // experts for the feed-forward. DeepSeek's latent attention (deepseek2) is not on the GPU.
         ensure!(
             matches!(
                 hp.arch,
-                Arch::Llama | Arch::Gemma3 | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3
+                Arch::Llama
+                    | Arch::Gemma3
+                    | Arch::Qwen2
+                    | Arch::Qwen3
+                    | Arch::Phi3
+                    | Arch::Qwen3Moe
+                    | Arch::Dots1
+                    | Arch::Glm4Moe
             ),
-            "the GPU backend implements llama, gemma3, qwen2, qwen3 and phi3, not {}: run it with --backend cpu",
+            "the GPU backend implements llama, gemma3, qwen2, qwen3, phi3, qwen3moe, dots1 and glm4moe, not {} \
+             (DeepSeek's latent attention is CPU-only): run it with --backend cpu",
             hp.arch.name()
         );
         ensure!(
@@ -81,11 +112,15 @@ impl GpuWeights {
         );
         let f = &model.file;
         let mapped = |name: &str| -> Result<Matrix> { Matrix::mapped(f, f.tensor_info(name)?) };
-        let per_layer = layer_bytes(model, layers.start)?;
-        let mut bytes = 0u64;
-        let mut up = |m: &Matrix| -> Result<GpuMatrix> {
-            bytes += m.bytes().len() as u64;
+        let per_layer = layer_bytes(model, layers.start);
+        let bytes = std::cell::Cell::new(0u64);
+        let up = |m: &Matrix| -> Result<GpuMatrix> {
+            bytes.set(bytes.get() + m.bytes().len() as u64);
             gpu.upload_matrix(m)
+        };
+        let experts = |m: Matrix, n_expert: usize| -> Result<GpuExperts> {
+            bytes.set(bytes.get() + m.bytes().len() as u64);
+            gpu.upload_experts(&m, n_expert)
         };
         let mut w = Vec::with_capacity(layers.len());
         let bar = crate::util::count_bar(layers.len() as u64, "uploading to the GPU", "layers");
@@ -119,7 +154,42 @@ impl GpuWeights {
                 };
                 // The projections as the file stores them, split as the CPU's loader splits Phi-3's fused ones.
                 let [wq, wk, wv] = crate::model::attn_qkv(f, &hp, il)?;
-                let ffn = crate::model::dense_ffn(f, &hp, il)?;
+                let ffn = match &lw.ffn {
+                    crate::model::Ffn::Dense(_) => {
+                        let d = crate::model::dense_ffn(f, &hp, il)?;
+                        Ffn::Dense {
+                            gate: up(&d.gate)?,
+                            up: up(&d.up)?,
+                            down: up(&d.down)?,
+                        }
+                    }
+                    crate::model::Ffn::Moe(m) => {
+                        let moe = hp
+                            .moe
+                            .as_ref()
+                            .context("a layer of experts without MoE hyperparameters")?;
+                        let (e, ff, n_x) = (hp.n_embd, moe.n_ff_exp, moe.n_expert);
+                        let exps = |t: &str, cols, rows| {
+                            experts(crate::model::moe::experts_matrix(f, &p(t), cols, rows, n_x)?, n_x)
+                        };
+                        let shared = match &m.shared {
+                            None => None,
+                            Some(_) => Some([
+                                up(&mapped(&p("ffn_gate_shexp"))?)?,
+                                up(&mapped(&p("ffn_up_shexp"))?)?,
+                                up(&mapped(&p("ffn_down_shexp"))?)?,
+                            ]),
+                        };
+                        Ffn::Moe(Box::new(Moe {
+                            router: up(&mapped(&p("ffn_gate_inp"))?)?,
+                            gate: exps("ffn_gate_exps", e, ff)?,
+                            up: exps("ffn_up_exps", e, ff)?,
+                            down: exps("ffn_down_exps", ff, e)?,
+                            bias: host(&m.bias)?,
+                            shared,
+                        }))
+                    }
+                };
                 w.push(Layer {
                     attn_norm: vector(&p("attn_norm"))?,
                     wq: up(&wq)?,
@@ -129,10 +199,9 @@ impl GpuWeights {
                     bias: [host(&lw.bq)?, host(&lw.bk)?, host(&lw.bv)?],
                     qk_norm: pair(&lw.q_norm, &lw.k_norm)?,
                     post_norms: pair(&lw.post_attn_norm, &lw.post_ffn_norm)?,
-                    ffn_norm: vector(&p("ffn_norm"))?,
-                    gate: up(&ffn.gate)?,
-                    up: up(&ffn.up)?,
-                    down: up(&ffn.down)?,
+                    // glm4moe stores it as `post_attention_norm`; the CPU's loader knows which.
+                    ffn_norm: gpu.upload(&lw.ffn_norm)?,
+                    ffn,
                 });
             }
             if layers.end < hp.n_layer || !model.is_last() {
@@ -167,7 +236,7 @@ impl GpuWeights {
             w,
             embd,
             head,
-            bytes,
+            bytes: bytes.get(),
             gpu,
         })
     }
@@ -197,17 +266,15 @@ impl GpuWeights {
     }
 }
 
-/// Bytes of layer `il`'s weight matrices in the file.
-fn layer_bytes(model: &Model, il: usize) -> Result<u64> {
+/// Bytes of layer `il`'s tensors in the file (every expert of a mixture's).
+fn layer_bytes(model: &Model, il: usize) -> u64 {
+    let prefix = format!("blk.{il}.");
     let f = &model.file;
-    let wo = Matrix::mapped(f, f.tensor_info(&format!("blk.{il}.attn_output.weight"))?)?;
-    let ffn = crate::model::dense_ffn(f, &model.hp, il)?;
-    let qkv = crate::model::attn_qkv(f, &model.hp, il)?;
-    Ok(qkv
-        .iter()
-        .chain([&wo, &ffn.gate, &ffn.up, &ffn.down])
-        .map(|m| m.bytes().len() as u64)
-        .sum())
+    f.tensors
+        .values()
+        .filter(|t| t.name.starts_with(&prefix))
+        .map(|t| t.size as u64)
+        .sum()
 }
 
 /// One layer's KV cache on the device.
@@ -233,6 +300,8 @@ pub struct GpuLayers {
     v: Tensor,
     att: Tensor,
     h: Tensor,
+    /// A mixture of experts' buffers, where the model has one.
+    moe: Option<MoeBuffers>,
     /// Logits of up to `head_rows` rows at a time (when the head is here).
     logits: Tensor,
     head_rows: usize,
@@ -243,6 +312,20 @@ pub struct GpuLayers {
     /// The ops' bind groups over these buffers and the weights, built at their first dispatch and reused; `None`
     /// only in a test that compares with building each dispatch's own.
     binds: Option<Binds>,
+}
+
+/// The working buffers of a layer of experts over a batch of `n` rows with `k` experts each.
+struct MoeBuffers {
+    /// Router logits, then probabilities, `[n, n_expert]`.
+    logits: Tensor,
+    /// Each row's experts and weights in its top-k order, `[n, k]`.
+    ids: U32s,
+    wts: Tensor,
+    /// The picks' hidden activations `[n·k, n_ff_exp]` and outputs `[n·k, n_embd]`.
+    hx: Tensor,
+    yx: Tensor,
+    /// The shared experts' output, `[n, n_embd]`.
+    shared: Tensor,
 }
 
 /// What [`GpuLayers::forward`] hands back.
@@ -285,6 +368,24 @@ impl GpuLayers {
                 0
             };
             let n = n_batch;
+            let moe = match &hp.moe {
+                None => None,
+                Some(m) => {
+                    let slots = n * m.n_expert_used;
+                    Some(MoeBuffers {
+                        logits: gpu.zeros(n * m.n_expert)?,
+                        ids: gpu.upload_u32(&vec![0; slots])?,
+                        wts: gpu.zeros(slots)?,
+                        hx: gpu.zeros(slots * m.n_ff_exp)?,
+                        yx: gpu.zeros(slots * hp.n_embd)?,
+                        shared: gpu.zeros(if m.routing.n_shared > 0 { n * hp.n_embd } else { 1 })?,
+                    })
+                }
+            };
+            // The dense feed-forward's hidden activations, or the shared experts'.
+            let n_ff = hp
+                .n_ff
+                .max(hp.moe.as_ref().map_or(0, |m| m.routing.n_shared * m.n_ff_exp));
             Ok(GpuLayers {
                 kv,
                 ropes,
@@ -297,7 +398,8 @@ impl GpuLayers {
                 k: gpu.zeros(n * hp.n_head_kv * hdk)?,
                 v: gpu.zeros(n * hp.n_head_kv * hdv)?,
                 att: gpu.zeros(n * hp.n_head * hdv)?,
-                h: gpu.zeros(n * hp.n_ff)?,
+                h: gpu.zeros(n * n_ff)?,
+                moe,
                 logits: gpu.zeros(head_rows.max(1) * hp.n_vocab)?,
                 head_rows,
                 pos: gpu.upload_u32(&vec![0; n])?,
@@ -441,8 +543,13 @@ impl GpuLayers {
             pass.add(&self.x, &self.xn, n * e)?;
 
             pass.rms_norm(&self.x, &l.ffn_norm, hp.rms_eps, n, &self.xn)?;
-            pass.matmul_glu(&l.gate, &l.up, glu, &self.xn, n, &self.h)?;
-            pass.matmul(&l.down, &self.h, n, &self.xn)?;
+            match &l.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    pass.matmul_glu(gate, up, glu, &self.xn, n, &self.h)?;
+                    pass.matmul(down, &self.h, n, &self.xn)?;
+                }
+                Ffn::Moe(m) => self.moe_ffn(&mut pass, m, n)?,
+            }
             if let Some([_, post_ffn]) = &l.post_norms {
                 pass.rms_norm_inplace(&self.xn, post_ffn, hp.rms_eps, n)?;
             }
@@ -515,6 +622,35 @@ impl GpuLayers {
             f32s_into(&got[0], &mut logits[at..at + (r1 - r0) * nv]);
         }
         Ok(())
+    }
+
+    /// A mixture of experts' feed-forward of the `n` normalised rows of `xn`, written back to `xn`, as
+    /// `model::moe::ffn` computes it: the shared experts; the router's logits; each row's top k experts and their
+    /// weights, chosen on the device; the picked experts' SwiGLU feed-forwards, each pick reading its expert's rows
+    /// (so a decode step reads k experts, not all); their outputs summed in each row's top-k order, plus the shared
+    /// experts'. A prefill runs a mat-vec per (row, pick) rather than grouping a batch's rows by expert: each picked
+    /// expert's weights are read once per row that picks it (docs/gpu.md, "What is left").
+    fn moe_ffn(&self, pass: &mut super::Pass, m: &Moe, n: usize) -> Result<()> {
+        let hp = &self.w.hp;
+        let moe = hp
+            .moe
+            .as_ref()
+            .context("a layer of experts without MoE hyperparameters")?;
+        let b = self
+            .moe
+            .as_ref()
+            .context("a session without the buffers of its experts")?;
+        let (e, k, n_x) = (hp.n_embd, moe.n_expert_used, moe.n_expert);
+        if let Some([gate, up, down]) = &m.shared {
+            pass.matmul_glu(gate, up, Glu::Silu, &self.xn, n, &self.h)?;
+            pass.matmul(down, &self.h, n, &b.shared)?;
+        }
+        pass.matmul(&m.router, &self.xn, n, &b.logits)?;
+        pass.route(&b.logits, m.bias.as_ref(), &moe.routing, n, n_x, k, &b.ids, &b.wts)?;
+        pass.matmul_glu_ids(&m.gate, &m.up, Glu::Silu, &self.xn, k, &b.ids, n * k, &b.hx)?;
+        pass.matmul_ids(&m.down, &b.hx, 1, &b.ids, n * k, &b.yx)?;
+        let shared = m.shared.as_ref().map(|_| &b.shared);
+        pass.moe_sum(&b.yx, &b.wts, shared, n, k, e, &self.xn)
     }
 
     /// A pass over this session's bind groups.
@@ -679,7 +815,11 @@ mod tests {
     /// every `--gpu-layers` from 0 to all. Prompt logits of every row and 6 greedy steps are within `tol` of the
     /// logit scale of the CPU's: 1e-3 where the CPU multiplies f32 activations, more where it multiplies 8-bit
     /// activations and the GPU f32 ones: Q8_0 2e-2 (measured 1.2 %; without the biases 43 %), the i-quants 4e-2
-    /// (measured 2.0 %; each type's matmul is checked tightly against the exact product in `matmul.rs`).
+    /// (measured 2.0 %; each type's matmul is checked tightly against the exact product in `matmul.rs`). And the
+    /// mixtures of experts (F32): qwen3moe (softmax routing, 8 experts, 2 a token), dots1 (a leading dense layer,
+    /// sigmoid gating with a selection bias, 4 groups of which 2 are kept, scale 2.5, shared experts) and glm4moe
+    /// (Q/K/V biases, Q/K norms in some layers only, RoPE on 16 of a head's 32 dimensions, its pre-FFN norm stored
+    /// as `post_attention_norm`, 32 experts, a shared one), whose experts are routed and picked on the device.
     #[test]
     fn generated_families_match_cpu() {
         let Some(gpu) = test_gpu() else { return };
@@ -690,6 +830,9 @@ mod tests {
             ("qwen3", 1e-3),
             ("phi3", 1e-3),
             ("iquants", 4e-2),
+            ("qwen3moe", 1e-3),
+            ("dots1", 1e-3),
+            ("glm4moe", 1e-3),
         ];
         for (name, tol) in models {
             let model = Arc::new(Model::load(&dir.join(format!("{name}.gguf"))).unwrap());
@@ -726,6 +869,28 @@ mod tests {
                     assert!(d <= tol * scale.max(1.0), "{name} gpu-layers {n_gpu} step {step}: {d}");
                 }
             }
+        }
+    }
+
+    /// `--experts-on-disk` with the GPU: the experts of the GPU's layers are uploaded all the same (read from the
+    /// mapped file once), those of its CPU layers stay in the map; either way the logits are the resident model's.
+    #[test]
+    fn experts_on_disk_still_upload_to_the_gpu() {
+        let Some(gpu) = test_gpu() else { return };
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/qwen3moe.gguf");
+        let resident = Arc::new(Model::load(&path).unwrap());
+        let file = Arc::new(crate::gguf::GgufFile::open(&path).unwrap());
+        let on_disk = Arc::new(Model::from_file_placed(file, None, true).unwrap());
+        let prompt: Vec<u32> = (0..12).map(|i| 300 + (i * 71) % 3000).collect();
+        let mut cpu = Session::placed(resident.clone(), pool(), 32, 16, &Placement::cpu()).unwrap();
+        let want = cpu.forward(Input::Tokens(&prompt), Want::AllLogits).unwrap().to_vec();
+        for n_gpu in [1, on_disk.hp.n_layer] {
+            let placed = Placement::on_gpu(gpu.clone(), Some(n_gpu));
+            let mut g = Session::placed(on_disk.clone(), pool(), 32, 16, &placed).unwrap();
+            assert_eq!(g.gpu_layers(), 0..n_gpu);
+            let got = g.forward(Input::Tokens(&prompt), Want::AllLogits).unwrap().to_vec();
+            let (d, scale) = diff(&want, &got);
+            assert!(d <= 1e-3 * scale.max(1.0), "gpu-layers {n_gpu}: logits differ by {d}");
         }
     }
 

@@ -6,7 +6,7 @@
 //! `matmul.wgsl` dequantizes a unit into registers and dots it with up to 8 tokens (decode), `matmul_tiled.wgsl`
 //! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks.
 
-use super::buffers::{GpuMatrix, Tensor, UNIT};
+use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;
 use super::{Pass, module, u32_of, wgsl};
 use crate::gguf::GgmlType;
@@ -241,7 +241,7 @@ impl Pass<'_> {
                 u32_of(w.cols, "cols")?,
                 u32_of(n, "tokens")?,
                 u32_of(w.row_bytes, "row bytes")?,
-                u32_of(w.cols / UNIT, "units")?,
+                u32_of(w.cols.div_ceil(UNIT), "units")?,
                 gx,
                 act_code(glu),
                 u32_of(w.rows, "rows")?,
@@ -256,6 +256,133 @@ impl Pass<'_> {
             }
             bufs.extend(self.grid_binding(w.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
+        }
+        Ok(())
+    }
+}
+
+impl Pass<'_> {
+    /// The indexed mat-vecs of a mixture of experts: for each of the `n_picks` picks z, `y[z] = W_e · x[z / x_div]`
+    /// with `e = ids[z]`, read on the device (written there by [`Pass::route`]), `y` `[n_picks, w.rows]`. `x_div`
+    /// is k where the picks of a row share its input (gate and up), 1 where each pick has its own (down).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_ids(
+        &mut self,
+        w: &GpuExperts,
+        x: &Tensor,
+        x_div: usize,
+        ids: &U32s,
+        n_picks: usize,
+        y: &Tensor,
+    ) -> Result<()> {
+        self.check_ids(w, x, x_div, ids, n_picks, y)?;
+        self.mm_ids(w, None, Glu::Silu, x, x_div, ids, n_picks, y)
+    }
+
+    /// `y[z] = act(G_e · x[z / x_div]) * (U_e · x[z / x_div])`, the experts' gate and up projections: one pass over
+    /// both where they are of one type (and split alike), else two indexed matmuls and the activation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_glu_ids(
+        &mut self,
+        gate: &GpuExperts,
+        up: &GpuExperts,
+        glu: Glu,
+        x: &Tensor,
+        x_div: usize,
+        ids: &U32s,
+        n_picks: usize,
+        y: &Tensor,
+    ) -> Result<()> {
+        ensure!(
+            (gate.n_expert, gate.rows, gate.mat.cols) == (up.n_expert, up.rows, up.mat.cols),
+            "gate and up experts differ in shape"
+        );
+        self.check_ids(gate, x, x_div, ids, n_picks, y)?;
+        if gate.mat.ty == up.mat.ty && same_parts(&gate.mat, &up.mat) {
+            return self.mm_ids(gate, Some(up), glu, x, x_div, ids, n_picks, y);
+        }
+        let u = self.scratch(n_picks * up.rows)?;
+        self.mm_ids(gate, None, glu, x, x_div, ids, n_picks, y)?;
+        self.mm_ids(up, None, glu, x, x_div, ids, n_picks, &u)?;
+        self.glu_mul(y, &u, glu, n_picks * up.rows)
+    }
+
+    fn check_ids(
+        &self,
+        w: &GpuExperts,
+        x: &Tensor,
+        x_div: usize,
+        ids: &U32s,
+        n_picks: usize,
+        y: &Tensor,
+    ) -> Result<()> {
+        ensure!(n_picks > 0 && x_div > 0, "an indexed matmul over no picks");
+        ensure!(ids.len() >= n_picks, "{n_picks} picks with {} expert ids", ids.len());
+        ensure!(
+            x.len() >= n_picks.div_ceil(x_div) * w.mat.cols,
+            "indexed matmul input holds {} values, {n_picks} picks of {x_div} a row of {} need more",
+            x.len(),
+            w.mat.cols
+        );
+        ensure!(
+            y.len() >= n_picks * w.rows,
+            "indexed matmul output holds {} values, {n_picks} picks of {} rows need {}",
+            y.len(),
+            w.rows,
+            n_picks * w.rows
+        );
+        ensure!(
+            n_picks <= 65535,
+            "{n_picks} expert picks in one matmul is more than the GPU grid takes"
+        );
+        Ok(())
+    }
+
+    /// One dispatch per part of the experts' buffer: a workgroup per (group of an expert's rows, pick); in each
+    /// part, the picks whose expert it does not hold do nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn mm_ids(
+        &mut self,
+        w: &GpuExperts,
+        up: Option<&GpuExperts>,
+        glu: Glu,
+        x: &Tensor,
+        x_div: usize,
+        ids: &U32s,
+        n_picks: usize,
+        y: &Tensor,
+    ) -> Result<()> {
+        let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
+        let m = &w.mat;
+        let key = format!("matmul_{}", wgsl_type(m.ty));
+        let lanes = self.lanes;
+        let rpw = WG / lanes as usize;
+        let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
+        let pipeline = self
+            .gpu()
+            .pipeline(&key, entry, &constants, || source(m.ty, wgsl::MATMUL))?;
+        let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
+        for (i, part) in m.parts.iter().enumerate() {
+            let params = [
+                u32_of(part.rows, "rows")?,
+                u32_of(m.cols, "cols")?,
+                u32_of(n_picks, "picks")?,
+                u32_of(m.row_bytes, "row bytes")?,
+                u32_of(m.cols.div_ceil(UNIT), "units")?,
+                gx,
+                act_code(glu),
+                u32_of(w.rows, "rows")?,
+                u32_of(part.row0, "rows")?,
+                u32_of(x_div, "picks a row")?,
+                0,
+                0,
+            ];
+            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf)];
+            if let Some(u) = up {
+                bufs.push((4, &u.mat.parts[i].buf));
+            }
+            bufs.extend(self.grid_binding(m.ty)?);
+            self.dispatch(&pipeline, &params, &bufs, (gx, gy, n_picks as u32));
         }
         Ok(())
     }

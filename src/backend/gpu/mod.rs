@@ -13,9 +13,11 @@
 //! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
 //! - `norm.rs`: RMSNorm. `rope.rs`: RoPE, both styles. `elementwise.rs`: residual add, SwiGLU/GeGLU.
 //! - `embed.rs`: the embedding lookup of a batch's tokens.
+//! - `moe.rs`: a mixture of experts' routing (top-k on the device) and weighted sum; its indexed matmuls are in
+//!   `matmul.rs`.
 //! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
-//! - `layers.rs`: a layer range of llama / gemma3 on the device (weights shared per model, KV per session), and
-//!   the head when the range ends the model.
+//! - `layers.rs`: a layer range of llama / gemma3 (and the families and mixtures of experts built on llama's block)
+//!   on the device (weights shared per model, KV per session), and the head when the range ends the model.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
 
 pub mod attention;
@@ -25,10 +27,11 @@ pub mod elementwise;
 pub mod embed;
 pub mod layers;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 
-pub use buffers::{GpuMatrix, Halves, Tensor, U32s};
+pub use buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 pub use device::{AdapterChoice, Gpu, NoAdapter};
 
 use anyhow::{Result, ensure};
@@ -49,6 +52,8 @@ mod wgsl {
     pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
     pub const KV: &str = include_str!("shaders/kv.wgsl");
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
+    pub const ROUTE: &str = include_str!("shaders/route.wgsl");
+    pub const MOE: &str = include_str!("shaders/moe.wgsl");
 }
 
 /// One shader module's source: the snippets joined.
@@ -251,6 +256,13 @@ impl<'g> Pass<'g> {
     pub fn read(&mut self, t: &Tensor, at: usize, n: usize) -> Result<()> {
         ensure!(at + n <= t.len(), "reading {n} values from {at} of {}", t.len());
         self.reads.push((t.buf.clone(), 4 * at as u64, 4 * n as u64));
+        Ok(())
+    }
+
+    /// [`Pass::read`] of u32 values (a mixture's expert ids).
+    pub fn read_u32(&mut self, u: &U32s, at: usize, n: usize) -> Result<()> {
+        ensure!(at + n <= u.len(), "reading {n} values from {at} of {}", u.len());
+        self.reads.push((u.buf.clone(), 4 * at as u64, 4 * n as u64));
         Ok(())
     }
 

@@ -21,8 +21,15 @@ fn dot_unit(w: ptr<function, array<f32, 32>>, u: u32, t0: u32, nt: u32, acc: ptr
         if (t < nt) {
             let xb = (t0 + t) * p.cols + u * 32u;
             var s = 0.0;
-            for (var i = 0u; i < 32u; i++) {
-                s += (*w)[i] * x[xb + i];
+            if (u * 32u + 32u <= p.cols) {
+                for (var i = 0u; i < 32u; i++) {
+                    s += (*w)[i] * x[xb + i];
+                }
+            } else {
+                // A float matrix's last unit padded past the row (buffers.rs).
+                for (var i = 0u; i < p.cols - u * 32u; i++) {
+                    s += (*w)[i] * x[xb + i];
+                }
             }
             (*acc)[t] += s;
         }
@@ -117,5 +124,96 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         for (var t = 0u; t < nt; t++) {
             y[(t0 + t) * p.y_stride + p.row0 + row] = glu(p.act, red_a[li * TT + t], red_b[li * TT + t]);
         }
+    }
+}
+
+// The indexed mat-vecs of a mixture of experts: W is a 3-D expert tensor as its 2-D view (expert e's matrix is
+// rows e·R..(e+1)·R, R = p.y_stride) or one part of it (rows row0..row0 + rows of the view). Workgroup z takes one
+// pick (a row's slot): its expert comes from ids[z], written on the device by the routing (route.wgsl), and its
+// input is row z / p.x_div of x (x_div = k: the picks of a token share its input; 1: each pick has its own, the
+// down projection's). y[z, r] = W_e[r, :] · x[z / x_div, :], for the R rows of the expert that this part holds.
+
+@group(0) @binding(6) var<storage, read> ids: array<u32>;
+
+// The pick's row r of its expert as a row of this part's buffer, or none (>= p.rows).
+fn expert_row(z: u32, r: u32) -> u32 {
+    let g = ids[z] * p.y_stride + r;
+    if (r >= p.y_stride || g < p.row0 || g >= p.row0 + p.rows) {
+        return p.rows;
+    }
+    return g - p.row0;
+}
+
+@compute @workgroup_size(64)
+fn matmul_ids(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % LANES;
+    let r = (wid.x + wid.y * p.nx) * RPW + li / LANES;
+    let z = wid.z;
+    let row = expert_row(z, r);
+    var acc: array<f32, 8>;
+    if (row < p.rows) {
+        let rb = row * p.row_bytes;
+        for (var u = lane; u < p.units; u += LANES) {
+            var w: array<f32, 32>;
+            dequant_a(rb, u, &w);
+            dot_unit(&w, u, z / p.x_div, 1u, &acc);
+        }
+    }
+    if (LANES == 1u) {
+        if (row < p.rows) {
+            y[z * p.y_stride + r] = acc[0];
+        }
+        return;
+    }
+    red_a[li] = acc[0];
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s = s / 2u) {
+        if (lane < s) {
+            red_a[li] += red_a[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        y[z * p.y_stride + r] = red_a[li];
+    }
+}
+
+// The experts' gate and up projections together: y[z, r] = act(G_e[r, :]·x) · (U_e[r, :]·x), gate in wa, up in wb.
+@compute @workgroup_size(64)
+fn matmul_glu_ids(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % LANES;
+    let r = (wid.x + wid.y * p.nx) * RPW + li / LANES;
+    let z = wid.z;
+    let row = expert_row(z, r);
+    var acc_g: array<f32, 8>;
+    var acc_u: array<f32, 8>;
+    if (row < p.rows) {
+        let rb = row * p.row_bytes;
+        for (var u = lane; u < p.units; u += LANES) {
+            var w: array<f32, 32>;
+            dequant_a(rb, u, &w);
+            dot_unit(&w, u, z / p.x_div, 1u, &acc_g);
+            dequant_b(rb, u, &w);
+            dot_unit(&w, u, z / p.x_div, 1u, &acc_u);
+        }
+    }
+    if (LANES == 1u) {
+        if (row < p.rows) {
+            y[z * p.y_stride + r] = glu(p.act, acc_g[0], acc_u[0]);
+        }
+        return;
+    }
+    red_a[li] = acc_g[0];
+    red_b[li] = acc_u[0];
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s = s / 2u) {
+        if (lane < s) {
+            red_a[li] += red_a[li + s];
+            red_b[li] += red_b[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        y[z * p.y_stride + r] = glu(p.act, red_a[li], red_b[li]);
     }
 }

@@ -12,7 +12,8 @@ struct Params {
     act: u32,
     y_stride: u32,
     row0: u32,
-    pad0: u32,
+    // The indexed matmuls (matmul.wgsl): picks per row of x; 0 elsewhere.
+    x_div: u32,
     pad1: u32,
 }
 

@@ -17,14 +17,15 @@ const S: u32 = 33u;
 var<workgroup> ws: array<f32, 2112>;
 var<workgroup> xs: array<f32, 1056>;
 
-// Unit u of the activations of tokens t0..t0 + 32 into xs, 16 values per thread, zeros past the batch.
+// Unit u of the activations of tokens t0..t0 + 32 into xs, 16 values per thread, zeros past the batch and past a
+// row (a float matrix's last unit may be padding, buffers.rs).
 fn load_x(li: u32, t0: u32, u: u32) {
     for (var m = 0u; m < 16u; m++) {
         let i = li + 64u * m;
         let t = i / 32u;
         let k = i % 32u;
         var v = 0.0;
-        if (t0 + t < p.n_tok) {
+        if (t0 + t < p.n_tok && u * 32u + k < p.cols) {
             v = x[(t0 + t) * p.cols + u * 32u + k];
         }
         xs[t * S + k] = v;
