@@ -615,6 +615,16 @@ mod tests {
         }
     }
 
+    /// Each `(key, value, wanted)`: the generated model `name` with its `name.key` set to `value` (or removed, for
+    /// `None`) fails to load with an error that contains `wanted`.
+    fn assert_key_refusals(name: &str, cases: &[(&str, Option<Value>, &str)]) {
+        for (key, v, want) in cases {
+            let key = format!("{name}.{key}");
+            let e = load_error(name, &[(key.as_str(), v.clone())], &[], &[]);
+            assert!(e.contains(want), "{key} = {v:?}: {e}");
+        }
+    }
+
     #[test]
     fn generated_models_load_with_their_architecture() {
         for (name, arch) in [("llama3", Arch::Llama), ("qwen2", Arch::Qwen2), ("qwen3", Arch::Qwen3)] {
@@ -788,11 +798,7 @@ mod tests {
                 "ffn_gate_exps.weight\" has dimensions",
             ),
         ];
-        for (key, v, want) in cases {
-            let key = k(key);
-            let e = load_error("qwen3moe", &[(key.as_str(), v.clone())], &[], &[]);
-            assert!(e.contains(want), "{key} = {v:?}: {e}");
-        }
+        assert_key_refusals("qwen3moe", &cases);
         // Scale 1, norm true, one group, no shared expert and softmax spelled out are what qwen3moe computes.
         let fine = [
             (k("expert_weights_scale"), Some(Value::F32(1.0))),
@@ -897,11 +903,7 @@ mod tests {
                 "ffn_gate_shexp.weight\" is 64x64, expected 64x96",
             ),
         ];
-        for (key, v, want) in cases {
-            let key = k(key);
-            let e = load_error("dots1", &[(key.as_str(), v.clone())], &[], &[]);
-            assert!(e.contains(want), "{key} = {v:?}: {e}");
-        }
+        assert_key_refusals("dots1", &cases);
         // A leading dense block count of 0 makes layer 0 a MoE layer without experts; 2 makes layer 1 dense with
         // experts' tensors: both name the tensor.
         let lead = k("leading_dense_block_count");
@@ -1050,7 +1052,6 @@ mod tests {
     /// attention scale), is refused by name.
     #[test]
     fn bad_deepseek2_is_refused() {
-        let k = |s: &str| format!("deepseek2.{s}");
         let cases = [
             ("attention.key_length_mla", Some(Value::U32(48)), "absorbed MLA layout"),
             (
@@ -1089,11 +1090,7 @@ mod tests {
                 "deepseek2 has a shared expert",
             ),
         ];
-        for (key, v, want) in cases {
-            let key = k(key);
-            let e = load_error("deepseek2", &[(key.as_str(), v.clone())], &[], &[]);
-            assert!(e.contains(want), "{key} = {v:?}: {e}");
-        }
+        assert_key_refusals("deepseek2", &cases);
         let e = load_error("deepseek2", &[], &[], &["blk.1.attn_q_b.weight"]);
         assert!(e.contains("deepseek2 layer 1 lacks \"attn_q_b\""), "{e}");
         let e = load_error("deepseek2", &[], &[], &["blk.2.attn_kv_a_norm.weight"]);
@@ -1108,7 +1105,6 @@ mod tests {
     /// What glm4moe's graph does not allow, or Baton does not compute, is refused by name.
     #[test]
     fn bad_glm4moe_is_refused() {
-        let k = |s: &str| format!("glm4moe.{s}");
         let sections = Value::Array(vec![Value::U32(8), Value::U32(8), Value::U32(0), Value::U32(0)]);
         let cases = [
             ("expert_shared_count", None, "missing glm4moe.expert_shared_count"),
@@ -1128,11 +1124,7 @@ mod tests {
             // Without the NextN count, block 3 is a trunk layer, whose nextn.* tensors are not Baton's.
             ("nextn_predict_layers", None, "\"blk.3.nextn."),
         ];
-        for (key, v, want) in cases {
-            let key = k(key);
-            let e = load_error("glm4moe", &[(key.as_str(), v.clone())], &[], &[]);
-            assert!(e.contains(want), "{key} = {v:?}: {e}");
-        }
+        assert_key_refusals("glm4moe", &cases);
         let e = load_error("glm4moe", &[], &[], &["blk.1.exp_probs_b.bias"]);
         assert!(e.contains("lacks its selection bias \"blk.1.exp_probs_b.bias\""), "{e}");
         let e = load_error("glm4moe", &[], &[], &["blk.2.attn_k_norm.weight"]);
