@@ -565,7 +565,7 @@ pub fn serve_picks(s: &Step, m: &MoeWeights, x: &[f32], picks: &[Pick], b: &mut 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kernels::ThreadPool;
     use crate::kernels::ggml::Numerics;
@@ -574,6 +574,31 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use std::path::Path;
+
+    /// The routing of test case `case`, shared with the GPU's routing test: no groups, 4 groups of 4 (2 used) or 8
+    /// of 4 (3 used); sigmoid or softmax; with and without renormalisation and scale. Also the expert count and how
+    /// many experts the kept groups hold (the largest k).
+    pub(crate) fn routing_case(case: usize) -> (Routing, usize, usize) {
+        let (n_group, n_group_used, per) = match case % 3 {
+            0 => (0, 0, 16),
+            1 => (4, 2, 4),
+            _ => (8, 3, 4),
+        };
+        let n = if n_group > 1 { n_group * per } else { per };
+        let r = Routing {
+            gating: if case.is_multiple_of(2) {
+                Gating::Sigmoid
+            } else {
+                Gating::Softmax
+            },
+            normalise: !case.is_multiple_of(5),
+            scale: if case.is_multiple_of(4) { 2.5 } else { 1.0 },
+            n_shared: 0,
+            n_group,
+            n_group_used,
+        };
+        (r, n, n_group_used.max(1) * per)
+    }
 
     #[test]
     fn scratch_bytes_are_what_new_allocates() {
@@ -806,25 +831,8 @@ mod tests {
 
         let mut rng = StdRng::seed_from_u64(3);
         for case in 0..2000 {
-            let (n_group, n_group_used, per) = match case % 3 {
-                0 => (0, 0, 16),
-                1 => (4, 2, 4),
-                _ => (8, 3, 4),
-            };
-            let n = if n_group > 1 { n_group * per } else { per };
-            let r = Routing {
-                gating: if case % 2 == 0 {
-                    Gating::Sigmoid
-                } else {
-                    Gating::Softmax
-                },
-                normalise: case % 5 != 0,
-                scale: if case % 4 == 0 { 2.5 } else { 1.0 },
-                n_shared: 0,
-                n_group,
-                n_group_used,
-            };
-            let k = rng.gen_range(1..=n_group_used.max(1) * per).min(8);
+            let (r, n, most) = routing_case(case);
+            let k = rng.gen_range(1..=most).min(8);
             let logits: Vec<f32> = (0..n).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
             let bias: Vec<f32> = (0..n).map(|_| rng.gen_range(-0.5f32..0.5)).collect();
             let bias = (case % 7 != 0).then_some(&bias[..]);

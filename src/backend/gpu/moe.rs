@@ -131,7 +131,7 @@ mod tests {
     use crate::kernels::testutil::Rng;
     use crate::kernels::{Glu, Matrix};
     use crate::model::moe::route;
-    use crate::model::{Gating, Routing};
+    use crate::model::moe::tests::routing_case;
 
     fn f32s(b: &[u8]) -> Vec<f32> {
         b.chunks_exact(4)
@@ -151,25 +151,8 @@ mod tests {
         let n_rows = 97;
         let mut ties = 0;
         for case in 0..24 {
-            let (n_group, n_group_used, per) = match case % 3 {
-                0 => (0, 0, 16),
-                1 => (4, 2, 4),
-                _ => (8, 3, 4),
-            };
-            let n_x = if n_group > 1 { n_group * per } else { per };
-            let r = Routing {
-                gating: if case % 2 == 0 {
-                    Gating::Sigmoid
-                } else {
-                    Gating::Softmax
-                },
-                normalise: case % 5 != 0,
-                scale: if case % 4 == 0 { 2.5 } else { 1.0 },
-                n_shared: 0,
-                n_group,
-                n_group_used,
-            };
-            let k = [1, 2, 4, 6][case % 4].min(n_group_used.max(1) * per);
+            let (r, n_x, most) = routing_case(case);
+            let k = [1, 2, 4, 6][case % 4].min(most);
             let logits: Vec<f32> = (0..n_rows * n_x)
                 .map(|_| ((rng.uniform() * 16.0).floor() - 8.0) * 0.5)
                 .collect();
