@@ -3,6 +3,8 @@
 //!
 //! `cargo bench --bench kernels [-- filter]`; `BATON_ISA=scalar|avx2|avx512` picks the kernel table,
 //! `BATON_THREADS=n` the pool size (default 2).
+//!
+//! `cargo bench --bench kernels -- --gpu [filter]`: the GPU backend's matmuls instead (see [`gpu_main`]).
 
 use baton::gguf::GgmlType;
 use baton::kernels::matrix::Bytes;
@@ -35,6 +37,14 @@ fn f16_offsets(ty: GgmlType) -> &'static [usize] {
 }
 
 fn matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
+    let mut m = matrix_rows(rng, ty, rows, cols);
+    // As a model's load does: interleaved where this CPU's kernels want it (`BATON_ISA=scalar` keeps rows).
+    m.repack_for_kernels();
+    m
+}
+
+/// Random weights of `ty` in the file's row layout, with small finite scales.
+fn matrix_rows(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
     let bytes = ty.row_bytes(cols).unwrap() * rows;
     let mut data: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
     if ty == GgmlType::F32 {
@@ -46,16 +56,13 @@ fn matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Matrix {
             }
         }
     }
-    let mut m = Matrix {
+    Matrix {
         ty,
         rows,
         cols,
         data: Bytes::Owned(data),
         layout: baton::kernels::matrix::Layout::Rows,
-    };
-    // As a model's load does: interleaved where this CPU's kernels want it (`BATON_ISA=scalar` keeps rows).
-    m.repack_for_kernels();
-    m
+    }
 }
 
 /// Median seconds of `reps` timed runs after a warm-up.
@@ -77,6 +84,9 @@ fn main() {
         .skip(1)
         .find(|a| !a.starts_with('-'))
         .unwrap_or_default();
+    if std::env::args().any(|a| a == "--gpu") {
+        return gpu_main(&filter);
+    }
     let threads: usize = std::env::var("BATON_THREADS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -169,6 +179,106 @@ fn main() {
                 s * 1e3,
                 n_tok as f64 / s
             );
+        }
+    }
+}
+
+/// `--gpu`: the GPU backend's matmuls on the adapter `BATON_GPU_ADAPTER` picks (default a hardware GPU), on Llama 3
+/// 8B's and 1B's shapes: each batch size (`BATON_BENCH_NS`, default 1,2,4,8,16,64,512) with the per-row kernel at
+/// several lane counts and the tiled one, as GB/s of weights and GFLOP/s; and the time one submission with a
+/// read-back takes to come back (a decode step makes one). Every matrix is uploaded in copies that together pass
+/// 256 MiB, taken in turn, so repeats are not served from the GPU's L2 cache (50 MB on an H100); a figure is the
+/// difference between `2r` and `r` dispatches in one submission (medians of 5), divided by `r`, so the submission's
+/// own cost drops out.
+fn gpu_main(filter: &str) {
+    use GgmlType::*;
+    use baton::backend::gpu::Binds;
+    use baton::backend::gpu::device::{AdapterChoice, Gpu};
+    let choice = AdapterChoice::from_env_or(AdapterChoice::Auto).expect("BATON_GPU_ADAPTER");
+    let gpu = match Gpu::open(choice) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("--gpu: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let ns: Vec<usize> = std::env::var("BATON_BENCH_NS")
+        .unwrap_or_else(|_| "1,2,4,8,16,64,512".into())
+        .split(',')
+        .map(|n| n.trim().parse().expect("BATON_BENCH_NS: comma-separated batch sizes"))
+        .collect();
+    println!("gpu: {}", gpu.describe());
+    let binds = Binds::default();
+    let probe = gpu.upload(&[0.0; 64]).unwrap();
+    let s = time(51, || {
+        let mut p = gpu.pass_cached(&binds);
+        p.read(&probe, 0, 64).unwrap();
+        p.finish_read().unwrap();
+    });
+    println!("submission with a 256-byte read-back: {:.1} us", s * 1e6);
+
+    let mut rng = Rng(0x2545f4914f6cdd1d);
+    let shapes = [
+        ("8b attn_q", Q4K, 4096, 4096),
+        ("8b attn_v", Q6K, 1024, 4096),
+        ("8b ffn_up", Q4K, 14336, 4096),
+        ("8b ffn_down", Q6K, 4096, 14336),
+        ("8b output", Q6K, 49152, 4096),
+        ("1b ffn_up", Q4K, 8192, 2048),
+        ("8b attn_q", Q4_0, 4096, 4096),
+        ("8b attn_q", Q8_0, 4096, 4096),
+        ("8b attn_q", F16, 4096, 4096),
+    ];
+    for (label, ty, rows, cols) in shapes {
+        let name = format!("{label} {ty} {rows}x{cols}");
+        if !name.contains(filter) {
+            continue;
+        }
+        let m = matrix_rows(&mut rng, ty, rows, cols);
+        let copies = (256usize << 20).div_ceil(m.size_bytes());
+        let ws: Vec<_> = (0..copies).map(|_| gpu.upload_matrix(&m).unwrap()).collect();
+        let bytes = m.size_bytes() as f64;
+        drop(m);
+        for &n in &ns {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+            let (x, y) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
+            // (kernel, lanes, tiled_min): lane counts for the per-row kernel at small batches, the tiled kernel
+            // from 2 tokens on.
+            let mut kernels: Vec<(String, u32, usize)> = Vec::new();
+            if n <= 64 {
+                let lanes: &[u32] = if gpu.is_software() {
+                    &[1]
+                } else if n == 1 {
+                    &[4, 8, 16, 32, 64]
+                } else {
+                    &[16]
+                };
+                kernels.extend(lanes.iter().map(|&l| (format!("per-row {l:>2} lanes"), l, usize::MAX)));
+            }
+            if n >= 2 {
+                kernels.push(("tiled".into(), 16, 1));
+            }
+            for (kname, lanes, tiled_min) in kernels {
+                let run = |r: usize| {
+                    time(5, || {
+                        let mut p = gpu.pass_cached(&binds).with_lanes(lanes).with_tiled_min(tiled_min);
+                        for i in 0..r {
+                            p.matmul(&ws[i % copies], &x, n, &y).unwrap();
+                        }
+                        p.finish().unwrap();
+                    })
+                };
+                // Mat-vecs stream about 1 GiB of weights per run; larger batches go over the copies once.
+                let r = if n <= 16 { 4 * copies } else { copies.max(2) };
+                let s = ((run(2 * r) - run(r)) / r as f64).max(1e-9);
+                let flops = 2.0 * (rows * cols * n) as f64;
+                println!(
+                    "GPU {name:<28} n={n:<4} {kname:<18} {:>9.1} us  {:>7.1} GB/s  {:>8.1} GFLOP/s",
+                    s * 1e6,
+                    bytes / s / 1e9,
+                    flops / s / 1e9
+                );
+            }
         }
     }
 }

@@ -96,18 +96,35 @@ BENCH_MODELS = {
     "qwen3moe-bench": dict(arch="qwen3moe", pre="qwen2", n_layer=4, n_embd=1024, n_ff=1024, n_head=16,
                            n_head_kv=4, head_dim=64, rope_base=1000000.0, ty="Q8_0", qk_norm=True, n_expert=16,
                            n_expert_used=4, n_ff_exp=1024),
+    # GPU figures (docs/gpu.md, scripts/bench-gpu): Llama 3.2 1B's and Llama 3.1 8B's shapes with SmolLM2's whole
+    # vocabulary (49152 tokens, not Llama 3's 128256, so the head is smaller) and Q4_K_M's common types: Q4_K, with
+    # Q6_K for attn_v, ffn_down and the head (Q4_K_M gives Q6_K to about half of those). Random blocks, written
+    # without quantizing (seconds, not minutes, for 4.6 GB).
+    "llama1b-bench": dict(arch="llama", pre="llama-bpe", n_layer=16, n_embd=2048, n_ff=8192, n_head=32,
+                          n_head_kv=8, head_dim=64, rope_base=500000.0, ty="Q4_K", n_vocab=49152,
+                          q6k=("attn_v", "ffn_down")),
+    "llama8b-bench": dict(arch="llama", pre="llama-bpe", n_layer=32, n_embd=4096, n_ff=14336, n_head=32,
+                          n_head_kv=8, head_dim=128, rope_base=500000.0, ty="Q4_K", n_vocab=49152,
+                          q6k=("attn_v", "ffn_down")),
 }
 
+# Where each block type keeps its f16 scales (d, and dmin where it has one): random bytes there could be inf or NaN.
+F16_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q6_K": (208,), "Q3_K": (108,),
+              "Q2_K": (80, 82)}
 
-def random_iquant(rng, ty, rows, cols, std):
-    """rows x cols weights of type `ty` as random blocks (any indices, signs and sub-scales), the f16 scale of each
-    block chosen so the weights' standard deviation is about `std`."""
+
+def random_blocks(rng, ty, rows, cols, std):
+    """rows x cols weights of type `ty` as random blocks (any quants, indices, signs and sub-scales), the f16 scales
+    of each block chosen so the weights' standard deviation is about `std` (measured on the first 4096 blocks)."""
     bs, ts = gguf.constants.GGML_QUANT_SIZES[ty]
     n = rows * cols // bs
     raw = rng.integers(0, 256, size=(n, ts), dtype=np.uint8)
-    raw[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
-    unit = gguf.quants.dequantize(raw.reshape(1, -1), ty).std()
-    raw[:, 0:2] = np.array([std / unit], dtype=np.float16).view(np.uint8)
+    at = F16_SCALES.get(ty.name, (0,))
+    for o in at:
+        raw[:, o:o + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    unit = gguf.quants.dequantize(raw[:4096].reshape(1, -1), ty).std()
+    for o in at:
+        raw[:, o:o + 2] = np.array([std / unit], dtype=np.float16).view(np.uint8)
     return dict(tensor=raw.reshape(rows, cols // bs * ts), raw_dtype=ty)
 
 
@@ -129,6 +146,25 @@ def cut_vocab(reader, n):
         if isinstance(v, int) and v >= n:
             sys.exit(f"{k} = {v} is not among the first {n} tokens")
     return tokens, types, merges, meta
+
+
+def write_vocab_only(reader, path):
+    """A GGUF holding only the reader's tokenizer keys: what cut_vocab reads, without the weights."""
+    f = reader.fields
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_token_list(f["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(f["tokenizer.ggml.bos_token_id"].contents())
+    w.add_eos_token_id(f["tokenizer.ggml.eos_token_id"].contents())
+    w.add_unk_token_id(f["tokenizer.ggml.unknown_token_id"].contents())
+    w.add_pad_token_id(f["tokenizer.ggml.padding_token_id"].contents())
+    w.add_chat_template(f["tokenizer.chat_template"].contents())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"{path}: {os.path.getsize(path)} bytes")
 
 
 def llama3_rope_factors(n_rot, base):
@@ -210,7 +246,10 @@ def write_model(path, name, spec, vocab, rng):
     def mat(rows, cols, scale=1.7, kind=None, il=0):
         if kind is not None and "types" in spec:
             qt = getattr(gguf.GGMLQuantizationType, spec["types"][il][kind])
-            return random_iquant(rng, qt, rows, cols, scale / np.sqrt(3.0 * cols))
+            return random_blocks(rng, qt, rows, cols, scale / np.sqrt(3.0 * cols))
+        if "n_vocab" in spec:
+            qt = gguf.GGMLQuantizationType.Q6_K if kind in spec.get("q6k", ()) else ty
+            return random_blocks(rng, qt, rows, cols, scale / np.sqrt(3.0 * cols))
         v = (rng.uniform(-1.0, 1.0, (rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
         if ty == gguf.GGMLQuantizationType.F32:
             return dict(tensor=v)
@@ -227,9 +266,17 @@ def write_model(path, name, spec, vocab, rng):
     t = {}
     # F16 embeddings and an untied F16 output head (a tied head would mostly pick the last input token again), its
     # logits spread wide enough that the top two rarely tie.
-    t["token_embd.weight"] = dict(tensor=rng.normal(0.0, 1.0, (len(tokens), e)).astype(np.float16))
+    # The bench models' are block types, as a real model's.
+    bench = "n_vocab" in spec
+    if bench:
+        t["token_embd.weight"] = random_blocks(rng, ty, len(tokens), e, 1.0)
+    else:
+        t["token_embd.weight"] = dict(tensor=rng.normal(0.0, 1.0, (len(tokens), e)).astype(np.float16))
     t["output_norm.weight"] = vec(e)
-    t["output.weight"] = dict(tensor=rng.normal(0.0, 0.6, (len(tokens), e)).astype(np.float16))
+    if bench:
+        t["output.weight"] = random_blocks(rng, gguf.GGMLQuantizationType.Q6_K, len(tokens), e, 0.6)
+    else:
+        t["output.weight"] = dict(tensor=rng.normal(0.0, 0.6, (len(tokens), e)).astype(np.float16))
     if spec.get("rope_freqs"):
         t["rope_freqs.weight"] = dict(tensor=llama3_rope_factors(hd, spec["rope_base"]))
     for il in range(spec["n_layer"] + n_nextn):
@@ -304,23 +351,33 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "models"))
     ap.add_argument("names", nargs="*", help=f"models to write (default all: {', '.join(MODELS)}; for benchmarks "
                                                 f"only, when named: {', '.join(BENCH_MODELS)})")
+    ap.add_argument("--vocab-only", metavar="PATH",
+                    help="write only --vocab-from's tokenizer to PATH (a small GGUF that can stand in for "
+                         "--vocab-from where the model is not, such as a GPU machine) and exit")
     a = ap.parse_args()
     if not os.path.exists(a.vocab_from):
         sys.exit(f"{a.vocab_from} not found (`baton models fetch` downloads it)")
-    vocab = cut_vocab(gguf.GGUFReader(a.vocab_from), N_VOCAB)
+    reader = gguf.GGUFReader(a.vocab_from)
+    if a.vocab_only:
+        write_vocab_only(reader, a.vocab_only)
+        return
+    vocabs = {}
     os.makedirs(a.out, exist_ok=True)
     every = {**MODELS, **BENCH_MODELS}
     # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
     seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe",
-                  "deepseek2"]
+                  "deepseek2", "llama1b-bench", "llama8b-bench"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")
         path = os.path.join(a.out, f"{name}.gguf")
+        n_vocab = every[name].get("n_vocab", N_VOCAB)
+        if n_vocab not in vocabs:
+            vocabs[n_vocab] = cut_vocab(reader, n_vocab)
         # One generator per model, seeded by its position in seed_order, so writing one model alone writes the
         # bytes of a full run.
         seed = SEED + seed_order.index(name)
-        write_model(path, name, every[name], vocab, np.random.default_rng(seed))
+        write_model(path, name, every[name], vocabs[n_vocab], np.random.default_rng(seed))
         print(f"{path}: {os.path.getsize(path)} bytes")
 
 

@@ -175,17 +175,16 @@ impl<'g> Pass<'g> {
     }
 
     /// The pass with `lanes` threads per matmul row (a power of two up to 64), so tests run the GPUs' layout on
-    /// the software adapter too.
-    #[cfg(test)]
-    pub(super) fn with_lanes(mut self, lanes: u32) -> Self {
+    /// the software adapter too, and the kernel bench (`benches/kernels.rs --gpu`) compares lane counts.
+    pub fn with_lanes(mut self, lanes: u32) -> Self {
         assert!(lanes.is_power_of_two() && lanes <= 64);
         self.lanes = lanes;
         self
     }
 
-    /// The pass with the tiled matmul taken from `n` tokens on, so tests run both kernels on one batch.
-    #[cfg(test)]
-    pub(super) fn with_tiled_min(mut self, n: usize) -> Self {
+    /// The pass with the tiled matmul taken from `n` tokens on, so tests run both kernels on one batch and the
+    /// kernel bench finds the crossover.
+    pub fn with_tiled_min(mut self, n: usize) -> Self {
         self.tiled_min = n.max(1);
         self
     }
