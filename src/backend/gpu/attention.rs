@@ -12,6 +12,24 @@ use anyhow::{Result, ensure};
 /// Largest head the attention shader takes (its query and output live in 256-float workgroup arrays).
 const MAX_HEAD: usize = 256;
 
+/// Workgroups an attention dispatch should reach for a GPU to be busy: a decode step's (head, row) pairs are split
+/// over positions until there are about this many.
+const BUSY: usize = 1024;
+
+/// Positions per split and splits per (head, row) for `pairs` (head, row) pairs over the first `span` positions: one
+/// split when the pairs alone keep the GPU busy or the span is one chunk, else up to `BUSY / pairs` splits of whole
+/// 256-position chunks (the shader's).
+fn attention_splits(pairs: usize, span: usize) -> (u32, u32) {
+    const CHUNK: usize = 256;
+    let chunks = span.div_ceil(CHUNK);
+    let want = BUSY.div_ceil(pairs.max(1)).min(chunks);
+    if want <= 1 {
+        return (u32::MAX, 1);
+    }
+    let split = chunks.div_ceil(want) * CHUNK;
+    (split as u32, span.div_ceil(split) as u32)
+}
+
 impl Pass<'_> {
     /// Causal attention of the `a.n_tok` rows of `q` (`[n_tok, n_head, hdk]`), row `t` at position `pos[t]`, over
     /// the cache `k`/`v` of `n_ctx` positions per head, into `out` (`[n_tok, n_head, hdv]`).
@@ -67,6 +85,7 @@ impl Pass<'_> {
             Some(w) => u32_of(w.max(1), "window")?,
             None => 0,
         };
+        let (split, n_split) = attention_splits(a.n_tok * a.n_head, pos.max() as usize + 1);
         let params = [
             u32_of(a.n_tok, "rows")?,
             u32_of(a.n_head, "heads")?,
@@ -76,9 +95,24 @@ impl Pass<'_> {
             u32_of(n_ctx, "context")?,
             window,
             a.scale.to_bits(),
+            split,
+            n_split,
         ];
-        let bufs = [(1, &q.buf), (2, &k.buf), (3, &v.buf), (4, &pos.buf), (5, &out.buf)];
-        self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, a.n_tok as u32, 1));
+        // Without splits the partials are never written, but a buffer (not `out`: no two writable bindings of
+        // one buffer) is bound there all the same.
+        let part = match n_split {
+            1 => self.scratch(1)?,
+            n => self.scratch(a.n_tok * a.n_head * n as usize * (a.hdv + 2))?,
+        };
+        let bufs = [(1, &q.buf), (2, &k.buf), (3, &v.buf), (4, &pos.buf), (5, &out.buf), (6, &part.buf)];
+        self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, a.n_tok as u32, n_split));
+        if n_split > 1 {
+            let merge = self
+                .gpu()
+                .pipeline("attention", "merge", &[], || module(&[wgsl::ATTENTION]))?;
+            let bufs = [(5, &out.buf), (6, &part.buf)];
+            self.dispatch(&merge, &params, &bufs, (a.n_head as u32, a.n_tok as u32, 1));
+        }
         Ok(())
     }
 
@@ -216,6 +250,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Decode steps are split over positions in whole chunks until about `BUSY` workgroups run; batches that fill
+    /// the GPU by themselves, and spans of one chunk, are not.
+    #[test]
+    fn attention_splits_fill_the_gpu() {
+        assert_eq!(super::attention_splits(32, 4096), (256, 16));
+        assert_eq!(super::attention_splits(8, 40000), (512, 79));
+        assert_eq!(super::attention_splits(9, 700), (256, 3));
+        assert_eq!(super::attention_splits(32, 256), (u32::MAX, 1));
+        assert_eq!(super::attention_splits(16384, 4096), (u32::MAX, 1));
+        assert_eq!(super::attention_splits(512, 4096), (2048, 2));
     }
 
     /// Rows written into the cache land at their positions as the f16 the CPU would store, and the rest of the
