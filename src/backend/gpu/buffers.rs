@@ -108,9 +108,10 @@ pub fn supports(ty: GgmlType) -> bool {
 
 impl Gpu {
     /// A buffer holding `src` then zeros, `bytes` long in all (rounded up to whole words, and one word more so
-    /// a shader's unaligned read of the last word stays inside).
+    /// a shader's unaligned read of the last word stays inside; then to whole 16-byte vectors, which the matmul
+    /// reads its activations as).
     fn buffer_with(&self, label: &str, bytes: usize, src: &[u8]) -> Result<wgpu::Buffer> {
-        let size = (bytes.div_ceil(4) + 1) * 4;
+        let size = (bytes.div_ceil(4) + 1).next_multiple_of(4) * 4;
         if size as u64 > self.max_binding() {
             bail!(
                 "{label}: {} MiB is more than one buffer of {} may hold ({} MiB)",

@@ -212,7 +212,8 @@ impl Pass<'_> {
     fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
         let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
         // Rows and tokens per workgroup.
-        let (pipeline, rpw, tt) = if n >= self.tiled_min {
+        let tiled = n >= self.tiled_min;
+        let (pipeline, rpw, tt) = if tiled {
             let key = format!("matmul_tiled_{}", wgsl_type(w.ty));
             let pipeline = self
                 .gpu()
@@ -236,23 +237,14 @@ impl Pass<'_> {
         );
         for (i, part) in w.parts.iter().enumerate() {
             let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
-            let params = [
-                u32_of(part.rows, "rows")?,
-                u32_of(w.cols, "cols")?,
-                u32_of(n, "tokens")?,
-                u32_of(w.row_bytes, "row bytes")?,
-                u32_of(w.cols.div_ceil(UNIT), "units")?,
-                gx,
-                act_code(glu),
-                u32_of(w.rows, "rows")?,
-                u32_of(part.row0, "rows")?,
-                0,
-                0,
-                0,
-            ];
+            let params = mm_params(w, (part.row0, part.rows), n, gx, glu, w.rows, 0)?;
             let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
+            }
+            if !tiled {
+                // The per-row kernel's vector view of the activations.
+                bufs.push((7, &x.buf));
             }
             bufs.extend(self.grid_binding(w.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
@@ -363,21 +355,8 @@ impl Pass<'_> {
             .pipeline(&key, entry, &constants, || source(m.ty, wgsl::MATMUL))?;
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         for (i, part) in m.parts.iter().enumerate() {
-            let params = [
-                u32_of(part.rows, "rows")?,
-                u32_of(m.cols, "cols")?,
-                u32_of(n_picks, "picks")?,
-                u32_of(m.row_bytes, "row bytes")?,
-                u32_of(m.cols.div_ceil(UNIT), "units")?,
-                gx,
-                act_code(glu),
-                u32_of(w.rows, "rows")?,
-                u32_of(part.row0, "rows")?,
-                u32_of(x_div, "picks a row")?,
-                0,
-                0,
-            ];
-            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf)];
+            let params = mm_params(m, (part.row0, part.rows), n_picks, gx, glu, w.rows, x_div)?;
+            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf), (7, &x.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.mat.parts[i].buf));
             }
@@ -386,6 +365,34 @@ impl Pass<'_> {
         }
         Ok(())
     }
+}
+
+/// The matmul kernels' parameters (`Params` in `matmul_io.wgsl`) for the part of `w` holding rows `row0..row0 +
+/// rows`, over `n` tokens (or picks), `nx` workgroups a grid row, outputs `y_stride` apart, and `x_div` picks a row
+/// of the input (the indexed matmuls; 0 for the others).
+fn mm_params(
+    w: &GpuMatrix,
+    (row0, rows): (usize, usize),
+    n: usize,
+    nx: u32,
+    glu: Glu,
+    y_stride: usize,
+    x_div: usize,
+) -> Result<[u32; 12]> {
+    Ok([
+        u32_of(rows, "rows")?,
+        u32_of(w.cols, "cols")?,
+        u32_of(n, "tokens")?,
+        u32_of(w.row_bytes, "row bytes")?,
+        u32_of(w.cols.div_ceil(UNIT), "units")?,
+        nx,
+        act_code(glu),
+        u32_of(y_stride, "rows")?,
+        u32_of(row0, "rows")?,
+        u32_of(x_div, "picks a row")?,
+        0,
+        0,
+    ])
 }
 
 /// Whether `a` and `b` are split into the same parts (so a fused gate/up pass can walk them together).

@@ -45,7 +45,16 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let t0 = wid.z * BN;
     let tr = li % 16u;
     let tc = li / 16u;
-    var acc: array<f32, 32>;
+    // c[j] holds the thread's 4 rows (tr + 16i) for token tc + 4j: plain vector variables, which every compiler
+    // keeps in registers (an indexed function array may go to memory, one load and store per product).
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    var c4 = vec4<f32>(0.0);
+    var c5 = vec4<f32>(0.0);
+    var c6 = vec4<f32>(0.0);
+    var c7 = vec4<f32>(0.0);
     for (var u = 0u; u < p.units; u++) {
         var w: array<f32, 32>;
         if (r0 + li < p.rows) {
@@ -55,25 +64,30 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         load_x(li, t0, u);
         workgroupBarrier();
         for (var k = 0u; k < 32u; k++) {
-            var a: array<f32, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                a[i] = ws[(tr + 16u * i) * S + k];
-            }
-            for (var j = 0u; j < 8u; j++) {
-                let b = xs[(tc + 4u * j) * S + k];
-                for (var i = 0u; i < 4u; i++) {
-                    acc[i * 8u + j] += a[i] * b;
-                }
-            }
+            let a = vec4<f32>(ws[tr * S + k], ws[(tr + 16u) * S + k], ws[(tr + 32u) * S + k], ws[(tr + 48u) * S + k]);
+            c0 += a * xs[tc * S + k];
+            c1 += a * xs[(tc + 4u) * S + k];
+            c2 += a * xs[(tc + 8u) * S + k];
+            c3 += a * xs[(tc + 12u) * S + k];
+            c4 += a * xs[(tc + 16u) * S + k];
+            c5 += a * xs[(tc + 20u) * S + k];
+            c6 += a * xs[(tc + 24u) * S + k];
+            c7 += a * xs[(tc + 28u) * S + k];
         }
         workgroupBarrier();
     }
-    for (var i = 0u; i < 4u; i++) {
-        let row = r0 + tr + 16u * i;
-        for (var j = 0u; j < 8u; j++) {
-            let t = t0 + tc + 4u * j;
-            if (row < p.rows && t < p.n_tok) {
-                y[t * p.y_stride + p.row0 + row] = acc[i * 8u + j];
+    store_tile(r0 + tr, t0 + tc, c0, c1, c2, c3, c4, c5, c6, c7);
+}
+
+// A thread's 4 rows (row + 16i) × 8 tokens (tok + 4j) of y, those inside the matrix and the batch.
+fn store_tile(row: u32, tok: u32, c0: vec4<f32>, c1: vec4<f32>, c2: vec4<f32>, c3: vec4<f32>, c4: vec4<f32>,
+              c5: vec4<f32>, c6: vec4<f32>, c7: vec4<f32>) {
+    let c = array<vec4<f32>, 8>(c0, c1, c2, c3, c4, c5, c6, c7);
+    for (var j = 0u; j < 8u; j++) {
+        let t = tok + 4u * j;
+        for (var i = 0u; i < 4u; i++) {
+            if (row + 16u * i < p.rows && t < p.n_tok) {
+                y[t * p.y_stride + p.row0 + row + 16u * i] = c[j][i];
             }
         }
     }
@@ -87,8 +101,15 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let t0 = wid.z * BN;
     let tr = li % 8u;
     let tc = li / 8u;
-    var acc_g: array<f32, 16>;
-    var acc_u: array<f32, 16>;
+    // g[j] / v[j]: the gate's and the up's 4 rows (tr + 8i) for token tc + 8j, in registers as in matmul.
+    var g0 = vec4<f32>(0.0);
+    var g1 = vec4<f32>(0.0);
+    var g2 = vec4<f32>(0.0);
+    var g3 = vec4<f32>(0.0);
+    var v0 = vec4<f32>(0.0);
+    var v1 = vec4<f32>(0.0);
+    var v2 = vec4<f32>(0.0);
+    var v3 = vec4<f32>(0.0);
     for (var u = 0u; u < p.units; u++) {
         var w: array<f32, 32>;
         let row = r0 + li % 32u;
@@ -103,28 +124,32 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         load_x(li, t0, u);
         workgroupBarrier();
         for (var k = 0u; k < 32u; k++) {
-            var g: array<f32, 4>;
-            var v: array<f32, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                g[i] = ws[(tr + 8u * i) * S + k];
-                v[i] = ws[(32u + tr + 8u * i) * S + k];
-            }
-            for (var j = 0u; j < 4u; j++) {
-                let b = xs[(tc + 8u * j) * S + k];
-                for (var i = 0u; i < 4u; i++) {
-                    acc_g[i * 4u + j] += g[i] * b;
-                    acc_u[i * 4u + j] += v[i] * b;
-                }
-            }
+            let a = vec4<f32>(ws[tr * S + k], ws[(tr + 8u) * S + k], ws[(tr + 16u) * S + k], ws[(tr + 24u) * S + k]);
+            let b = vec4<f32>(ws[(32u + tr) * S + k], ws[(40u + tr) * S + k], ws[(48u + tr) * S + k],
+                              ws[(56u + tr) * S + k]);
+            let x0 = xs[tc * S + k];
+            let x1 = xs[(tc + 8u) * S + k];
+            let x2 = xs[(tc + 16u) * S + k];
+            let x3 = xs[(tc + 24u) * S + k];
+            g0 += a * x0;
+            g1 += a * x1;
+            g2 += a * x2;
+            g3 += a * x3;
+            v0 += b * x0;
+            v1 += b * x1;
+            v2 += b * x2;
+            v3 += b * x3;
         }
         workgroupBarrier();
     }
+    let g = array<vec4<f32>, 4>(g0, g1, g2, g3);
+    let v = array<vec4<f32>, 4>(v0, v1, v2, v3);
     for (var i = 0u; i < 4u; i++) {
         let row = r0 + tr + 8u * i;
         for (var j = 0u; j < 4u; j++) {
             let t = t0 + tc + 8u * j;
             if (row < p.rows && t < p.n_tok) {
-                y[t * p.y_stride + p.row0 + row] = glu(p.act, acc_g[i * 4u + j], acc_u[i * 4u + j]);
+                y[t * p.y_stride + p.row0 + row] = glu(p.act, g[j][i], v[j][i]);
             }
         }
     }
