@@ -249,7 +249,7 @@ fn gpu_main(filter: &str) {
                 let lanes: &[u32] = if gpu.is_software() {
                     &[1]
                 } else if n == 1 {
-                    &[4, 8, 16, 32, 64]
+                    &[16, 32, 64]
                 } else {
                     &[16]
                 };
