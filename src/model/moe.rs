@@ -260,7 +260,13 @@ impl MoeScratch {
 /// 5. their weights are their unbiased probabilities, renormalised to sum to 1 if `r.normalise` (the sum clamped to
 ///    f16's smallest normal as llama.cpp clamps it), then multiplied by `r.scale`.
 pub fn route(logits: &mut [f32], bias: Option<&[f32]>, r: &Routing, picks: &mut [(usize, f32)]) {
-    match r.gating {
+    gate(logits, r.gating);
+    select(logits, bias, r, picks);
+}
+
+/// Step 1 of [`route`]: the router's logits become probabilities in place.
+pub fn gate(logits: &mut [f32], gating: Gating) {
+    match gating {
         Gating::Softmax => {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f64;
@@ -282,7 +288,11 @@ pub fn route(logits: &mut [f32], bias: Option<&[f32]>, r: &Routing, picks: &mut 
             }
         }
     }
-    let probs: &[f32] = logits;
+}
+
+/// Steps 2 to 5 of [`route`], over the probabilities [`gate`] made. Apart, so the GPU's routing can be checked
+/// step by step: its `exp` may differ from the CPU's in the last bits, which may flip a near tie.
+pub fn select(probs: &[f32], bias: Option<&[f32]>, r: &Routing, picks: &mut [(usize, f32)]) {
     let score = |e: usize| match bias {
         Some(b) => probs[e] + b[e],
         None => probs[e],

@@ -4,7 +4,8 @@
 //! The weights stay in their GGUF blocks and are dequantized 32 at a time; activations stay f32 (the CPU kernels
 //! quantize them to 8 bits first, so the GPU's sums are the closer of the two to the exact product). Two kernels:
 //! `matmul.wgsl` dequantizes a unit into registers and dots it with up to 8 tokens (decode), `matmul_tiled.wgsl`
-//! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks.
+//! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks
+//! (on a software adapter [`TILED_MIN_SOFTWARE`]).
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;
@@ -17,9 +18,15 @@ use anyhow::{Result, ensure};
 const WG: usize = 64;
 const TT: usize = 8;
 
-/// Batches of this many tokens or more take the tiled kernel: from 9 on, the per-row kernel would dequantize every
-/// weight once per 8 tokens, the tiled one once per 32.
-pub(super) const TILED_MIN: usize = TT + 1;
+/// Batches of this many tokens or more take the tiled kernel on a hardware GPU. Measured on an H200 (`cargo bench
+/// --bench kernels -- --gpu`, docs/gpu.md): at 16 tokens the per-row kernel was faster on 7 of 9 matrices of Llama
+/// 3 8B's shapes, at 64 the tiled one on 7 of 9; the tiled grid (64 rows × 32 tokens a workgroup) leaves a small
+/// matrix's batch too few workgroups until then.
+pub(super) const TILED_MIN: usize = 32;
+
+/// The same on a software adapter, where from 9 tokens on the per-row kernel would dequantize every weight once
+/// per 8 tokens and the tiled one once per 32 (and both take the same time on lavapipe; the tests run both).
+pub(super) const TILED_MIN_SOFTWARE: usize = TT + 1;
 
 /// The tiled kernel's tile: weight rows of the plain matmul, of each matrix of the fused gate/up one, and tokens
 /// (`matmul_tiled.wgsl`).

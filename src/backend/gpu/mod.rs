@@ -108,7 +108,8 @@ pub struct Pass<'g> {
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
     lanes: u32,
     /// Batches of at least this many tokens take the tiled matmul (`matmul_tiled.wgsl`), smaller ones the
-    /// per-row one: [`matmul::TILED_MIN`], changed only by tests.
+    /// per-row one: [`matmul::TILED_MIN`] (on a software adapter `TILED_MIN_SOFTWARE`), changed by tests and the
+    /// kernel bench.
     tiled_min: usize,
     /// Byte runs to copy back at [`Pass::finish_read`], after every op recorded: buffer, offset, length.
     reads: Vec<(wgpu::Buffer, u64, u64)>,
@@ -125,7 +126,11 @@ impl Gpu {
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
             lanes: if self.is_software() { 1 } else { 16 },
-            tiled_min: matmul::TILED_MIN,
+            tiled_min: if self.is_software() {
+                matmul::TILED_MIN_SOFTWARE
+            } else {
+                matmul::TILED_MIN
+            },
             reads: Vec::new(),
             binds: None,
         }

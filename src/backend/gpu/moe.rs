@@ -130,7 +130,7 @@ mod tests {
     use crate::kernels::tests::random_matrix;
     use crate::kernels::testutil::Rng;
     use crate::kernels::{Glu, Matrix};
-    use crate::model::moe::route;
+    use crate::model::moe::{gate, select};
     use crate::model::moe::tests::routing_case;
 
     fn f32s(b: &[u8]) -> Vec<f32> {
@@ -139,11 +139,14 @@ mod tests {
             .collect()
     }
 
-    /// The device's routing picks the CPU's experts (`model::moe::route`), in the same order, for random logits on
-    /// a coarse grid (so rows hold exact ties, which both break towards the lower index), with and without a
-    /// selection bias (also from a few values: ties of score), softmax and sigmoid, with and without groups,
-    /// renormalisation and a scale; the weights agree within 1e-5 relative (the softmax's sum is f32 here, f64
-    /// there, and the two `exp`s differ in the last bits).
+    /// The device's routing is the CPU's (`model::moe::route`), step by step, for random logits on a coarse grid
+    /// (so rows hold exact ties, which both break towards the lower index), with and without a selection bias (also
+    /// from a few values: ties of score), softmax and sigmoid, with and without groups, renormalisation and a
+    /// scale: its probabilities are the CPU's `gate` within 1e-5 relative (the softmax's sum is f32 here, f64 there,
+    /// and the two `exp`s differ in the last bits), and from those probabilities it picks the experts, in the
+    /// order, that the CPU's `select` picks, their weights within 1e-5 relative. Checked apart because a real GPU's
+    /// `exp` (NVIDIA's, seen on an H100 and an H200) can flip a near tie that lavapipe's keeps: two groups whose
+    /// scores are the same sums added in another order.
     #[test]
     fn route_matches_cpu() {
         let Some(gpu) = test_gpu() else { return };
@@ -167,16 +170,26 @@ mod tests {
             pass.route(&lg, gb.as_ref(), &r, n_rows, n_x, k, &ids, &wts).unwrap();
             pass.read(&wts, 0, n_rows * k).unwrap();
             pass.read_u32(&ids, 0, n_rows * k).unwrap();
+            pass.read(&lg, 0, n_rows * n_x).unwrap();
             let got = pass.finish_read().unwrap();
             let w = f32s(&got[0]);
             let e: Vec<u32> = got[1]
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
                 .collect();
+            let probs = f32s(&got[2]);
             for t in 0..n_rows {
+                let gpu_probs = &probs[t * n_x..(t + 1) * n_x];
                 let mut row = logits[t * n_x..(t + 1) * n_x].to_vec();
+                gate(&mut row, r.gating);
+                for (x, (g, c)) in gpu_probs.iter().zip(&row).enumerate() {
+                    assert!(
+                        (g - c).abs() <= 1e-5 * c.abs().max(1e-3),
+                        "case {case} {r:?} row {t} expert {x}: probability {g} vs {c}"
+                    );
+                }
                 let mut want = vec![(0, 0.0); k];
-                route(&mut row, bias, &r, &mut want);
+                select(gpu_probs, bias, &r, &mut want);
                 let mut sorted = logits[t * n_x..(t + 1) * n_x].to_vec();
                 sorted.sort_by(f32::total_cmp);
                 ties += sorted.windows(2).filter(|p| p[0] == p[1]).count();
