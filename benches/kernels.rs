@@ -216,8 +216,25 @@ fn gpu_main(filter: &str) {
         p.finish_read().unwrap();
     });
     println!("submission with a 256-byte read-back: {:.1} us", s * 1e6);
-
+    // What one more dispatch costs when its work is nothing: a chain of mat-vecs of a 64 × 64 matrix (one
+    // workgroup each), as a decode step chains its ops.
     let mut rng = Rng(0x2545f4914f6cdd1d);
+    let tiny = gpu.upload_matrix(&matrix_rows(&mut rng, Q4_0, 64, 64)).unwrap();
+    let (tx, ty) = (gpu.upload(&[0.5; 64]).unwrap(), gpu.zeros(64).unwrap());
+    let chain = |r: usize| {
+        time(5, || {
+            let mut p = gpu.pass_cached(&binds);
+            for _ in 0..r {
+                p.matmul(&tiny, &tx, 1, &ty).unwrap();
+            }
+            p.finish().unwrap();
+        })
+    };
+    println!(
+        "one more dispatch in a chain: {:.1} us",
+        (chain(400) - chain(200)) / 200.0 * 1e6
+    );
+
     let shapes = [
         ("8b attn_q", Q4K, 4096, 4096),
         ("8b attn_v", Q6K, 1024, 4096),

@@ -104,7 +104,14 @@ impl Pass<'_> {
             1 => self.scratch(1)?,
             n => self.scratch(a.n_tok * a.n_head * n as usize * (a.hdv + 2))?,
         };
-        let bufs = [(1, &q.buf), (2, &k.buf), (3, &v.buf), (4, &pos.buf), (5, &out.buf), (6, &part.buf)];
+        let bufs = [
+            (1, &q.buf),
+            (2, &k.buf),
+            (3, &v.buf),
+            (4, &pos.buf),
+            (5, &out.buf),
+            (6, &part.buf),
+        ];
         self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, a.n_tok as u32, n_split));
         if n_split > 1 {
             let merge = self

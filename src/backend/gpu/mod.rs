@@ -104,6 +104,11 @@ impl Binds {
 /// any error it reported.
 pub struct Pass<'g> {
     gpu: &'g Gpu,
+    /// The compute pass the dispatches go into, open from the first dispatch until a copy or the end: one pass for
+    /// a run of dispatches rather than one each (wgpu still orders each dispatch after the writes it reads).
+    /// Measured on lavapipe only: a chain of small matmuls went from about 55 to 40 µs a dispatch.
+    cp: Option<wgpu::ComputePass<'static>>,
+    /// Declared after `cp`, so a pass dropped unfinished (an error) closes its compute pass first.
     enc: wgpu::CommandEncoder,
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
     lanes: u32,
@@ -122,6 +127,7 @@ impl Gpu {
     pub fn pass(&self) -> Pass<'_> {
         Pass {
             gpu: self,
+            cp: None,
             enc: self
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
@@ -220,7 +226,11 @@ impl<'g> Pass<'g> {
                     .clone()
             }
         };
-        let mut cp = self.enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        let cp = self.cp.get_or_insert_with(|| {
+            self.enc
+                .begin_compute_pass(&wgpu::ComputePassDescriptor::default())
+                .forget_lifetime()
+        });
         cp.set_pipeline(pipeline);
         cp.set_bind_group(0, &bind, &[]);
         cp.dispatch_workgroups(groups.0, groups.1, groups.2);
@@ -251,6 +261,7 @@ impl<'g> Pass<'g> {
             src.len(),
             dst.len()
         );
+        self.cp = None;
         self.enc
             .copy_buffer_to_buffer(&src.buf, 4 * src_at as u64, &dst.buf, 4 * dst_at as u64, 4 * n as u64);
         Ok(())
@@ -282,8 +293,9 @@ impl<'g> Pass<'g> {
     }
 
     /// Runs the recorded ops and waits for them.
-    pub fn finish(self) -> Result<()> {
+    pub fn finish(mut self) -> Result<()> {
         ensure!(self.reads.is_empty(), "a pass with reads ends with finish_read");
+        self.cp = None;
         self.gpu.check()?;
         let idx = self.gpu.queue.submit([self.enc.finish()]);
         self.gpu.wait(idx)
@@ -299,6 +311,7 @@ impl<'g> Pass<'g> {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        self.cp = None;
         let mut at = 0;
         for (buf, offset, len) in &self.reads {
             self.enc.copy_buffer_to_buffer(buf, *offset, &staging, at, *len);

@@ -130,8 +130,8 @@ mod tests {
     use crate::kernels::tests::random_matrix;
     use crate::kernels::testutil::Rng;
     use crate::kernels::{Glu, Matrix};
-    use crate::model::moe::{gate, select};
     use crate::model::moe::tests::routing_case;
+    use crate::model::moe::{gate, select};
 
     fn f32s(b: &[u8]) -> Vec<f32> {
         b.chunks_exact(4)
