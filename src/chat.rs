@@ -84,7 +84,7 @@ pub fn template_kwargs(v: &serde_json::Value) -> Result<TemplateKwargs, String> 
         }
         if RESERVED_KWARGS.contains(&k.as_str()) {
             return Err(format!(
-                "variable {k:?} is set by the server and cannot be overridden (reserved: {})",
+                "variable {k:?} is set by Baton and cannot be overridden (reserved: {})",
                 RESERVED_KWARGS.join(", ")
             ));
         }

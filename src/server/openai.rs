@@ -1000,4 +1000,169 @@ mod tests {
         );
         assert_eq!(chunks[1]["choices"][0]["finish_reason"], "tool_calls");
     }
+
+    #[test]
+    fn template_kwargs_and_reasoning_fields_parse() {
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"hi"},
+                 {"role":"assistant","content":"A","reasoning_content":"because"},
+                 {"role":"assistant","content":"B","reasoning":"why"},
+                 {"role":"user","content":"more","reasoning_content":"ignored on a user turn"}],
+                 "chat_template_kwargs":{"enable_thinking":false,"depth":{"a":[1,2]}},"reasoning_format":"none"}"#,
+        )
+        .unwrap();
+        let Prompt::ChatWith(msgs, extras) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!(extras.kwargs["enable_thinking"], json!(false));
+        assert_eq!(extras.kwargs["depth"], json!({"a": [1, 2]}));
+        assert!(extras.tools.is_none());
+        let reasoning: Vec<Option<&str>> = msgs.iter().map(|m| m.reasoning_content.as_deref()).collect();
+        assert_eq!(reasoning, [None, Some("because"), Some("why"), None]);
+        assert_eq!(r.reasoning, Some(ReasoningFormat::None));
+        assert!(!r.splits_reasoning());
+        // The server's defaults: its variables under the request's, its format when the request names none.
+        let d = ChatDefaults {
+            kwargs: [("enable_thinking".to_string(), json!(true)), ("x".to_string(), json!(1))].into(),
+            reasoning: ReasoningFormat::Deepseek,
+        };
+        let r = r.with_defaults(&d);
+        let Prompt::ChatWith(_, extras) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!((&extras.kwargs["enable_thinking"], &extras.kwargs["x"]), (&json!(false), &json!(1)));
+        assert_eq!(r.reasoning, Some(ReasoningFormat::None));
+        let plain = parse_chat(br#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":null}"#).unwrap();
+        assert!(matches!(plain.prompt, Prompt::Chat(_)), "{:?}", plain.prompt);
+        let plain = plain.with_defaults(&d);
+        assert!(plain.splits_reasoning());
+        let Prompt::ChatWith(_, extras) = &plain.prompt else {
+            panic!("{:?}", plain.prompt)
+        };
+        assert_eq!(extras.kwargs.len(), 2);
+        // A completion is never split and takes no template variables.
+        let c = parse_completion(br#"{"prompt":"a"}"#).unwrap().with_defaults(&d);
+        assert!(!c.splits_reasoning() && matches!(c.prompt, Prompt::Text(_)));
+    }
+
+    #[test]
+    fn bad_template_kwargs_and_reasoning_format_are_400() {
+        for (extra, param, words) in [
+            (r#""chat_template_kwargs":{"messages":[]}"#, "chat_template_kwargs", "cannot be overridden"),
+            (r#""chat_template_kwargs":{"add_generation_prompt":false}"#, "chat_template_kwargs", "reserved"),
+            (r#""chat_template_kwargs":{"tools":1}"#, "chat_template_kwargs", "tools"),
+            (r#""chat_template_kwargs":{"eos_token":""}"#, "chat_template_kwargs", "eos_token"),
+            (r#""chat_template_kwargs":[1]"#, "chat_template_kwargs", "JSON object"),
+            (r#""chat_template_kwargs":"enable_thinking""#, "chat_template_kwargs", "JSON object"),
+            (r#""chat_template_kwargs":{"a b":1}"#, "chat_template_kwargs", "identifier"),
+            (r#""reasoning_format":"deepseek-legacy""#, "reasoning_format", "\"none\", \"deepseek\" or \"auto\""),
+        ] {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],{extra}}}"#);
+            let e = parse_chat(body.as_bytes()).unwrap_err();
+            assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some(param)), "{extra}: {}", e.message);
+            assert!(e.message.contains(words), "{extra}: {}", e.message);
+        }
+        let big = format!(r#"{{"s":"{}"}}"#, "x".repeat(crate::chat::KWARGS_MAX_BYTES));
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"chat_template_kwargs":{big}}}"#);
+        assert_eq!(parse_chat(body.as_bytes()).unwrap_err().param, Some("chat_template_kwargs"));
+    }
+
+    fn outcome(n: usize) -> Outcome {
+        Outcome {
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: n,
+            finish: Finish::Eog,
+            t_prompt: Default::default(),
+            t_gen: Default::default(),
+            detail: vec![],
+        }
+    }
+
+    fn pieces(texts: &[&str]) -> Vec<Piece> {
+        texts
+            .iter()
+            .map(|t| Piece {
+                text: t.to_string(),
+                token: Some(1),
+                logprob: Some(-0.5),
+                top: vec![],
+            })
+            .collect()
+    }
+
+    const REPLY: [&str; 7] = ["<think>", "\nadd", " them", "\n</think>", "\n\n", "Four", "."];
+
+    #[test]
+    fn reasoning_is_split_off_whole_replies() {
+        let ps = pieces(&REPLY);
+        let mut r = Responder::new(Endpoint::Chat, "m", Some(0));
+        r.think(ThinkTags::default(), false);
+        let v = r.full(&ps, "stop", &outcome(ps.len()));
+        let msg = &v["choices"][0]["message"];
+        assert_eq!((msg["reasoning_content"].as_str(), msg["content"].as_str()), (Some("add them"), Some("Four.")));
+        assert_eq!(v["usage"]["completion_tokens"], 7);
+        assert_eq!(v["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), 7);
+        // Without the job's word (format none, a completion), the reply is untouched.
+        let v = Responder::new(Endpoint::Chat, "m", None).full(&ps, "stop", &outcome(7));
+        assert_eq!(v["choices"][0]["message"]["content"], REPLY.concat());
+        assert!(v["choices"][0]["message"].get("reasoning_content").is_none());
+        let mut c = Responder::new(Endpoint::Completion, "m", None);
+        c.think(ThinkTags::default(), true);
+        assert_eq!(c.full(&ps, "stop", &outcome(7))["choices"][0]["text"], REPLY.concat());
+        // A reply without a block has no reasoning_content; a prompt that opened one makes it all reasoning.
+        let mut r = Responder::new(Endpoint::Chat, "m", None);
+        r.think(ThinkTags::default(), false);
+        let v = r.full(&pieces(&["Hi", "!"]), "stop", &outcome(2));
+        assert!(v["choices"][0]["message"].get("reasoning_content").is_none(), "{v}");
+        let mut r = Responder::new(Endpoint::Chat, "m", None);
+        r.think(ThinkTags::default(), true);
+        let v = r.full(&pieces(&["\nhmm", " so"]), "length", &outcome(2));
+        assert_eq!(v["choices"][0]["message"]["reasoning_content"], "hmm so");
+        assert_eq!(v["choices"][0]["message"]["content"], "");
+    }
+
+    #[test]
+    fn reasoning_is_split_off_streams() {
+        let ps = pieces(&REPLY);
+        let mut r = Responder::new(Endpoint::Chat, "m", Some(0));
+        r.think(ThinkTags::default(), false);
+        let mut chunks: Vec<Value> = ps.iter().flat_map(|p| r.piece_chunk(p)).collect();
+        chunks.extend(r.finish_chunks("stop"));
+        let field = |k: &str| -> String {
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"][k].as_str()).collect()
+        };
+        assert_eq!((field("reasoning_content"), field("content")), ("add them".into(), "Four.".into()));
+        // No delta carries both; every piece's log-probability is reported once.
+        assert!(chunks.iter().all(|c| {
+            let d = &c["choices"][0]["delta"];
+            d.get("content").is_none() || d.get("reasoning_content").is_none()
+        }));
+        let lps: usize = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+            .map(Vec::len)
+            .sum();
+        assert_eq!(lps, 7);
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+        // With tools: reasoning streams, the answer is held and parsed as a call.
+        let r2 = parse_chat(
+            br#"{"messages":[{"role":"user","content":"add"}],
+                 "tools":[{"type":"function","function":{"name":"add","parameters":{"type":"object"}}}]}"#,
+        )
+        .unwrap();
+        let mut resp = Responder::new(Endpoint::Chat, "m", None).with_tools(r2.tools.clone());
+        resp.think(ThinkTags::default(), false);
+        let call = r#"<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>"#;
+        let mut chunks: Vec<Value> = pieces(&["<think>I will call.</think>\n", call])
+            .iter()
+            .flat_map(|p| resp.piece_chunk(p))
+            .collect();
+        assert_eq!(chunks.len(), 1, "{chunks:?}");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["reasoning_content"], "I will call.");
+        chunks = resp.finish_chunks("stop");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "add");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    }
 }
