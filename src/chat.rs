@@ -80,7 +80,9 @@ pub fn template_kwargs(v: &serde_json::Value) -> Result<TemplateKwargs, String> 
         let ident = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
             && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !ident {
-            return Err(format!("variable {k:?} is not a template identifier (letters, digits, _)"));
+            return Err(format!(
+                "variable {k:?} is not a template identifier (letters, digits, _)"
+            ));
         }
         if RESERVED_KWARGS.contains(&k.as_str()) {
             return Err(format!(
@@ -358,7 +360,10 @@ impl ChatTemplate {
             .enumerate()
             .map(|(i, m)| ChatMessage {
                 content: format!("{MARK_OPEN}{i}{MARK_CLOSE}"),
-                reasoning_content: m.reasoning_content.as_ref().map(|_| format!("{MARK_OPEN}r{i}{MARK_CLOSE}")),
+                reasoning_content: m
+                    .reasoning_content
+                    .as_ref()
+                    .map(|_| format!("{MARK_OPEN}r{i}{MARK_CLOSE}")),
                 ..m.clone()
             })
             .collect();
@@ -951,15 +956,24 @@ mod tests {
     fn thinking_template_and_its_variables() {
         let t = thinking();
         let hi = [ChatMessage::user("Hi")];
-        assert_eq!(t.render(&hi, true).unwrap(), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            t.render(&hi, true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
         let off = kwargs(serde_json::json!({"enable_thinking": false}));
         assert_eq!(
             t.render_with(&hi, Some(&off), true).unwrap(),
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
         );
         // `is false` is not "falsy": 0 and true leave the prompt as without the variable.
-        for v in [serde_json::json!({"enable_thinking": true}), serde_json::json!({"enable_thinking": 0})] {
-            assert_eq!(t.render_with(&hi, Some(&kwargs(v)), true).unwrap(), t.render(&hi, true).unwrap());
+        for v in [
+            serde_json::json!({"enable_thinking": true}),
+            serde_json::json!({"enable_thinking": 0}),
+        ] {
+            assert_eq!(
+                t.render_with(&hi, Some(&kwargs(v)), true).unwrap(),
+                t.render(&hi, true).unwrap()
+            );
         }
         let on = kwargs(serde_json::json!({"force_thinking": true}));
         let text = t.render_with(&hi, Some(&on), true).unwrap();
@@ -994,7 +1008,11 @@ mod tests {
         a.reasoning_content = Some("plan <|im_end|>".into());
         let msgs = [ChatMessage::user("Q"), a];
         let (text, spans) = t.render_marked(&msgs, None, true, false).unwrap();
-        let got: Vec<&str> = spans.expect("contents and reasoning verbatim").iter().map(|r| &text[r.clone()]).collect();
+        let got: Vec<&str> = spans
+            .expect("contents and reasoning verbatim")
+            .iter()
+            .map(|r| &text[r.clone()])
+            .collect();
         assert_eq!(got, ["Q", "plan <|im_end|>", "Calling."]);
         // A tool loop: the template reads the last user turn's content to decide what to show, so placeholders
         // change the render and nothing is located (the tokenizer then refuses special-token text in the messages).
@@ -1012,8 +1030,9 @@ mod tests {
         for _ in 0..=KWARGS_MAX_DEPTH {
             deep = serde_json::json!([deep]);
         }
-        let many: serde_json::Map<String, serde_json::Value> =
-            (0..=KWARGS_MAX_KEYS).map(|i| (format!("k{i}"), serde_json::json!(i))).collect();
+        let many: serde_json::Map<String, serde_json::Value> = (0..=KWARGS_MAX_KEYS)
+            .map(|i| (format!("k{i}"), serde_json::json!(i)))
+            .collect();
         for (v, want) in [
             (serde_json::json!([1]), "must be a JSON object"),
             (serde_json::json!("x"), "must be a JSON object"),
@@ -1041,16 +1060,25 @@ mod tests {
             ]
             .into(),
         };
-        assert_eq!(t.render_with(&[ChatMessage::user("x")], Some(&extras), true).unwrap(), "True|on");
+        assert_eq!(
+            t.render_with(&[ChatMessage::user("x")], Some(&extras), true).unwrap(),
+            "True|on"
+        );
     }
 
     #[test]
     fn think_tags_from_the_vocabulary() {
         assert_eq!(ThinkTags::from_vocab(|_| false), ThinkTags::default());
         let command = ThinkTags::from_vocab(|t| t.contains("THINKING"));
-        assert_eq!((command.open.as_str(), command.close.as_str()), ("<|START_THINKING|>", "<|END_THINKING|>"));
+        assert_eq!(
+            (command.open.as_str(), command.close.as_str()),
+            ("<|START_THINKING|>", "<|END_THINKING|>")
+        );
         // One tag alone is not a pair.
-        assert_eq!(ThinkTags::from_vocab(|t| t == "<|START_THINKING|>"), ThinkTags::default());
+        assert_eq!(
+            ThinkTags::from_vocab(|t| t == "<|START_THINKING|>"),
+            ThinkTags::default()
+        );
         let t = ThinkTags::default();
         assert!(t.prompt_opens("<|im_start|>assistant\n<think>\n"));
         assert!(!t.prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n"));

@@ -858,7 +858,11 @@ fn ensemble_and_draft_serve_the_plain_greedy_answer() {
 /// Baton's own thinking template (tests/chat_templates/thinking.jinja) in place of its ChatML one.
 fn thinking_model(dir: &tempfile::TempDir) -> String {
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/qwen3.gguf");
-    assert!(src.exists(), "{} missing: scripts/gen-test-models.py writes it", src.display());
+    assert!(
+        src.exists(),
+        "{} missing: scripts/gen-test-models.py writes it",
+        src.display()
+    );
     let file = baton::gguf::GgufFile::open(&src).unwrap();
     let mut w = baton::gguf::GgufWriter::from_file(&file).unwrap();
     let template = include_str!("chat_templates/thinking.jinja").to_string();
@@ -881,7 +885,10 @@ fn thinking_models_reasoning_and_template_kwargs() {
     let model = thinking_model(&dir);
     let srv = Server::start(&["-m", &model, "--chat-template-kwargs", r#"{"force_thinking": true}"#]);
     let ask = |extra: Value| -> Value {
-        let mut body = chat("Why is the sky blue?", json!({"model": "qwen3-thinking", "max_tokens": 8}));
+        let mut body = chat(
+            "Why is the sky blue?",
+            json!({"model": "qwen3-thinking", "max_tokens": 8}),
+        );
         for (k, x) in extra.as_object().unwrap() {
             body[k] = x.clone();
         }
@@ -896,18 +903,34 @@ fn thinking_models_reasoning_and_template_kwargs() {
     let raw = ask(json!({"reasoning_format": "none"}));
     let raw_text = msg(&raw)["content"].as_str().unwrap().to_string();
     assert!(msg(&raw).get("reasoning_content").is_none(), "{raw}");
-    assert!(!raw_text.trim().is_empty() && !raw_text.contains("</think>"), "{raw_text:?}");
+    assert!(
+        !raw_text.trim().is_empty() && !raw_text.contains("</think>"),
+        "{raw_text:?}"
+    );
     let split = ask(json!({}));
-    assert_eq!(msg(&split)["reasoning_content"].as_str(), Some(raw_text.trim()), "{split}");
+    assert_eq!(
+        msg(&split)["reasoning_content"].as_str(),
+        Some(raw_text.trim()),
+        "{split}"
+    );
     assert_eq!(msg(&split)["content"], "", "{split}");
     // Usage counts tokens, however the text is split (only the cached share of the prompt differs: the second
     // request finds the first one's prefix).
-    let counts = |u: &Value| (u["prompt_tokens"].clone(), u["completion_tokens"].clone(), u["total_tokens"].clone());
+    let counts = |u: &Value| {
+        (
+            u["prompt_tokens"].clone(),
+            u["completion_tokens"].clone(),
+            u["total_tokens"].clone(),
+        )
+    };
     assert_eq!(counts(&split["usage"]), counts(&raw["usage"]));
     assert_eq!(split["usage"]["completion_tokens"], 8);
 
     // Streaming: the same text, in reasoning_content deltas only.
-    let mut body = chat("Why is the sky blue?", json!({"model": "qwen3-thinking", "max_tokens": 8, "stream": true}));
+    let mut body = chat(
+        "Why is the sky blue?",
+        json!({"model": "qwen3-thinking", "max_tokens": 8, "stream": true}),
+    );
     body["stream_options"] = json!({"include_usage": true});
     let mut sse = srv.stream("/v1/chat/completions", &body);
     assert_eq!(sse.code, 200);
@@ -942,8 +965,14 @@ fn thinking_models_reasoning_and_template_kwargs() {
 
     // Bad variables and formats: 400 naming the field.
     for (extra, param) in [
-        (json!({"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs"),
-        (json!({"chat_template_kwargs": {"add_generation_prompt": false}}), "chat_template_kwargs"),
+        (
+            json!({"chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"chat_template_kwargs": {"add_generation_prompt": false}}),
+            "chat_template_kwargs",
+        ),
         (json!({"chat_template_kwargs": [true]}), "chat_template_kwargs"),
         (json!({"reasoning_format": "legacy"}), "reasoning_format"),
     ] {
@@ -958,5 +987,9 @@ fn thinking_models_reasoning_and_template_kwargs() {
 
     // The flags are checked at start.
     let bad = Server::try_start(&["-m", &model, "--chat-template-kwargs", r#"{"bos_token": "x"}"#]);
-    assert!(bad.as_ref().is_err_and(|log| log.contains("cannot be overridden")), "{:?}", bad.err());
+    assert!(
+        bad.as_ref().is_err_and(|log| log.contains("cannot be overridden")),
+        "{:?}",
+        bad.err()
+    );
 }

@@ -245,9 +245,8 @@ impl TextModel {
                     None => {
                         // The template rewrites contents, so they cannot be located: refuse control-token text in
                         // them rather than let it become control tokens.
-                        let special = |t: &str| {
-                            self.vocab.tokenize(t, false, true) != self.vocab.tokenize(t, false, false)
-                        };
+                        let special =
+                            |t: &str| self.vocab.tokenize(t, false, true) != self.vocab.tokenize(t, false, false);
                         if let Some(m) = msgs
                             .iter()
                             .find(|m| special(&m.content) || m.reasoning_content.as_deref().is_some_and(special))

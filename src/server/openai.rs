@@ -775,7 +775,10 @@ impl Responder {
     fn delta_chunk(&mut self, delta: Value) -> Value {
         let pieces = std::mem::take(&mut self.lp_wait);
         let lp = self.logprobs_of(&pieces);
-        self.envelope(true, json!([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]))
+        self.envelope(
+            true,
+            json!([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]),
+        )
     }
 
     fn text_chunk(&mut self, p: &Piece) -> Value {
@@ -1023,16 +1026,24 @@ mod tests {
         assert!(!r.splits_reasoning());
         // The server's defaults: its variables under the request's, its format when the request names none.
         let d = ChatDefaults {
-            kwargs: [("enable_thinking".to_string(), json!(true)), ("x".to_string(), json!(1))].into(),
+            kwargs: [
+                ("enable_thinking".to_string(), json!(true)),
+                ("x".to_string(), json!(1)),
+            ]
+            .into(),
             reasoning: ReasoningFormat::Deepseek,
         };
         let r = r.with_defaults(&d);
         let Prompt::ChatWith(_, extras) = &r.prompt else {
             panic!("{:?}", r.prompt)
         };
-        assert_eq!((&extras.kwargs["enable_thinking"], &extras.kwargs["x"]), (&json!(false), &json!(1)));
+        assert_eq!(
+            (&extras.kwargs["enable_thinking"], &extras.kwargs["x"]),
+            (&json!(false), &json!(1))
+        );
         assert_eq!(r.reasoning, Some(ReasoningFormat::None));
-        let plain = parse_chat(br#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":null}"#).unwrap();
+        let plain =
+            parse_chat(br#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":null}"#).unwrap();
         assert!(matches!(plain.prompt, Prompt::Chat(_)), "{:?}", plain.prompt);
         let plain = plain.with_defaults(&d);
         assert!(plain.splits_reasoning());
@@ -1048,23 +1059,55 @@ mod tests {
     #[test]
     fn bad_template_kwargs_and_reasoning_format_are_400() {
         for (extra, param, words) in [
-            (r#""chat_template_kwargs":{"messages":[]}"#, "chat_template_kwargs", "cannot be overridden"),
-            (r#""chat_template_kwargs":{"add_generation_prompt":false}"#, "chat_template_kwargs", "reserved"),
+            (
+                r#""chat_template_kwargs":{"messages":[]}"#,
+                "chat_template_kwargs",
+                "cannot be overridden",
+            ),
+            (
+                r#""chat_template_kwargs":{"add_generation_prompt":false}"#,
+                "chat_template_kwargs",
+                "reserved",
+            ),
             (r#""chat_template_kwargs":{"tools":1}"#, "chat_template_kwargs", "tools"),
-            (r#""chat_template_kwargs":{"eos_token":""}"#, "chat_template_kwargs", "eos_token"),
+            (
+                r#""chat_template_kwargs":{"eos_token":""}"#,
+                "chat_template_kwargs",
+                "eos_token",
+            ),
             (r#""chat_template_kwargs":[1]"#, "chat_template_kwargs", "JSON object"),
-            (r#""chat_template_kwargs":"enable_thinking""#, "chat_template_kwargs", "JSON object"),
-            (r#""chat_template_kwargs":{"a b":1}"#, "chat_template_kwargs", "identifier"),
-            (r#""reasoning_format":"deepseek-legacy""#, "reasoning_format", "\"none\", \"deepseek\" or \"auto\""),
+            (
+                r#""chat_template_kwargs":"enable_thinking""#,
+                "chat_template_kwargs",
+                "JSON object",
+            ),
+            (
+                r#""chat_template_kwargs":{"a b":1}"#,
+                "chat_template_kwargs",
+                "identifier",
+            ),
+            (
+                r#""reasoning_format":"deepseek-legacy""#,
+                "reasoning_format",
+                "\"none\", \"deepseek\" or \"auto\"",
+            ),
         ] {
             let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],{extra}}}"#);
             let e = parse_chat(body.as_bytes()).unwrap_err();
-            assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some(param)), "{extra}: {}", e.message);
+            assert_eq!(
+                (e.status, e.param),
+                (StatusCode::BAD_REQUEST, Some(param)),
+                "{extra}: {}",
+                e.message
+            );
             assert!(e.message.contains(words), "{extra}: {}", e.message);
         }
         let big = format!(r#"{{"s":"{}"}}"#, "x".repeat(crate::chat::KWARGS_MAX_BYTES));
         let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"chat_template_kwargs":{big}}}"#);
-        assert_eq!(parse_chat(body.as_bytes()).unwrap_err().param, Some("chat_template_kwargs"));
+        assert_eq!(
+            parse_chat(body.as_bytes()).unwrap_err().param,
+            Some("chat_template_kwargs")
+        );
     }
 
     fn outcome(n: usize) -> Outcome {
@@ -1100,7 +1143,10 @@ mod tests {
         r.think(ThinkTags::default(), false);
         let v = r.full(&ps, "stop", &outcome(ps.len()));
         let msg = &v["choices"][0]["message"];
-        assert_eq!((msg["reasoning_content"].as_str(), msg["content"].as_str()), (Some("add them"), Some("Four.")));
+        assert_eq!(
+            (msg["reasoning_content"].as_str(), msg["content"].as_str()),
+            (Some("add them"), Some("Four."))
+        );
         assert_eq!(v["usage"]["completion_tokens"], 7);
         assert_eq!(v["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), 7);
         // Without the job's word (format none, a completion), the reply is untouched.
@@ -1130,9 +1176,15 @@ mod tests {
         let mut chunks: Vec<Value> = ps.iter().flat_map(|p| r.piece_chunk(p)).collect();
         chunks.extend(r.finish_chunks("stop"));
         let field = |k: &str| -> String {
-            chunks.iter().filter_map(|c| c["choices"][0]["delta"][k].as_str()).collect()
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"][k].as_str())
+                .collect()
         };
-        assert_eq!((field("reasoning_content"), field("content")), ("add them".into(), "Four.".into()));
+        assert_eq!(
+            (field("reasoning_content"), field("content")),
+            ("add them".into(), "Four.".into())
+        );
         // No delta carries both; every piece's log-probability is reported once.
         assert!(chunks.iter().all(|c| {
             let d = &c["choices"][0]["delta"];
@@ -1162,7 +1214,10 @@ mod tests {
         assert_eq!(chunks.len(), 1, "{chunks:?}");
         assert_eq!(chunks[0]["choices"][0]["delta"]["reasoning_content"], "I will call.");
         chunks = resp.finish_chunks("stop");
-        assert_eq!(chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "add");
+        assert_eq!(
+            chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+            "add"
+        );
         assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
     }
 }

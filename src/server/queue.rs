@@ -31,7 +31,10 @@ pub enum Event {
     Error(ApiError),
     /// Before the first piece of a job that splits reasoning off: the model's think tags, and whether the rendered
     /// prompt leaves a think block open (the reply then starts inside it).
-    Thinking { tags: ThinkTags, prompt_opens: bool },
+    Thinking {
+        tags: ThinkTags,
+        prompt_opens: bool,
+    },
 }
 
 /// Builds (or rebuilds after a failure) the generator of one slot.

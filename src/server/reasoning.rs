@@ -197,7 +197,11 @@ mod tests {
     #[test]
     fn think_block_then_answer_in_any_pieces() {
         let reply = "<think>\nLet me add.\n2+2 is 4.\n</think>\n\nThe answer is 4.";
-        let want = ("Let me add.\n2+2 is 4.".to_string(), "The answer is 4.".to_string(), true);
+        let want = (
+            "Let me add.\n2+2 is 4.".to_string(),
+            "The answer is 4.".to_string(),
+            true,
+        );
         assert_eq!(split(false).split_all(reply), (Some(want.0.clone()), want.1.clone()));
         // Every way of cutting the reply into two or three pieces gives the same split.
         let cuts: Vec<usize> = (0..=reply.len()).filter(|&i| reply.is_char_boundary(i)).collect();
@@ -208,7 +212,17 @@ mod tests {
             }
         }
         // Token-sized pieces.
-        let pieces = ["<", "think", ">\n", "Let", " me add.\n2+2 is 4.", "\n</", "think", ">\n\n", "The answer is 4."];
+        let pieces = [
+            "<",
+            "think",
+            ">\n",
+            "Let",
+            " me add.\n2+2 is 4.",
+            "\n</",
+            "think",
+            ">\n\n",
+            "The answer is 4.",
+        ];
         assert_eq!(streamed(false, &pieces), want);
     }
 
@@ -228,11 +242,23 @@ mod tests {
 
     #[test]
     fn replies_without_a_block_are_unchanged() {
-        for reply in ["Hello <think> there", "  plain answer\n", "<thin", "<", "", "   ", "</think>x"] {
+        for reply in [
+            "Hello <think> there",
+            "  plain answer\n",
+            "<thin",
+            "<",
+            "",
+            "   ",
+            "</think>x",
+        ] {
             assert_eq!(split(false).split_all(reply), (None, reply.to_string()), "{reply:?}");
             let pieces: Vec<String> = reply.chars().map(String::from).collect();
             let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-            assert_eq!(streamed(false, &refs), (String::new(), reply.to_string(), false), "{reply:?}");
+            assert_eq!(
+                streamed(false, &refs),
+                (String::new(), reply.to_string(), false),
+                "{reply:?}"
+            );
         }
         // An empty block (Qwen 3 asked not to think writes one itself sometimes): no reasoning, the answer.
         assert_eq!(
@@ -245,14 +271,41 @@ mod tests {
     fn text_is_sent_as_soon_as_it_cannot_be_a_tag() {
         let mut s = split(false);
         assert_eq!(s.push(" <th"), Split::default());
-        assert_eq!(s.push("ink>a b"), Split { reasoning: "a b".into(), ..Default::default() });
-        assert_eq!(s.push(" c\n"), Split { reasoning: " c".into(), ..Default::default() });
+        assert_eq!(
+            s.push("ink>a b"),
+            Split {
+                reasoning: "a b".into(),
+                ..Default::default()
+            }
+        );
+        assert_eq!(
+            s.push(" c\n"),
+            Split {
+                reasoning: " c".into(),
+                ..Default::default()
+            }
+        );
         assert_eq!(s.push("</thi"), Split::default());
         assert_eq!(s.push("nk>\n"), Split::default());
-        assert_eq!(s.push("\nd"), Split { content: "d".into(), ..Default::default() });
-        assert_eq!(s.push(" </think>"), Split { content: " </think>".into(), ..Default::default() });
+        assert_eq!(
+            s.push("\nd"),
+            Split {
+                content: "d".into(),
+                ..Default::default()
+            }
+        );
+        assert_eq!(
+            s.push(" </think>"),
+            Split {
+                content: " </think>".into(),
+                ..Default::default()
+            }
+        );
         // Other tags, multi-byte ones included.
-        let tags = ThinkTags { open: "\u{25c1}think\u{25b7}".into(), close: "\u{25c1}/think\u{25b7}".into() };
+        let tags = ThinkTags {
+            open: "\u{25c1}think\u{25b7}".into(),
+            close: "\u{25c1}/think\u{25b7}".into(),
+        };
         let mut s = ReasoningSplit::new(tags, false);
         assert_eq!(s.push("\u{25c1}think\u{25b7}r\u{25c1}").reasoning, "r");
         assert_eq!(s.push("/think\u{25b7}a").content, "a");
