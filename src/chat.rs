@@ -9,6 +9,8 @@
 use anyhow::{Result, anyhow};
 use minijinja::{Environment, Error, ErrorKind, Value, context};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// One message of a conversation (`role` is usually "system", "user" or "assistant"; "tool" for a tool's result).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,6 +26,128 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant's reasoning (the text of its think block) given back apart from `content`, as OpenAI-compatible
+    /// servers return it; thinking models' templates read it (Qwen 3 shows it for the turns of a running tool loop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+/// Template variables a caller sets beside the conversation (`chat_template_kwargs`, `--chat-template-kwargs`), such
+/// as Qwen 3's `enable_thinking`.
+pub type TemplateKwargs = BTreeMap<String, serde_json::Value>;
+
+/// What a render reads besides the messages: the tool definitions (OpenAI's `tools` array) and the caller's
+/// template variables.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatExtras {
+    pub tools: Option<Arc<serde_json::Value>>,
+    pub kwargs: TemplateKwargs,
+}
+
+/// Names a caller's template variables may not take: Baton's own render inputs and the functions templates call.
+pub const RESERVED_KWARGS: [&str; 7] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "raise_exception",
+    "strftime_now",
+];
+
+/// Most variables, bytes (as JSON) and nesting levels a caller's template variables may have: far above what a
+/// template reads (a few flags), far below what would slow a render.
+pub const KWARGS_MAX_KEYS: usize = 64;
+pub const KWARGS_MAX_BYTES: usize = 16 * 1024;
+pub const KWARGS_MAX_DEPTH: usize = 8;
+
+/// Checks a caller's template variables: a JSON object of at most [`KWARGS_MAX_KEYS`] variables named like Jinja
+/// identifiers, none of them [`RESERVED_KWARGS`], at most [`KWARGS_MAX_BYTES`] as JSON and [`KWARGS_MAX_DEPTH`]
+/// levels deep. The error says what is wrong in one line.
+pub fn template_kwargs(v: &serde_json::Value) -> Result<TemplateKwargs, String> {
+    let serde_json::Value::Object(map) = v else {
+        return Err("must be a JSON object of template variables, e.g. {\"enable_thinking\": false}".into());
+    };
+    if map.len() > KWARGS_MAX_KEYS {
+        return Err(format!("has {} variables; at most {KWARGS_MAX_KEYS}", map.len()));
+    }
+    let bytes = v.to_string().len();
+    if bytes > KWARGS_MAX_BYTES {
+        return Err(format!("is {bytes} bytes as JSON; at most {KWARGS_MAX_BYTES}"));
+    }
+    for (k, x) in map {
+        let mut chars = k.chars();
+        let ident = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ident {
+            return Err(format!(
+                "variable {k:?} is not a template identifier (letters, digits, _)"
+            ));
+        }
+        if RESERVED_KWARGS.contains(&k.as_str()) {
+            return Err(format!(
+                "variable {k:?} is set by Baton and cannot be overridden (reserved: {})",
+                RESERVED_KWARGS.join(", ")
+            ));
+        }
+        if depth(x) > KWARGS_MAX_DEPTH {
+            return Err(format!("variable {k:?} nests deeper than {KWARGS_MAX_DEPTH} levels"));
+        }
+    }
+    Ok(map.iter().map(|(k, x)| (k.clone(), x.clone())).collect())
+}
+
+/// Nesting levels of a JSON value (a scalar: 0).
+fn depth(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+        serde_json::Value::Object(o) => 1 + o.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The tags around a thinking model's reasoning (`<think>`…`</think>` for Qwen 3, QwQ and the DeepSeek R1 family).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThinkTags {
+    pub open: String,
+    pub close: String,
+}
+
+impl Default for ThinkTags {
+    fn default() -> Self {
+        ThinkTags {
+            open: "<think>".into(),
+            close: "</think>".into(),
+        }
+    }
+}
+
+impl ThinkTags {
+    /// Pairs some model families use in place of `<think>`, as single tokens of their vocabularies.
+    const KNOWN: [(&str, &str); 4] = [
+        ("<think>", "</think>"),
+        ("<|START_THINKING|>", "<|END_THINKING|>"),
+        ("<seed:think>", "</seed:think>"),
+        ("\u{25c1}think\u{25b7}", "\u{25c1}/think\u{25b7}"),
+    ];
+
+    /// The first known pair whose two tags are both tokens of the vocabulary (`is_token`), else `<think>`/`</think>`
+    /// as plain text.
+    pub fn from_vocab(is_token: impl Fn(&str) -> bool) -> ThinkTags {
+        Self::KNOWN
+            .iter()
+            .find(|(o, c)| is_token(o) && is_token(c))
+            .map_or_else(ThinkTags::default, |(o, c)| ThinkTags {
+                open: (*o).into(),
+                close: (*c).into(),
+            })
+    }
+
+    /// Whether a rendered prompt leaves a think block open for the reply (DeepSeek R1's and QwQ's templates end the
+    /// generation prompt with `<think>\n`): then the reply starts inside it.
+    pub fn prompt_opens(&self, prompt: &str) -> bool {
+        prompt.trim_end().ends_with(&self.open)
+    }
 }
 
 /// How a template's model writes tool calls, read from the template's text.
@@ -48,6 +172,7 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            reasoning_content: None,
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
@@ -173,22 +298,24 @@ impl ChatTemplate {
     /// Renders the conversation exactly as the template says; with `add_generation_prompt` the text ends where the
     /// assistant's reply should begin.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        self.render_tools(messages, None, add_generation_prompt)
+        self.render_with(messages, None, add_generation_prompt)
     }
 
-    /// [`render`](Self::render) with the request's tool definitions (OpenAI's `tools` array): given to the template
-    /// as `tools` with each entry's `function` (the Hugging Face convention), or, for a template without tool
-    /// support, written into a system message ([`ToolStyle::Generic`]).
-    pub fn render_tools(
+    /// [`render`](Self::render) with the request's extras: its tool definitions (OpenAI's `tools` array), given to
+    /// the template as `tools` with each entry's `function` (the Hugging Face convention), or, for a template
+    /// without tool support, written into a system message ([`ToolStyle::Generic`]); and the caller's template
+    /// variables (checked by [`template_kwargs`]), given beside Baton's own.
+    pub fn render_with(
         &self,
         messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
+        extras: Option<&ChatExtras>,
         add_generation_prompt: bool,
     ) -> Result<String> {
         let tmpl = self
             .env
             .get_template(NAME)
             .map_err(|e| anyhow!("chat template missing: {e}"))?;
+        let tools = extras.and_then(|e| e.tools.as_deref());
         let generic;
         let messages = match tools {
             Some(t) if self.tool_style == ToolStyle::Generic => {
@@ -197,12 +324,14 @@ impl ChatTemplate {
             }
             _ => messages,
         };
+        let kwargs = extras.map(|e| Value::from_serialize(&e.kwargs)).unwrap_or_default();
         tmpl.render(context! {
             messages => Value::from_serialize(messages),
             tools => tools.map(Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
+            ..kwargs
         })
         .map_err(|e| match e.kind() {
             ErrorKind::OutOfFuel => anyhow!(
@@ -215,26 +344,30 @@ impl ChatTemplate {
     }
 
     /// Renders like [`render_for_tokenizer`](Self::render_for_tokenizer) and also returns where each message's
-    /// content lies in the text, so the tokenizer can read contents as plain text while the template's own markers
-    /// stay control tokens. `None` for the spans when the template rewrites contents beyond trimming (the contents
+    /// content (and reasoning) lies in the text, so the tokenizer can read them as plain text while the template's
+    /// own markers stay control tokens. `None` for the spans when the template rewrites them beyond trimming (they
     /// then cannot be told apart from the template's text).
     pub fn render_marked(
         &self,
         messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
+        extras: Option<&ChatExtras>,
         add_generation_prompt: bool,
         tokenizer_adds_bos: bool,
     ) -> Result<(String, Option<Vec<std::ops::Range<usize>>>)> {
-        let text = self.render_for_tokenizer(messages, tools, add_generation_prompt, tokenizer_adds_bos)?;
+        let text = self.render_for_tokenizer(messages, extras, add_generation_prompt, tokenizer_adds_bos)?;
         let marked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
             .map(|(i, m)| ChatMessage {
                 content: format!("{MARK_OPEN}{i}{MARK_CLOSE}"),
+                reasoning_content: m
+                    .reasoning_content
+                    .as_ref()
+                    .map(|_| format!("{MARK_OPEN}r{i}{MARK_CLOSE}")),
                 ..m.clone()
             })
             .collect();
-        let spans = match self.render_for_tokenizer(&marked, tools, add_generation_prompt, tokenizer_adds_bos) {
+        let spans = match self.render_for_tokenizer(&marked, extras, add_generation_prompt, tokenizer_adds_bos) {
             Ok(with_marks) => content_spans(&text, &with_marks, messages),
             Err(_) => None,
         };
@@ -246,11 +379,11 @@ impl ChatTemplate {
     pub fn render_for_tokenizer(
         &self,
         messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
+        extras: Option<&ChatExtras>,
         add_generation_prompt: bool,
         tokenizer_adds_bos: bool,
     ) -> Result<String> {
-        let text = self.render_tools(messages, tools, add_generation_prompt)?;
+        let text = self.render_with(messages, extras, add_generation_prompt)?;
         Ok(match text.strip_prefix(self.bos.as_str()) {
             Some(rest) if tokenizer_adds_bos && self.uses_bos && !self.bos.is_empty() => rest.to_owned(),
             _ => text,
@@ -298,9 +431,10 @@ fn generic_tool_messages(messages: &[ChatMessage], tools: &serde_json::Value) ->
     out
 }
 
-/// Walks `text` (the real render) beside `marked` (the render with placeholders for contents): the template's text
-/// must agree exactly, and at each placeholder `text` must hold that message's content, as is or trimmed. Returns
-/// the contents' byte ranges in `text`, or `None` when the two renders do not line up.
+/// Walks `text` (the real render) beside `marked` (the render with placeholders for contents, `r`-prefixed for
+/// reasoning): the template's text must agree exactly, and at each placeholder `text` must hold that message's
+/// content (or reasoning), as is or trimmed. Returns their byte ranges in `text`, or `None` when the two renders do
+/// not line up.
 fn content_spans(text: &str, marked: &str, messages: &[ChatMessage]) -> Option<Vec<std::ops::Range<usize>>> {
     let (mut t, mut m) = (0, 0);
     let mut spans = Vec::new();
@@ -312,12 +446,17 @@ fn content_spans(text: &str, marked: &str, messages: &[ChatMessage]) -> Option<V
         t += lit.len();
         let body = open + MARK_OPEN.len_utf8();
         let close = body + marked[body..].find(MARK_CLOSE)?;
-        let content = &messages.get(marked[body..close].parse::<usize>().ok()?)?.content;
+        let mark = &marked[body..close];
+        let content = match mark.strip_prefix('r') {
+            Some(i) => messages.get(i.parse::<usize>().ok()?)?.reasoning_content.as_deref()?,
+            None => messages.get(mark.parse::<usize>().ok()?)?.content.as_str(),
+        };
         let found = [
-            content.as_str(),
+            content,
             content.trim(),
             content.trim_start(),
             content.trim_end(),
+            content.trim_matches('\n'),
         ]
         .into_iter()
         .find(|c| text[t..].starts_with(c))?;
@@ -740,7 +879,11 @@ mod tests {
         );
         // Tools go through the template's own `tojson` rendering.
         let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
-        let out = t.render_tools(&[ChatMessage::user("Hi")], Some(&tools), true).unwrap();
+        let extras = ChatExtras {
+            tools: Some(Arc::new(tools)),
+            ..Default::default()
+        };
+        let out = t.render_with(&[ChatMessage::user("Hi")], Some(&extras), true).unwrap();
         assert!(
             out.contains("<tools>\n{\"function\": {\"name\": \"f\", \"parameters\": {}}, \"type\": \"function\"}\n"),
             "{out}"
@@ -789,5 +932,156 @@ mod tests {
         // The template rejects a system message through `raise_exception`: a clear error, not a panic.
         let err = t.render(&convo(), true).unwrap_err().to_string();
         assert!(err.contains("Conversation roles must alternate"), "{err}");
+    }
+
+    /// Baton's own template in Qwen 3's manner (tests/chat_templates/thinking.jinja): `enable_thinking`, reasoning
+    /// read from `reasoning_content` or split off a `<think>` block, shown only in a running tool loop.
+    fn thinking() -> ChatTemplate {
+        family(
+            include_str!("../tests/chat_templates/thinking.jinja"),
+            "qwen3",
+            "",
+            "<|im_end|>",
+        )
+    }
+
+    fn kwargs(v: serde_json::Value) -> ChatExtras {
+        ChatExtras {
+            tools: None,
+            kwargs: template_kwargs(&v).unwrap(),
+        }
+    }
+
+    #[test]
+    fn thinking_template_and_its_variables() {
+        let t = thinking();
+        let hi = [ChatMessage::user("Hi")];
+        assert_eq!(
+            t.render(&hi, true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let off = kwargs(serde_json::json!({"enable_thinking": false}));
+        assert_eq!(
+            t.render_with(&hi, Some(&off), true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        );
+        // `is false` is not "falsy": 0 and true leave the prompt as without the variable.
+        for v in [
+            serde_json::json!({"enable_thinking": true}),
+            serde_json::json!({"enable_thinking": 0}),
+        ] {
+            assert_eq!(
+                t.render_with(&hi, Some(&kwargs(v)), true).unwrap(),
+                t.render(&hi, true).unwrap()
+            );
+        }
+        let on = kwargs(serde_json::json!({"force_thinking": true}));
+        let text = t.render_with(&hi, Some(&on), true).unwrap();
+        assert!(ThinkTags::default().prompt_opens(&text), "{text:?}");
+        assert!(!ThinkTags::default().prompt_opens(&t.render_with(&hi, Some(&off), true).unwrap()));
+
+        // Earlier turns: the think block of a past answer is dropped; in a running tool loop (the last user turn
+        // is a tool result) the assistant turns after the real query keep their reasoning, from either field.
+        let mut with_field = ChatMessage::assistant("Calling.");
+        with_field.reasoning_content = Some("\nI need the tool.\n".into());
+        let convo = [
+            ChatMessage::user("Q1"),
+            ChatMessage::assistant("<think>\nold thoughts\n</think>\n\nA1"),
+            ChatMessage::user("Q2"),
+            with_field,
+            ChatMessage::user("<result>42</result>"),
+            ChatMessage::assistant("<think>got 42</think>The answer is 42."),
+        ];
+        assert_eq!(
+            t.render(&convo, false).unwrap(),
+            "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n\
+             <|im_start|>assistant\n<think>\nI need the tool.\n</think>\n\nCalling.<|im_end|>\n\
+             <|im_start|>user\n<result>42</result><|im_end|>\n\
+             <|im_start|>assistant\n<think>\ngot 42\n</think>\n\nThe answer is 42.<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn reasoning_is_located_like_contents() {
+        let t = thinking();
+        let mut a = ChatMessage::assistant("Calling.");
+        a.reasoning_content = Some("plan <|im_end|>".into());
+        let msgs = [ChatMessage::user("Q"), a];
+        let (text, spans) = t.render_marked(&msgs, None, true, false).unwrap();
+        let got: Vec<&str> = spans
+            .expect("contents and reasoning verbatim")
+            .iter()
+            .map(|r| &text[r.clone()])
+            .collect();
+        assert_eq!(got, ["Q", "plan <|im_end|>", "Calling."]);
+        // A tool loop: the template reads the last user turn's content to decide what to show, so placeholders
+        // change the render and nothing is located (the tokenizer then refuses special-token text in the messages).
+        let mut msgs = msgs.to_vec();
+        msgs.push(ChatMessage::user("<result>1</result>"));
+        assert!(t.render_marked(&msgs, None, true, false).unwrap().1.is_none());
+    }
+
+    #[test]
+    fn template_kwargs_are_checked() {
+        let ok = template_kwargs(&serde_json::json!({"enable_thinking": false, "x_1": [1, {"a": null}]})).unwrap();
+        assert_eq!(ok.len(), 2);
+        let long = "x".repeat(KWARGS_MAX_BYTES);
+        let mut deep = serde_json::json!(1);
+        for _ in 0..=KWARGS_MAX_DEPTH {
+            deep = serde_json::json!([deep]);
+        }
+        let many: serde_json::Map<String, serde_json::Value> = (0..=KWARGS_MAX_KEYS)
+            .map(|i| (format!("k{i}"), serde_json::json!(i)))
+            .collect();
+        for (v, want) in [
+            (serde_json::json!([1]), "must be a JSON object"),
+            (serde_json::json!("x"), "must be a JSON object"),
+            (serde_json::json!({"messages": []}), "cannot be overridden"),
+            (serde_json::json!({"bos_token": "x"}), "cannot be overridden"),
+            (serde_json::json!({"raise_exception": 1}), "cannot be overridden"),
+            (serde_json::json!({"a-b": 1}), "not a template identifier"),
+            (serde_json::json!({"": 1}), "not a template identifier"),
+            (serde_json::json!({"1a": 1}), "not a template identifier"),
+            (serde_json::json!({"s": long}), "bytes as JSON"),
+            (serde_json::json!({"d": deep}), "nests deeper"),
+            (serde_json::Value::Object(many), "variables; at most"),
+        ] {
+            let e = template_kwargs(&v).unwrap_err();
+            assert!(e.contains(want), "{v}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+        // Reserved names could never reach a template: Baton's own inputs win anyway.
+        let t = ChatTemplate::from_metadata(Some("{{ add_generation_prompt }}|{{ flag }}"), "llama", "", "").unwrap();
+        let extras = ChatExtras {
+            tools: None,
+            kwargs: [
+                ("flag".to_string(), serde_json::json!("on")),
+                ("add_generation_prompt".to_string(), serde_json::json!(false)),
+            ]
+            .into(),
+        };
+        assert_eq!(
+            t.render_with(&[ChatMessage::user("x")], Some(&extras), true).unwrap(),
+            "True|on"
+        );
+    }
+
+    #[test]
+    fn think_tags_from_the_vocabulary() {
+        assert_eq!(ThinkTags::from_vocab(|_| false), ThinkTags::default());
+        let command = ThinkTags::from_vocab(|t| t.contains("THINKING"));
+        assert_eq!(
+            (command.open.as_str(), command.close.as_str()),
+            ("<|START_THINKING|>", "<|END_THINKING|>")
+        );
+        // One tag alone is not a pair.
+        assert_eq!(
+            ThinkTags::from_vocab(|t| t == "<|START_THINKING|>"),
+            ThinkTags::default()
+        );
+        let t = ThinkTags::default();
+        assert!(t.prompt_opens("<|im_start|>assistant\n<think>\n"));
+        assert!(!t.prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+        assert!(!t.prompt_opens("<|im_start|>user\n<think><|im_end|>\n<|im_start|>assistant\n"));
     }
 }

@@ -2,7 +2,7 @@
 //! figures); progress, logs and the closing speed line go to standard error.
 
 use anyhow::{Context, Result, bail};
-use baton::chat::{ChatMessage, ChatTemplate};
+use baton::chat::{ChatExtras, ChatMessage, ChatTemplate, TemplateKwargs};
 use baton::engine::Session;
 use baton::engine::sampler::SamplerParams;
 use baton::generate::{GenParams, Prompt};
@@ -238,6 +238,10 @@ struct RunArgs {
     /// System message for --chat.
     #[arg(long)]
     system: Option<String>,
+    /// Variables for the chat template of --chat, as a JSON object: `{"enable_thinking": false}` asks Qwen 3 to
+    /// answer without thinking.
+    #[arg(long = "chat-template-kwargs", value_name = "JSON", value_parser = chat_template_kwargs)]
+    chat_template_kwargs: Option<TemplateKwargs>,
     /// Print the prompt before the generated text.
     #[arg(long)]
     echo: bool,
@@ -456,6 +460,14 @@ struct ServeArgs {
     /// Seconds a client has to send a request's whole body (at most 4 MiB).
     #[arg(long = "body-timeout", default_value = "60", value_parser = baton::util::parse_timeout)]
     body_timeout: std::time::Duration,
+    /// Chat template variables of requests that do not set them, as a JSON object (a request's
+    /// `chat_template_kwargs` wins key by key), e.g. `{"enable_thinking": false}`.
+    #[arg(long = "chat-template-kwargs", value_name = "JSON", value_parser = chat_template_kwargs)]
+    chat_template_kwargs: Option<TemplateKwargs>,
+    /// Where a thinking model's think block goes when a request's `reasoning_format` does not say: `deepseek` (or
+    /// `auto`): `reasoning_content`, the rest in `content`; `none`: left in `content`.
+    #[arg(long = "reasoning-format", value_name = "FORMAT", default_value = "auto", value_parser = reasoning_format)]
+    reasoning_format: baton::server::reasoning::ReasoningFormat,
     /// HTTP connections open at once; more are answered 503 and closed (default: from the open-file limit, half of
     /// it less a reserve, at most 4096).
     #[arg(long = "max-connections", value_parser = counts(1, MAX_HTTP_CONNECTIONS))]
@@ -635,7 +647,18 @@ fn cmd_run(a: RunArgs) -> Result<()> {
             msgs.push(ChatMessage::system(s.clone()));
         }
         msgs.push(ChatMessage::user(prompt));
-        Prompt::Chat(msgs)
+        match &a.chat_template_kwargs {
+            Some(kwargs) => Prompt::ChatWith(
+                msgs,
+                Arc::new(ChatExtras {
+                    tools: None,
+                    kwargs: kwargs.clone(),
+                }),
+            ),
+            None => Prompt::Chat(msgs),
+        }
+    } else if a.chat_template_kwargs.is_some() {
+        bail!("--chat-template-kwargs sets chat template variables: it needs --chat");
     } else {
         Prompt::Text(prompt)
     };
@@ -1206,8 +1229,21 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         body_timeout: a.body_timeout,
         max_connections: a.max_connections.unwrap_or(0),
         no_mem_check: c.no_mem_check,
+        chat_kwargs: a.chat_template_kwargs.unwrap_or_default(),
+        reasoning_format: a.reasoning_format,
         ..Default::default()
     })
+}
+
+/// clap's parser of `--chat-template-kwargs`: a JSON object of template variables ([`baton::chat::template_kwargs`]).
+fn chat_template_kwargs(s: &str) -> Result<TemplateKwargs, String> {
+    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))?;
+    baton::chat::template_kwargs(&v)
+}
+
+/// clap's parser of `--reasoning-format`.
+fn reasoning_format(s: &str) -> Result<baton::server::reasoning::ReasoningFormat, String> {
+    baton::server::reasoning::ReasoningFormat::parse(s).ok_or_else(|| "must be none, deepseek or auto".into())
 }
 
 fn cmd_node(a: NodeArgs) -> Result<()> {

@@ -309,3 +309,38 @@ fn bench_compares_with_the_llama_cpp_tool_in_the_same_run() {
     let o = run(&dir.path().join("absent"));
     assert_clean_failure(&o, "needs the llama.cpp reference tool");
 }
+
+/// `--chat-template-kwargs` reaches the template of `baton run --chat` (the generated qwen3 model with Baton's
+/// Qwen-3-style test template: `enable_thinking` false closes an empty think block in the prompt), is refused
+/// without --chat, and is checked like a request's `chat_template_kwargs`.
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = GgufFile::open(&common::model("qwen3")).unwrap();
+    let mut w = GgufWriter::from_file(&file).unwrap();
+    w.metadata.retain(|(k, _)| k != "tokenizer.chat_template");
+    let template = include_str!("chat_templates/thinking.jinja").to_string();
+    w.meta("tokenizer.chat_template", Value::Str(template));
+    let path = dir.path().join("thinking.gguf");
+    w.write(&path).unwrap();
+    let m = path.to_str().unwrap();
+    let run = |extra: &[&str]| baton(&[&["run", "-m", m, "--echo", "--temp", "0", "-n", "1"], extra, &["Hi"]].concat());
+    let prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+    let o = run(&["--chat", "--chat-template-kwargs", r#"{"enable_thinking": false}"#]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with(&format!("{prompt}<think>\n\n</think>\n\n")), "{out:?}");
+    let o = run(&["--chat"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with(prompt) && !out.contains("<think>"), "{out:?}");
+    assert_clean_failure(&run(&["--chat-template-kwargs", "{}"]), "needs --chat");
+    for (bad, why) in [
+        (r#"{"messages": 1}"#, "cannot be overridden"),
+        ("{enable_thinking: false}", "not valid JSON"),
+        ("[1]", "JSON object"),
+    ] {
+        let o = run(&["--chat", "--chat-template-kwargs", bad]);
+        assert!(!o.status.success() && stderr(&o).contains(why), "{bad}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
+}

@@ -853,3 +853,143 @@ fn ensemble_and_draft_serve_the_plain_greedy_answer() {
         .expect("a missing draft must fail");
     assert!(e.contains("cannot open the draft") || e.contains("nonexistent"), "{e}");
 }
+
+/// The generated qwen3 model (SmolLM2's vocabulary cut down: no `<think>` token, so the tags are plain text) with
+/// Baton's own thinking template (tests/chat_templates/thinking.jinja) in place of its ChatML one.
+fn thinking_model(dir: &tempfile::TempDir) -> String {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/qwen3.gguf");
+    assert!(
+        src.exists(),
+        "{} missing: scripts/gen-test-models.py writes it",
+        src.display()
+    );
+    let file = baton::gguf::GgufFile::open(&src).unwrap();
+    let mut w = baton::gguf::GgufWriter::from_file(&file).unwrap();
+    let template = include_str!("chat_templates/thinking.jinja").to_string();
+    w.metadata.retain(|(k, _)| k != "tokenizer.chat_template");
+    w.meta("tokenizer.chat_template", baton::gguf::Value::Str(template));
+    let out = dir.path().join("qwen3-thinking.gguf");
+    w.write(&out).unwrap();
+    out.to_string_lossy().into_owned()
+}
+
+/// Qwen 3's thinking convention end to end: the server's `--chat-template-kwargs` default (here `force_thinking`,
+/// which opens a think block in the generation prompt as DeepSeek R1's template does) and a request's
+/// `chat_template_kwargs` over it; the reply of a prompt that opens the block comes back as `reasoning_content`,
+/// streaming and not, with usage unchanged; `reasoning_format: "none"` leaves it in `content`; `enable_thinking:
+/// false` closes an empty block in the prompt; reserved variables and unknown formats are 400s; assistant turns may
+/// carry `reasoning_content`.
+#[test]
+fn thinking_models_reasoning_and_template_kwargs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = thinking_model(&dir);
+    let srv = Server::start(&["-m", &model, "--chat-template-kwargs", r#"{"force_thinking": true}"#]);
+    let ask = |extra: Value| -> Value {
+        let mut body = chat(
+            "Why is the sky blue?",
+            json!({"model": "qwen3-thinking", "max_tokens": 8}),
+        );
+        for (k, x) in extra.as_object().unwrap() {
+            body[k] = x.clone();
+        }
+        let (code, v) = srv.post("/v1/chat/completions", &body);
+        assert_eq!(code, 200, "{v}");
+        v
+    };
+    let msg = |v: &Value| v["choices"][0]["message"].clone();
+
+    // The raw reply (no split), then the same greedy reply split: all of it is reasoning (the prompt opened the
+    // block and a random model never closes it), trimmed as the template trims reasoning it is given back.
+    let raw = ask(json!({"reasoning_format": "none"}));
+    let raw_text = msg(&raw)["content"].as_str().unwrap().to_string();
+    assert!(msg(&raw).get("reasoning_content").is_none(), "{raw}");
+    assert!(
+        !raw_text.trim().is_empty() && !raw_text.contains("</think>"),
+        "{raw_text:?}"
+    );
+    let split = ask(json!({}));
+    assert_eq!(
+        msg(&split)["reasoning_content"].as_str(),
+        Some(raw_text.trim()),
+        "{split}"
+    );
+    assert_eq!(msg(&split)["content"], "", "{split}");
+    // Usage counts tokens, however the text is split (only the cached share of the prompt differs: the second
+    // request finds the first one's prefix).
+    let counts = |u: &Value| {
+        (
+            u["prompt_tokens"].clone(),
+            u["completion_tokens"].clone(),
+            u["total_tokens"].clone(),
+        )
+    };
+    assert_eq!(counts(&split["usage"]), counts(&raw["usage"]));
+    assert_eq!(split["usage"]["completion_tokens"], 8);
+
+    // Streaming: the same text, in reasoning_content deltas only.
+    let mut body = chat(
+        "Why is the sky blue?",
+        json!({"model": "qwen3-thinking", "max_tokens": 8, "stream": true}),
+    );
+    body["stream_options"] = json!({"include_usage": true});
+    let mut sse = srv.stream("/v1/chat/completions", &body);
+    assert_eq!(sse.code, 200);
+    let (content, chunks) = stream_text(&sse.all());
+    assert_eq!(content, "");
+    let reasoning: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["delta"]["reasoning_content"].as_str())
+        .collect();
+    assert_eq!(reasoning, raw_text.trim());
+    assert_eq!(counts(&chunks.last().unwrap()["usage"]), counts(&raw["usage"]));
+
+    // The request's variables over the server's: no open block, so the reply is all content; `enable_thinking`
+    // false adds the empty block's tokens to the prompt.
+    let plain = ask(json!({"chat_template_kwargs": {"force_thinking": false}}));
+    assert!(msg(&plain).get("reasoning_content").is_none(), "{plain}");
+    let off = ask(json!({"chat_template_kwargs": {"force_thinking": false, "enable_thinking": false}}));
+    assert!(msg(&off).get("reasoning_content").is_none(), "{off}");
+    let n = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(n(&off) > n(&plain), "{off} {plain}");
+    assert!(n(&split) > n(&plain), "{split} {plain}");
+
+    // A past turn's reasoning is accepted (and rendered by the template in a tool loop, dropped otherwise).
+    let (code, v) = srv.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"},
+                             {"role": "user", "content": "<result>1</result>"}],
+                "max_tokens": 2}),
+    );
+    assert_eq!(code, 200, "{v}");
+
+    // Bad variables and formats: 400 naming the field.
+    for (extra, param) in [
+        (
+            json!({"chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"chat_template_kwargs": {"add_generation_prompt": false}}),
+            "chat_template_kwargs",
+        ),
+        (json!({"chat_template_kwargs": [true]}), "chat_template_kwargs"),
+        (json!({"reasoning_format": "legacy"}), "reasoning_format"),
+    ] {
+        let mut body = chat("hi", json!({"model": "qwen3-thinking", "max_tokens": 2}));
+        for (k, x) in extra.as_object().unwrap() {
+            body[k] = x.clone();
+        }
+        let (code, v) = srv.post("/v1/chat/completions", &body);
+        assert_eq!(code, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+
+    // The flags are checked at start.
+    let bad = Server::try_start(&["-m", &model, "--chat-template-kwargs", r#"{"bos_token": "x"}"#]);
+    assert!(
+        bad.as_ref().is_err_and(|log| log.contains("cannot be overridden")),
+        "{:?}",
+        bad.err()
+    );
+}

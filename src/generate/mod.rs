@@ -9,7 +9,7 @@ mod local;
 
 pub use local::LocalGenerator;
 
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::{ChatExtras, ChatMessage, ChatTemplate, ThinkTags};
 use crate::constrain::{Constraint, Guide, TokenTrie};
 use crate::engine::disk_cache::DiskCache;
 use crate::engine::sampler::{Sampler, SamplerParams, top_logprobs};
@@ -33,17 +33,18 @@ pub const KV_CACHE_ON_NODES: &str = "--kv-cache-dir here needs the whole model i
 pub enum Prompt {
     Text(String),
     Chat(Vec<ChatMessage>),
-    /// A conversation with the tool definitions the template is given (OpenAI's `tools` array).
-    ChatTools(Vec<ChatMessage>, Arc<serde_json::Value>),
+    /// A conversation with what else the template is given: tool definitions (OpenAI's `tools` array) and the
+    /// caller's template variables (`chat_template_kwargs`).
+    ChatWith(Vec<ChatMessage>, Arc<ChatExtras>),
 }
 
 impl Prompt {
-    /// The conversation's messages, and its tools (a text prompt has neither).
-    pub fn chat(&self) -> Option<(&[ChatMessage], Option<&serde_json::Value>)> {
+    /// The conversation's messages, and its extras (a text prompt has neither).
+    pub fn chat(&self) -> Option<(&[ChatMessage], Option<&ChatExtras>)> {
         match self {
             Prompt::Text(_) => None,
             Prompt::Chat(m) => Some((m, None)),
-            Prompt::ChatTools(m, t) => Some((m, Some(t))),
+            Prompt::ChatWith(m, e) => Some((m, Some(e))),
         }
     }
 }
@@ -181,6 +182,8 @@ pub trait Generator: Send {
 pub struct TextModel {
     pub vocab: Vocab,
     pub template: ChatTemplate,
+    /// The tags around a thinking model's reasoning: a known pair of the vocabulary's tokens, else `<think>`.
+    pub think: ThinkTags,
     pub path: PathBuf,
     /// The vocabulary as a byte trie for constrained sampling, built on first use.
     trie: std::sync::OnceLock<TokenTrie>,
@@ -196,9 +199,11 @@ impl TextModel {
             &piece(vocab.bos()),
             &piece(vocab.eos()),
         )?;
+        let think = ThinkTags::from_vocab(|t| vocab.token_id(t).is_some());
         Ok(TextModel {
             vocab,
             template,
+            think,
             path: file.path.clone(),
             trie: std::sync::OnceLock::new(),
         })
@@ -214,10 +219,16 @@ impl TextModel {
     pub fn render(&self, prompt: &Prompt) -> Result<String> {
         match prompt.chat() {
             None => Ok(self.text_of(prompt)),
-            Some((msgs, tools)) => self
+            Some((msgs, extras)) => self
                 .template
-                .render_for_tokenizer(msgs, tools, true, self.vocab.add_bos()),
+                .render_for_tokenizer(msgs, extras, true, self.vocab.add_bos()),
         }
+    }
+
+    /// Whether the rendered prompt leaves a think block open, so the reply starts inside it (a chat prompt whose
+    /// template ends the generation prompt with the open tag; never a text prompt, whose reply is not split).
+    pub fn prompt_opens_think(&self, prompt: &Prompt) -> Result<bool> {
+        Ok(prompt.chat().is_some() && self.think.prompt_opens(&self.render(prompt)?))
     }
 
     /// Tokens of the prompt: BOS only where the model's metadata asks; special tokens parsed in a text prompt and in
@@ -226,18 +237,20 @@ impl TextModel {
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let tokens = match prompt.chat() {
             None => self.vocab.tokenize(&self.text_of(prompt), true, true),
-            Some((msgs, tools)) => {
+            Some((msgs, extras)) => {
                 let adds_bos = self.vocab.add_bos();
-                let (text, spans) = self.template.render_marked(msgs, tools, true, adds_bos)?;
+                let (text, spans) = self.template.render_marked(msgs, extras, true, adds_bos)?;
                 match spans {
                     Some(spans) => self.vocab.tokenize_chat(&text, true, &spans),
                     None => {
                         // The template rewrites contents, so they cannot be located: refuse control-token text in
                         // them rather than let it become control tokens.
-                        if let Some(m) = msgs.iter().find(|m| {
-                            self.vocab.tokenize(&m.content, false, true)
-                                != self.vocab.tokenize(&m.content, false, false)
-                        }) {
+                        let special =
+                            |t: &str| self.vocab.tokenize(t, false, true) != self.vocab.tokenize(t, false, false);
+                        if let Some(m) = msgs
+                            .iter()
+                            .find(|m| special(&m.content) || m.reasoning_content.as_deref().is_some_and(special))
+                        {
                             bail!(
                                 "a {} message holds special-token text, and this model's chat template rewrites \
                                  message contents, so it cannot be kept as plain text; remove it",

@@ -6,6 +6,7 @@
 //! - [`router`]: which slot takes a request (longest cached prefix unless overloaded, else least loaded);
 //! - [`slots`]: `/slots/{id}?action=save|restore`, a slot's session to and from a file;
 //! - [`embeddings`]: `/v1/embeddings` (mean pooling on its own session), `/tokenize`, `/detokenize`;
+//! - [`reasoning`]: a thinking model's reply split into `reasoning_content` and `content`;
 //! - [`stop`]: stop strings over a token stream; [`metrics`]: Prometheus text; [`cluster_file`]: `--cluster`;
 //! - [`status`]: nodes, links and recent requests for `/v1/cluster`; [`web`]: the page at `/`.
 //!
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod multi_model;
 pub mod openai;
 pub mod queue;
+pub mod reasoning;
 pub mod router;
 pub mod routes;
 pub mod slots;
@@ -102,6 +104,10 @@ pub struct ServeConfig {
     pub max_connections: usize,
     /// Load the local model even when its weights and the slots' KV exceed the memory available.
     pub no_mem_check: bool,
+    /// Chat template variables of requests that do not set them (`--chat-template-kwargs`).
+    pub chat_kwargs: crate::chat::TemplateKwargs,
+    /// Where a thinking model's reasoning goes when a request does not say (`--reasoning-format`).
+    pub reasoning_format: reasoning::ReasoningFormat,
 }
 
 impl Default for ServeConfig {
@@ -138,6 +144,8 @@ impl Default for ServeConfig {
             body_timeout: Duration::from_secs(60),
             max_connections: 0,
             no_mem_check: false,
+            chat_kwargs: Default::default(),
+            reasoning_format: Default::default(),
         }
     }
 }
@@ -213,6 +221,10 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         body_timeout: cfg.body_timeout,
         text,
         embedder,
+        chat_defaults: openai::ChatDefaults {
+            kwargs: cfg.chat_kwargs.clone(),
+            reasoning: cfg.reasoning_format,
+        },
     });
     // Two runtime threads are plenty to move bytes; compute runs on the slots' threads.
     let rt = tokio::runtime::Builder::new_multi_thread()

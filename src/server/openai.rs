@@ -2,8 +2,9 @@
 //! chunks, and the error object. Unknown fields are ignored (clients send many optional ones); fields we accept are
 //! type-checked, and values we cannot honour are refused with a 400 that names the parameter.
 
+use super::reasoning::{ReasoningFormat, ReasoningSplit};
 use super::tools::{self, Tools};
-use crate::chat::ChatMessage;
+use crate::chat::{ChatExtras, ChatMessage, TemplateKwargs, ThinkTags};
 use crate::constrain::Constraint;
 use crate::engine::sampler::{SamplerField, SamplerParams};
 use crate::generate::{Finish, GenParams, Outcome, Piece, Prompt};
@@ -94,6 +95,9 @@ struct MessageIn {
     tool_calls: Option<Vec<ToolCallIn>>,
     tool_call_id: Option<String>,
     name: Option<String>,
+    /// An assistant turn's reasoning, as this server returned it (vLLM's newer name: `reasoning`).
+    #[serde(alias = "reasoning")]
+    reasoning_content: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -148,6 +152,10 @@ struct ChatBody {
     top_logprobs: Option<i64>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// Variables for the chat template (vLLM's, SGLang's and llama.cpp's field), e.g. `{"enable_thinking": false}`.
+    chat_template_kwargs: Option<Value>,
+    /// `none`, `deepseek` or `auto` (llama.cpp's field): whether a think block goes to `reasoning_content`.
+    reasoning_format: Option<String>,
     #[serde(flatten)]
     common: Common,
 }
@@ -186,9 +194,46 @@ pub struct Request {
     pub constraint: Option<Constraint>,
     /// Tools the model may call (chat with `tools` and a `tool_choice` other than none).
     pub tools: Option<Tools>,
+    /// The request's `reasoning_format` (`None`: the server's).
+    pub reasoning: Option<ReasoningFormat>,
+}
+
+/// What the server sets for chat requests that do not say (`baton serve --chat-template-kwargs`,
+/// `--reasoning-format`).
+#[derive(Clone, Debug, Default)]
+pub struct ChatDefaults {
+    pub kwargs: TemplateKwargs,
+    pub reasoning: ReasoningFormat,
 }
 
 impl Request {
+    /// Fills in the server's defaults: its template variables under the request's own, its reasoning format when the
+    /// request names none.
+    pub fn with_defaults(mut self, d: &ChatDefaults) -> Request {
+        if self.endpoint != Endpoint::Chat {
+            return self;
+        }
+        self.reasoning = self.reasoning.or(Some(d.reasoning));
+        if !d.kwargs.is_empty() {
+            let (msgs, extras) = match self.prompt {
+                Prompt::Chat(m) => (m, ChatExtras::default()),
+                Prompt::ChatWith(m, e) => (m, std::sync::Arc::unwrap_or_clone(e)),
+                Prompt::Text(_) => return self,
+            };
+            let mut extras = extras;
+            for (k, v) in &d.kwargs {
+                extras.kwargs.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+            self.prompt = Prompt::ChatWith(msgs, std::sync::Arc::new(extras));
+        }
+        self
+    }
+
+    /// Whether the reply's think block is to be split off (a chat request whose format is not `none`).
+    pub fn splits_reasoning(&self) -> bool {
+        self.endpoint == Endpoint::Chat && self.reasoning.unwrap_or_default() != ReasoningFormat::None
+    }
+
     pub fn gen_params(&self, max_tokens: usize) -> GenParams {
         GenParams {
             max_tokens,
@@ -304,6 +349,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
             }
         };
         let mut msg = ChatMessage::new(role, content);
+        msg.reasoning_content = m.reasoning_content.filter(|_| role == "assistant");
         if let Some(calls) = m.tool_calls.filter(|c| !c.is_empty()) {
             if role != "assistant" {
                 return Err(ApiError::bad("messages", "only assistant messages carry tool_calls"));
@@ -347,11 +393,31 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, ApiError> {
     } else {
         "max_tokens"
     };
-    let prompt = match &tools {
-        Some(t) if t.active() => Prompt::ChatTools(msgs, t.defs.clone()),
-        _ => Prompt::Chat(msgs),
+    let kwargs = match b.chat_template_kwargs.filter(|v| !v.is_null()) {
+        None => TemplateKwargs::new(),
+        Some(v) => crate::chat::template_kwargs(&v)
+            .map_err(|m| ApiError::bad("chat_template_kwargs", format!("chat_template_kwargs {m}")))?,
+    };
+    let reasoning = match b.reasoning_format.as_deref() {
+        None => None,
+        Some(f) => Some(ReasoningFormat::parse(f).ok_or_else(|| {
+            ApiError::bad(
+                "reasoning_format",
+                format!("reasoning_format must be \"none\", \"deepseek\" or \"auto\", got {f:?}"),
+            )
+        })?),
+    };
+    let extras = ChatExtras {
+        tools: tools.as_ref().filter(|t| t.active()).map(|t| t.defs.clone()),
+        kwargs,
+    };
+    let prompt = if extras == ChatExtras::default() {
+        Prompt::Chat(msgs)
+    } else {
+        Prompt::ChatWith(msgs, std::sync::Arc::new(extras))
     };
     let mut r = common(Endpoint::Chat, b.common, prompt, max, param, top)?;
+    r.reasoning = reasoning;
     if let Some(t) = tools.filter(|t| t.active()) {
         if let Some(c) = t.constraint().map_err(|(p, m)| ApiError::bad(p, m))? {
             if r.constraint.is_some() {
@@ -493,6 +559,7 @@ fn common(
         endpoint,
         constraint,
         tools: None,
+        reasoning: None,
         model: c.model,
         prompt,
         stream: c.stream.unwrap_or(false),
@@ -525,6 +592,12 @@ pub struct Responder {
     /// Tools the reply may call: its text is held back until the end, then sent as calls or as content.
     tools: Option<Tools>,
     held: Vec<Piece>,
+    /// The split of a thinking model's reply, once the job said the reply may hold a think block.
+    reasoning: Option<ReasoningSplit>,
+    /// With the split: the answer held back for tool calls, and the pieces whose log-probabilities have not gone
+    /// out yet (they go with the next chunk sent).
+    held_text: String,
+    lp_wait: Vec<Piece>,
 }
 
 fn bytes_of(s: &str) -> Value {
@@ -546,6 +619,17 @@ impl Responder {
             offset: 0,
             tools: None,
             held: Vec::new(),
+            reasoning: None,
+            held_text: String::new(),
+            lp_wait: Vec::new(),
+        }
+    }
+
+    /// The reply may open a think block with `tags` (`prompt_opens`: it starts inside one): from now on its
+    /// reasoning goes to `reasoning_content`. A chat reply only, set once (a retried job says it again).
+    pub fn think(&mut self, tags: ThinkTags, prompt_opens: bool) {
+        if self.endpoint == Endpoint::Chat && self.reasoning.is_none() {
+            self.reasoning = Some(ReasoningSplit::new(tags, prompt_opens));
         }
     }
 
@@ -618,8 +702,12 @@ impl Responder {
     /// The whole response of a non-streaming request.
     pub fn full(&mut self, pieces: &[Piece], finish: &str, o: &Outcome) -> Value {
         let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
+        let (reasoning, text) = match self.reasoning.take() {
+            Some(split) => split.split_all(&text),
+            None => (None, text),
+        };
         let lp = self.logprobs_of(pieces);
-        let choice = match (self.endpoint, self.calls(&text)) {
+        let mut choice = match (self.endpoint, self.calls(&text)) {
             (Endpoint::Chat, Some((rest, calls))) => {
                 let content = if rest.is_empty() { Value::Null } else { json!(rest) };
                 json!({"index": 0, "message": {"role": "assistant", "content": content, "refusal": null,
@@ -632,6 +720,9 @@ impl Responder {
             }
             (Endpoint::Completion, _) => json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}),
         };
+        if let Some(r) = reasoning {
+            choice["message"]["reasoning_content"] = json!(r);
+        }
         let mut v = self.envelope(false, json!([choice]));
         v["usage"] = Self::usage(o);
         v
@@ -648,13 +739,46 @@ impl Responder {
         })
     }
 
-    /// A chunk carrying one piece of text; `None` while a reply that may call tools is held back.
-    pub fn piece_chunk(&mut self, p: &Piece) -> Option<Value> {
+    /// The chunks one piece of text makes: none while a reply that may call tools is held back (or while the
+    /// reasoning split holds text that may be a tag), else its text as content, reasoning, or both in turn.
+    pub fn piece_chunk(&mut self, p: &Piece) -> Vec<Value> {
+        if let Some(split) = self.reasoning.as_mut() {
+            let s = split.push(&p.text);
+            self.lp_wait.push(p.clone());
+            return self.split_chunks(s);
+        }
         if self.tools.is_some() {
             self.held.push(p.clone());
-            return None;
+            return Vec::new();
         }
-        Some(self.text_chunk(p))
+        vec![self.text_chunk(p)]
+    }
+
+    /// Chunks of a step of the reasoning split: a `reasoning_content` delta, then a `content` delta (held back
+    /// instead when tools may be called).
+    fn split_chunks(&mut self, s: super::reasoning::Split) -> Vec<Value> {
+        let mut out = Vec::new();
+        if !s.reasoning.is_empty() {
+            out.push(self.delta_chunk(json!({"reasoning_content": s.reasoning})));
+        }
+        if !s.content.is_empty() {
+            if self.tools.is_some() {
+                self.held_text.push_str(&s.content);
+            } else {
+                out.push(self.delta_chunk(json!({"content": s.content})));
+            }
+        }
+        out
+    }
+
+    /// A chat chunk with `delta`, carrying the log-probabilities of the pieces not yet reported.
+    fn delta_chunk(&mut self, delta: Value) -> Value {
+        let pieces = std::mem::take(&mut self.lp_wait);
+        let lp = self.logprobs_of(&pieces);
+        self.envelope(
+            true,
+            json!([{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]),
+        )
     }
 
     fn text_chunk(&mut self, p: &Piece) -> Value {
@@ -671,6 +795,28 @@ impl Responder {
     /// The chunks that close the choice: a held-back reply (as tool-call deltas, or as its text), then the finish
     /// reason.
     pub fn finish_chunks(&mut self, finish: &str) -> Vec<Value> {
+        if let Some(mut split) = self.reasoning.take() {
+            let mut out = self.split_chunks(split.finish());
+            let text = std::mem::take(&mut self.held_text);
+            let mut finish = finish;
+            match self.calls(&text) {
+                Some((rest, calls)) => {
+                    let content = if rest.is_empty() { Value::Null } else { json!(rest) };
+                    let delta = json!({"content": content, "tool_calls": tools::tool_calls_json(&calls, true)});
+                    out.push(self.delta_chunk(delta));
+                    finish = "tool_calls";
+                }
+                None if !text.is_empty() => out.push(self.delta_chunk(json!({"content": text}))),
+                None => {}
+            }
+            let lp = std::mem::take(&mut self.lp_wait);
+            let mut end = self.finish_chunk(finish);
+            if !lp.is_empty() && self.logprobs.is_some() {
+                end["choices"][0]["logprobs"] = self.logprobs_of(&lp);
+            }
+            out.push(end);
+            return out;
+        }
         let held = std::mem::take(&mut self.held);
         if held.is_empty() {
             return vec![self.finish_chunk(finish)];
@@ -837,10 +983,10 @@ mod tests {
         )
         .unwrap();
         assert!(r.constraint.is_some());
-        let Prompt::ChatTools(msgs, tools) = &r.prompt else {
+        let Prompt::ChatWith(msgs, extras) = &r.prompt else {
             panic!("{:?}", r.prompt)
         };
-        assert_eq!(tools[0]["function"]["name"], "add");
+        assert_eq!(extras.tools.as_ref().unwrap()[0]["function"]["name"], "add");
         assert_eq!(msgs[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"]["a"], 1);
         assert_eq!(msgs[2].name.as_deref(), Some("add"));
         // A forced call shapes the reply: tool_calls, finish_reason tool_calls.
@@ -849,12 +995,229 @@ mod tests {
             text: r#"{"name":"add","arguments":{"a":1,"b":2}}"#.into(),
             ..Default::default()
         };
-        assert!(resp.piece_chunk(&piece).is_none(), "held back");
+        assert!(resp.piece_chunk(&piece).is_empty(), "held back");
         let chunks = resp.finish_chunks("stop");
         assert_eq!(
             chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
             "add"
         );
         assert_eq!(chunks[1]["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn template_kwargs_and_reasoning_fields_parse() {
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"hi"},
+                 {"role":"assistant","content":"A","reasoning_content":"because"},
+                 {"role":"assistant","content":"B","reasoning":"why"},
+                 {"role":"user","content":"more","reasoning_content":"ignored on a user turn"}],
+                 "chat_template_kwargs":{"enable_thinking":false,"depth":{"a":[1,2]}},"reasoning_format":"none"}"#,
+        )
+        .unwrap();
+        let Prompt::ChatWith(msgs, extras) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!(extras.kwargs["enable_thinking"], json!(false));
+        assert_eq!(extras.kwargs["depth"], json!({"a": [1, 2]}));
+        assert!(extras.tools.is_none());
+        let reasoning: Vec<Option<&str>> = msgs.iter().map(|m| m.reasoning_content.as_deref()).collect();
+        assert_eq!(reasoning, [None, Some("because"), Some("why"), None]);
+        assert_eq!(r.reasoning, Some(ReasoningFormat::None));
+        assert!(!r.splits_reasoning());
+        // The server's defaults: its variables under the request's, its format when the request names none.
+        let d = ChatDefaults {
+            kwargs: [
+                ("enable_thinking".to_string(), json!(true)),
+                ("x".to_string(), json!(1)),
+            ]
+            .into(),
+            reasoning: ReasoningFormat::Deepseek,
+        };
+        let r = r.with_defaults(&d);
+        let Prompt::ChatWith(_, extras) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!(
+            (&extras.kwargs["enable_thinking"], &extras.kwargs["x"]),
+            (&json!(false), &json!(1))
+        );
+        assert_eq!(r.reasoning, Some(ReasoningFormat::None));
+        let plain =
+            parse_chat(br#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":null}"#).unwrap();
+        assert!(matches!(plain.prompt, Prompt::Chat(_)), "{:?}", plain.prompt);
+        let plain = plain.with_defaults(&d);
+        assert!(plain.splits_reasoning());
+        let Prompt::ChatWith(_, extras) = &plain.prompt else {
+            panic!("{:?}", plain.prompt)
+        };
+        assert_eq!(extras.kwargs.len(), 2);
+        // A completion is never split and takes no template variables.
+        let c = parse_completion(br#"{"prompt":"a"}"#).unwrap().with_defaults(&d);
+        assert!(!c.splits_reasoning() && matches!(c.prompt, Prompt::Text(_)));
+    }
+
+    #[test]
+    fn bad_template_kwargs_and_reasoning_format_are_400() {
+        for (extra, param, words) in [
+            (
+                r#""chat_template_kwargs":{"messages":[]}"#,
+                "chat_template_kwargs",
+                "cannot be overridden",
+            ),
+            (
+                r#""chat_template_kwargs":{"add_generation_prompt":false}"#,
+                "chat_template_kwargs",
+                "reserved",
+            ),
+            (r#""chat_template_kwargs":{"tools":1}"#, "chat_template_kwargs", "tools"),
+            (
+                r#""chat_template_kwargs":{"eos_token":""}"#,
+                "chat_template_kwargs",
+                "eos_token",
+            ),
+            (r#""chat_template_kwargs":[1]"#, "chat_template_kwargs", "JSON object"),
+            (
+                r#""chat_template_kwargs":"enable_thinking""#,
+                "chat_template_kwargs",
+                "JSON object",
+            ),
+            (
+                r#""chat_template_kwargs":{"a b":1}"#,
+                "chat_template_kwargs",
+                "identifier",
+            ),
+            (
+                r#""reasoning_format":"deepseek-legacy""#,
+                "reasoning_format",
+                "\"none\", \"deepseek\" or \"auto\"",
+            ),
+        ] {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],{extra}}}"#);
+            let e = parse_chat(body.as_bytes()).unwrap_err();
+            assert_eq!(
+                (e.status, e.param),
+                (StatusCode::BAD_REQUEST, Some(param)),
+                "{extra}: {}",
+                e.message
+            );
+            assert!(e.message.contains(words), "{extra}: {}", e.message);
+        }
+        let big = format!(r#"{{"s":"{}"}}"#, "x".repeat(crate::chat::KWARGS_MAX_BYTES));
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"chat_template_kwargs":{big}}}"#);
+        assert_eq!(
+            parse_chat(body.as_bytes()).unwrap_err().param,
+            Some("chat_template_kwargs")
+        );
+    }
+
+    fn outcome(n: usize) -> Outcome {
+        Outcome {
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: n,
+            finish: Finish::Eog,
+            t_prompt: Default::default(),
+            t_gen: Default::default(),
+            detail: vec![],
+        }
+    }
+
+    fn pieces(texts: &[&str]) -> Vec<Piece> {
+        texts
+            .iter()
+            .map(|t| Piece {
+                text: t.to_string(),
+                token: Some(1),
+                logprob: Some(-0.5),
+                top: vec![],
+            })
+            .collect()
+    }
+
+    const REPLY: [&str; 7] = ["<think>", "\nadd", " them", "\n</think>", "\n\n", "Four", "."];
+
+    #[test]
+    fn reasoning_is_split_off_whole_replies() {
+        let ps = pieces(&REPLY);
+        let mut r = Responder::new(Endpoint::Chat, "m", Some(0));
+        r.think(ThinkTags::default(), false);
+        let v = r.full(&ps, "stop", &outcome(ps.len()));
+        let msg = &v["choices"][0]["message"];
+        assert_eq!(
+            (msg["reasoning_content"].as_str(), msg["content"].as_str()),
+            (Some("add them"), Some("Four."))
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 7);
+        assert_eq!(v["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), 7);
+        // Without the job's word (format none, a completion), the reply is untouched.
+        let v = Responder::new(Endpoint::Chat, "m", None).full(&ps, "stop", &outcome(7));
+        assert_eq!(v["choices"][0]["message"]["content"], REPLY.concat());
+        assert!(v["choices"][0]["message"].get("reasoning_content").is_none());
+        let mut c = Responder::new(Endpoint::Completion, "m", None);
+        c.think(ThinkTags::default(), true);
+        assert_eq!(c.full(&ps, "stop", &outcome(7))["choices"][0]["text"], REPLY.concat());
+        // A reply without a block has no reasoning_content; a prompt that opened one makes it all reasoning.
+        let mut r = Responder::new(Endpoint::Chat, "m", None);
+        r.think(ThinkTags::default(), false);
+        let v = r.full(&pieces(&["Hi", "!"]), "stop", &outcome(2));
+        assert!(v["choices"][0]["message"].get("reasoning_content").is_none(), "{v}");
+        let mut r = Responder::new(Endpoint::Chat, "m", None);
+        r.think(ThinkTags::default(), true);
+        let v = r.full(&pieces(&["\nhmm", " so"]), "length", &outcome(2));
+        assert_eq!(v["choices"][0]["message"]["reasoning_content"], "hmm so");
+        assert_eq!(v["choices"][0]["message"]["content"], "");
+    }
+
+    #[test]
+    fn reasoning_is_split_off_streams() {
+        let ps = pieces(&REPLY);
+        let mut r = Responder::new(Endpoint::Chat, "m", Some(0));
+        r.think(ThinkTags::default(), false);
+        let mut chunks: Vec<Value> = ps.iter().flat_map(|p| r.piece_chunk(p)).collect();
+        chunks.extend(r.finish_chunks("stop"));
+        let field = |k: &str| -> String {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"][k].as_str())
+                .collect()
+        };
+        assert_eq!(
+            (field("reasoning_content"), field("content")),
+            ("add them".into(), "Four.".into())
+        );
+        // No delta carries both; every piece's log-probability is reported once.
+        assert!(chunks.iter().all(|c| {
+            let d = &c["choices"][0]["delta"];
+            d.get("content").is_none() || d.get("reasoning_content").is_none()
+        }));
+        let lps: usize = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+            .map(Vec::len)
+            .sum();
+        assert_eq!(lps, 7);
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+        // With tools: reasoning streams, the answer is held and parsed as a call.
+        let r2 = parse_chat(
+            br#"{"messages":[{"role":"user","content":"add"}],
+                 "tools":[{"type":"function","function":{"name":"add","parameters":{"type":"object"}}}]}"#,
+        )
+        .unwrap();
+        let mut resp = Responder::new(Endpoint::Chat, "m", None).with_tools(r2.tools.clone());
+        resp.think(ThinkTags::default(), false);
+        let call = r#"<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>"#;
+        let mut chunks: Vec<Value> = pieces(&["<think>I will call.</think>\n", call])
+            .iter()
+            .flat_map(|p| resp.piece_chunk(p))
+            .collect();
+        assert_eq!(chunks.len(), 1, "{chunks:?}");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["reasoning_content"], "I will call.");
+        chunks = resp.finish_chunks("stop");
+        assert_eq!(
+            chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+            "add"
+        );
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
     }
 }

@@ -7,6 +7,7 @@ use super::openai::ApiError;
 use super::router::{self, NodeView, SlotView};
 use super::status::{Finished, Status};
 use super::stop::StopFilter;
+use crate::chat::ThinkTags;
 use crate::generate::GenParams;
 use crate::generate::{Finish, Generator, Outcome, Piece, Prompt};
 use anyhow::Result;
@@ -28,6 +29,12 @@ pub enum Event {
     },
     /// Before the first piece: the HTTP status to answer with. After it: the stream ends with an error event.
     Error(ApiError),
+    /// Before the first piece of a job that splits reasoning off: the model's think tags, and whether the rendered
+    /// prompt leaves a think block open (the reply then starts inside it).
+    Thinking {
+        tags: ThinkTags,
+        prompt_opens: bool,
+    },
 }
 
 /// Builds (or rebuilds after a failure) the generator of one slot.
@@ -49,6 +56,9 @@ pub struct Job {
     pub max_tokens: Option<usize>,
     pub params: GenParams,
     pub stops: Vec<String>,
+    /// Split the reply's think block off (a chat request whose reasoning format is not `none`): the slot tells the
+    /// HTTP side the model's tags and whether the prompt opens the block ([`Event::Thinking`]).
+    pub reasoning: bool,
     pub key: String,
     pub tx: UnboundedSender<Event>,
     pub arrived: Instant,
@@ -679,6 +689,19 @@ fn run_job(
     };
     let mut params = job.params.clone();
     params.max_tokens = max_tokens;
+    if job.reasoning {
+        let text = g.text();
+        match text.prompt_opens_think(&job.prompt) {
+            Ok(prompt_opens) => {
+                let tags = text.think.clone();
+                let _ = job.tx.send(Event::Thinking { tags, prompt_opens });
+            }
+            Err(e) => {
+                let _ = job.tx.send(Event::Error(ApiError::bad(param, format!("{e:#}"))));
+                return Ran::Over;
+            }
+        }
+    }
 
     let mut filter = StopFilter::new(job.stops.clone());
     let mut generated = String::new();
@@ -875,6 +898,7 @@ pub(crate) mod tests {
             max_tokens: Some(4),
             params: GenParams::default(),
             stops: Vec::new(),
+            reasoning: false,
             key: prompt.into(),
             tx,
             arrived: Instant::now(),
@@ -896,6 +920,7 @@ pub(crate) mod tests {
             Some(Event::Piece(p)) => assert_eq!(p.text, "ok", "{what}"),
             Some(Event::Error(e)) => panic!("{what}: error {} {}", e.status, e.message),
             Some(Event::Done { .. }) => panic!("{what}: done without text"),
+            Some(Event::Thinking { .. }) => panic!("{what}: think tags for a text prompt"),
             None => panic!("{what}: channel closed without an answer"),
         }
         assert!(

@@ -42,6 +42,8 @@ pub struct App {
     pub text: Option<Arc<crate::generate::TextModel>>,
     /// Computes `/v1/embeddings` where the whole model is in this process.
     pub embedder: Option<Arc<super::embeddings::Embedder>>,
+    /// Template variables and reasoning format of chat requests that do not set them.
+    pub chat_defaults: openai::ChatDefaults,
 }
 
 pub type AppState = Arc<App>;
@@ -285,7 +287,7 @@ async fn handle(app: AppState, req: Result<Request, ApiError>, id: RequestId) ->
 }
 
 async fn run(app: AppState, req: Result<Request, ApiError>, id: RequestId) -> Result<Response, ApiError> {
-    let req = req?;
+    let req = req?.with_defaults(&app.chat_defaults);
     if let Some(m) = &req.model
         && !app.serves(m)
     {
@@ -300,6 +302,7 @@ async fn run(app: AppState, req: Result<Request, ApiError>, id: RequestId) -> Re
             ..req.gen_params(0)
         },
         stops: req.stops.clone(),
+        reasoning: req.splits_reasoning(),
         key: req.affinity_key(),
         tx,
         arrived: Instant::now(),
@@ -309,7 +312,11 @@ async fn run(app: AppState, req: Result<Request, ApiError>, id: RequestId) -> Re
     app.sched.submit(job)?;
     let mut resp = Responder::new(req.endpoint, &app.model_id, req.logprobs).with_tools(req.tools.clone());
     // The first event decides the HTTP status: an error before any text is a plain error response.
-    let first = rx.recv().await.ok_or_else(dropped)?;
+    let mut first = rx.recv().await.ok_or_else(dropped)?;
+    if let Event::Thinking { tags, prompt_opens } = first {
+        resp.think(tags, prompt_opens);
+        first = rx.recv().await.ok_or_else(dropped)?;
+    }
     if let Event::Error(e) = first {
         return Err(e);
     }
@@ -324,6 +331,7 @@ async fn run(app: AppState, req: Result<Request, ApiError>, id: RequestId) -> Re
                     return Ok(axum::Json(resp.full(&pieces, fin, &outcome)).into_response());
                 }
                 Event::Error(e) => return Err(e),
+                Event::Thinking { tags, prompt_opens } => resp.think(tags, prompt_opens),
             }
             ev = rx.recv().await.ok_or_else(dropped)?;
         }
@@ -386,10 +394,12 @@ impl Sse {
     fn on(&mut self, ev: Event) {
         match ev {
             Event::Piece(p) => {
-                if let Some(c) = self.resp.piece_chunk(&p) {
+                for c in self.resp.piece_chunk(&p) {
                     self.pending.push_back(sse(&c));
                 }
             }
+            // A job retried on another slot says it again before its first piece.
+            Event::Thinking { tags, prompt_opens } => self.resp.think(tags, prompt_opens),
             Event::Done { outcome, stop_matched } => {
                 let fin = openai::finish_reason(outcome.finish, stop_matched);
                 for c in self.resp.finish_chunks(fin) {
@@ -428,6 +438,7 @@ mod tests {
             body_timeout: std::time::Duration::from_secs(1),
             text: None,
             embedder: None,
+            chat_defaults: Default::default(),
         });
         let resp = health(State(app)).await;
         let code = resp.status();
