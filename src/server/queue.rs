@@ -809,6 +809,16 @@ pub(crate) mod tests {
     /// Every wait in these tests ends within this.
     const WAIT: Duration = Duration::from_secs(10);
 
+    /// The generated tiny llama's tokenizer and template (tests/models, committed), for what the queue reads of a
+    /// generator's text model; the fake itself counts every prompt as one token.
+    fn fake_text() -> &'static TextModel {
+        static TEXT: std::sync::OnceLock<TextModel> = std::sync::OnceLock::new();
+        TEXT.get_or_init(|| {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/llama3.gguf");
+            TextModel::open(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()))
+        })
+    }
+
     /// A stand-in generator: panics on the prompt "boom"; on "break" it also makes the factory's next build fail
     /// (so exactly the crashed slot's restart fails); otherwise answers "ok". Holds the count of builds to fail.
     struct Fake(Arc<AtomicUsize>);
@@ -821,7 +831,7 @@ pub(crate) mod tests {
             64
         }
         fn text(&self) -> &TextModel {
-            unimplemented!("the fake generator has no tokenizer; count_prompt is overridden")
+            fake_text()
         }
         fn count_prompt(&self, _prompt: &Prompt) -> Result<usize> {
             Ok(1)
