@@ -1,11 +1,11 @@
 //! Quantized mat-vec (decode, one token) and mat-mul (prefill, a batch of tokens), and the fused gate/up
 //! projection of the gated feed-forward (`shaders/matmul.wgsl` over `shaders/quant.wgsl`).
 //!
-//! The weights stay in their GGUF blocks and are dequantized 32 at a time; activations stay f32 (the CPU kernels
-//! quantize them to 8 bits first, so the GPU's sums are the closer of the two to the exact product). Two kernels:
-//! `matmul.wgsl` dequantizes a unit into registers and dots it with up to 8 tokens (decode), `matmul_tiled.wgsl`
-//! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks
-//! (on a software adapter [`TILED_MIN_SOFTWARE`]).
+//! The weights stay in their GGUF blocks; activations stay f32 (the CPU kernels quantize them to 8 bits first, so
+//! the GPU's sums are the closer of the two to the exact product). Two kernels: `matmul.wgsl` dots each 32-weight
+//! unit straight from its block with one token's activations (`dot.wgsl`), token after token (decode and small
+//! batches); `matmul_tiled.wgsl` dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens
+//! (prefill); [`TILED_MIN`] picks (on a software adapter [`TILED_MIN_SOFTWARE`]).
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;
@@ -24,8 +24,8 @@ const TT: usize = 8;
 /// matrix's batch too few workgroups until then.
 pub(super) const TILED_MIN: usize = 32;
 
-/// The same on a software adapter, where from 9 tokens on the per-row kernel would dequantize every weight once
-/// per 8 tokens and the tiled one once per 32 (and both take the same time on lavapipe; the tests run both).
+/// The same on a software adapter, where from 9 tokens on the per-row kernel would decode every weight once per
+/// token and the tiled one once per 32 (the tests run both).
 pub(super) const TILED_MIN_SOFTWARE: usize = TT + 1;
 
 /// The tiled kernel's tile: weight rows of the plain matmul, of each matrix of the fused gate/up one, and tokens
@@ -141,15 +141,50 @@ pub(super) fn dequantizers(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
     out
 }
 
+/// Whether `dot.wgsl` has a dot product straight from `ty`'s blocks (the others dequantize first).
+fn has_dot(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4K | Q5K | Q6K
+    )
+}
+
+/// `dot.wgsl` for weights of type `ty`, instantiated for each weight buffer as [`dequantizers`] is: the shared
+/// helpers, the row walk and `ty`'s own dot product only (`dot_dq` for a type without one).
+fn dots(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
+    let own = own_name(ty);
+    let decl = format!("fn dot_{own}_$F(");
+    let items: Vec<&str> = wgsl::DOT
+        .split("\n\n")
+        .filter(|item| {
+            !item.contains("fn dot_")
+                || item.contains(&decl)
+                || item.contains("fn dot_$F(")
+                || item.contains("fn row_dot_")
+        })
+        .collect();
+    let text = items.join("\n\n").replace("$D", own);
+    bufs.iter()
+        .map(|(buf, suffix)| text.replace("$W", buf).replace("$F", suffix) + "\n")
+        .collect()
+}
+
+/// The name `dot_$F` calls for `ty`: its own dot product or the dequantizing one.
+fn own_name(ty: GgmlType) -> &'static str {
+    if has_dot(ty) { wgsl_type(ty) } else { "dq" }
+}
+
 /// The matmul module (`kernel`: per-row or tiled) for weights of type `ty`: the dequantizer instantiated for both
-/// weight buffers.
+/// weight buffers, and for the per-row kernel the dot products.
 fn source(ty: GgmlType, kernel: &str) -> String {
-    module(&[
-        wgsl::ACT,
-        wgsl::MATMUL_IO,
-        &dequantizers(ty, &[("wa", "a"), ("wb", "b")]),
-        kernel,
-    ])
+    let weights = [("wa", "a"), ("wb", "b")];
+    let dot = if kernel == wgsl::MATMUL {
+        dots(ty, &weights)
+    } else {
+        String::new()
+    };
+    module(&[wgsl::ACT, wgsl::MATMUL_IO, &dequantizers(ty, &weights), &dot, kernel])
 }
 
 /// The activation's code in `act.wgsl`.
@@ -217,9 +252,9 @@ impl Pass<'_> {
     }
 
     fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
-        let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
         // Rows and tokens per workgroup.
         let tiled = n >= self.tiled_min;
+        let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
         let (pipeline, rpw, tt) = if tiled {
             let key = format!("matmul_tiled_{}", wgsl_type(w.ty));
             let pipeline = self
@@ -508,6 +543,37 @@ mod tests {
         }
     }
 
+    /// The float types' mat-vec on rows that are not a whole number of units (the last one padded, buffers.rs) or
+    /// not whole vec4s: the tail takes the scalar loop, for one token and, as the picks of a mixture do, for rows of
+    /// `x` past the first.
+    #[test]
+    fn matvec_rows_of_any_length() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2107);
+        for ty in [F32, F16, BF16] {
+            for cols in [70, 100, 31] {
+                let rows = 9;
+                let w = random_matrix(&mut rng, ty, rows, cols);
+                let x: Vec<f32> = (0..cols).map(|_| rng.normal()).collect();
+                let (exact, mag) = reference(&w, &x, 1);
+                let (gw, gx) = (gpu.upload_matrix(&w).unwrap(), gpu.upload(&x).unwrap());
+                for lanes in [1, 16] {
+                    let gy = gpu.zeros(rows).unwrap();
+                    let mut pass = gpu.pass().with_lanes(lanes);
+                    pass.matmul(&gw, &gx, 1, &gy).unwrap();
+                    pass.finish().unwrap();
+                    for (i, g) in gpu.read(&gy).unwrap().into_iter().enumerate() {
+                        assert!(
+                            (g as f64 - exact[i]).abs() <= TOL * mag[i] + 1e-6,
+                            "{ty} {rows}x{cols} lanes {lanes} out {i}: GPU {g} vs exact {}",
+                            exact[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
     /// alike into parts; a grid i-quant, whose two dequantizers share the codebooks) and not (gate and up of different types, or split differently), through both kernels, on
     /// a small batch and one of partial tiles (45 rows: 32 + 13; 35 tokens: 32 + 3); the activations are checked
@@ -526,7 +592,10 @@ mod tests {
             (Q3K, Q3K, 0),
             (IQ2S, IQ2S, 1),
         ];
-        for ((tg, tu, split), (rows, n)) in cases.into_iter().flat_map(|c| [(c, (21, 3)), (c, (45, 35))]) {
+        for ((tg, tu, split), (rows, n)) in cases
+            .into_iter()
+            .flat_map(|c| [(c, (21, 1)), (c, (21, 3)), (c, (45, 35))])
+        {
             let gate = random_matrix(&mut rng, tg, rows, cols);
             let up = random_matrix(&mut rng, tu, rows, cols);
             let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
@@ -632,14 +701,21 @@ mod tests {
         }
     }
 
-    /// A matmul module holds its own type's dequantizer only.
+    /// A matmul module holds its own type's dequantizer only, and the per-row one its own type's dot product (a
+    /// type without one, the dequantizing dot).
     #[test]
     fn source_holds_one_type() {
         for kernel in [super::wgsl::MATMUL, super::wgsl::MATMUL_TILED] {
             let s = super::source(Q8_0, kernel);
             assert!(s.contains("fn dq_q8_0_a(") && s.contains("fn dq_q8_0_b(") && s.contains("fn dequant_a("));
             assert!(!s.contains("dq_q4_k") && !s.contains('$'));
+            assert!(!s.contains("fn dot_q4_k") && !s.contains("fn dot_dq"));
+            assert_eq!(s.contains("fn dot_q8_0_a("), kernel == super::wgsl::MATMUL);
         }
+        let s = super::source(IQ2S, super::wgsl::MATMUL);
+        assert!(s.contains("fn dot_dq_b(") && s.contains("return dot_dq_a(") && !s.contains("fn dot_q8_0"));
+        let s = super::source(Q6K, super::wgsl::MATMUL);
+        assert!(s.contains("fn dot_q6_k_a(") && s.contains("fn q6_part_a(") && !s.contains("fn dot_dq"));
     }
 
     /// Bad shapes and types are errors, not panics or device faults.

@@ -45,6 +45,7 @@ mod wgsl {
     pub const QUANT: &str = include_str!("shaders/quant.wgsl");
     pub const MATMUL_IO: &str = include_str!("shaders/matmul_io.wgsl");
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
+    pub const DOT: &str = include_str!("shaders/dot.wgsl");
     pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
     pub const NORM: &str = include_str!("shaders/norm.wgsl");
