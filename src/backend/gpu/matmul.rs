@@ -2,10 +2,11 @@
 //! projection of the gated feed-forward (`shaders/matmul.wgsl` over `shaders/quant.wgsl`).
 //!
 //! The weights stay in their GGUF blocks; activations stay f32 (the CPU kernels quantize them to 8 bits first, so
-//! the GPU's sums are the closer of the two to the exact product). Two kernels: `matmul.wgsl` dots each 32-weight
-//! unit straight from its block with one token's activations (`dot.wgsl`), token after token (decode and small
-//! batches); `matmul_tiled.wgsl` dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens
-//! (prefill); [`TILED_MIN`] picks (on a software adapter [`TILED_MIN_SOFTWARE`]).
+//! the GPU's sums are the closer of the two to the exact product). Three kernels: `matvec` (`matmul.wgsl`) dots
+//! each 32-weight unit straight from its block with one token's activations (`dot.wgsl`: decode); `matmul` there
+//! dequantizes a unit once into registers and dots it with up to 8 tokens (small batches); `matmul_tiled.wgsl`
+//! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks
+//! (on a software adapter [`TILED_MIN_SOFTWARE`]).
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;
@@ -24,8 +25,8 @@ const TT: usize = 8;
 /// matrix's batch too few workgroups until then.
 pub(super) const TILED_MIN: usize = 32;
 
-/// The same on a software adapter, where from 9 tokens on the per-row kernel would decode every weight once per
-/// token and the tiled one once per 32 (the tests run both).
+/// The same on a software adapter, where from 9 tokens on the per-row kernel would dequantize every weight once
+/// per 8 tokens and the tiled one once per 32 (and both take the same time on lavapipe; the tests run both).
 pub(super) const TILED_MIN_SOFTWARE: usize = TT + 1;
 
 /// The tiled kernel's tile: weight rows of the plain matmul, of each matrix of the fused gate/up one, and tokens
@@ -254,7 +255,12 @@ impl Pass<'_> {
     fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
         // Rows and tokens per workgroup.
         let tiled = n >= self.tiled_min;
-        let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
+        let entry = match (up.is_some(), n == 1 && !tiled) {
+            (false, true) => "matvec",
+            (true, true) => "matvec_glu",
+            (false, false) => "matmul",
+            (true, false) => "matmul_glu",
+        };
         let (pipeline, rpw, tt) = if tiled {
             let key = format!("matmul_tiled_{}", wgsl_type(w.ty));
             let pipeline = self

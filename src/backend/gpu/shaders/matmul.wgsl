@@ -2,23 +2,140 @@
 // W is one part of a matrix (rows row0.. of it, see buffers.rs), y has rows of y_stride values.
 //
 // A workgroup of 64 threads takes RPW = 64 / LANES weight rows for up to TT = 8 tokens: LANES threads per row walk
-// the row's 32-weight units, each dotted straight from its block with the token's activations (dot.wgsl), then
-// the lanes' sums are added in workgroup memory; the next token walks the same bytes again, from the cache. LANES
-// is 16 on a GPU (threads of a row read neighbouring blocks) and 1 on a software adapter, where a barrier costs
-// more than a whole row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see
-// device::grid) and z over the token tiles. Batches from TILED_MIN tokens on take matmul_tiled.wgsl.
+// the row's 32-weight units, then the lanes' sums are added in workgroup memory. For one token (matvec) each unit
+// is dotted straight from its block (dot.wgsl); for several (matmul) it is dequantized once into an array and
+// dotted with every token's activations, so the weights are decoded once per 8 tokens. LANES is 16 on a GPU
+// (threads of a row read neighbouring blocks) and 1 on a software adapter, where a barrier costs more than a whole
+// row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see device::grid) and z
+// over the token tiles. Batches from TILED_MIN tokens on take matmul_tiled.wgsl.
 
 override LANES: u32 = 16u;
 override RPW: u32 = 4u;
 const TT: u32 = 8u;
 
-var<workgroup> red_a: array<f32, 64>;
-var<workgroup> red_b: array<f32, 64>;
+var<workgroup> red_a: array<f32, 512>;
+var<workgroup> red_b: array<f32, 512>;
 
 // The activations again, as vectors (x's buffer at a second binding, matmul.rs): a unit's 32 values are 8 loads,
 // not 32. The lanes of a row read units 128 bytes apart, so each load instruction touches as many cache lines
 // whatever its width: a quarter of the instructions is a quarter of the traffic.
 @group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
+
+// Row `row`'s dot products with tokens t0.. (nt of them) of one unit.
+fn dot_unit(w: ptr<function, array<f32, 32>>, u: u32, t0: u32, nt: u32, acc: ptr<function, array<f32, 8>>) {
+    for (var t = 0u; t < TT; t++) {
+        if (t < nt) {
+            let xb = (t0 + t) * p.cols + u * 32u;
+            var s = 0.0;
+            if (u * 32u + 32u <= p.cols && (p.cols & 3u) == 0u) {
+                var s4 = vec4<f32>(0.0);
+                for (var i = 0u; i < 8u; i++) {
+                    let wv = vec4<f32>((*w)[4u * i], (*w)[4u * i + 1u], (*w)[4u * i + 2u], (*w)[4u * i + 3u]);
+                    s4 += wv * x4[(xb >> 2u) + i];
+                }
+                s = (s4.x + s4.y) + (s4.z + s4.w);
+            } else {
+                // Rows whose length is not a multiple of 4, or a float matrix's last unit padded past the row
+                // (buffers.rs).
+                for (var i = 0u; i < min(32u, p.cols - u * 32u); i++) {
+                    s += (*w)[i] * x[xb + i];
+                }
+            }
+            (*acc)[t] += s;
+        }
+    }
+}
+
+@compute @workgroup_size(64)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % LANES;
+    let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
+    let t0 = wid.z * TT;
+    let nt = min(TT, p.n_tok - t0);
+    var acc: array<f32, 8>;
+    if (row < p.rows) {
+        let rb = row * p.row_bytes;
+        for (var u = lane; u < p.units; u += LANES) {
+            var w: array<f32, 32>;
+            dequant_a(rb, u, &w);
+            dot_unit(&w, u, t0, nt, &acc);
+        }
+    }
+    if (LANES == 1u) {
+        if (row < p.rows) {
+            for (var t = 0u; t < nt; t++) {
+                y[(t0 + t) * p.y_stride + p.row0 + row] = acc[t];
+            }
+        }
+        return;
+    }
+    for (var t = 0u; t < TT; t++) {
+        red_a[li * TT + t] = acc[t];
+    }
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s = s / 2u) {
+        if (lane < s) {
+            for (var t = 0u; t < TT; t++) {
+                red_a[li * TT + t] += red_a[(li + s) * TT + t];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        for (var t = 0u; t < nt; t++) {
+            y[(t0 + t) * p.y_stride + p.row0 + row] = red_a[li * TT + t];
+        }
+    }
+}
+
+// The gated feed-forward's first half: y[t, r] = act(G[r, :]·x[t, :]) · (U[r, :]·x[t, :]), gate in wa, up in wb
+// (both of the same type).
+@compute @workgroup_size(64)
+fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % LANES;
+    let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
+    let t0 = wid.z * TT;
+    let nt = min(TT, p.n_tok - t0);
+    var acc_g: array<f32, 8>;
+    var acc_u: array<f32, 8>;
+    if (row < p.rows) {
+        let rb = row * p.row_bytes;
+        for (var u = lane; u < p.units; u += LANES) {
+            var w: array<f32, 32>;
+            dequant_a(rb, u, &w);
+            dot_unit(&w, u, t0, nt, &acc_g);
+            dequant_b(rb, u, &w);
+            dot_unit(&w, u, t0, nt, &acc_u);
+        }
+    }
+    if (LANES == 1u) {
+        if (row < p.rows) {
+            for (var t = 0u; t < nt; t++) {
+                y[(t0 + t) * p.y_stride + p.row0 + row] = glu(p.act, acc_g[t], acc_u[t]);
+            }
+        }
+        return;
+    }
+    for (var t = 0u; t < TT; t++) {
+        red_a[li * TT + t] = acc_g[t];
+        red_b[li * TT + t] = acc_u[t];
+    }
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s = s / 2u) {
+        if (lane < s) {
+            for (var t = 0u; t < TT; t++) {
+                red_a[li * TT + t] += red_a[(li + s) * TT + t];
+                red_b[li * TT + t] += red_b[(li + s) * TT + t];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        for (var t = 0u; t < nt; t++) {
+            y[(t0 + t) * p.y_stride + p.row0 + row] = glu(p.act, red_a[li * TT + t], red_b[li * TT + t]);
+        }
+    }
+}
 
 // Sums a and b each over the LANES threads of every row, for the row's lane 0: every thread of the workgroup
 // calls it (it holds barriers).
@@ -40,41 +157,34 @@ fn lanes_sum(li: u32, a: f32, b: f32) -> vec2<f32> {
     return vec2<f32>(red_a[li], red_b[li]);
 }
 
+// The mat-vec of a decode step (one token; the mixtures' picks below too): each unit dotted straight from its
+// block (dot.wgsl), no array.
 @compute @workgroup_size(64)
-fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
-    let t0 = wid.z * TT;
-    let t1 = min(t0 + TT, p.n_tok);
-    for (var t = t0; t < t1; t++) {
-        var acc = 0.0;
-        if (row < p.rows) {
-            acc = row_dot_a(row * p.row_bytes, t * p.cols, li % LANES);
-        }
-        let s = lanes_sum(li, acc, 0.0);
-        if (li % LANES == 0u && row < p.rows) {
-            y[t * p.y_stride + p.row0 + row] = s.x;
-        }
+    var acc = 0.0;
+    if (row < p.rows) {
+        acc = row_dot_a(row * p.row_bytes, 0u, li % LANES);
+    }
+    let s = lanes_sum(li, acc, 0.0);
+    if (li % LANES == 0u && row < p.rows) {
+        y[p.row0 + row] = s.x;
     }
 }
 
-// The gated feed-forward's first half: y[t, r] = act(G[r, :]·x[t, :]) · (U[r, :]·x[t, :]), gate in wa, up in wb
-// (both of the same type).
+// The gated feed-forward's first half for one token: y[r] = act(G[r, :]·x) · (U[r, :]·x), gate in wa, up in wb.
 @compute @workgroup_size(64)
-fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn matvec_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
-    let t0 = wid.z * TT;
-    let t1 = min(t0 + TT, p.n_tok);
-    for (var t = t0; t < t1; t++) {
-        var g = 0.0;
-        var u = 0.0;
-        if (row < p.rows) {
-            g = row_dot_a(row * p.row_bytes, t * p.cols, li % LANES);
-            u = row_dot_b(row * p.row_bytes, t * p.cols, li % LANES);
-        }
-        let s = lanes_sum(li, g, u);
-        if (li % LANES == 0u && row < p.rows) {
-            y[t * p.y_stride + p.row0 + row] = glu(p.act, s.x, s.y);
-        }
+    var g = 0.0;
+    var u = 0.0;
+    if (row < p.rows) {
+        g = row_dot_a(row * p.row_bytes, 0u, li % LANES);
+        u = row_dot_b(row * p.row_bytes, 0u, li % LANES);
+    }
+    let s = lanes_sum(li, g, u);
+    if (li % LANES == 0u && row < p.rows) {
+        y[p.row0 + row] = glu(p.act, s.x, s.y);
     }
 }
 
