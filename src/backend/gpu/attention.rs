@@ -1,10 +1,9 @@
-//! Attention over the f16 KV cache (`shaders/attention.wgsl`) and the writes into it (`shaders/kv.wgsl`).
+//! Attention over the f16 KV cache (`shaders/attention.wgsl`); the writes into it are `rope.rs`'s.
 //!
 //! The cache is one layer's K `[n_head_kv, n_ctx, hdk]` and V `[n_head_kv, n_ctx, hdv]`, f16, as the CPU keeps it
 //! (`backend::LayerKv`), so a handoff or snapshot reads the same layout from either backend.
 
 use super::buffers::{Halves, Tensor, U32s};
-use super::device::grid;
 use super::{Pass, module, u32_of, wgsl};
 use crate::backend::AttnShape;
 use anyhow::{Result, ensure};
@@ -122,50 +121,6 @@ impl Pass<'_> {
         }
         Ok(())
     }
-
-    /// Writes the `n` rows of `src` (`[n, n_head_kv, hd]`, K after RoPE or V) into `cache` (`[n_head_kv, n_ctx,
-    /// hd]`, f16), row `t` at position `pos[t]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(
-        &mut self,
-        src: &Tensor,
-        n: usize,
-        n_head_kv: usize,
-        hd: usize,
-        cache: &Halves,
-        n_ctx: usize,
-        pos: &U32s,
-    ) -> Result<()> {
-        ensure!(hd.is_multiple_of(2), "the GPU cache takes even head sizes, not {hd}");
-        ensure!(src.len() >= n * n_head_kv * hd, "KV rows too small");
-        ensure!(cache.len() >= n_head_kv * n_ctx * hd, "KV cache too small");
-        ensure!(pos.len() >= n, "KV store of {n} rows given {} positions", pos.len());
-        ensure!(
-            (pos.max() as usize) < n_ctx,
-            "KV store at position {} of a cache of {n_ctx}",
-            pos.max()
-        );
-        let pairs = n * n_head_kv * hd / 2;
-        if pairs == 0 {
-            return Ok(());
-        }
-        let pipeline = self.gpu().pipeline("kv", "kv_store", &[], || module(&[wgsl::KV]))?;
-        let (gx, gy) = grid(u32_of(pairs.div_ceil(64), "KV values")?);
-        let params = [
-            u32_of(n, "rows")?,
-            u32_of(n_head_kv, "KV heads")?,
-            u32_of(hd, "head size")?,
-            u32_of(n_ctx, "context")?,
-            gx,
-        ];
-        self.dispatch(
-            &pipeline,
-            &params,
-            &[(1, &src.buf), (2, &cache.buf), (3, &pos.buf)],
-            (gx, gy, 1),
-        );
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -269,42 +224,5 @@ mod tests {
         assert_eq!(super::attention_splits(32, 256), (u32::MAX, 1));
         assert_eq!(super::attention_splits(16384, 4096), (u32::MAX, 1));
         assert_eq!(super::attention_splits(512, 4096), (2048, 2));
-    }
-
-    /// Rows written into the cache land at their positions as the f16 the CPU would store, and the rest of the
-    /// cache is left as it was.
-    #[test]
-    fn kv_store_writes_f16_rows_at_positions() {
-        let Some(gpu) = test_gpu() else { return };
-        let mut rng = Rng(2141);
-        let (n_head_kv, hd, n_ctx) = (3, 64, 40);
-        let pos = [4u32, 5, 39];
-        let src: Vec<f32> = (0..pos.len() * n_head_kv * hd).map(|_| rng.normal()).collect();
-        let old: Vec<f16> = (0..n_head_kv * n_ctx * hd)
-            .map(|_| f16::from_f32(rng.normal()))
-            .collect();
-        let mut want = old.clone();
-        for (t, &p) in pos.iter().enumerate() {
-            for h in 0..n_head_kv {
-                for i in 0..hd {
-                    want[(h * n_ctx + p as usize) * hd + i] = f16::from_f32(src[(t * n_head_kv + h) * hd + i]);
-                }
-            }
-        }
-        let (gs, gc, gp) = (
-            gpu.upload(&src).unwrap(),
-            gpu.upload_halves(&old).unwrap(),
-            gpu.upload_u32(&pos).unwrap(),
-        );
-        let mut pass = gpu.pass();
-        pass.kv_store(&gs, pos.len(), n_head_kv, hd, &gc, n_ctx, &gp).unwrap();
-        assert!(pass.kv_store(&gs, pos.len(), n_head_kv, hd, &gc, 39, &gp).is_err());
-        pass.finish().unwrap();
-        let got = gpu.read_halves(&gc).unwrap();
-        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-            // WGSL leaves pack2x16float's rounding to the implementation: one f16 step at most.
-            let step = (e.to_f32().abs() * 2f32.powi(-10)).max(6e-8);
-            assert!((g.to_f32() - e.to_f32()).abs() <= step, "at {i}: {g} vs {e}");
-        }
     }
 }

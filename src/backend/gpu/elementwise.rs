@@ -1,5 +1,5 @@
-//! Element-wise ops (`shaders/elementwise.wgsl`): the residual add, a bias added to every row, and the GLU activation for a feed-forward whose
-//! gate and up matrices are of different types (otherwise `matmul_glu` applies it in the matmul).
+//! Element-wise ops (`shaders/elementwise.wgsl`): the residual add (where no RMSNorm follows it in the pass), and
+//! the GLU activation for a feed-forward whose gate and up matrices are of different types (otherwise `matmul_glu` applies it in the matmul).
 
 use super::buffers::Tensor;
 use super::device::grid;
@@ -15,40 +15,17 @@ fn source() -> String {
 impl Pass<'_> {
     /// `x[..n] += y[..n]` (the residual add).
     pub fn add(&mut self, x: &Tensor, y: &Tensor, n: usize) -> Result<()> {
-        self.elementwise("add", x, y, n, Glu::Silu, 0)
-    }
-
-    /// `x[r, ..] += bias` for the first `n_rows` rows of width `bias.len()` (Qwen 2's Q/K/V biases).
-    pub fn add_rows(&mut self, x: &Tensor, bias: &Tensor, n_rows: usize) -> Result<()> {
-        let width = bias.len();
-        ensure!(width > 0, "a bias of no values");
-        self.elementwise(
-            "add_rows",
-            x,
-            bias,
-            n_rows * width,
-            Glu::Silu,
-            u32_of(width, "bias width")?,
-        )
+        self.elementwise("add", x, y, n, Glu::Silu)
     }
 
     /// `g[i] = act(g[i]) * u[i]` for `i < n`.
     pub fn glu_mul(&mut self, g: &Tensor, u: &Tensor, glu: Glu, n: usize) -> Result<()> {
-        self.elementwise("glu_mul", g, u, n, glu, 0)
+        self.elementwise("glu_mul", g, u, n, glu)
     }
 
-    /// `b` is read at `i` for `i < n`, or at `i % width` when `width` is set.
-    fn elementwise(
-        &mut self,
-        entry: &'static str,
-        a: &Tensor,
-        b: &Tensor,
-        n: usize,
-        glu: Glu,
-        width: u32,
-    ) -> Result<()> {
+    fn elementwise(&mut self, entry: &'static str, a: &Tensor, b: &Tensor, n: usize, glu: Glu) -> Result<()> {
         ensure!(
-            a.len() >= n && b.len() >= if width > 0 { width as usize } else { n },
+            a.len() >= n && b.len() >= n,
             "{entry} over {n} values of tensors of {} and {}",
             a.len(),
             b.len()
@@ -58,7 +35,7 @@ impl Pass<'_> {
         }
         let pipeline = self.gpu().pipeline("elementwise", entry, &[], source)?;
         let (gx, gy) = grid(u32_of(n.div_ceil(256), "values")?);
-        let params = [u32_of(n, "values")?, gx, act_code(glu), width];
+        let params = [u32_of(n, "values")?, gx, act_code(glu), 0];
         self.dispatch(&pipeline, &params, &[(1, &a.buf), (2, &b.buf)], (gx, gy, 1));
         Ok(())
     }
@@ -92,22 +69,6 @@ mod tests {
         let mut want = g.clone();
         ops::add_inplace(&mut want, &u);
         assert_eq!(gpu.read(&a).unwrap(), want, "residual add");
-
-        let width = 7;
-        let a = gpu.upload(&g).unwrap();
-        let bias = gpu.upload(&u[..width]).unwrap();
-        let mut pass = gpu.pass();
-        pass.add_rows(&a, &bias, n / width).unwrap();
-        pass.finish().unwrap();
-        let mut want = g.clone();
-        for row in want[..n / width * width].chunks_exact_mut(width) {
-            ops::add_inplace(row, &u[..width]);
-        }
-        assert_eq!(
-            gpu.read(&a).unwrap(),
-            want,
-            "bias added to every row, the tail untouched"
-        );
 
         for glu in [Glu::Silu, Glu::Gelu] {
             let a = gpu.upload(&g).unwrap();

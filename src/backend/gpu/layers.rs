@@ -9,7 +9,7 @@
 //! a disaggregated prefill's KV stream and imports see one cache whichever backend ran the layers.
 
 use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
-use super::rope::GpuRope;
+use super::rope::{GpuRope, QkvExtras};
 use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, AttnShape, KvLayers};
 use crate::kernels::Glu;
@@ -28,10 +28,8 @@ struct Layer {
     wk: GpuMatrix,
     wv: GpuMatrix,
     wo: GpuMatrix,
-    /// Biases added to Q, K and V (Qwen 2).
-    bias: [Option<Tensor>; 3],
-    /// RMSNorm of every Q and K head before RoPE (Gemma 3, Qwen 3).
-    qk_norm: Option<[Tensor; 2]>,
+    /// Biases added to Q, K and V (Qwen 2) and the RMSNorm of every Q and K head before RoPE (Gemma 3, Qwen 3).
+    qkv_extras: QkvExtras,
     /// Gemma 3's norms of the attention's and the feed-forward's outputs.
     post_norms: Option<[Tensor; 2]>,
     ffn_norm: Tensor,
@@ -152,6 +150,11 @@ impl GpuWeights {
                         _ => anyhow::bail!("layer {il} has one of a pair of norms"),
                     })
                 };
+                let qk_norm = match (&lw.q_norm, &lw.k_norm) {
+                    (Some(q), Some(k)) => Some([&q[..], &k[..]]),
+                    (None, None) => None,
+                    _ => anyhow::bail!("layer {il} has one of a pair of norms"),
+                };
                 // The projections as the file stores them, split as the CPU's loader splits Phi-3's fused ones.
                 let [wq, wk, wv] = crate::model::attn_qkv(f, &hp, il)?;
                 let ffn = match &lw.ffn {
@@ -196,8 +199,7 @@ impl GpuWeights {
                     wk: up(&wk)?,
                     wv: up(&wv)?,
                     wo: up(&mapped(&p("attn_output"))?)?,
-                    bias: [host(&lw.bq)?, host(&lw.bk)?, host(&lw.bv)?],
-                    qk_norm: pair(&lw.q_norm, &lw.k_norm)?,
+                    qkv_extras: gpu.upload_qkv_extras([&lw.bq, &lw.bk, &lw.bv].map(|b| b.as_deref()), qk_norm)?,
                     post_norms: pair(&lw.post_attn_norm, &lw.post_ffn_norm)?,
                     // glm4moe stores it as `post_attention_norm`; the CPU's loader knows which.
                     ffn_norm: gpu.upload(&lw.ffn_norm)?,
@@ -312,6 +314,8 @@ pub struct GpuLayers {
     /// The ops' bind groups over these buffers and the weights, built at their first dispatch and reused; `None`
     /// only in a test that compares with building each dispatch's own.
     binds: Option<Binds>,
+    /// Dispatches recorded in the last forward's submission (a test keeps a decode step's count from growing).
+    dispatches: usize,
 }
 
 /// The working buffers of a layer of experts over a batch of `n` rows with `k` experts each.
@@ -405,6 +409,7 @@ impl GpuLayers {
                 pos: gpu.upload_u32(&vec![0; n])?,
                 tok: gpu.upload_u32(&vec![0; n])?,
                 binds: Some(Binds::default()),
+                dispatches: 0,
                 w: w.clone(),
             })
         };
@@ -434,6 +439,11 @@ impl GpuLayers {
 
     pub fn weights(&self) -> &Arc<GpuWeights> {
         &self.w
+    }
+
+    /// Dispatches in the last [`GpuLayers::forward`]'s submission (its later head chunks not counted).
+    pub fn dispatches(&self) -> usize {
+        self.dispatches
     }
 
     /// Runs layers `first..` of the device's range over the `n` rows of `x` (`[n, n_embd]`, the residual stream
@@ -499,33 +509,27 @@ impl GpuLayers {
             _ => Glu::Silu,
         };
 
+        // Where the head's first rows start at row 0 (a decode step, all rows' logits), the last layer's add is
+        // fused with the head's norm too.
+        let head_fused =
+            first < w.layers.end && w.head.is_some() && matches!(&out, Out::Logits { rows, .. } if rows.start == 0);
         let mut pass = self.pass();
         if let Some(embd) = embd {
             pass.embed(embd, &self.tok, hp.embd_scale, &self.x)?;
+        }
+        // The first layer's attention norm; every later one is fused with the residual add that ends the layer
+        // before it (`add_rms_norm`), as is the feed-forward's norm with the add after attention.
+        if first < w.layers.end {
+            let attn_norm = &w.w[first - w.layers.start].attn_norm;
+            pass.rms_norm(&self.x, attn_norm, hp.rms_eps, n, &self.xn)?;
         }
         for il in first..w.layers.end {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
-            pass.rms_norm(&self.x, &l.attn_norm, hp.rms_eps, n, &self.xn)?;
-            for (m, bias, y) in [
-                (&l.wq, &l.bias[0], &self.q),
-                (&l.wk, &l.bias[1], &self.k),
-                (&l.wv, &l.bias[2], &self.v),
-            ] {
-                pass.matmul(m, &self.xn, n, y)?;
-                if let Some(b) = bias {
-                    pass.add_rows(y, b, n)?;
-                }
-            }
-            if let Some([qn, kn]) = &l.qk_norm {
-                pass.rms_norm_inplace(&self.q, qn, hp.rms_eps, n * hp.n_head)?;
-                pass.rms_norm_inplace(&self.k, kn, hp.rms_eps, n * hp.n_head_kv)?;
-            }
-            pass.rope(rope, &self.q, n, hp.n_head, hdk, pos, neox)?;
-            pass.rope(rope, &self.k, n, hp.n_head_kv, hdk, pos, neox)?;
-            pass.kv_store(&self.k, n, hp.n_head_kv, hdk, &kv.k, self.n_ctx, pos)?;
-            pass.kv_store(&self.v, n, hp.n_head_kv, hdv, &kv.v, self.n_ctx, pos)?;
+            pass.matmul(&l.wq, &self.xn, n, &self.q)?;
+            pass.matmul(&l.wk, &self.xn, n, &self.k)?;
+            pass.matmul(&l.wv, &self.xn, n, &self.v)?;
             let shape = AttnShape {
                 n_tok: n,
                 n_head: hp.n_head,
@@ -535,14 +539,24 @@ impl GpuLayers {
                 window: hp.window(il),
                 scale: hp.attn_scale,
             };
+            pass.rope_store(
+                rope,
+                &l.qkv_extras,
+                &shape,
+                hp.rms_eps,
+                neox,
+                [&self.q, &self.k, &self.v],
+                [&kv.k, &kv.v],
+                self.n_ctx,
+                pos,
+            )?;
             pass.attend(&shape, &self.q, &kv.k, &kv.v, self.n_ctx, pos, &self.att)?;
             pass.matmul(&l.wo, &self.att, n, &self.xn)?;
-            if let Some([post_attn, _]) = &l.post_norms {
-                pass.rms_norm_inplace(&self.xn, post_attn, hp.rms_eps, n)?;
-            }
-            pass.add(&self.x, &self.xn, n * e)?;
-
-            pass.rms_norm(&self.x, &l.ffn_norm, hp.rms_eps, n, &self.xn)?;
+            let [post_attn, post_ffn] = match &l.post_norms {
+                Some([a, f]) => [Some(a), Some(f)],
+                None => [None, None],
+            };
+            pass.add_rms_norm(&self.x, &self.xn, post_attn, &l.ffn_norm, hp.rms_eps, n)?;
             match &l.ffn {
                 Ffn::Dense { gate, up, down } => {
                     pass.matmul_glu(gate, up, glu, &self.xn, n, &self.h)?;
@@ -550,10 +564,20 @@ impl GpuLayers {
                 }
                 Ffn::Moe(m) => self.moe_ffn(&mut pass, m, n)?,
             }
-            if let Some([_, post_ffn]) = &l.post_norms {
-                pass.rms_norm_inplace(&self.xn, post_ffn, hp.rms_eps, n)?;
+            let next_norm = match (w.w.get(i + 1), &w.head) {
+                (Some(next), _) => Some(&next.attn_norm),
+                (None, Some(head)) if head_fused => Some(&head.norm),
+                _ => None,
+            };
+            match next_norm {
+                Some(norm) => pass.add_rms_norm(&self.x, &self.xn, post_ffn, norm, hp.rms_eps, n)?,
+                None => {
+                    if let Some(post) = post_ffn {
+                        pass.rms_norm_inplace(&self.xn, post, hp.rms_eps, n)?;
+                    }
+                    pass.add(&self.x, &self.xn, n * e)?;
+                }
             }
-            pass.add(&self.x, &self.xn, n * e)?;
         }
         // The KV rows written, for the host's copy: per layer and head, one run of positions of K and of V.
         for kv in &self.kv[first - w.layers.start..] {
@@ -580,9 +604,15 @@ impl GpuLayers {
         // The first rows of the head go in this submission, the rest (all-rows logits) in their own.
         let mut chunks = rows.clone().step_by(self.head_rows.max(1));
         if let Some(r0) = chunks.next() {
-            self.head(&mut pass, r0..(r0 + self.head_rows).min(rows.end))?;
+            self.head(&mut pass, r0..(r0 + self.head_rows).min(rows.end), head_fused)?;
         }
+        let dispatches = pass.dispatches();
+        tracing::trace!(
+            "GPU forward of {n} rows, layers {first}..{}: {dispatches} dispatches",
+            w.layers.end
+        );
         let got = pass.finish_read()?;
+        self.dispatches = dispatches;
         // The KV runs, then the residual stream or the first rows' logits.
         let (tail, kv_runs) = got.split_last().expect("a pass that reads");
         let mut runs = kv_runs.iter();
@@ -616,7 +646,7 @@ impl GpuLayers {
         for r0 in chunks {
             let r1 = (r0 + self.head_rows).min(rows.end);
             let mut pass = self.pass();
-            self.head(&mut pass, r0..r1)?;
+            self.head(&mut pass, r0..r1, false)?;
             let got = pass.finish_read()?;
             let at = (r0 - rows.start) * nv;
             f32s_into(&got[0], &mut logits[at..at + (r1 - r0) * nv]);
@@ -662,12 +692,14 @@ impl GpuLayers {
     }
 
     /// Records the final norm and head over rows `rows` of the residual stream on the device, and the read of
-    /// their logits.
-    fn head(&self, pass: &mut super::Pass, rows: Range<usize>) -> Result<()> {
+    /// their logits; `normed`: the last layer's add has left them normalised in `xn` already.
+    fn head(&self, pass: &mut super::Pass, rows: Range<usize>, normed: bool) -> Result<()> {
         let (hp, head) = (&self.w.hp, self.w.head.as_ref().expect("checked by the caller"));
         let (e, n) = (hp.n_embd, rows.len());
-        pass.copy(&self.x, rows.start * e, &self.xn, 0, n * e)?;
-        pass.rms_norm_inplace(&self.xn, &head.norm, hp.rms_eps, n)?;
+        if !normed {
+            pass.copy(&self.x, rows.start * e, &self.xn, 0, n * e)?;
+            pass.rms_norm_inplace(&self.xn, &head.norm, hp.rms_eps, n)?;
+        }
         pass.matmul(&head.out, &self.xn, n, &self.logits)?;
         pass.read(&self.logits, 0, n * hp.n_vocab)
     }
@@ -1004,6 +1036,67 @@ mod tests {
                 let same = a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
                 assert!(same, "{arch:?} forward {step}: cached bind groups change the logits");
             }
+        }
+    }
+
+    /// The dispatches of a forward: the first layer's norm, 10 a layer (Q, K, V; biases, head norms, RoPE and KV
+    /// stores; attention; output; add with the FFN norm; gate/up; down; add with the next norm) and the head's
+    /// matmul, for the tiny llama and gemma3 (post-norms) and the generated qwen2 (biases) and qwen3 (head norms). A
+    /// decode step's last add is fused with the head's norm; a prompt's last row, not at row 0, takes its own norm;
+    /// a hidden-state forward ends on a plain add (after Gemma's post-norm). It was 14 a layer (16 with post-norms or head norms, 17 with
+    /// biases) before the fusions; this keeps the count from growing back silently. (Their logits are checked
+    /// against the CPU's by the tests above.)
+    #[test]
+    fn forward_dispatches_per_layer() {
+        use super::{GpuLayers, GpuWeights, Out};
+        use crate::engine::KvCache;
+        use crate::kernels::testutil::Rng;
+        const PER_LAYER: usize = 10;
+        let Some(gpu) = test_gpu() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let generated = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models");
+        let models = tiny_models(dir.path())
+            .into_iter()
+            .map(|(a, p)| (format!("{a:?}"), p))
+            .chain(["qwen2", "qwen3"].map(|m| (m.to_string(), generated.join(format!("{m}.gguf")))));
+        for (name, path) in models {
+            let model = Arc::new(Model::load(&path).unwrap());
+            let (hp, layers) = (&model.hp, model.hp.n_layer);
+            let w = Arc::new(GpuWeights::upload(gpu.clone(), &model, model.range.clone()).unwrap());
+            let mut g = GpuLayers::new(w, 32, 16).unwrap();
+            let mut kv = KvCache::new(hp, model.range.clone(), 32);
+            let mut rng = Rng(2150);
+            let mut rows = |n: usize| (0..n * hp.n_embd).map(|_| rng.normal()).collect::<Vec<f32>>();
+            let n = 8;
+            let mut logits = vec![0.0; hp.n_vocab];
+            let mut x = rows(n);
+            g.forward(&mut x, None, n, 0, 0, &mut kv, Out::Hidden).unwrap();
+            // Gemma's last post-norm is its own dispatch where the add after it is not fused with a norm.
+            let post = usize::from(hp.arch == Arch::Gemma3);
+            assert_eq!(
+                g.dispatches(),
+                1 + PER_LAYER * layers + post,
+                "{name}: a forward to the hidden state"
+            );
+            let mut x = rows(n);
+            let out = Out::Logits {
+                rows: n - 1..n,
+                logits: &mut logits,
+            };
+            g.forward(&mut x, None, n, n, 0, &mut kv, out).unwrap();
+            assert_eq!(
+                g.dispatches(),
+                1 + PER_LAYER * layers + post + 2,
+                "{name}: a prompt's last logits"
+            );
+            let mut x = rows(1);
+            let out = Out::Logits {
+                rows: 0..1,
+                logits: &mut logits,
+            };
+            g.forward(&mut x, None, 1, 2 * n, 0, &mut kv, out).unwrap();
+            eprintln!("{name}: {} dispatches a decode step of {layers} layers", g.dispatches());
+            assert_eq!(g.dispatches(), 1 + PER_LAYER * layers + 1, "{name}: a decode step");
         }
     }
 

@@ -11,11 +11,12 @@
 //! - `device.rs`: adapter choice (`auto` never opens a software adapter), the device and its pipelines.
 //! - `buffers.rs`: device buffers and uploads.
 //! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
-//! - `norm.rs`: RMSNorm. `rope.rs`: RoPE, both styles. `elementwise.rs`: residual add, SwiGLU/GeGLU.
+//! - `norm.rs`: RMSNorm, and the residual add fused with the next RMSNorm. `rope.rs`: Q/K/V biases, Q/K head norms,
+//!   RoPE (both styles) and the KV cache writes, in one dispatch. `elementwise.rs`: residual add, SwiGLU/GeGLU.
 //! - `embed.rs`: the embedding lookup of a batch's tokens.
 //! - `moe.rs`: a mixture of experts' routing (top-k on the device) and weighted sum; its indexed matmuls are in
 //!   `matmul.rs`.
-//! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window), and the cache writes.
+//! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window).
 //! - `layers.rs`: a layer range of llama / gemma3 (and the families and mixtures of experts built on llama's block)
 //!   on the device (weights shared per model, KV per session), and the head when the range ends the model.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
@@ -51,7 +52,6 @@ mod wgsl {
     pub const NORM: &str = include_str!("shaders/norm.wgsl");
     pub const ROPE: &str = include_str!("shaders/rope.wgsl");
     pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
-    pub const KV: &str = include_str!("shaders/kv.wgsl");
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");
@@ -121,6 +121,8 @@ pub struct Pass<'g> {
     reads: Vec<(wgpu::Buffer, u64, u64)>,
     /// Where bind groups are kept across passes; `None` builds each dispatch's own.
     binds: Option<&'g Binds>,
+    /// Dispatches recorded: a decode step pays a fixed cost for each on a GPU (docs/gpu.md).
+    dispatches: usize,
 }
 
 impl Gpu {
@@ -140,6 +142,7 @@ impl Gpu {
             },
             reads: Vec::new(),
             binds: None,
+            dispatches: 0,
         }
     }
 
@@ -184,6 +187,11 @@ impl Gpu {
 impl<'g> Pass<'g> {
     pub fn gpu(&self) -> &'g Gpu {
         self.gpu
+    }
+
+    /// Dispatches recorded so far.
+    pub fn dispatches(&self) -> usize {
+        self.dispatches
     }
 
     /// The pass with `lanes` threads per matmul row (a power of two up to 64), so tests run the GPUs' layout on
@@ -235,6 +243,7 @@ impl<'g> Pass<'g> {
         cp.set_pipeline(pipeline);
         cp.set_bind_group(0, &bind, &[]);
         cp.dispatch_workgroups(groups.0, groups.1, groups.2);
+        self.dispatches += 1;
     }
 
     /// A tensor of at least `n` values for an op's intermediate result, used within one op: the one kept in the

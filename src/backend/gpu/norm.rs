@@ -1,4 +1,4 @@
-//! RMSNorm (`shaders/norm.wgsl`).
+//! RMSNorm, alone or fused with the residual add before it (`shaders/norm.wgsl`).
 
 use super::buffers::Tensor;
 use super::device::grid;
@@ -14,13 +14,43 @@ impl Pass<'_> {
     pub fn rms_norm(&mut self, x: &Tensor, w: &Tensor, eps: f32, n: usize, out: &Tensor) -> Result<()> {
         self.check_norm(x, w, n)?;
         ensure!(out.len() >= n * w.len(), "RMSNorm output too small");
-        self.norm("rms_norm", &[(1, &x.buf), (2, &w.buf), (3, &out.buf)], w.len(), eps, n)
+        self.norm(
+            "rms_norm",
+            &[(1, &x.buf), (2, &w.buf), (3, &out.buf)],
+            w.len(),
+            eps,
+            n,
+            false,
+        )
     }
 
     /// [`Pass::rms_norm`] in place.
     pub fn rms_norm_inplace(&mut self, x: &Tensor, w: &Tensor, eps: f32, n: usize) -> Result<()> {
         self.check_norm(x, w, n)?;
-        self.norm("rms_norm_inplace", &[(2, &w.buf), (4, &x.buf)], w.len(), eps, n)
+        self.norm("rms_norm_inplace", &[(2, &w.buf), (4, &x.buf)], w.len(), eps, n, false)
+    }
+
+    /// The residual add and the RMSNorm after it, over `n` rows of `w.len()`: `x += y`, then `y = rmsnorm(x)·w`.
+    /// With `post`, `y` is first RMS-normalised by `post` (Gemma 3's norm of a block's output, before the add).
+    pub fn add_rms_norm(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        post: Option<&Tensor>,
+        w: &Tensor,
+        eps: f32,
+        n: usize,
+    ) -> Result<()> {
+        self.check_norm(x, w, n)?;
+        self.check_norm(y, w, n)?;
+        ensure!(
+            post.is_none_or(|p| p.len() == w.len()),
+            "a post-norm of another width than the norm"
+        );
+        // Without a post-norm its binding holds `w`, unread.
+        let pw = post.unwrap_or(w);
+        let bufs = [(2, &w.buf), (4, &y.buf), (5, &x.buf), (6, &pw.buf)];
+        self.norm("add_rms_norm", &bufs, w.len(), eps, n, post.is_some())
     }
 
     fn check_norm(&self, x: &Tensor, w: &Tensor, n: usize) -> Result<()> {
@@ -41,13 +71,20 @@ impl Pass<'_> {
         width: usize,
         eps: f32,
         n: usize,
+        post: bool,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let pipeline = self.gpu().pipeline("norm", entry, &[], source)?;
         let (gx, gy) = grid(u32_of(n, "rows")?);
-        let params = [u32_of(n, "rows")?, u32_of(width, "width")?, eps.to_bits(), gx];
+        let params = [
+            u32_of(n, "rows")?,
+            u32_of(width, "width")?,
+            eps.to_bits(),
+            gx,
+            post as u32,
+        ];
         self.dispatch(&pipeline, &params, bufs, (gx, gy, 1));
         Ok(())
     }
@@ -86,6 +123,52 @@ mod tests {
                         "width {width} at {i}: {g} vs {e}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The fused add and norm against the CPU's ops it replaces (`ops::rms_norm_inplace` of the block's output where
+    /// there is a post-norm, `ops::add_inplace`, `ops::rms_norm`): the residual within 1e-6 relative plus 1e-6 (exact
+    /// without a post-norm), the normalised rows within 4e-6 relative plus 1e-7.
+    #[test]
+    fn add_rms_norm_matches_cpu_ops() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2121);
+        for (width, n, post) in [(576, 3, false), (576, 2, true), (2048, 1, false), (100, 5, true)] {
+            let x: Vec<f32> = (0..n * width).map(|_| rng.normal() * 3.0).collect();
+            let y: Vec<f32> = (0..n * width).map(|_| rng.normal()).collect();
+            let w: Vec<f32> = (0..width).map(|_| 1.0 + rng.normal() * 0.2).collect();
+            let pw: Vec<f32> = (0..width).map(|_| 1.0 + rng.normal() * 0.2).collect();
+            let eps = 1e-6;
+            let (mut want_x, mut want_y) = (x.clone(), y.clone());
+            for (xr, yr) in want_x.chunks_mut(width).zip(want_y.chunks_mut(width)) {
+                if post {
+                    ops::rms_norm_inplace(yr, &pw, eps);
+                }
+                ops::add_inplace(xr, yr);
+                ops::rms_norm(xr, &w, eps, yr);
+            }
+            let (gx, gy) = (gpu.upload(&x).unwrap(), gpu.upload(&y).unwrap());
+            let (gw, gpw) = (gpu.upload(&w).unwrap(), gpu.upload(&pw).unwrap());
+            let mut pass = gpu.pass();
+            pass.add_rms_norm(&gx, &gy, post.then_some(&gpw), &gw, eps, n).unwrap();
+            assert!(pass.add_rms_norm(&gx, &gy, None, &gw, eps, n + 1).is_err());
+            pass.finish().unwrap();
+            let got_x = gpu.read(&gx).unwrap();
+            if !post {
+                assert_eq!(got_x, want_x, "width {width}: the residual add is exact");
+            }
+            for (i, (g, e)) in got_x.iter().zip(&want_x).enumerate() {
+                assert!(
+                    (g - e).abs() <= 1e-6 * e.abs() + 1e-6,
+                    "width {width} post {post}: x at {i}: {g} vs {e}"
+                );
+            }
+            for (i, (g, e)) in gpu.read(&gy).unwrap().iter().zip(&want_y).enumerate() {
+                assert!(
+                    (g - e).abs() <= 4e-6 * e.abs() + 1e-7,
+                    "width {width} post {post}: normalised at {i}: {g} vs {e}"
+                );
             }
         }
     }

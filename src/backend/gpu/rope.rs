@@ -1,8 +1,11 @@
-//! RoPE (`shaders/rope.wgsl`), adjacent pairs (Llama) or halves (NeoX style), over the CPU's angle table.
+//! RoPE, both styles, over the CPU's angle table, fused with what surrounds it in a layer (`shaders/rope.wgsl`):
+//! one dispatch adds Q, K and V's biases, RMS-normalises the Q and K heads, rotates them and stores K and V into
+//! the f16 cache, where these were five to nine dispatches.
 
-use super::buffers::{Tensor, U32s};
+use super::buffers::{Halves, Tensor, U32s};
 use super::device::{Gpu, grid};
 use super::{Pass, module, u32_of, wgsl};
+use crate::backend::AttnShape;
 use crate::kernels::ops::RopeTable;
 use anyhow::{Result, ensure};
 
@@ -11,6 +14,15 @@ pub struct GpuRope {
     buf: wgpu::Buffer,
     half: usize,
     n_ctx: usize,
+}
+
+/// A layer's vectors applied to its Q, K and V heads before attention, in one buffer (so [`Pass::rope_store`] binds
+/// eight storage buffers, the portable limit): the biases (Qwen 2) and the Q and K head norms' weights (Qwen 3,
+/// Gemma 3), each an (offset, length) where the layer has it.
+pub struct QkvExtras {
+    buf: Tensor,
+    bias: [Option<(usize, usize)>; 3],
+    norm: Option<[(usize, usize); 2]>,
 }
 
 impl Gpu {
@@ -32,61 +44,130 @@ impl Gpu {
             n_ctx,
         })
     }
+
+    /// Uploads a layer's Q, K and V biases and Q and K norm weights, those it has, into one buffer.
+    pub fn upload_qkv_extras(&self, bias: [Option<&[f32]>; 3], norm: Option<[&[f32]; 2]>) -> Result<QkvExtras> {
+        let mut all = Vec::new();
+        let mut put = |v: &[f32]| {
+            all.extend_from_slice(v);
+            (all.len() - v.len(), v.len())
+        };
+        let bias = bias.map(|b| b.map(&mut put));
+        let norm = norm.map(|n| n.map(&mut put));
+        // A buffer of no values cannot be bound.
+        if all.is_empty() {
+            all.push(0.0);
+        }
+        Ok(QkvExtras {
+            buf: self.upload(&all)?,
+            bias,
+            norm,
+        })
+    }
 }
 
 fn source() -> String {
     module(&[wgsl::ROPE])
 }
 
+/// A shader's offset of an optional vector, checked to be `len` long.
+fn offset(v: Option<(usize, usize)>, len: usize, what: &str) -> Result<u32> {
+    match v {
+        None => Ok(u32::MAX),
+        Some((at, n)) => {
+            ensure!(n == len, "{what} of {n} values where {len} are needed");
+            u32_of(at, what)
+        }
+    }
+}
+
 impl Pass<'_> {
-    /// Rotates each head of the `n` rows of `x` (`[n, n_heads, head_dim]`), row `t` by position `pos[t]`; `neox`
-    /// rotates the halves of a head instead of adjacent pairs.
+    /// Readies the `a.n_tok` rows of `q` (`[n_tok, n_head, hdk]`), `k` and `v` (`[n_tok, n_head_kv, hd]`) for
+    /// attention, row `t` at position `pos[t]`, as the CPU's `model::blocks` does: each head plus its bias, Q and K
+    /// heads RMS-normalised (`eps`) where `extras` has norms, then rotated by `table` (`neox`: the halves of a head
+    /// rather than adjacent pairs). Q is written back; K and V go into the f16 caches `kc` and `vc` (`[n_head_kv,
+    /// n_ctx, hd]`) at the rows' positions.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(
+    pub fn rope_store(
         &mut self,
         table: &GpuRope,
-        x: &Tensor,
-        n: usize,
-        n_heads: usize,
-        head_dim: usize,
-        pos: &U32s,
+        extras: &QkvExtras,
+        a: &AttnShape,
+        eps: f32,
         neox: bool,
+        [q, k, v]: [&Tensor; 3],
+        [kc, vc]: [&Halves; 2],
+        n_ctx: usize,
+        pos: &U32s,
     ) -> Result<()> {
+        let (n, hq, hkv) = (a.n_tok, a.n_head, a.n_head_kv);
         ensure!(
-            2 * table.half <= head_dim,
-            "RoPE rotates {} values of a head of {head_dim}",
-            2 * table.half
+            a.hdk.is_multiple_of(2) && a.hdv.is_multiple_of(2) && a.hdk <= 256 && a.hdv <= 256,
+            "the GPU takes even head sizes up to 256, not {} and {}",
+            a.hdk,
+            a.hdv
         );
-        ensure!(x.len() >= n * n_heads * head_dim, "RoPE input too small");
-        ensure!(pos.len() >= n, "RoPE of {n} rows given {} positions", pos.len());
         ensure!(
-            (pos.max() as usize) < table.n_ctx,
-            "RoPE at position {} past its table of {}",
+            2 * table.half <= a.hdk,
+            "RoPE rotates {} values of a head of {}",
+            2 * table.half,
+            a.hdk
+        );
+        ensure!(
+            q.len() >= n * hq * a.hdk && k.len() >= n * hkv * a.hdk && v.len() >= n * hkv * a.hdv,
+            "Q, K or V smaller than {n} rows"
+        );
+        ensure!(
+            kc.len() >= hkv * n_ctx * a.hdk && vc.len() >= hkv * n_ctx * a.hdv,
+            "KV cache smaller than {hkv} heads of {n_ctx} positions"
+        );
+        ensure!(pos.len() >= n, "{n} rows given {} positions", pos.len());
+        ensure!(
+            (pos.max() as usize) < n_ctx.min(table.n_ctx),
+            "position {} past a cache of {n_ctx} or a RoPE table of {}",
             pos.max(),
             table.n_ctx
         );
-        let pairs = n * n_heads * table.half;
-        if pairs == 0 {
+        let [bq, bk, bv] = extras.bias;
+        let (qn, kn) = match extras.norm {
+            Some([qn, kn]) => (Some(qn), Some(kn)),
+            None => (None, None),
+        };
+        let workgroups = n * (hq + 2 * hkv);
+        if workgroups == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("rope", "rope", &[], source)?;
-        let (gx, gy) = grid(u32_of(pairs.div_ceil(64), "RoPE pairs")?);
+        let pipeline = self.gpu().pipeline("rope", "rope_store", &[], source)?;
+        let (gx, gy) = grid(u32_of(workgroups, "heads")?);
         let params = [
             u32_of(n, "rows")?,
-            u32_of(n_heads, "heads")?,
-            u32_of(head_dim, "head size")?,
+            u32_of(hq, "heads")?,
+            u32_of(hkv, "KV heads")?,
+            u32_of(a.hdk, "head size")?,
+            u32_of(a.hdv, "head size")?,
             u32_of(table.half, "rotated pairs")?,
             neox as u32,
-            gx,
             u32_of(table.n_ctx, "positions")?,
-            0,
+            u32_of(n_ctx, "context")?,
+            eps.to_bits(),
+            gx,
+            offset(bq, hq * a.hdk, "Q bias")?,
+            offset(bk, hkv * a.hdk, "K bias")?,
+            offset(bv, hkv * a.hdv, "V bias")?,
+            offset(qn, a.hdk, "Q norm")?,
+            offset(kn, a.hdk, "K norm")?,
         ];
-        self.dispatch(
-            &pipeline,
-            &params,
-            &[(1, &x.buf), (2, &table.buf), (3, &pos.buf)],
-            (gx, gy, 1),
-        );
+        let bufs = [
+            (1, &q.buf),
+            (2, &k.buf),
+            (3, &v.buf),
+            (4, &kc.buf),
+            (5, &vc.buf),
+            (6, &table.buf),
+            (7, &pos.buf),
+            (8, &extras.buf.buf),
+        ];
+        self.dispatch(&pipeline, &params, &bufs, (gx, gy, 1));
         Ok(())
     }
 }
@@ -94,39 +175,116 @@ impl Pass<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::test_gpu;
-    use crate::kernels::ops::RopeTable;
+    use crate::backend::AttnShape;
+    use crate::kernels::ops::{self, RopeTable};
     use crate::kernels::testutil::Rng;
+    use half::f16;
 
-    /// Both styles, with fewer rotated values than the head (partial rotation) and without, rows at scattered
-    /// positions: within 1e-6 of the CPU's rotation by the same table (a product and a sum each, possibly fused).
+    /// The fused op against the CPU's ops it replaces (`model::blocks`: bias, head norm, RoPE, f16 store), with and
+    /// without biases and norms, both RoPE styles, partial rotation and full, GQA, rows at scattered positions. Q
+    /// within 4e-6 of 1 + its magnitude (the CPU sums a norm's squares in f64; a rotation is a product and a sum,
+    /// maybe fused); the cache within one f16 step of the CPU's f16 of its K and V, the other positions untouched.
     #[test]
-    fn rope_matches_cpu_both_styles() {
+    fn rope_store_matches_cpu_ops() {
         let Some(gpu) = test_gpu() else { return };
         let mut rng = Rng(2130);
-        for (n_rot, head_dim) in [(64, 64), (32, 64)] {
-            let table = RopeTable::new(10000.0, n_rot, 300);
+        let (n_head, n_head_kv, hd, n_ctx) = (6, 2, 64, 300);
+        let pos = [0u32, 7, 255, 299];
+        let n = pos.len();
+        let gp = gpu.upload_u32(&pos).unwrap();
+        let a = AttnShape {
+            n_tok: n,
+            n_head,
+            n_head_kv,
+            hdk: hd,
+            hdv: hd,
+            window: None,
+            scale: 1.0,
+        };
+        let eps = 1e-6;
+        for (n_rot, biased, normed) in [
+            (64, false, false),
+            (32, true, false),
+            (64, false, true),
+            (32, true, true),
+        ] {
+            let table = RopeTable::new(10000.0, n_rot, n_ctx);
             let gt = gpu.upload_rope(&table).unwrap();
-            let (n, n_heads) = (4, 3);
-            let pos = [0u32, 7, 255, 299];
-            let x: Vec<f32> = (0..n * n_heads * head_dim).map(|_| rng.normal()).collect();
-            let gp = gpu.upload_u32(&pos).unwrap();
+            let normal = |rng: &mut Rng, len: usize, s: f32| (0..len).map(|_| rng.normal() * s).collect::<Vec<f32>>();
+            let q = normal(&mut rng, n * n_head * hd, 2.0);
+            let k = normal(&mut rng, n * n_head_kv * hd, 2.0);
+            let v = normal(&mut rng, n * n_head_kv * hd, 2.0);
+            let bias = [n_head, n_head_kv, n_head_kv].map(|h| normal(&mut rng, h * hd, 0.5));
+            let norm = [0, 1].map(|_| (0..hd).map(|_| 1.0 + rng.normal() * 0.2).collect::<Vec<f32>>());
+            let old: Vec<f16> = (0..n_head_kv * n_ctx * hd)
+                .map(|_| f16::from_f32(rng.normal()))
+                .collect();
             for neox in [false, true] {
-                let mut want = x.clone();
-                for (t, row) in want.chunks_mut(n_heads * head_dim).enumerate() {
-                    for head in row.chunks_mut(head_dim) {
-                        table.apply(head, pos[t] as usize, neox);
+                // The CPU's ops, head by head.
+                let prep = |x: &[f32], heads: usize, b: &[f32], w: Option<&[f32]>, rotate: bool| {
+                    let mut x = x.to_vec();
+                    for row in x.chunks_mut(heads * hd) {
+                        if biased {
+                            ops::add_inplace(row, b);
+                        }
                     }
-                }
-                let gx = gpu.upload(&x).unwrap();
+                    for (i, head) in x.chunks_mut(hd).enumerate() {
+                        if let Some(w) = w {
+                            ops::rms_norm_inplace(head, w, eps);
+                        }
+                        if rotate {
+                            table.apply(head, pos[i / heads] as usize, neox);
+                        }
+                    }
+                    x
+                };
+                let w = |i: usize| normed.then_some(&norm[i][..]);
+                let want_q = prep(&q, n_head, &bias[0], w(0), true);
+                let cache = |x: Vec<f32>| {
+                    let mut c = old.clone();
+                    for (t, &p) in pos.iter().enumerate() {
+                        for h in 0..n_head_kv {
+                            for i in 0..hd {
+                                c[(h * n_ctx + p as usize) * hd + i] = f16::from_f32(x[(t * n_head_kv + h) * hd + i]);
+                            }
+                        }
+                    }
+                    c
+                };
+                let want_k = cache(prep(&k, n_head_kv, &bias[1], w(1), true));
+                let want_v = cache(prep(&v, n_head_kv, &bias[2], None, false));
+
+                let extras = gpu
+                    .upload_qkv_extras(
+                        [0, 1, 2].map(|i| biased.then_some(&bias[i][..])),
+                        normed.then_some([&norm[0][..], &norm[1][..]]),
+                    )
+                    .unwrap();
+                let (gq, gk, gv) = (
+                    gpu.upload(&q).unwrap(),
+                    gpu.upload(&k).unwrap(),
+                    gpu.upload(&v).unwrap(),
+                );
+                let (kc, vc) = (gpu.upload_halves(&old).unwrap(), gpu.upload_halves(&old).unwrap());
                 let mut pass = gpu.pass();
-                pass.rope(&gt, &gx, n, n_heads, head_dim, &gp, neox).unwrap();
+                pass.rope_store(&gt, &extras, &a, eps, neox, [&gq, &gk, &gv], [&kc, &vc], n_ctx, &gp)
+                    .unwrap();
+                let short = pass.rope_store(&gt, &extras, &a, eps, neox, [&gq, &gk, &gv], [&kc, &vc], 299, &gp);
+                assert!(short.is_err(), "a position past the cache is refused");
                 pass.finish().unwrap();
-                let got = gpu.read(&gx).unwrap();
-                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (g - e).abs() <= 1e-6 * (1.0 + e.abs()),
-                        "neox {neox} at {i}: {g} vs {e}"
-                    );
+                let case = format!("rot {n_rot} bias {biased} norm {normed} neox {neox}");
+                for (i, (g, e)) in gpu.read(&gq).unwrap().iter().zip(&want_q).enumerate() {
+                    assert!((g - e).abs() <= 4e-6 * (1.0 + e.abs()), "{case}: Q at {i}: {g} vs {e}");
+                }
+                for (what, c, want) in [("K", &kc, &want_k), ("V", &vc, &want_v)] {
+                    for (i, (g, e)) in gpu.read_halves(c).unwrap().iter().zip(want).enumerate() {
+                        // WGSL leaves pack2x16float's rounding to the implementation: one f16 step at most.
+                        let step = (e.to_f32().abs() * 2f32.powi(-10)).max(6e-8);
+                        assert!(
+                            (g.to_f32() - e.to_f32()).abs() <= step,
+                            "{case}: {what} cache at {i}: {g} vs {e}"
+                        );
+                    }
                 }
             }
         }

@@ -1,12 +1,10 @@
-// Element-wise ops over n values, 256 per workgroup: the residual add, a bias added to every row, and the GLU
-// activation (act.wgsl).
+// Element-wise ops over n values, 256 per workgroup: the residual add and the GLU activation (act.wgsl).
 
 struct Params {
     n: u32,
     nx: u32,
     act: u32,
-    // The row width of add_rows.
-    width: u32,
+    pad: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -23,15 +21,6 @@ fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l
     let i = index(wid, li);
     if (i < p.n) {
         a[i] += b[i];
-    }
-}
-
-// a[r, j] += b[j]: a bias of `width` values added to every row.
-@compute @workgroup_size(256)
-fn add_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let i = index(wid, li);
-    if (i < p.n) {
-        a[i] += b[i % p.width];
     }
 }
 

@@ -1,11 +1,14 @@
 // RMSNorm: out = x / sqrt(mean(x²) + eps) · w, one row per workgroup of 256 threads. The sum of squares is
-// taken in f32 (the CPU takes it in f64): partial sums per thread, then a tree in workgroup memory.
+// taken in f32 (the CPU takes it in f64): partial sums per thread, then a tree in workgroup memory. And the
+// residual add fused with the RMSNorm that follows it (add_rms_norm), one dispatch where there were two or three.
 
 struct Params {
     n_rows: u32,
     width: u32,
     eps: f32,
     nx: u32,
+    // add_rms_norm: whether the added rows are RMS-normalised by `pw` first (Gemma 3's post-norms).
+    post: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -13,6 +16,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> w: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(4) var<storage, read_write> io: array<f32>;
+@group(0) @binding(5) var<storage, read_write> res: array<f32>;
+@group(0) @binding(6) var<storage, read> pw: array<f32>;
 
 const WG: u32 = 256u;
 var<workgroup> red: array<f32, 256>;
@@ -63,5 +68,43 @@ fn rms_norm_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
     let scale = inv_rms(li, part);
     for (var i = li; i < p.width; i += WG) {
         io[base + i] = io[base + i] * scale * w[i];
+    }
+}
+
+// The residual add and the next RMSNorm, in the CPU's order: y = io's row (first y = rmsnorm(y)·pw where p.post is
+// set), res += y, then io = rmsnorm(res)·w. Each thread reads back only the values it wrote itself.
+@compute @workgroup_size(256)
+fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let r = wid.x + wid.y * p.nx;
+    if (r >= p.n_rows) {
+        return;
+    }
+    let base = r * p.width;
+    if (p.post != 0u) {
+        var part = 0.0;
+        for (var i = li; i < p.width; i += WG) {
+            let v = io[base + i];
+            part += v * v;
+        }
+        let scale = inv_rms(li, part);
+        for (var i = li; i < p.width; i += WG) {
+            let y = io[base + i] * scale * pw[i];
+            res[base + i] += y;
+        }
+        // Every thread has read red[0] before the next reduction writes it.
+        workgroupBarrier();
+    } else {
+        for (var i = li; i < p.width; i += WG) {
+            res[base + i] += io[base + i];
+        }
+    }
+    var part = 0.0;
+    for (var i = li; i < p.width; i += WG) {
+        let v = res[base + i];
+        part += v * v;
+    }
+    let scale = inv_rms(li, part);
+    for (var i = li; i < p.width; i += WG) {
+        io[base + i] = res[base + i] * scale * w[i];
     }
 }

@@ -1,48 +1,149 @@
-// RoPE over n_rows rows of n_heads heads of head_dim values, row t at position pos[t]: one thread per rotated
-// pair. Adjacent pairs (2i, 2i+1) for Llama, halves (i, i + n_rot/2) for NeoX style. The angles come from the
-// CPU's table (kernels::ops::RopeTable), uploaded as (cos, sin) pairs per position, so both backends rotate by
-// the same numbers.
+// Q, K and V of a batch made ready for attention in one dispatch, one workgroup of 64 threads per (row, head): the
+// row's n_head query heads, then its n_head_kv K heads, then its n_head_kv V heads. Each head, in the CPU's order
+// (model/blocks.rs): its bias added (Qwen 2), RMS-normalised (Qwen 3, Gemma 3; Q and K only), rotated (Q and K);
+// then Q is written back in place and K and V are stored as f16 into the cache at the row's position.
+//
+// RoPE rotates adjacent pairs (2i, 2i+1) for Llama, halves (i, i + n_rot/2) for NeoX style, by the angles of the
+// CPU's table (kernels::ops::RopeTable), uploaded as (cos, sin) pairs per position, so both backends rotate by the
+// same numbers. The biases and norm weights are one buffer (`aux`, at the offsets below), so the dispatch binds
+// eight storage buffers, the portable limit.
+//
+// Cache layout, as the CPU's (engine::kv_cache): K [n_head_kv, n_ctx, hdk], V [n_head_kv, n_ctx, hdv], f16 packed
+// two to a word; hdk and hdv are even and at most 256.
 
 struct Params {
-    n_rows: u32,
-    n_heads: u32,
-    head_dim: u32,
+    n_tok: u32,
+    n_head: u32,
+    n_head_kv: u32,
+    hdk: u32,
+    hdv: u32,
+    // Rotated pairs per head, and the positions of the angle table.
     half_rot: u32,
     neox: u32,
-    nx: u32,
+    rope_ctx: u32,
+    // Positions of the cache.
     n_ctx: u32,
-    pad: u32,
+    eps: f32,
+    nx: u32,
+    // Offsets in `aux` of the Q, K and V biases and the Q and K norms' weights; NONE where the layer has none.
+    bq: u32,
+    bk: u32,
+    bv: u32,
+    qn: u32,
+    kn: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> x: array<f32>;
-@group(0) @binding(2) var<storage, read> cs: array<vec2<f32>>;
-@group(0) @binding(3) var<storage, read> pos: array<u32>;
+@group(0) @binding(1) var<storage, read_write> q: array<f32>;
+@group(0) @binding(2) var<storage, read> k: array<f32>;
+@group(0) @binding(3) var<storage, read> v: array<f32>;
+@group(0) @binding(4) var<storage, read_write> kc: array<u32>;
+@group(0) @binding(5) var<storage, read_write> vc: array<u32>;
+@group(0) @binding(6) var<storage, read> cs: array<vec2<f32>>;
+@group(0) @binding(7) var<storage, read> pos: array<u32>;
+@group(0) @binding(8) var<storage, read> aux: array<f32>;
+
+const WG: u32 = 64u;
+const NONE: u32 = 0xffffffffu;
+
+// The head being prepared.
+var<workgroup> hv: array<f32, 256>;
+var<workgroup> red: array<f32, 64>;
+
+fn reduce_sum(li: u32, x: f32) -> f32 {
+    red[li] = x;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    return red[0];
+}
 
 @compute @workgroup_size(64)
-fn rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let g = (wid.x + wid.y * p.nx) * 64u + li;
-    let per_row = p.n_heads * p.half_rot;
-    if (g >= p.n_rows * per_row) {
+fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let g = wid.x + wid.y * p.nx;
+    let per_row = p.n_head + 2u * p.n_head_kv;
+    if (g >= p.n_tok * per_row) {
         return;
     }
     let t = g / per_row;
-    let h = (g % per_row) / p.half_rot;
-    let i = g % p.half_rot;
-    let ps = min(pos[t], p.n_ctx - 1u);
-    let c = cs[ps * p.half_rot + i];
-    let base = (t * p.n_heads + h) * p.head_dim;
-    var a: u32;
-    var b: u32;
-    if (p.neox != 0u) {
-        a = base + i;
-        b = base + i + p.half_rot;
-    } else {
-        a = base + 2u * i;
-        b = a + 1u;
+    let j = g % per_row;
+    // 0: a query head, 1: a K head, 2: a V head.
+    let kind = select(select(2u, 1u, j < p.n_head + p.n_head_kv), 0u, j < p.n_head);
+    let h = select(select(j - p.n_head - p.n_head_kv, j - p.n_head, kind == 1u), j, kind == 0u);
+    let hd = select(p.hdk, p.hdv, kind == 2u);
+    let n_heads = select(p.n_head_kv, p.n_head, kind == 0u);
+    let bias = select(select(p.bv, p.bk, kind == 1u), p.bq, kind == 0u);
+    let norm = select(select(NONE, p.kn, kind == 1u), p.qn, kind == 0u);
+    let src = (t * n_heads + h) * hd;
+
+    // The head, plus its bias, and its sum of squares.
+    var part = 0.0;
+    for (var i = li; i < hd; i += WG) {
+        var x: f32;
+        if (kind == 0u) {
+            x = q[src + i];
+        } else if (kind == 1u) {
+            x = k[src + i];
+        } else {
+            x = v[src + i];
+        }
+        if (bias != NONE) {
+            x += aux[bias + h * hd + i];
+        }
+        hv[i] = x;
+        part += x * x;
     }
-    let x0 = x[a];
-    let x1 = x[b];
-    x[a] = x0 * c.x - x1 * c.y;
-    x[b] = x0 * c.y + x1 * c.x;
+    let ss = reduce_sum(li, part);
+    if (norm != NONE) {
+        let scale = 1.0 / sqrt(ss / f32(hd) + p.eps);
+        for (var i = li; i < hd; i += WG) {
+            hv[i] = hv[i] * scale * aux[norm + i];
+        }
+    }
+    workgroupBarrier();
+
+    if (kind < 2u) {
+        let ps = min(pos[t], p.rope_ctx - 1u);
+        for (var i = li; i < p.half_rot; i += WG) {
+            let c = cs[ps * p.half_rot + i];
+            var a: u32;
+            var b: u32;
+            if (p.neox != 0u) {
+                a = i;
+                b = i + p.half_rot;
+            } else {
+                a = 2u * i;
+                b = a + 1u;
+            }
+            let x0 = hv[a];
+            let x1 = hv[b];
+            hv[a] = x0 * c.x - x1 * c.y;
+            hv[b] = x0 * c.y + x1 * c.x;
+        }
+    }
+    workgroupBarrier();
+
+    if (kind == 0u) {
+        for (var i = li; i < hd; i += WG) {
+            q[src + i] = hv[i];
+        }
+        return;
+    }
+    let ps = pos[t];
+    if (ps >= p.n_ctx) {
+        return;
+    }
+    let at = ((h * p.n_ctx + ps) * hd) / 2u;
+    for (var i = li; i < hd / 2u; i += WG) {
+        let w = pack2x16float(vec2<f32>(hv[2u * i], hv[2u * i + 1u]));
+        if (kind == 1u) {
+            kc[at + i] = w;
+        } else {
+            vc[at + i] = w;
+        }
+    }
 }
