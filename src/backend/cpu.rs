@@ -55,10 +55,10 @@ impl Backend for Cpu {
     }
 
     /// The query heads of one GQA group share the K and V rows they read (`kernels::attention`). A prefill batch of
-    /// at least `tiles::MIN_ROWS` rows of one cache goes in tiles of rows per KV head (`kernels::attention_tiles`),
-    /// where the CPU has tile kernels. Otherwise, with many (row, KV head) pairs each thread takes whole pairs; with
+    /// at least `tiles::MIN_ROWS` rows of one cache, each attending to at least `tiles::MIN_SPAN` positions, goes in
+    /// tiles of rows per KV head (`kernels::attention_tiles`), where the CPU has tile kernels. Otherwise, with many (row, KV head) pairs each thread takes whole pairs; with
     /// few (decode) the pairs' chunks of positions are spread over the threads and folded after. A row gets the same
-    /// bits either way.
+    /// bits either way, except in tiles.
     fn attend(
         &self,
         pool: &ThreadPool,
@@ -69,10 +69,7 @@ impl Backend for Cpu {
         sc: &mut Scratch,
     ) {
         let (hdk, hdv, group) = (a.hdk, a.hdv, a.group());
-        if a.n_tok >= tiles::MIN_ROWS
-            && tiles::rows_per_tile(group) > 0
-            && tiles::available()
-            && one_cache(rows, a.n_tok)
+        if a.n_tok >= tiles::MIN_ROWS && tiles::rows_per_tile(group) > 0 && tiles::available() && long_prefill(a, rows)
         {
             attend_tiles(pool, a, q, rows, out, sc);
             return;
@@ -156,10 +153,14 @@ impl Backend for Cpu {
     }
 }
 
-/// Whether the batch's `n_tok` rows all read one cache (a prefill), not each its own session's (batched decode).
-fn one_cache(rows: &dyn RowsKv, n_tok: usize) -> bool {
+/// Whether the batch's rows all read one cache (a prefill, not a batched decode of several sessions) and each
+/// attends to at least `tiles::MIN_SPAN` positions.
+fn long_prefill(a: &AttnShape, rows: &dyn RowsKv) -> bool {
     let k0 = rows.read(0).0.as_ptr();
-    (1..n_tok).all(|t| rows.read(t).0.as_ptr() == k0)
+    (0..a.n_tok).all(|t| {
+        let pos = rows.pos(t);
+        rows.read(t).0.as_ptr() == k0 && pos + 1 - a.lo(pos) >= tiles::MIN_SPAN
+    })
 }
 
 /// [`Backend::attend`] in tiles of consecutive rows per KV head, each thread taking whole (tile, KV head) pairs.

@@ -11,8 +11,9 @@
 //! element-wise over lanes, and `Ot[d][i] = α[i] · Ot[d][i] + Σ_pos V[pos][d] · St[pos][i]` has the same shape.
 //!
 //! The order of the sums differs from the per-row kernel, so results agree within rounding, not bit for bit: the
-//! CPU backend uses tiles only for prefill batches of at least [`MIN_ROWS`] rows of one cache, so decode and a
-//! speculative verify of a few tokens keep the per-row kernel. A row's result does not depend on the tile it is in:
+//! CPU backend uses tiles only for prefill batches of at least [`MIN_ROWS`] rows of one cache, each row attending to
+//! at least [`MIN_SPAN`] positions, so decode, a speculative verify of a few tokens and short prompts keep the
+//! per-row kernel. A row's result does not depend on the tile it is in:
 //! chunks start at multiples of [`CHUNK`], every lane's sums run in position order, and positions outside a row's
 //! span add exact zeros (a chunk with none of them leaves its maximum, sum and output unchanged).
 //!
@@ -34,6 +35,13 @@ pub const CHUNK: usize = 64;
 /// The fewest rows of one cache for which the CPU backend takes tiles: fewer rows (decode, a speculative verify)
 /// keep the per-row kernel, so they give the same bits as each other.
 pub const MIN_ROWS: usize = 16;
+
+/// The fewest positions every row of the batch must attend to for the CPU backend to take tiles. Short contexts
+/// keep the per-row kernel, whose result for a row does not depend on how the rows were batched: a prompt prefilled
+/// on another node, or a turn's last tokens decoded one at a time, then gives the local run's bits (the
+/// disaggregation tests compare greedy text exactly). Past it a row prefilled in a batch and the same row decoded
+/// alone agree within rounding only.
+pub const MIN_SPAN: usize = 512;
 
 /// The most rows in one tile (group of one query head per KV head): the causal end of a tile computes scores it
 /// then masks, so tiles stay short.
