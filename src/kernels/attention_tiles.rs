@@ -59,7 +59,7 @@ pub struct Tile<'a> {
 
 /// Rows per tile for a GQA group of `n_q` query heads; 0 where one row's heads fill more than a tile.
 pub fn rows_per_tile(n_q: usize) -> usize {
-    if n_q == 0 { 0 } else { (MAX_Q / n_q).min(MAX_ROWS) }
+    MAX_Q.checked_div(n_q).map_or(0, |r| r.min(MAX_ROWS))
 }
 
 /// Scratch floats one [`attend`] call needs.
