@@ -2,7 +2,7 @@
 
 use super::{AttnShape, Backend, RowsKv, Scratch};
 use crate::kernels::ops::{self, RopeTable};
-use crate::kernels::{self, Glu, Matrix, SyncPtr, ThreadPool, attention};
+use crate::kernels::{self, Glu, Matrix, SyncPtr, ThreadPool, attention, attention_tiles as tiles};
 
 /// Baton's own kernels: fastest, results within rounding noise of llama.cpp (docs/correctness.md).
 pub struct Cpu;
@@ -54,9 +54,11 @@ impl Backend for Cpu {
         }
     }
 
-    /// The query heads of one GQA group share the K and V rows they read (`kernels::attention`). With many (row, KV
-    /// head) pairs (prefill, large batches) each thread takes whole pairs; with few (decode) the pairs' chunks of
-    /// positions are spread over the threads and folded after. A row gets the same bits either way.
+    /// The query heads of one GQA group share the K and V rows they read (`kernels::attention`). A prefill batch of
+    /// at least `tiles::MIN_ROWS` rows of one cache, each attending to at least `tiles::MIN_SPAN` positions, goes in
+    /// tiles of rows per KV head (`kernels::attention_tiles`), where the CPU has tile kernels. Otherwise, with many (row, KV head) pairs each thread takes whole pairs; with
+    /// few (decode) the pairs' chunks of positions are spread over the threads and folded after. A row gets the same
+    /// bits either way, except in tiles.
     fn attend(
         &self,
         pool: &ThreadPool,
@@ -67,6 +69,11 @@ impl Backend for Cpu {
         sc: &mut Scratch,
     ) {
         let (hdk, hdv, group) = (a.hdk, a.hdv, a.group());
+        if a.n_tok >= tiles::MIN_ROWS && tiles::rows_per_tile(group) > 0 && tiles::available() && long_prefill(a, rows)
+        {
+            attend_tiles(pool, a, q, rows, out, sc);
+            return;
+        }
         let n_tasks = a.n_tok * a.n_head_kv;
         let per_thread = attention::scratch_len(group, hdv);
         let att = SyncPtr::new(out.as_mut_ptr());
@@ -144,4 +151,62 @@ impl Backend for Cpu {
     fn add(&self, x: &mut [f32], y: &[f32]) {
         ops::add_inplace(x, y);
     }
+}
+
+/// Whether the batch's rows all read one cache (a prefill, not a batched decode of several sessions) and each
+/// attends to at least `tiles::MIN_SPAN` positions.
+fn long_prefill(a: &AttnShape, rows: &dyn RowsKv) -> bool {
+    let k0 = rows.read(0).0.as_ptr();
+    (0..a.n_tok).all(|t| {
+        let pos = rows.pos(t);
+        rows.read(t).0.as_ptr() == k0 && pos + 1 - a.lo(pos) >= tiles::MIN_SPAN
+    })
+}
+
+/// [`Backend::attend`] in tiles of consecutive rows per KV head, each thread taking whole (tile, KV head) pairs.
+fn attend_tiles(pool: &ThreadPool, a: &AttnShape, q: &[f32], rows: &dyn RowsKv, out: &mut [f32], sc: &mut Scratch) {
+    let (hdk, hdv, group) = (a.hdk, a.hdv, a.group());
+    let per_tile = tiles::rows_per_tile(group);
+    let n_tasks = a.n_tok.div_ceil(per_tile) * a.n_head_kv;
+    let per_thread = tiles::scratch_len(hdk, hdv) + tiles::MAX_Q * hdv;
+    let len = pool.n_threads() * per_thread;
+    if sc.tiles.len() < len {
+        sc.tiles.resize(len, 0.0);
+    }
+    let (kc, vc, kv_ctx) = rows.read(0);
+    let att = SyncPtr::new(out.as_mut_ptr());
+    let bufs = SyncPtr::new(sc.tiles.as_mut_ptr());
+    pool.run(|ith, nth| {
+        // SAFETY: each thread owns its own slice of the tile scratch.
+        let buf = unsafe { std::slice::from_raw_parts_mut(bufs.get().add(ith * per_thread), per_thread) };
+        let (ts, o) = buf.split_at_mut(tiles::scratch_len(hdk, hdv));
+        let mut spans: [std::ops::Range<usize>; tiles::MAX_Q] = std::array::from_fn(|_| 0..0);
+        let mut i = ith;
+        while i < n_tasks {
+            let (tile, kvh) = (i / a.n_head_kv, i % a.n_head_kv);
+            let (r0, r1) = (tile * per_tile, ((tile + 1) * per_tile).min(a.n_tok));
+            for (s, r) in spans.iter_mut().zip(r0..r1) {
+                let pos = rows.pos(r);
+                *s = a.lo(pos)..pos + 1;
+            }
+            let t = tiles::Tile {
+                n_q: group,
+                hdk,
+                hdv,
+                scale: a.scale,
+                spans: &spans[..r1 - r0],
+            };
+            let qg = &q[(r0 * a.n_head + kvh * group) * hdk..];
+            let k = &kc[kvh * kv_ctx * hdk..(kvh + 1) * kv_ctx * hdk];
+            let v = &vc[kvh * kv_ctx * hdv..(kvh + 1) * kv_ctx * hdv];
+            tiles::attend(&t, qg, a.n_head * hdk, k, v, ts, o);
+            for r in r0..r1 {
+                let (src, dst) = (((r - r0) * group) * hdv, (r * a.n_head + kvh * group) * hdv);
+                // SAFETY: row r's heads of KV head kvh are this task's alone, inside `out`'s n_tok × n_head × hdv.
+                let dst = unsafe { std::slice::from_raw_parts_mut(att.get().add(dst), group * hdv) };
+                dst.copy_from_slice(&o[src..src + group * hdv]);
+            }
+            i += nth;
+        }
+    });
 }

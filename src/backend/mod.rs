@@ -105,6 +105,9 @@ pub struct Scratch {
     pub(crate) scores: Vec<f32>,
     /// Partial attention results of the chunks of a decode step spread over the threads.
     pub(crate) parts: Vec<f32>,
+    /// Each thread's scratch and output of prefill attention in tiles (`kernels::attention_tiles`), grown on first
+    /// use: decode never needs it.
+    pub(crate) tiles: Vec<f32>,
     /// Positions the session's cache holds (sizes `parts`).
     pub(crate) n_ctx: usize,
 }
@@ -118,6 +121,7 @@ impl Scratch {
             up: Vec::new(),
             scores: vec![0.0; scores],
             parts: vec![0.0; parts],
+            tiles: Vec::new(),
             n_ctx,
         }
     }

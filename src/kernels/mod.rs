@@ -7,6 +7,7 @@
 //! K-quants), then every output is an integer dot per block, scaled per block. Float weights are dotted in f32.
 
 pub mod attention;
+pub mod attention_tiles;
 pub mod blocks32;
 pub mod float;
 pub mod ggml;
