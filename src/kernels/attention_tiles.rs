@@ -94,6 +94,7 @@ pub fn attend(t: &Tile, q: &[f32], q_stride: usize, k: &[f16], v: &[f16], scratc
 }
 
 /// The vector kernels of one level. The caller ([`run`]) has checked every bound they rely on.
+#[cfg(target_arch = "x86_64")]
 trait Level {
     /// `dst[..src.len()]` = `src` widened.
     unsafe fn widen(src: &[f16], dst: &mut [f32]);
@@ -134,6 +135,7 @@ trait Level {
 }
 
 /// [`attend`] with the kernels of level `L`.
+#[cfg(target_arch = "x86_64")]
 fn run<L: Level>(t: &Tile, q: &[f32], q_stride: usize, k: &[f16], v: &[f16], scratch: &mut [f32], out: &mut [f32]) {
     let (n_q, hdk, hdv, rows) = (t.n_q, t.hdk, t.hdv, t.spans.len());
     let m = rows * n_q;
