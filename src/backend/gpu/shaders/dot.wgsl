@@ -82,66 +82,47 @@ fn dot_q8_0_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     return half_$F(o) * hsum_$F(s);
 }
 
-// Q4_0: d · (Σ q·x − 8 Σ x); byte j holds weights j and j + 16.
-fn dot_q4_0_$F(rb: u32, u: u32, xb4: u32) -> f32 {
-    let o = rb + u * 18u;
+// (Σ q·x, Σ x) over a unit of 16 bytes of nibbles at byte qs, laid out as Q4_0's (byte j: weight j in the low
+// nibble, j + 16 in the high), the fifth bit of weight j being bit j of qh (0 for the 4-bit types).
+fn nib32_$F(qs: u32, qh: u32, xb4: u32) -> vec2<f32> {
     var s = vec4<f32>(0.0);
     var sx = vec4<f32>(0.0);
     for (var k = 0u; k < 4u; k++) {
-        let w = word_$F(o + 2u + 4u * k);
+        let w = word_$F(qs + 4u * k);
         let xa = x4[xb4 + k];
         let xb = x4[xb4 + 4u + k];
-        s += nib4_$F(w, 0u) * xa + nib4_$F(w >> 4u, 0u) * xb;
+        s += nib4_$F(w, qh >> (4u * k)) * xa + nib4_$F(w >> 4u, qh >> (16u + 4u * k)) * xb;
         sx += xa + xb;
     }
-    return half_$F(o) * (hsum_$F(s) - 8.0 * hsum_$F(sx));
+    return vec2<f32>(hsum_$F(s), hsum_$F(sx));
+}
+
+// Q4_0: d · (Σ q·x − 8 Σ x).
+fn dot_q4_0_$F(rb: u32, u: u32, xb4: u32) -> f32 {
+    let o = rb + u * 18u;
+    let r = nib32_$F(o + 2u, 0u, xb4);
+    return half_$F(o) * (r.x - 8.0 * r.y);
 }
 
 // Q4_1: d · Σ q·x + m · Σ x.
 fn dot_q4_1_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     let o = rb + u * 20u;
-    var s = vec4<f32>(0.0);
-    var sx = vec4<f32>(0.0);
-    for (var k = 0u; k < 4u; k++) {
-        let w = word_$F(o + 4u + 4u * k);
-        let xa = x4[xb4 + k];
-        let xb = x4[xb4 + 4u + k];
-        s += nib4_$F(w, 0u) * xa + nib4_$F(w >> 4u, 0u) * xb;
-        sx += xa + xb;
-    }
-    return half_$F(o) * hsum_$F(s) + half_$F(o + 2u) * hsum_$F(sx);
+    let r = nib32_$F(o + 4u, 0u, xb4);
+    return half_$F(o) * r.x + half_$F(o + 2u) * r.y;
 }
 
-// Q5_0: d · (Σ q·x − 16 Σ x); the fifth bit of weight j is bit j of qh.
+// Q5_0: d · (Σ q·x − 16 Σ x).
 fn dot_q5_0_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     let o = rb + u * 22u;
-    let qh = word_$F(o + 2u);
-    var s = vec4<f32>(0.0);
-    var sx = vec4<f32>(0.0);
-    for (var k = 0u; k < 4u; k++) {
-        let w = word_$F(o + 6u + 4u * k);
-        let xa = x4[xb4 + k];
-        let xb = x4[xb4 + 4u + k];
-        s += nib4_$F(w, qh >> (4u * k)) * xa + nib4_$F(w >> 4u, qh >> (16u + 4u * k)) * xb;
-        sx += xa + xb;
-    }
-    return half_$F(o) * (hsum_$F(s) - 16.0 * hsum_$F(sx));
+    let r = nib32_$F(o + 6u, word_$F(o + 2u), xb4);
+    return half_$F(o) * (r.x - 16.0 * r.y);
 }
 
 // Q5_1: d · Σ q·x + m · Σ x.
 fn dot_q5_1_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     let o = rb + u * 24u;
-    let qh = word_$F(o + 4u);
-    var s = vec4<f32>(0.0);
-    var sx = vec4<f32>(0.0);
-    for (var k = 0u; k < 4u; k++) {
-        let w = word_$F(o + 8u + 4u * k);
-        let xa = x4[xb4 + k];
-        let xb = x4[xb4 + 4u + k];
-        s += nib4_$F(w, qh >> (4u * k)) * xa + nib4_$F(w >> 4u, qh >> (16u + 4u * k)) * xb;
-        sx += xa + xb;
-    }
-    return half_$F(o) * hsum_$F(s) + half_$F(o + 2u) * hsum_$F(sx);
+    let r = nib32_$F(o + 8u, word_$F(o + 4u), xb4);
+    return half_$F(o) * r.x + half_$F(o + 2u) * r.y;
 }
 
 // Q4_K: d·scale_j · Σ q·x − dmin·min_j · Σ x.
