@@ -127,19 +127,19 @@ fn quant_of(ty: GgmlType) -> String {
 /// `ty`'s dequantizer instantiated for each weight buffer (name, suffix) of a module, after the codebooks' offsets
 /// (`GRID_*`). The module declares the buffers, and `iq_grid` at binding 5 ([`Pass::grid_binding`]).
 pub(super) fn dequantizers(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
-    let mut out: String = grid_tables()
+    let grid: String = grid_tables()
         .1
         .iter()
         .map(|(name, at)| format!("const GRID_{name}: u32 = {at}u;\n"))
         .collect();
-    for (buf, suffix) in bufs {
-        out += &quant_of(ty)
-            .replace("$T", wgsl_type(ty))
-            .replace("$W", buf)
-            .replace("$F", suffix);
-        out += "\n";
-    }
-    out
+    grid + &per_buffer(&quant_of(ty).replace("$T", wgsl_type(ty)), bufs)
+}
+
+/// A template of `quant.wgsl` or `dot.wgsl` once per weight buffer of a module: `$W` its name, `$F` its suffix.
+fn per_buffer(text: &str, bufs: &[(&str, &str)]) -> String {
+    bufs.iter()
+        .map(|(buf, suffix)| text.replace("$W", buf).replace("$F", suffix) + "\n")
+        .collect()
 }
 
 /// Whether `dot.wgsl` has a dot product straight from `ty`'s blocks (the others dequantize first).
@@ -165,10 +165,7 @@ fn dots(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
                 || item.contains("fn row_dot_")
         })
         .collect();
-    let text = items.join("\n\n").replace("$D", own);
-    bufs.iter()
-        .map(|(buf, suffix)| text.replace("$W", buf).replace("$F", suffix) + "\n")
-        .collect()
+    per_buffer(&items.join("\n\n").replace("$D", own), bufs)
 }
 
 /// The name `dot_$F` calls for `ty`: its own dot product or the dequantizing one.
