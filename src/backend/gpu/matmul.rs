@@ -5,7 +5,7 @@
 //! the GPU's sums are the closer of the two to the exact product). Three kernels: `matvec` (`matmul.wgsl`) dots
 //! each 32-weight unit straight from its block with one token's activations (`dot.wgsl`: decode); `matmul` there
 //! dequantizes a unit once into registers and dots it with up to 8 tokens (small batches); `matmul_tiled.wgsl`
-//! dequantizes a tile of rows into workgroup memory and reuses it across 32 tokens (prefill); [`TILED_MIN`] picks
+//! dequantizes a tile of rows into workgroup memory and reuses it across 64 tokens (prefill); [`TILED_MIN`] picks
 //! (on a software adapter [`TILED_MIN_SOFTWARE`]).
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
@@ -21,7 +21,7 @@ const TT: usize = 8;
 
 /// Batches of this many tokens or more take the tiled kernel on a hardware GPU. Measured on an H200 (`cargo bench
 /// --bench kernels -- --gpu`, docs/gpu.md): at 16 tokens the per-row kernel was faster on 7 of 9 matrices of Llama
-/// 3 8B's shapes, at 64 the tiled one on 7 of 9; the tiled grid (64 rows × 32 tokens a workgroup) leaves a small
+/// 3 8B's shapes, at 64 the tiled one on 7 of 9; the tiled grid (64 rows × 64 tokens a workgroup) leaves a small
 /// matrix's batch too few workgroups until then.
 pub(super) const TILED_MIN: usize = 32;
 
@@ -33,7 +33,7 @@ pub(super) const TILED_MIN_SOFTWARE: usize = TT + 1;
 /// (`matmul_tiled.wgsl`).
 const TILE_ROWS: usize = 64;
 const TILE_ROWS_GLU: usize = 32;
-const TILE_TOKENS: usize = 32;
+const TILE_TOKENS: usize = 64;
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
 fn wgsl_type(ty: GgmlType) -> &'static str {
@@ -286,6 +286,9 @@ impl Pass<'_> {
             let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
+            } else if tiled {
+                // The tiled kernels share one body that names both matrices; the plain one never reads the second.
+                bufs.push((4, &part.buf));
             }
             if !tiled {
                 // The per-row kernel's vector view of the activations.
@@ -489,7 +492,7 @@ mod tests {
 
     /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
     /// within [`TOL`], for one token (mat-vec) and for batches across token tiles, through both kernels; rows not a
-    /// multiple of either kernel's (4, 64), tokens not a multiple of its (8, 32) and an odd number of blocks per
+    /// multiple of either kernel's (4, 64), tokens not a multiple of its (8, 64) and an odd number of blocks per
     /// row put rows at every alignment the 18-, 22- and 34-byte blocks give and leave the last tiles partial. Then the
     /// CPU kernel (8-bit activations) is within its quantization error of both.
     #[test]
@@ -597,7 +600,7 @@ mod tests {
         ];
         for ((tg, tu, split), (rows, n)) in cases
             .into_iter()
-            .flat_map(|c| [(c, (21, 1)), (c, (21, 3)), (c, (45, 35))])
+            .flat_map(|c| [(c, (21, 1)), (c, (21, 3)), (c, (45, 67))])
         {
             let gate = random_matrix(&mut rng, tg, rows, cols);
             let up = random_matrix(&mut rng, tu, rows, cols);

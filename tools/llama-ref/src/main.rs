@@ -140,6 +140,9 @@ struct BenchArgs {
     /// --ctx-depth` does, so pp/tg run with that much context already in the KV cache.
     #[arg(short = 'd', long, default_value_t = 0)]
     depth: usize,
+    /// Layers offloaded to the GPU, as llama.cpp's `-ngl` (a build with `--features vulkan`; 999 for all).
+    #[arg(long = "gpu-layers", visible_alias = "ngl", default_value_t = 0)]
+    gpu_layers: u32,
 }
 
 #[derive(Args)]
@@ -245,11 +248,19 @@ fn all_cmd(backend: &LlamaBackend, a: &AllArgs) -> Result<()> {
 // shared helpers
 
 fn load_model(backend: &LlamaBackend, path: &Path) -> Result<LlamaModel> {
+    load_model_on(backend, path, 0)
+}
+
+/// Loads with the first `gpu_layers` layers offloaded to a GPU backend compiled in (the `vulkan` feature); every
+/// golden file is made with 0, on the CPU.
+fn load_model_on(backend: &LlamaBackend, path: &Path, gpu_layers: u32) -> Result<LlamaModel> {
     if !path.is_file() {
         bail!("model file {} not found", path.display());
     }
-    // CPU only: no layers offloaded even if a GPU backend were compiled in.
-    let params = LlamaModelParams::default().with_n_gpu_layers(0);
+    if gpu_layers > 0 && !cfg!(feature = "vulkan") {
+        bail!("--gpu-layers needs a llama-ref built with `--features vulkan`");
+    }
+    let params = LlamaModelParams::default().with_n_gpu_layers(gpu_layers);
     LlamaModel::load_from_file(backend, path, &params)
         .with_context(|| format!("llama.cpp could not load {}", path.display()))
 }
@@ -762,7 +773,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("-r must be at least 1");
     }
-    let model = load_model(backend, &a.model)?;
+    let model = load_model_on(backend, &a.model, a.gpu_layers)?;
     let n_vocab = model.vocab().n_tokens();
     let bos = model.vocab().bos();
     let n_ctx = (a.depth + a.n_prompt.max(a.n_gen) + 1).max(16) as u32;
@@ -852,7 +863,7 @@ fn bench_cmd(backend: &LlamaBackend, a: &BenchArgs) -> Result<()> {
         };
         let line = json!({
             "engine": "llama.cpp", "llama_cpp": llama_cpp_version(), "cpu": cpu_features(), "model": file, "test": name,
-            "threads": a.threads, "n_batch": n_batch, "depth": a.depth, "repetitions": a.repetitions,
+            "threads": a.threads, "n_batch": n_batch, "depth": a.depth, "gpu_layers": a.gpu_layers, "repetitions": a.repetitions,
             "median_tokens_per_s": median, "all_tokens_per_s": rates,
         });
         println!("{line}");

@@ -1,156 +1,166 @@
 // The tiled y[t, row0 + r] = W[r, :] · x[t, :] for batches of many tokens (prefill), over the same quantized
-// weights (quant.wgsl) and parameters (matmul_io.wgsl) as matmul.wgsl, which stays the decode kernel (up to 8 tokens).
+// weights (quant.wgsl) and parameters (matmul_io.wgsl) as matmul.wgsl, which keeps the mat-vec and small batches.
 //
-// A workgroup of 64 threads owns a tile of BM weight rows × BN = 32 tokens and walks the columns one 32-weight unit
-// (the K-chunk) at a time: each thread dequantizes one row's unit into workgroup memory (ws) and loads 16 of the
-// tile's activations (xs), so each weight is dequantized once per 32 tokens and each activation read once per BM
-// rows; after a barrier each thread multiplies its 4 rows × 8 tokens (matmul, BM = 64) or 4 rows × 4 tokens of
-// both gate and up (matmul_glu, BM = 32 rows of each) out of workgroup memory into registers. Rows and tokens past
-// the matrix or the batch are zeros in the tiles and are not written. A thread's rows and tokens are strided (tr +
-// 16i, tc + 4j) and the tiles' rows padded to 33 floats, so neighbouring threads read different memory banks.
+// A workgroup of 64 threads owns a tile of 64 weight rows × 64 tokens (matmul_glu: 32 gate rows and the same 32
+// up rows) and walks the columns one 32-weight unit (the K-chunk) at a time: each thread dequantizes one row's unit
+// into workgroup memory (ws) and loads 32 of the tile's activations (xs); after a barrier each thread multiplies
+// its 8 rows × 8 tokens out of workgroup memory into 16 vec4 registers: per column, 4 vec4 loads for 64
+// multiply-adds (the previous 64 × 32 tile with 4 × 8 a thread took 12 scalar loads for 32). Each weight is
+// dequantized once per 64 tokens, each activation read once per 64 rows. Rows and tokens past the matrix or the
+// batch are zeros in the tiles and are not written.
 // The grid: (x, y) over the row tiles (index wid.x + wid.y·nx, see device::grid), z over the token tiles.
 
-const BN: u32 = 32u;
-const S: u32 = 33u;
+const BN: u32 = 64u;
 
-// 64 weight rows (matmul; matmul_glu: gate rows in slots 0..32, up rows in 32..64) and 32 tokens, one unit each.
-var<workgroup> ws: array<f32, 2112>;
-var<workgroup> xs: array<f32, 1056>;
+// ws[k * 16 + q]: rows 4q..4q + 4 of the tile at column k of the unit (matmul_glu: quads 0..8 the gate's rows,
+// 8..16 the up's), so a thread reads its 4 rows as one vec4.
+var<workgroup> ws: array<vec4<f32>, 512>;
+// xs[k * 16 + (q ^ (k % 8))]: tokens 4q..4q + 4 at column k. The quad index is XOR-ed with k so that the loads'
+// writes (a warp: 4 tokens × 8 columns) fall on 32 different banks.
+var<workgroup> xs: array<vec4<f32>, 512>;
 
-// Unit u of the activations of tokens t0..t0 + 32 into xs, 16 values per thread, zeros past the batch and past a
-// row (a float matrix's last unit may be padding, buffers.rs).
+// Unit u of tokens t0..t0 + 64 into xs, zeros past the batch and past a row (a float matrix's last unit may be
+// padding, buffers.rs). Value i of 2048: bits 0-1 the token within its quad, 2-4 the column's low bits, 5-8 the
+// quad, 9-10 the column's high bits, so 32 neighbouring threads read 4 tokens × 8 neighbouring columns.
 fn load_x(li: u32, t0: u32, u: u32) {
-    for (var m = 0u; m < 16u; m++) {
+    for (var m = 0u; m < 32u; m++) {
         let i = li + 64u * m;
-        let t = i / 32u;
-        let k = i % 32u;
+        let q = (i >> 5u) & 15u;
+        let t = q * 4u + (i & 3u);
+        let k = ((i >> 2u) & 7u) + ((i >> 9u) << 3u);
         var v = 0.0;
         if (t0 + t < p.n_tok && u * 32u + k < p.cols) {
             v = x[(t0 + t) * p.cols + u * 32u + k];
         }
-        xs[t * S + k] = v;
+        xs[k * 16u + (q ^ (k & 7u))][i & 3u] = v;
     }
 }
 
-// A dequantized unit into tile row `slot` of ws.
-fn store_w(slot: u32, w: ptr<function, array<f32, 32>>) {
-    for (var k = 0u; k < 32u; k++) {
-        ws[slot * S + k] = (*w)[k];
+// y at rows row..row + 4 for token t, those inside the matrix and the batch.
+fn store4(row: u32, t: u32, v: vec4<f32>) {
+    if (t >= p.n_tok) {
+        return;
+    }
+    for (var i = 0u; i < 4u; i++) {
+        if (row + i < p.rows) {
+            y[t * p.y_stride + p.row0 + row + i] = v[i];
+        }
+    }
+}
+
+fn glu4(g: vec4<f32>, u: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(glu(p.act, g.x, u.x), glu(p.act, g.y, u.y), glu(p.act, g.z, u.z), glu(p.act, g.w, u.w));
+}
+
+// One tile. Thread (tr, tc) sums rows quads tr and tr + 8 (matmul_glu: the gate's and the up's quad tr) for token
+// quads tc and tc + 8: c0j for the first rows, c1j for the second, j the token (0..4 in quad tc, 4..8 in tc + 8).
+fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
+    let rows_per_tile = select(64u, 32u, is_glu);
+    let r0 = (wid.x + wid.y * p.nx) * rows_per_tile;
+    let t0 = wid.z * BN;
+    let tr = li % 8u;
+    let tc = li / 8u;
+    // Plain vector variables, which every compiler keeps in registers (an indexed function array may go to
+    // memory, a load and a store per product).
+    var c00 = vec4<f32>(0.0);
+    var c01 = vec4<f32>(0.0);
+    var c02 = vec4<f32>(0.0);
+    var c03 = vec4<f32>(0.0);
+    var c04 = vec4<f32>(0.0);
+    var c05 = vec4<f32>(0.0);
+    var c06 = vec4<f32>(0.0);
+    var c07 = vec4<f32>(0.0);
+    var c10 = vec4<f32>(0.0);
+    var c11 = vec4<f32>(0.0);
+    var c12 = vec4<f32>(0.0);
+    var c13 = vec4<f32>(0.0);
+    var c14 = vec4<f32>(0.0);
+    var c15 = vec4<f32>(0.0);
+    var c16 = vec4<f32>(0.0);
+    var c17 = vec4<f32>(0.0);
+    // The row this thread dequantizes, and from which matrix.
+    let row = select(r0 + li, r0 + li % 32u, is_glu);
+    let from_b = is_glu && li >= 32u;
+    for (var u = 0u; u < p.units; u++) {
+        var w: array<f32, 32>;
+        if (row < p.rows) {
+            if (from_b) {
+                dequant_b(row * p.row_bytes, u, &w);
+            } else {
+                dequant_a(row * p.row_bytes, u, &w);
+            }
+        }
+        for (var k = 0u; k < 32u; k++) {
+            ws[k * 16u + li / 4u][li % 4u] = w[k];
+        }
+        load_x(li, t0, u);
+        workgroupBarrier();
+        for (var k = 0u; k < 32u; k++) {
+            let a0 = ws[k * 16u + tr];
+            let a1 = ws[k * 16u + 8u + tr];
+            let sw = k & 7u;
+            let b0 = xs[k * 16u + (tc ^ sw)];
+            let b1 = xs[k * 16u + ((tc + 8u) ^ sw)];
+            c00 += a0 * b0.x;
+            c01 += a0 * b0.y;
+            c02 += a0 * b0.z;
+            c03 += a0 * b0.w;
+            c04 += a0 * b1.x;
+            c05 += a0 * b1.y;
+            c06 += a0 * b1.z;
+            c07 += a0 * b1.w;
+            c10 += a1 * b0.x;
+            c11 += a1 * b0.y;
+            c12 += a1 * b0.z;
+            c13 += a1 * b0.w;
+            c14 += a1 * b1.x;
+            c15 += a1 * b1.y;
+            c16 += a1 * b1.z;
+            c17 += a1 * b1.w;
+        }
+        workgroupBarrier();
+    }
+    let ra = r0 + 4u * tr;
+    let ta = t0 + 4u * tc;
+    let tb = ta + 32u;
+    if (is_glu) {
+        store4(ra, ta, glu4(c00, c10));
+        store4(ra, ta + 1u, glu4(c01, c11));
+        store4(ra, ta + 2u, glu4(c02, c12));
+        store4(ra, ta + 3u, glu4(c03, c13));
+        store4(ra, tb, glu4(c04, c14));
+        store4(ra, tb + 1u, glu4(c05, c15));
+        store4(ra, tb + 2u, glu4(c06, c16));
+        store4(ra, tb + 3u, glu4(c07, c17));
+    } else {
+        let rb = ra + 32u;
+        store4(ra, ta, c00);
+        store4(ra, ta + 1u, c01);
+        store4(ra, ta + 2u, c02);
+        store4(ra, ta + 3u, c03);
+        store4(ra, tb, c04);
+        store4(ra, tb + 1u, c05);
+        store4(ra, tb + 2u, c06);
+        store4(ra, tb + 3u, c07);
+        store4(rb, ta, c10);
+        store4(rb, ta + 1u, c11);
+        store4(rb, ta + 2u, c12);
+        store4(rb, ta + 3u, c13);
+        store4(rb, tb, c14);
+        store4(rb, tb + 1u, c15);
+        store4(rb, tb + 2u, c16);
+        store4(rb, tb + 3u, c17);
     }
 }
 
 @compute @workgroup_size(64)
 fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r0 = (wid.x + wid.y * p.nx) * 64u;
-    let t0 = wid.z * BN;
-    let tr = li % 16u;
-    let tc = li / 16u;
-    // c[j] holds the thread's 4 rows (tr + 16i) for token tc + 4j: plain vector variables, which every compiler
-    // keeps in registers (an indexed function array may go to memory, one load and store per product).
-    var c0 = vec4<f32>(0.0);
-    var c1 = vec4<f32>(0.0);
-    var c2 = vec4<f32>(0.0);
-    var c3 = vec4<f32>(0.0);
-    var c4 = vec4<f32>(0.0);
-    var c5 = vec4<f32>(0.0);
-    var c6 = vec4<f32>(0.0);
-    var c7 = vec4<f32>(0.0);
-    for (var u = 0u; u < p.units; u++) {
-        var w: array<f32, 32>;
-        if (r0 + li < p.rows) {
-            dequant_a((r0 + li) * p.row_bytes, u, &w);
-        }
-        store_w(li, &w);
-        load_x(li, t0, u);
-        workgroupBarrier();
-        for (var k = 0u; k < 32u; k++) {
-            let a = vec4<f32>(ws[tr * S + k], ws[(tr + 16u) * S + k], ws[(tr + 32u) * S + k], ws[(tr + 48u) * S + k]);
-            c0 += a * xs[tc * S + k];
-            c1 += a * xs[(tc + 4u) * S + k];
-            c2 += a * xs[(tc + 8u) * S + k];
-            c3 += a * xs[(tc + 12u) * S + k];
-            c4 += a * xs[(tc + 16u) * S + k];
-            c5 += a * xs[(tc + 20u) * S + k];
-            c6 += a * xs[(tc + 24u) * S + k];
-            c7 += a * xs[(tc + 28u) * S + k];
-        }
-        workgroupBarrier();
-    }
-    store_tile(r0 + tr, t0 + tc, c0, c1, c2, c3, c4, c5, c6, c7);
+    tile(wid, li, false);
 }
 
-// A thread's 4 rows (row + 16i) × 8 tokens (tok + 4j) of y, those inside the matrix and the batch.
-fn store_tile(row: u32, tok: u32, c0: vec4<f32>, c1: vec4<f32>, c2: vec4<f32>, c3: vec4<f32>, c4: vec4<f32>,
-              c5: vec4<f32>, c6: vec4<f32>, c7: vec4<f32>) {
-    let c = array<vec4<f32>, 8>(c0, c1, c2, c3, c4, c5, c6, c7);
-    for (var j = 0u; j < 8u; j++) {
-        let t = tok + 4u * j;
-        for (var i = 0u; i < 4u; i++) {
-            if (row + 16u * i < p.rows && t < p.n_tok) {
-                y[t * p.y_stride + p.row0 + row + 16u * i] = c[j][i];
-            }
-        }
-    }
-}
-
-// y[t, r] = act(G[r, :]·x[t, :]) · (U[r, :]·x[t, :]), gate in wa, up in wb (of one type), 32 rows of each a tile:
-// threads 0..32 dequantize the gate's rows, 32..64 the up's, and each thread sums rows tr + 8i × tokens tc + 8j.
+// y[t, r] = act(G[r, :]·x[t, :]) · (U[r, :]·x[t, :]), gate in wa, up in wb (of one type): threads 0..32
+// dequantize the gate's rows, 32..64 the up's.
 @compute @workgroup_size(64)
 fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r0 = (wid.x + wid.y * p.nx) * 32u;
-    let t0 = wid.z * BN;
-    let tr = li % 8u;
-    let tc = li / 8u;
-    // g[j] / v[j]: the gate's and the up's 4 rows (tr + 8i) for token tc + 8j, in registers as in matmul.
-    var g0 = vec4<f32>(0.0);
-    var g1 = vec4<f32>(0.0);
-    var g2 = vec4<f32>(0.0);
-    var g3 = vec4<f32>(0.0);
-    var v0 = vec4<f32>(0.0);
-    var v1 = vec4<f32>(0.0);
-    var v2 = vec4<f32>(0.0);
-    var v3 = vec4<f32>(0.0);
-    for (var u = 0u; u < p.units; u++) {
-        var w: array<f32, 32>;
-        let row = r0 + li % 32u;
-        if (row < p.rows) {
-            if (li < 32u) {
-                dequant_a(row * p.row_bytes, u, &w);
-            } else {
-                dequant_b(row * p.row_bytes, u, &w);
-            }
-        }
-        store_w(li, &w);
-        load_x(li, t0, u);
-        workgroupBarrier();
-        for (var k = 0u; k < 32u; k++) {
-            let a = vec4<f32>(ws[tr * S + k], ws[(tr + 8u) * S + k], ws[(tr + 16u) * S + k], ws[(tr + 24u) * S + k]);
-            let b = vec4<f32>(ws[(32u + tr) * S + k], ws[(40u + tr) * S + k], ws[(48u + tr) * S + k],
-                              ws[(56u + tr) * S + k]);
-            let x0 = xs[tc * S + k];
-            let x1 = xs[(tc + 8u) * S + k];
-            let x2 = xs[(tc + 16u) * S + k];
-            let x3 = xs[(tc + 24u) * S + k];
-            g0 += a * x0;
-            g1 += a * x1;
-            g2 += a * x2;
-            g3 += a * x3;
-            v0 += b * x0;
-            v1 += b * x1;
-            v2 += b * x2;
-            v3 += b * x3;
-        }
-        workgroupBarrier();
-    }
-    let g = array<vec4<f32>, 4>(g0, g1, g2, g3);
-    let v = array<vec4<f32>, 4>(v0, v1, v2, v3);
-    for (var i = 0u; i < 4u; i++) {
-        let row = r0 + tr + 8u * i;
-        for (var j = 0u; j < 4u; j++) {
-            let t = t0 + tc + 8u * j;
-            if (row < p.rows && t < p.n_tok) {
-                y[t * p.y_stride + p.row0 + row] = glu(p.act, g[j][i], v[j][i]);
-            }
-        }
-    }
+    tile(wid, li, true);
 }
