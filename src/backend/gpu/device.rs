@@ -209,10 +209,17 @@ impl Gpu {
             return Ok(p.clone());
         }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&key),
             source: wgpu::ShaderSource::Wgsl(source().into()),
-        });
+        };
+        let module = match shader_checks() {
+            // SAFETY: a measuring aid only (`shader_checks`): every dispatch's sizes are checked on the host
+            // (`ensure!`s beside each `Pass` method) and every loop is bounded by them, so the checks naga adds
+            // should never fire; this switch measures what they cost. Not for untrusted use.
+            Some(checks) => unsafe { self.device.create_shader_module_trusted(desc, checks) },
+            None => self.device.create_shader_module(desc),
+        };
         let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(&key),
             layout: None,
@@ -232,6 +239,29 @@ impl Gpu {
         let p = Arc::new(pipeline);
         map.insert((key, entry), p.clone());
         Ok(p)
+    }
+}
+
+/// Which of the runtime checks naga adds to every shader by default (buffer bounds, loop bounding, integer division
+/// guards) to keep, from `BATON_GPU_CHECKS`, to measure their cost on a GPU (docs/gpu.md): `all` (naga's default,
+/// `None`), `no-loop-bounds` (bounds and division guards kept), `bounds` (only the bounds), `none`. Unset: `all`.
+fn shader_checks() -> Option<wgpu::ShaderRuntimeChecks> {
+    let mut checks = wgpu::ShaderRuntimeChecks::unchecked();
+    match std::env::var("BATON_GPU_CHECKS").as_deref() {
+        Ok("none") => Some(checks),
+        Ok("bounds") => {
+            checks.bounds_checks = true;
+            Some(checks)
+        }
+        Ok("no-loop-bounds") => {
+            checks.bounds_checks = true;
+            checks.int_div_checks = true;
+            checks.ray_query_initialization_tracking = true;
+            checks.task_shader_dispatch_tracking = true;
+            checks.mesh_shader_primitive_indices_clamp = true;
+            Some(checks)
+        }
+        _ => None,
     }
 }
 

@@ -35,6 +35,13 @@ const TILE_ROWS: usize = 64;
 const TILE_ROWS_GLU: usize = 32;
 const TILE_TOKENS: usize = 64;
 
+/// `BATON_GPU_PROBE`, a measuring aid for the tiled kernel (docs/gpu.md): 0 (default) the whole kernel; 1 without
+/// dequantizing the weights, 2 with one column's products of each unit instead of 32, 3 without loading the
+/// activations. Every value but 0 gives wrong sums; `cargo bench --bench kernels -- --gpu` times each part so.
+fn tiled_probe() -> u32 {
+    std::env::var("BATON_GPU_PROBE").ok().and_then(|v| v.parse().ok()).filter(|&v| v <= 3).unwrap_or(0)
+}
+
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
 fn wgsl_type(ty: GgmlType) -> &'static str {
     use GgmlType::*;
@@ -260,9 +267,10 @@ impl Pass<'_> {
         };
         let (pipeline, rpw, tt) = if tiled {
             let key = format!("matmul_tiled_{}", wgsl_type(w.ty));
+            let constants = [("PROBE", tiled_probe() as f64)];
             let pipeline = self
                 .gpu()
-                .pipeline(&key, entry, &[], || source(w.ty, wgsl::MATMUL_TILED))?;
+                .pipeline(&key, entry, &constants, || source(w.ty, wgsl::MATMUL_TILED))?;
             let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
             (pipeline, rows, TILE_TOKENS)
         } else {
@@ -290,10 +298,8 @@ impl Pass<'_> {
                 // The tiled kernels share one body that names both matrices; the plain one never reads the second.
                 bufs.push((4, &part.buf));
             }
-            if !tiled {
-                // The per-row kernel's vector view of the activations.
-                bufs.push((7, &x.buf));
-            }
+            // The kernels' vector view of the activations.
+            bufs.push((7, &x.buf));
             bufs.extend(self.grid_binding(w.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         }
@@ -549,9 +555,9 @@ mod tests {
         }
     }
 
-    /// The float types' mat-vec on rows that are not a whole number of units (the last one padded, buffers.rs) or
-    /// not whole vec4s: the tail takes the scalar loop, for one token and, as the picks of a mixture do, for rows of
-    /// `x` past the first.
+    /// The float types' matmuls on rows that are not a whole number of units (the last one padded, buffers.rs) or
+    /// not whole vec4s: the tail takes the scalar loop, in the mat-vec (one token; and, as the picks of a mixture
+    /// do, for rows of `x` past the first) and in the tiled kernel's activation loads (3 tokens).
     #[test]
     fn matvec_rows_of_any_length() {
         let Some(gpu) = test_gpu() else { return };
@@ -559,21 +565,23 @@ mod tests {
         for ty in [F32, F16, BF16] {
             for cols in [70, 100, 31] {
                 let rows = 9;
-                let w = random_matrix(&mut rng, ty, rows, cols);
-                let x: Vec<f32> = (0..cols).map(|_| rng.normal()).collect();
-                let (exact, mag) = reference(&w, &x, 1);
-                let (gw, gx) = (gpu.upload_matrix(&w).unwrap(), gpu.upload(&x).unwrap());
-                for lanes in [1, 16] {
-                    let gy = gpu.zeros(rows).unwrap();
-                    let mut pass = gpu.pass().with_lanes(lanes);
-                    pass.matmul(&gw, &gx, 1, &gy).unwrap();
-                    pass.finish().unwrap();
-                    for (i, g) in gpu.read(&gy).unwrap().into_iter().enumerate() {
-                        assert!(
-                            (g as f64 - exact[i]).abs() <= TOL * mag[i] + 1e-6,
-                            "{ty} {rows}x{cols} lanes {lanes} out {i}: GPU {g} vs exact {}",
-                            exact[i]
-                        );
+                for (n, tiled_min) in [(1, usize::MAX), (3, 1)] {
+                    let w = random_matrix(&mut rng, ty, rows, cols);
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+                    let (exact, mag) = reference(&w, &x, n);
+                    let (gw, gx) = (gpu.upload_matrix(&w).unwrap(), gpu.upload(&x).unwrap());
+                    for lanes in [1, 16] {
+                        let gy = gpu.zeros(n * rows).unwrap();
+                        let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                        pass.matmul(&gw, &gx, n, &gy).unwrap();
+                        pass.finish().unwrap();
+                        for (i, g) in gpu.read(&gy).unwrap().into_iter().enumerate() {
+                            assert!(
+                                (g as f64 - exact[i]).abs() <= TOL * mag[i] + 1e-6,
+                                "{ty} {rows}x{cols} n {n} lanes {lanes} out {i}: GPU {g} vs exact {}",
+                                exact[i]
+                            );
+                        }
                     }
                 }
             }

@@ -3,7 +3,7 @@
 //
 // A workgroup of 64 threads owns a tile of 64 weight rows × 64 tokens (matmul_glu: 32 gate rows and the same 32
 // up rows) and walks the columns one 32-weight unit (the K-chunk) at a time: each thread dequantizes one row's unit
-// into workgroup memory (ws) and loads 32 of the tile's activations (xs); after a barrier each thread multiplies
+// into workgroup memory (ws) and loads 8 vec4s of the tile's activations (xs); after a barrier each thread multiplies
 // its 8 rows × 8 tokens out of workgroup memory into 16 vec4 registers: per column, 4 vec4 loads for 64
 // multiply-adds (the previous 64 × 32 tile with 4 × 8 a thread took 12 scalar loads for 32). Each weight is
 // dequantized once per 64 tokens, each activation read once per 64 rows. Rows and tokens past the matrix or the
@@ -11,29 +11,80 @@
 // The grid: (x, y) over the row tiles (index wid.x + wid.y·nx, see device::grid), z over the token tiles.
 
 const BN: u32 = 64u;
+// A measuring aid (matmul.rs, tiled_probe): 0 the whole kernel; 1 no dequantizing, 2 one column's products a unit,
+// 3 no activation loads.
+override PROBE: u32 = 0u;
 
 // ws[k * 16 + q]: rows 4q..4q + 4 of the tile at column k of the unit (matmul_glu: quads 0..8 the gate's rows,
 // 8..16 the up's), so a thread reads its 4 rows as one vec4.
 var<workgroup> ws: array<vec4<f32>, 512>;
-// xs[k * 16 + (q ^ (k % 8))]: tokens 4q..4q + 4 at column k. The quad index is XOR-ed with k so that the loads'
-// writes (a warp: 4 tokens × 8 columns) fall on 32 different banks.
+// xs[k * 16 + (q ^ ((k / 4) % 8))]: tokens 4q..4q + 4 at column k. The quad index is XOR-ed with k / 4 so that
+// the loads' stores (a warp: 4 tokens × 8 vec4s of columns) fall on 32 different banks.
 var<workgroup> xs: array<vec4<f32>, 512>;
 
-// Unit u of tokens t0..t0 + 64 into xs, zeros past the batch and past a row (a float matrix's last unit may be
-// padding, buffers.rs). Value i of 2048: bits 0-1 the token within its quad, 2-4 the column's low bits, 5-8 the
-// quad, 9-10 the column's high bits, so 32 neighbouring threads read 4 tokens × 8 neighbouring columns.
-fn load_x(li: u32, t0: u32, u: u32) {
-    for (var m = 0u; m < 32u; m++) {
-        let i = li + 64u * m;
-        let q = (i >> 5u) & 15u;
-        let t = q * 4u + (i & 3u);
-        let k = ((i >> 2u) & 7u) + ((i >> 9u) << 3u);
-        var v = 0.0;
-        if (t0 + t < p.n_tok && u * 32u + k < p.cols) {
-            v = x[(t0 + t) * p.cols + u * 32u + k];
-        }
-        xs[k * 16u + (q ^ (k & 7u))][i & 3u] = v;
+// The activations again, as vectors (x's buffer bound a second time, matmul.rs).
+@group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
+
+// Vec4 j of 8 (columns 4j..4j + 4 of unit u) of token t0 + t, zeros past the batch or the row.
+fn x_vec(t: u32, j: u32, u: u32) -> vec4<f32> {
+    let k = u * 32u + 4u * j;
+    if (t >= p.n_tok || k >= p.cols) {
+        return vec4<f32>(0.0);
     }
+    if ((p.cols & 3u) == 0u) {
+        return x4[(t * p.cols + k) >> 2u];
+    }
+    // Rows whose length is not a multiple of 4 (float matrices only): 4 scalars, zeros past the row.
+    let b = t * p.cols + k;
+    var v = vec4<f32>(0.0);
+    for (var i = 0u; i < min(4u, p.cols - k); i++) {
+        v[i] = x[b + i];
+    }
+    return v;
+}
+
+// Thread li's 8 of the 512 vec4s of tokens t0..t0 + 64 at unit u: vec4 i = li + 64m is token i / 8, columns
+// 4(i % 8).. (a warp reads 4 tokens' 128 contiguous bytes). Written out so the 8 loads are in flight together (a
+// loop that loads and stores in turn waited for each load: a measured half of the kernel's time).
+struct XLoad {
+    v0: vec4<f32>,
+    v1: vec4<f32>,
+    v2: vec4<f32>,
+    v3: vec4<f32>,
+    v4: vec4<f32>,
+    v5: vec4<f32>,
+    v6: vec4<f32>,
+    v7: vec4<f32>,
+}
+
+fn load_x(li: u32, t0: u32, u: u32) -> XLoad {
+    let t = t0 + li / 8u;
+    let j = li % 8u;
+    return XLoad(x_vec(t, j, u), x_vec(t + 8u, j, u), x_vec(t + 16u, j, u), x_vec(t + 24u, j, u),
+                 x_vec(t + 32u, j, u), x_vec(t + 40u, j, u), x_vec(t + 48u, j, u), x_vec(t + 56u, j, u));
+}
+
+// Vec4 `v` of token tl (within the tile), columns 4j..4j + 4, into xs.
+fn store_x(tl: u32, j: u32, v: vec4<f32>) {
+    let q = (tl / 4u) ^ j;
+    let c = tl % 4u;
+    xs[(4u * j) * 16u + q][c] = v.x;
+    xs[(4u * j + 1u) * 16u + q][c] = v.y;
+    xs[(4u * j + 2u) * 16u + q][c] = v.z;
+    xs[(4u * j + 3u) * 16u + q][c] = v.w;
+}
+
+fn store_xs(li: u32, l: XLoad) {
+    let tl = li / 8u;
+    let j = li % 8u;
+    store_x(tl, j, l.v0);
+    store_x(tl + 8u, j, l.v1);
+    store_x(tl + 16u, j, l.v2);
+    store_x(tl + 24u, j, l.v3);
+    store_x(tl + 32u, j, l.v4);
+    store_x(tl + 40u, j, l.v5);
+    store_x(tl + 48u, j, l.v6);
+    store_x(tl + 56u, j, l.v7);
 }
 
 // y at rows row..row + 4 for token t, those inside the matrix and the batch.
@@ -82,8 +133,14 @@ fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
     let row = select(r0 + li, r0 + li % 32u, is_glu);
     let from_b = is_glu && li >= 32u;
     for (var u = 0u; u < p.units; u++) {
+        // The activations' loads first, so they are in flight while the weights are dequantized.
+        var xl = XLoad(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0),
+                       vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
+        if (PROBE != 3u) {
+            xl = load_x(li, t0, u);
+        }
         var w: array<f32, 32>;
-        if (row < p.rows) {
+        if (row < p.rows && PROBE != 1u) {
             if (from_b) {
                 dequant_b(row * p.row_bytes, u, &w);
             } else {
@@ -93,12 +150,12 @@ fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
         for (var k = 0u; k < 32u; k++) {
             ws[k * 16u + li / 4u][li % 4u] = w[k];
         }
-        load_x(li, t0, u);
+        store_xs(li, xl);
         workgroupBarrier();
-        for (var k = 0u; k < 32u; k++) {
+        for (var k = 0u; k < select(32u, 1u, PROBE == 2u); k++) {
             let a0 = ws[k * 16u + tr];
             let a1 = ws[k * 16u + 8u + tr];
-            let sw = k & 7u;
+            let sw = (k / 4u) & 7u;
             let b0 = xs[k * 16u + (tc ^ sw)];
             let b1 = xs[k * 16u + ((tc + 8u) ^ sw)];
             c00 += a0 * b0.x;
