@@ -20,9 +20,10 @@ const WG: usize = 64;
 const TT: usize = 8;
 
 /// Batches of this many tokens or more take the tiled kernel on a hardware GPU. Measured on an H200 (`cargo bench
-/// --bench kernels -- --gpu`, docs/gpu.md): at 16 tokens the per-row kernel was faster on 7 of 9 matrices of Llama
-/// 3 8B's shapes, at 64 the tiled one on 7 of 9; the tiled grid (64 rows × 64 tokens a workgroup) leaves a small
-/// matrix's batch too few workgroups until then.
+/// --bench kernels -- --gpu`, docs/gpu.md) with the 64 × 64 tile and naga's checks all on: at 32 tokens the tiled
+/// kernel was faster on Llama 3 8B's wide matrices (ffn_up, the head; 2.6–3.3×) and slower on the narrow ones
+/// (attn_v, ffn_down, attn_q; 1.1–4.8×), at 64 faster on 8 of 9; dropping loop bounding speeds the tiled kernel
+/// about 1.6× and the per-row one little, which moves the crossover down, not measured yet.
 pub(super) const TILED_MIN: usize = 32;
 
 /// The same on a software adapter, where from 9 tokens on the per-row kernel would dequantize every weight once
@@ -39,7 +40,11 @@ const TILE_TOKENS: usize = 64;
 /// dequantizing the weights, 2 with one column's products of each unit instead of 32, 3 without loading the
 /// activations. Every value but 0 gives wrong sums; `cargo bench --bench kernels -- --gpu` times each part so.
 fn tiled_probe() -> u32 {
-    std::env::var("BATON_GPU_PROBE").ok().and_then(|v| v.parse().ok()).filter(|&v| v <= 3).unwrap_or(0)
+    std::env::var("BATON_GPU_PROBE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&v| v <= 3)
+        .unwrap_or(0)
 }
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
