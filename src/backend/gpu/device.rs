@@ -214,9 +214,9 @@ impl Gpu {
             source: wgpu::ShaderSource::Wgsl(source().into()),
         };
         let module = match shader_checks() {
-            // SAFETY: the checks left out are those `shader_checks` shows are not needed: every loop of these
-            // shaders ends (see there), and no divisor can be 0 unless the checks are kept (the default) or a
-            // measurement asks for `none`.
+            // SAFETY: by default only loop bounding is left out, and every loop of these shaders ends (see
+            // `shader_checks`); the `bounds` and `none` settings, which also drop the division guards (and `none`
+            // the bounds checks), are for measuring only.
             Some(checks) => unsafe { self.device.create_shader_module_trusted(desc, checks) },
             None => self.device.create_shader_module(desc),
         };

@@ -39,12 +39,16 @@ const TILE_TOKENS: usize = 64;
 /// `BATON_GPU_PROBE`, a measuring aid for the tiled kernel (docs/gpu.md): 0 (default) the whole kernel; 1 without
 /// dequantizing the weights, 2 with one column's products of each unit instead of 32, 3 without loading the
 /// activations. Every value but 0 gives wrong sums; `cargo bench --bench kernels -- --gpu` times each part so.
+/// Read once: a prefill calls it for every matmul.
 fn tiled_probe() -> u32 {
-    std::env::var("BATON_GPU_PROBE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&v| v <= 3)
-        .unwrap_or(0)
+    static PROBE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *PROBE.get_or_init(|| {
+        std::env::var("BATON_GPU_PROBE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v <= 3)
+            .unwrap_or(0)
+    })
 }
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
@@ -595,7 +599,7 @@ mod tests {
 
     /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
     /// alike into parts; a grid i-quant, whose two dequantizers share the codebooks) and not (gate and up of different types, or split differently), through both kernels, on
-    /// a small batch and one of partial tiles (45 rows: 32 + 13; 35 tokens: 32 + 3); the activations are checked
+    /// a small batch and one of partial tiles (45 rows: 32 + 13; 67 tokens: 64 + 3); the activations are checked
     /// on their own in `elementwise.rs`.
     #[test]
     fn matmul_glu_matches_reference() {
