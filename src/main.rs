@@ -1067,6 +1067,10 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
             );
         }
+        // BATON_GPU_PROFILE: the test's kernel times, its warm-up and repetitions together.
+        if let Some(p) = placement.gpu().and_then(|g| g.take_profile()) {
+            eprintln!("GPU profile of {} (warm-up and {} runs):\n{p}", f.test, f.samples.len());
+        }
     })?;
     let mib = |b: u64| b as f64 / 1048576.0;
     let budget = file_bytes + kv_bytes;

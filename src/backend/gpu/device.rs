@@ -61,6 +61,8 @@ pub struct Gpu {
     error: Arc<Mutex<Option<String>>>,
     /// The grid i-quants' codebooks, uploaded at the first matmul of such a type (`matmul::grid_buffer`).
     pub(super) iq_grid: std::sync::OnceLock<wgpu::Buffer>,
+    /// Kernel times, where `BATON_GPU_PROFILE` asks for them (profile.rs).
+    profiler: Option<super::profile::Profiler>,
 }
 
 /// Preference among real adapters: a discrete GPU over an integrated one over anything else that is not software.
@@ -113,9 +115,11 @@ impl Gpu {
         let info = adapter.get_info();
         // The adapter's own limits: the defaults cap storage buffers at 128 MiB, less than an output head.
         let limits = adapter.limits();
+        let mut features = wgpu::Features::empty();
+        let mut profiler = super::profile::Profiler::from_env(&adapter, &mut features);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("baton"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -131,6 +135,9 @@ impl Gpu {
             let mut slot = sink.lock().unwrap_or_else(|p| p.into_inner());
             slot.get_or_insert_with(|| format!("GPU device lost ({reason:?}): {msg}"));
         });
+        if let Some(p) = &mut profiler {
+            p.set_period(&queue);
+        }
         Ok(Gpu {
             device,
             queue,
@@ -139,6 +146,7 @@ impl Gpu {
             pipelines: Mutex::new(HashMap::new()),
             error,
             iq_grid: std::sync::OnceLock::new(),
+            profiler,
         })
     }
 
@@ -157,6 +165,10 @@ impl Gpu {
     /// Whether this is a software adapter (lavapipe): fine for tests, never chosen by `auto`.
     pub fn is_software(&self) -> bool {
         self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
+    pub(super) fn profiler(&self) -> Option<&super::profile::Profiler> {
+        self.profiler.as_ref()
     }
 
     /// Largest buffer one binding may cover, in bytes.
@@ -204,6 +216,7 @@ impl Gpu {
         source: impl FnOnce() -> String,
     ) -> Result<Arc<wgpu::ComputePipeline>> {
         let mut map = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
+        let name = key;
         let key = format!("{key}{constants:?}");
         if let Some(p) = map.get(&(key.clone(), entry)) {
             return Ok(p.clone());
@@ -235,6 +248,9 @@ impl Gpu {
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("GPU shader {key}::{entry} does not compile: {e}");
+        }
+        if let Some(pr) = &self.profiler {
+            pr.name(&pipeline, name, entry);
         }
         let p = Arc::new(pipeline);
         map.insert((key, entry), p.clone());

@@ -51,6 +51,19 @@ fn tiled_probe() -> u32 {
     })
 }
 
+/// Threads a weight row in the per-row matmuls on a GPU: `BATON_GPU_LANES` (16, 32 or 64) to compare them on a
+/// model, else 16. Read once.
+pub(super) fn gpu_lanes() -> u32 {
+    static LANES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *LANES.get_or_init(|| {
+        std::env::var("BATON_GPU_LANES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v| [16, 32, 64].contains(v))
+            .unwrap_or(16)
+    })
+}
+
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
 fn wgsl_type(ty: GgmlType) -> &'static str {
     use GgmlType::*;
@@ -167,21 +180,63 @@ fn has_dot(ty: GgmlType) -> bool {
     )
 }
 
+/// The types whose blocks `dot.wgsl` dots with several lanes each (`pdot_<type>`): lanes a block (`PARTS`), and
+/// the block's weights and bytes.
+fn parts(ty: GgmlType) -> Option<(u32, u32, u32)> {
+    use GgmlType::*;
+    match ty {
+        Q4K => Some((16, 256, 144)),
+        Q5K => Some((16, 256, 176)),
+        Q6K => Some((16, 256, 210)),
+        Q8_0 => Some((4, 32, 34)),
+        Q4_0 => Some((4, 32, 18)),
+        _ => None,
+    }
+}
+
 /// `dot.wgsl` for weights of type `ty`, instantiated for each weight buffer as [`dequantizers`] is: the shared
-/// helpers, the row walk and `ty`'s own dot product only (`dot_dq` for a type without one).
+/// helpers, `ty`'s own dot product only (`dot_dq` for a type without one), the unit walk, and for a type with a
+/// part dot ([`parts`]) its block walk, which `row_dot_$F` takes where there are lanes enough.
 fn dots(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
     let own = own_name(ty);
     let decl = format!("fn dot_{own}_$F(");
+    let pdecl = format!("fn pdot_{}_$F(", wgsl_type(ty));
+    let blocks = parts(ty);
     let items: Vec<&str> = wgsl::DOT
         .split("\n\n")
         .filter(|item| {
-            !item.contains("fn dot_")
-                || item.contains(&decl)
-                || item.contains("fn dot_$F(")
-                || item.contains("fn row_dot_")
+            let dot = !item.contains("fn dot_") || item.contains(&decl) || item.contains("fn dot_$F(");
+            let pdot = if item.contains("fn row_dot_parts_") {
+                blocks.is_some()
+            } else {
+                !item.contains("fn pdot_") || (blocks.is_some() && item.contains(&pdecl))
+            };
+            dot && pdot && (!item.contains("fn k4_scales_") || matches!(ty, GgmlType::Q4K | GgmlType::Q5K))
         })
         .collect();
-    per_buffer(&items.join("\n\n").replace("$D", own), bufs)
+    let text = items.join("\n\n").replace("$D", own).replace("$P", wgsl_type(ty));
+    let (consts, walk) = match blocks {
+        Some((parts, block_w, block_bytes)) => (
+            format!(
+                "const PARTS: u32 = {parts}u;\nconst BLOCK_W: u32 = {block_w}u;\nconst BLOCK_BYTES: u32 = {block_bytes}u;\n"
+            ),
+            r"fn row_dot_$F(rb: u32, xr: u32, lane: u32) -> f32 {
+    if (LANES >= PARTS && (p.cols % BLOCK_W) == 0u) {
+        return row_dot_parts_$F(rb, xr, lane);
+    }
+    return row_dot_units_$F(rb, xr, lane);
+}
+",
+        ),
+        None => (
+            String::new(),
+            r"fn row_dot_$F(rb: u32, xr: u32, lane: u32) -> f32 {
+    return row_dot_units_$F(rb, xr, lane);
+}
+",
+        ),
+    };
+    consts + &per_buffer(&(text + "\n" + walk), bufs)
 }
 
 /// The name `dot_$F` calls for `ty`: its own dot product or the dequantizing one.
@@ -502,8 +557,15 @@ mod tests {
     ];
 
     /// The kernels a test runs on one batch, as a pass would pick them: the per-row kernel in the software adapter's
-    /// layout (a thread per row) and the GPUs' (16 threads per row), then the tiled one.
-    const KERNELS: [(u32, usize); 3] = [(1, usize::MAX), (16, usize::MAX), (16, 1)];
+    /// layout (a thread per row), with fewer lanes a row than a block has parts (the unit walk), as many, and more
+    /// (the block walk striding), then the tiled one.
+    const KERNELS: [(u32, usize); 5] = [
+        (1, usize::MAX),
+        (4, usize::MAX),
+        (16, usize::MAX),
+        (64, usize::MAX),
+        (16, 1),
+    ];
 
     /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
     /// within [`TOL`], for one token (mat-vec) and for batches across token tiles, through both kernels; rows not a

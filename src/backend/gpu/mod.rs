@@ -30,6 +30,7 @@ pub mod layers;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+pub mod profile;
 pub mod rope;
 
 pub use buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
@@ -123,6 +124,8 @@ pub struct Pass<'g> {
     binds: Option<&'g Binds>,
     /// Dispatches recorded: a decode step pays a fixed cost for each on a GPU (docs/gpu.md).
     dispatches: usize,
+    /// Timestamps between the dispatches, where `BATON_GPU_PROFILE` is on (profile.rs).
+    stamps: Option<profile::Stamps>,
 }
 
 impl Gpu {
@@ -134,7 +137,7 @@ impl Gpu {
             enc: self
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
-            lanes: if self.is_software() { 1 } else { 16 },
+            lanes: if self.is_software() { 1 } else { matmul::gpu_lanes() },
             tiled_min: if self.is_software() {
                 matmul::TILED_MIN_SOFTWARE
             } else {
@@ -143,6 +146,7 @@ impl Gpu {
             reads: Vec::new(),
             binds: None,
             dispatches: 0,
+            stamps: profile::Stamps::new(self),
         }
     }
 
@@ -236,13 +240,21 @@ impl<'g> Pass<'g> {
             }
         };
         let cp = self.cp.get_or_insert_with(|| {
-            self.enc
+            let mut cp = self
+                .enc
                 .begin_compute_pass(&wgpu::ComputePassDescriptor::default())
-                .forget_lifetime()
+                .forget_lifetime();
+            if let Some(st) = &mut self.stamps {
+                st.mark(self.gpu, &mut cp, None);
+            }
+            cp
         });
         cp.set_pipeline(pipeline);
         cp.set_bind_group(0, &bind, &[]);
         cp.dispatch_workgroups(groups.0, groups.1, groups.2);
+        if let Some(st) = &mut self.stamps {
+            st.mark(self.gpu, cp, Some(pipeline));
+        }
         self.dispatches += 1;
     }
 
@@ -306,9 +318,15 @@ impl<'g> Pass<'g> {
     pub fn finish(mut self) -> Result<()> {
         ensure!(self.reads.is_empty(), "a pass with reads ends with finish_read");
         self.cp = None;
+        let stamps = self.stamps.take().map(|st| st.resolve(self.gpu, &mut self.enc));
         self.gpu.check()?;
+        let submitted = std::time::Instant::now();
         let idx = self.gpu.queue.submit([self.enc.finish()]);
-        self.gpu.wait(idx)
+        self.gpu.wait(idx.clone())?;
+        match stamps {
+            Some(st) => st.count(self.gpu, idx, submitted),
+            None => Ok(()),
+        }
     }
 
     /// Runs the recorded ops and returns the bytes of each [`Pass::read`] / [`Pass::read_halves`], in order: one
@@ -327,9 +345,14 @@ impl<'g> Pass<'g> {
             self.enc.copy_buffer_to_buffer(buf, *offset, &staging, at, *len);
             at += len;
         }
+        let stamps = self.stamps.take().map(|st| st.resolve(self.gpu, &mut self.enc));
         self.gpu.check()?;
+        let submitted = std::time::Instant::now();
         let idx = self.gpu.queue.submit([self.enc.finish()]);
-        let bytes = self.gpu.map_read(&staging, idx, total as usize)?;
+        let bytes = self.gpu.map_read(&staging, idx.clone(), total as usize)?;
+        if let Some(st) = stamps {
+            st.count(self.gpu, idx, submitted)?;
+        }
         let mut out = Vec::with_capacity(self.reads.len());
         let mut at = 0;
         for (_, _, len) in &self.reads {

@@ -210,10 +210,122 @@ fn dot_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     return dot_$D_$F(rb, u, xb4);
 }
 
+// A block dotted by PARTS lanes together (the mat-vecs on a GPU, LANES >= PARTS): part t of a block reads the
+// words t, t + PARTS, ... of each of its runs of quants, so the lanes of a load read one run of neighbouring words.
+// The unit walk above gives each lane a whole 32-weight unit: a load of its lanes touches as many cache sectors as
+// it has lanes, and a Q4_K unit reads both nibbles of a word to keep one (measured on an H200: 270-580 GB/s for a
+// Q4_K or Q6_K mat-vec, docs/gpu.md). pdot_<type>_$F(o, t, xb4): part t's share of the block at byte o, whose
+// first activation is x4[xb4].
+
+// Q4_K, 16 parts: part t = 8c + l takes word l of the 32-byte runs 2c and 2c + 1 of qs, holding weights 4l.. of
+// units 2c, 2c + 1 (low, high nibbles) and 2c + 4, 2c + 5 (c = 0, 1).
+fn pdot_q4_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
+    let c = t / 8u;
+    let xi = xb4 + 16u * c + t % 8u;
+    let qa = word_$F(o + 16u + 4u * t);
+    let qb = word_$F(o + 80u + 4u * t);
+    let x0 = x4[xi];
+    let x1 = x4[xi + 8u];
+    let x2 = x4[xi + 32u];
+    let x3 = x4[xi + 40u];
+    let sm = k4_scales_$F(o, c);
+    let dots = vec4<f32>(dot(nib4_$F(qa, 0u), x0), dot(nib4_$F(qa >> 4u, 0u), x1), dot(nib4_$F(qb, 0u), x2),
+                         dot(nib4_$F(qb >> 4u, 0u), x3));
+    let sums = vec4<f32>(hsum_$F(x0), hsum_$F(x1), hsum_$F(x2), hsum_$F(x3));
+    return half_$F(o) * dot(sm[0], dots) - half_$F(o + 2u) * dot(sm[1], sums);
+}
+
+// Q5_K, 16 parts as Q4_K's, the fifth bits of weights 4l.. of unit j in bit j of the qh word l.
+fn pdot_q5_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
+    let c = t / 8u;
+    let xi = xb4 + 16u * c + t % 8u;
+    let qa = word_$F(o + 48u + 4u * t);
+    let qb = word_$F(o + 112u + 4u * t);
+    let h = word_$F(o + 16u + 4u * (t % 8u)) >> (2u * c);
+    let x0 = x4[xi];
+    let x1 = x4[xi + 8u];
+    let x2 = x4[xi + 32u];
+    let x3 = x4[xi + 40u];
+    let sm = k4_scales_$F(o, c);
+    let dots = vec4<f32>(dot(nib4_$F(qa, bits4_$F(h)), x0), dot(nib4_$F(qa >> 4u, bits4_$F(h >> 1u)), x1),
+                         dot(nib4_$F(qb, bits4_$F(h >> 4u)), x2), dot(nib4_$F(qb >> 4u, bits4_$F(h >> 5u)), x3));
+    let sums = vec4<f32>(hsum_$F(x0), hsum_$F(x1), hsum_$F(x2), hsum_$F(x3));
+    return half_$F(o) * dot(sm[0], dots) - half_$F(o + 2u) * dot(sm[1], sums);
+}
+
+// The 6-bit scales and mins of units 2c, 2c + 1, 2c + 4, 2c + 5 of the Q4_K / Q5_K block at byte o, as
+// (scales, mins): the three words of scales[12] read once, both bytes of a pair taken together.
+fn k4_scales_$F(o: u32, c: u32) -> mat2x4<f32> {
+    let sh = 16u * c;
+    let a = (word_$F(o + 4u) >> sh) & 0xffffu;
+    let b = (word_$F(o + 8u) >> sh) & 0xffffu;
+    let e = (word_$F(o + 12u) >> sh) & 0xffffu;
+    let sc = vec2<u32>(a & 0x3f3fu, (e & 0x0f0fu) | ((a & 0xc0c0u) >> 2u));
+    let mn = vec2<u32>(b & 0x3f3fu, ((e >> 4u) & 0x0f0fu) | ((b & 0xc0c0u) >> 2u));
+    return mat2x4<f32>(
+        vec4<f32>(f32(sc.x & 0xffu), f32(sc.x >> 8u), f32(sc.y & 0xffu), f32(sc.y >> 8u)),
+        vec4<f32>(f32(mn.x & 0xffu), f32(mn.x >> 8u), f32(mn.y & 0xffu), f32(mn.y >> 8u)),
+    );
+}
+
+// Q6_K, 16 parts: part t = 8h + l takes words l of half h's two 32-byte runs of ql and of its qh: weights 4l.. of
+// the half's four 32-weight groups g (low nibbles of run 0 for g = 0, run 1 for g = 1, high ones for 2 and 3; bits
+// 2g of qh), scaled by scales[8h + l/4 + 2g].
+fn pdot_q6_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
+    let hf = t / 8u;
+    let l = t % 8u;
+    let xi = xb4 + 32u * hf + l;
+    let qa = word_$F(o + 64u * hf + 4u * l);
+    let qb = word_$F(o + 64u * hf + 32u + 4u * l);
+    let qh = word_$F(o + 128u + 32u * hf + 4u * l);
+    var s = 0.0;
+    for (var g = 0u; g < 4u; g++) {
+        let ql = select(qa, qb, (g & 1u) == 1u) >> (4u * (g >> 1u));
+        let hb = qh >> (2u * g);
+        let q = vec4<f32>(
+            f32((ql & 15u) | ((hb & 3u) << 4u)),
+            f32(((ql >> 8u) & 15u) | (((hb >> 8u) & 3u) << 4u)),
+            f32(((ql >> 16u) & 15u) | (((hb >> 16u) & 3u) << 4u)),
+            f32(((ql >> 24u) & 15u) | (((hb >> 24u) & 3u) << 4u)),
+        );
+        let xv = x4[xi + 8u * g];
+        let sc = f32(bitcast<i32>(byte_$F(o + 192u + 8u * hf + l / 4u + 2u * g) << 24u) >> 24u);
+        s += sc * (dot(q, xv) - 32.0 * hsum_$F(xv));
+    }
+    return half_$F(o + 208u) * s;
+}
+
+// Q8_0, 4 parts: part t takes words t and t + 4 of qs, weights 4t.. and 16 + 4t...
+fn pdot_q8_0_$F(o: u32, t: u32, xb4: u32) -> f32 {
+    let a = dot(i8x4_$F(word_$F(o + 2u + 4u * t)), x4[xb4 + t]);
+    let b = dot(i8x4_$F(word_$F(o + 18u + 4u * t)), x4[xb4 + 4u + t]);
+    return half_$F(o) * (a + b);
+}
+
+// Q4_0, 4 parts: part t takes word t of qs, weights 4t.. (low nibbles) and 16 + 4t.. (high).
+fn pdot_q4_0_$F(o: u32, t: u32, xb4: u32) -> f32 {
+    let w = word_$F(o + 2u + 4u * t);
+    let xa = x4[xb4 + t];
+    let xb = x4[xb4 + 4u + t];
+    let s = dot(nib4_$F(w, 0u), xa) + dot(nib4_$F(w >> 4u, 0u), xb);
+    return half_$F(o) * (s - 8.0 * (hsum_$F(xa) + hsum_$F(xb)));
+}
+
+// Row rb's dot with the row of x at xr, this lane's share: blocks lane / PARTS, + LANES / PARTS, ..., part
+// lane % PARTS of each (PARTS and the block's BLOCK_W weights and BLOCK_BYTES bytes set by matmul.rs).
+fn row_dot_parts_$F(rb: u32, xr: u32, lane: u32) -> f32 {
+    var acc = 0.0;
+    let t = lane % PARTS;
+    for (var b = lane / PARTS; b < p.cols / BLOCK_W; b += LANES / PARTS) {
+        acc += pdot_$P_$F(rb + b * BLOCK_BYTES, t, (xr + b * BLOCK_W) >> 2u);
+    }
+    return acc;
+}
+
 // This lane's share of row rb's dot with the row of x starting at xr: units lane, lane + LANES, ... A unit past
 // the row's end (a float matrix whose rows are not a whole number of units, padded in buffers.rs) or activations
 // that are not whole vec4s take the scalar loop.
-fn row_dot_$F(rb: u32, xr: u32, lane: u32) -> f32 {
+fn row_dot_units_$F(rb: u32, xr: u32, lane: u32) -> f32 {
     var acc = 0.0;
     for (var u = lane; u < p.units; u += LANES) {
         if (u * 32u + 32u <= p.cols && (p.cols & 3u) == 0u) {
