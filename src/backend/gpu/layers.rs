@@ -9,6 +9,7 @@
 //! a disaggregated prefill's KV stream and imports see one cache whichever backend ran the layers.
 
 use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
+use super::kv::KvRun;
 use super::rope::{GpuRope, QkvExtras};
 use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, AttnShape, KvLayers};
@@ -311,6 +312,8 @@ pub struct GpuLayers {
     pos: U32s,
     /// The batch's token ids, where the device embeds them.
     tok: U32s,
+    /// The KV rows a forward wrote, gathered for the host's copy: per layer, `n_batch` rows' worth.
+    fresh: Halves,
     /// The ops' bind groups over these buffers and the weights, built at their first dispatch and reused; `None`
     /// only in a test that compares with building each dispatch's own.
     binds: Option<Binds>,
@@ -408,6 +411,7 @@ impl GpuLayers {
                 head_rows,
                 pos: gpu.upload_u32(&vec![0; n])?,
                 tok: gpu.upload_u32(&vec![0; n])?,
+                fresh: gpu.zero_halves(w.layers.len().max(1) * n * hp.n_head_kv * (hdk + hdv))?,
                 binds: Some(Binds::default()),
                 dispatches: 0,
                 w: w.clone(),
@@ -514,6 +518,7 @@ impl GpuLayers {
         let head_fused =
             first < w.layers.end && w.head.is_some() && matches!(&out, Out::Logits { rows, .. } if rows.start == 0);
         let mut pass = self.pass();
+        let flush_every = flush_layers(gpu);
         if let Some(embd) = embd {
             pass.embed(embd, &self.tok, hp.embd_scale, &self.x)?;
         }
@@ -578,13 +583,24 @@ impl GpuLayers {
                     pass.add(&self.x, &self.xn, n * e)?;
                 }
             }
-        }
-        // The KV rows written, for the host's copy: per layer and head, one run of positions of K and of V.
-        for kv in &self.kv[first - w.layers.start..] {
-            for h in 0..hp.n_head_kv {
-                pass.read_halves(&kv.k, (h * self.n_ctx + pos0) * hdk, n * hdk)?;
-                pass.read_halves(&kv.v, (h * self.n_ctx + pos0) * hdv, n * hdv)?;
+            if flush_every > 0 && (il + 1 - first).is_multiple_of(flush_every) && il + 1 < w.layers.end {
+                pass.flush()?;
             }
+        }
+        // The KV rows written, for the host's copy: gathered into one run (per layer and head, the rows of K then
+        // of V), read back in one copy.
+        let run = KvRun {
+            n_head_kv: hp.n_head_kv,
+            hdk,
+            hdv,
+            n_ctx: self.n_ctx,
+        };
+        let per_layer = run.halves(n);
+        for (j, kv) in self.kv[first - w.layers.start..].iter().enumerate() {
+            pass.kv_gather(&run, &kv.k, &kv.v, pos, n, &self.fresh, j * per_layer)?;
+        }
+        if first < w.layers.end {
+            pass.read_halves(&self.fresh, 0, per_layer * (w.layers.end - first))?;
         }
         let (rows, logits) = match out {
             Out::Hidden => {
@@ -613,9 +629,14 @@ impl GpuLayers {
         );
         let got = pass.finish_read()?;
         self.dispatches = dispatches;
-        // The KV runs, then the residual stream or the first rows' logits.
-        let (tail, kv_runs) = got.split_last().expect("a pass that reads");
-        let mut runs = kv_runs.iter();
+        // The KV run, then the residual stream or the first rows' logits.
+        let (tail, kv_run) = got.split_last().expect("a pass that reads");
+        let mut kv_bytes = kv_run.first().map_or(&[][..], |b| &b[..]);
+        let mut take = |halves: usize| {
+            let (a, b) = kv_bytes.split_at(2 * halves);
+            kv_bytes = b;
+            a
+        };
         for il in first..w.layers.end {
             let m = mirror.kv_layer_mut(il);
             ensure!(
@@ -626,14 +647,8 @@ impl GpuLayers {
             );
             for h in 0..hp.n_head_kv {
                 let at = h * m.n_ctx + pos0;
-                halves_into(
-                    runs.next().expect("one run per head"),
-                    &mut m.k[at * hdk..(at + n) * hdk],
-                );
-                halves_into(
-                    runs.next().expect("one run per head"),
-                    &mut m.v[at * hdv..(at + n) * hdv],
-                );
+                halves_into(take(n * hdk), &mut m.k[at * hdk..(at + n) * hdk]);
+                halves_into(take(n * hdv), &mut m.v[at * hdv..(at + n) * hdv]);
             }
         }
         let Some(logits) = logits else {
@@ -725,6 +740,22 @@ impl GpuLayers {
         }
         Ok(())
     }
+}
+
+/// Layers a forward pass records before it starts them on the device (`Pass::flush`), so the GPU runs the first
+/// layers while the host records the next: `BATON_GPU_FLUSH_LAYERS` (0: one submission for the whole pass), else
+/// 4; never on a software adapter, where recording is not what waits. Read once.
+fn flush_layers(gpu: &Gpu) -> usize {
+    static EVERY: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if gpu.is_software() {
+        return 0;
+    }
+    *EVERY.get_or_init(|| {
+        std::env::var("BATON_GPU_FLUSH_LAYERS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4)
+    })
 }
 
 /// Little-endian f16 bytes into `out`.
@@ -1039,8 +1070,9 @@ mod tests {
         }
     }
 
-    /// The dispatches of a forward: the first layer's norm, 10 a layer (Q, K, V; biases, head norms, RoPE and KV
-    /// stores; attention; output; add with the FFN norm; gate/up; down; add with the next norm) and the head's
+    /// The dispatches of a forward: the first layer's norm, 11 a layer (Q, K, V; biases, head norms, RoPE and KV
+    /// stores; attention; output; add with the FFN norm; gate/up; down; add with the next norm; the gather of the
+    /// KV rows for the host, which replaced two copies a KV head) and the head's
     /// matmul, for the tiny llama and gemma3 (post-norms) and the generated qwen2 (biases) and qwen3 (head norms). A
     /// decode step's last add is fused with the head's norm; a prompt's last row, not at row 0, takes its own norm;
     /// a hidden-state forward ends on a plain add (after Gemma's post-norm). It was 14 a layer (16 with post-norms or head norms, 17 with
@@ -1051,7 +1083,7 @@ mod tests {
         use super::{GpuLayers, GpuWeights, Out};
         use crate::engine::KvCache;
         use crate::kernels::testutil::Rng;
-        const PER_LAYER: usize = 10;
+        const PER_LAYER: usize = 11;
         let Some(gpu) = test_gpu() else { return };
         let dir = tempfile::tempdir().unwrap();
         let generated = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models");

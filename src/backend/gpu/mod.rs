@@ -26,6 +26,7 @@ pub mod buffers;
 pub mod device;
 pub mod elementwise;
 pub mod embed;
+pub mod kv;
 pub mod layers;
 pub mod matmul;
 pub mod moe;
@@ -56,6 +57,7 @@ mod wgsl {
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");
+    pub const KV_GATHER: &str = include_str!("shaders/kv_gather.wgsl");
 }
 
 /// One shader module's source: the snippets joined.
@@ -314,6 +316,20 @@ impl<'g> Pass<'g> {
         Ok(())
     }
 
+    /// Starts the ops recorded so far on the device without waiting, and goes on recording into a new encoder: a
+    /// long pass (a decode step's layers) then runs while the host records the rest of it, rather than after.
+    pub fn flush(&mut self) -> Result<()> {
+        self.cp = None;
+        self.gpu.check()?;
+        let next = self
+            .gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") });
+        let enc = std::mem::replace(&mut self.enc, next);
+        self.gpu.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
     /// Runs the recorded ops and waits for them.
     pub fn finish(mut self) -> Result<()> {
         ensure!(self.reads.is_empty(), "a pass with reads ends with finish_read");
@@ -322,9 +338,10 @@ impl<'g> Pass<'g> {
         self.gpu.check()?;
         let submitted = std::time::Instant::now();
         let idx = self.gpu.queue.submit([self.enc.finish()]);
+        let returned = std::time::Instant::now();
         self.gpu.wait(idx.clone())?;
         match stamps {
-            Some(st) => st.count(self.gpu, idx, submitted),
+            Some(st) => st.count(self.gpu, idx, [submitted, returned]),
             None => Ok(()),
         }
     }
@@ -349,9 +366,10 @@ impl<'g> Pass<'g> {
         self.gpu.check()?;
         let submitted = std::time::Instant::now();
         let idx = self.gpu.queue.submit([self.enc.finish()]);
+        let returned = std::time::Instant::now();
         let bytes = self.gpu.map_read(&staging, idx.clone(), total as usize)?;
         if let Some(st) = stamps {
-            st.count(self.gpu, idx, submitted)?;
+            st.count(self.gpu, idx, [submitted, returned])?;
         }
         let mut out = Vec::with_capacity(self.reads.len());
         let mut at = 0;

@@ -173,11 +173,13 @@ impl Stamps {
 }
 
 impl Resolved {
-    /// Adds the pass's times to the sums, once its submission `idx` is done (waits for it).
-    pub(super) fn count(self, gpu: &Gpu, idx: wgpu::SubmissionIndex, submitted: Instant) -> Result<()> {
+    /// Adds the pass's times to the sums, once its submission `idx` is done (waits for it): `submit` is when its
+    /// last submission began and returned.
+    pub(super) fn count(self, gpu: &Gpu, idx: wgpu::SubmissionIndex, submit: [Instant; 2]) -> Result<()> {
         let Some(pr) = gpu.profiler() else { return Ok(()) };
         pr.add("host recording", (self.recorded - self.started).as_nanos() as f64);
-        pr.add("host waiting", submitted.elapsed().as_nanos() as f64);
+        pr.add("host submitting", (submit[1] - submit[0]).as_nanos() as f64);
+        pr.add("host waiting", submit[1].elapsed().as_nanos() as f64);
         if self.labels.is_empty() {
             return Ok(());
         }
