@@ -242,6 +242,9 @@ fn gpu_main(filter: &str) {
         ("8b ffn_down", Q6K, 4096, 14336),
         ("8b output", Q6K, 49152, 4096),
         ("1b ffn_up", Q4K, 8192, 2048),
+        ("1b attn_q", Q4K, 2048, 2048),
+        ("1b attn_v", Q6K, 512, 2048),
+        ("1b ffn_down", Q6K, 2048, 8192),
         ("8b attn_q", Q4_0, 4096, 4096),
         ("8b attn_q", Q8_0, 4096, 4096),
         ("8b attn_q", F16, 4096, 4096),
@@ -261,7 +264,7 @@ fn gpu_main(filter: &str) {
             let (x, y) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
             // (kernel, lanes, tiled_min): lane counts for the per-row kernel at small batches, the tiled kernel
             // from 2 tokens on.
-            let mut kernels: Vec<(String, u32, usize)> = Vec::new();
+            let mut kernels: Vec<(String, u32, usize, Option<usize>)> = Vec::new();
             if n <= 64 {
                 let lanes: &[u32] = if gpu.is_software() {
                     &[1]
@@ -270,15 +273,24 @@ fn gpu_main(filter: &str) {
                 } else {
                     &[16]
                 };
-                kernels.extend(lanes.iter().map(|&l| (format!("per-row {l:>2} lanes"), l, usize::MAX)));
+                kernels.extend(
+                    lanes
+                        .iter()
+                        .map(|&l| (format!("per-row {l:>2} lanes"), l, usize::MAX, None)),
+                );
             }
             if n >= 2 {
-                kernels.push(("tiled".into(), 16, 1));
+                // The tiled kernel as a pass takes it (split-K where it has few tiles), and never split.
+                kernels.push(("tiled".into(), 16, 1, None));
+                kernels.push(("tiled, no split-K".into(), 16, 1, Some(0)));
             }
-            for (kname, lanes, tiled_min) in kernels {
+            for (kname, lanes, tiled_min, ksplit) in kernels {
                 let run = |r: usize| {
                     time(5, || {
                         let mut p = gpu.pass_cached(&binds).with_lanes(lanes).with_tiled_min(tiled_min);
+                        if let Some(k) = ksplit {
+                            p = p.with_ksplit(k);
+                        }
                         for i in 0..r {
                             p.matmul(&ws[i % copies], &x, n, &y).unwrap();
                         }

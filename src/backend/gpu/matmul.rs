@@ -51,6 +51,28 @@ fn tiled_probe() -> u32 {
     })
 }
 
+/// Workgroups a plain tiled matmul should have at least on a GPU: below, it splits its columns into slices, each a
+/// workgroup of its own (up to 16, at least a unit each), and adds their partial products in a second dispatch.
+/// `BATON_GPU_KSPLIT` sets it (0: never split), to compare; else 1024. Read once.
+pub(super) fn ksplit_target() -> usize {
+    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TARGET.get_or_init(|| {
+        std::env::var("BATON_GPU_KSPLIT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1024)
+    })
+}
+
+/// Slices of the columns a tiled matmul of `tiles` workgroups over `units` 32-weight units takes to reach `target`
+/// workgroups: 1 (no split) where it has enough, or too few units to share.
+fn k_slices(tiles: usize, units: usize, target: usize) -> usize {
+    if target == 0 || tiles >= target {
+        return 1;
+    }
+    target.div_ceil(tiles).min(16).min(units).max(1)
+}
+
 /// Threads a weight row in the per-row matmuls on a GPU: `BATON_GPU_LANES` (16, 32 or 64) to compare them on a
 /// model, else 32 (on an H200 the 1B's decode ran at 237, 294 and 293 tokens/s with 16, 32 and 64). Read once.
 pub(super) fn gpu_lanes() -> u32 {
@@ -352,6 +374,13 @@ impl Pass<'_> {
             tiles <= 65535,
             "{n} tokens in one matmul is more than the GPU grid takes"
         );
+        if tiled && up.is_none() && w.parts.len() == 1 {
+            let units = w.cols.div_ceil(UNIT);
+            let slices = k_slices(w.rows.div_ceil(rpw) * tiles as usize, units, self.ksplit_target);
+            if slices > 1 && tiles as usize * slices <= 65535 {
+                return self.mm_split(w, &pipeline, x, n, y, (tiles, slices));
+            }
+        }
         for (i, part) in w.parts.iter().enumerate() {
             let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
             let params = mm_params(w, (part.row0, part.rows), n, gx, glu, w.rows, 0)?;
@@ -372,6 +401,45 @@ impl Pass<'_> {
 }
 
 impl Pass<'_> {
+    /// A tiled matmul of a one-part matrix with its columns in `slices`: each slice's partial products into
+    /// [`Pass::partials`] (`[slice, token, row]`), then `reduce_k` adds them into `y`.
+    fn mm_split(
+        &mut self,
+        w: &GpuMatrix,
+        pipeline: &wgpu::ComputePipeline,
+        x: &Tensor,
+        n: usize,
+        y: &Tensor,
+        (tiles, slices): (u32, usize),
+    ) -> Result<()> {
+        let part = &w.parts[0];
+        let parts = self.partials(slices * n * w.rows)?;
+        let (gx, gy) = grid(u32_of(w.rows.div_ceil(TILE_ROWS), "matmul rows")?);
+        let mut params = mm_params(w, (0, w.rows), n, gx, Glu::Silu, w.rows, 0)?;
+        params[10] = u32_of(slices, "column slices")?;
+        let bufs = [
+            (1, &part.buf),
+            (2, &x.buf),
+            (3, &parts.buf),
+            (4, &part.buf),
+            (7, &x.buf),
+        ];
+        let mut bufs = bufs.to_vec();
+        bufs.extend(self.grid_binding(w.ty)?);
+        self.dispatch(pipeline, &params, &bufs, (gx, gy, tiles * params[10]));
+        let reduce = self.gpu().pipeline(
+            &format!("matmul_tiled_{}", wgsl_type(w.ty)),
+            "reduce_k",
+            &[("PROBE", tiled_probe() as f64)],
+            || source(w.ty, wgsl::MATMUL_TILED),
+        )?;
+        let (rx, ry) = grid(u32_of((n * w.rows).div_ceil(256), "matmul outputs")?);
+        let mut params = mm_params(w, (0, w.rows), n, rx, Glu::Silu, w.rows, 0)?;
+        params[10] = u32_of(slices, "column slices")?;
+        self.dispatch(&reduce, &params, &[(2, &parts.buf), (3, &y.buf)], (rx, ry, 1));
+        Ok(())
+    }
+
     /// The indexed mat-vecs of a mixture of experts: for each of the `n_picks` picks z, `y[z] = W_e · x[z / x_div]`
     /// with `e = ids[z]`, read on the device (written there by [`Pass::route`]), `y` `[n_picks, w.rows]`. `x_div`
     /// is k where the picks of a row share its input (gate and up), 1 where each pick has its own (down).
@@ -556,15 +624,17 @@ mod tests {
         IQ3XXS, IQ3S, IQ1S,
     ];
 
-    /// The kernels a test runs on one batch, as a pass would pick them: the per-row kernel in the software adapter's
-    /// layout (a thread per row), with fewer lanes a row than a block has parts (the unit walk), as many, and more
-    /// (the block walk striding), then the tiled one.
-    const KERNELS: [(u32, usize); 5] = [
-        (1, usize::MAX),
-        (4, usize::MAX),
-        (16, usize::MAX),
-        (64, usize::MAX),
-        (16, 1),
+    /// The kernels a test runs on one batch, as a pass would pick them (lanes, tiled from, split-K below): the
+    /// per-row kernel in the software adapter's layout (a thread per row), with fewer lanes a row than a block has
+    /// parts (the unit walk), as many, and more (the block walk striding); then the tiled one whole and with its
+    /// columns split (a target no test matrix reaches: as many slices as its units allow, up to 16).
+    const KERNELS: [(u32, usize, usize); 6] = [
+        (1, usize::MAX, 0),
+        (4, usize::MAX, 0),
+        (16, usize::MAX, 0),
+        (64, usize::MAX, 0),
+        (16, 1, 0),
+        (16, 1, 1 << 20),
     ];
 
     /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
@@ -591,9 +661,13 @@ mod tests {
                 assert_eq!(gw.parts.len(), if part == 0 { 1 } else { rows.div_ceil(part) });
                 let gx = gpu.upload(&x).unwrap();
                 let mut got = Vec::new();
-                for (lanes, tiled_min) in KERNELS {
+                for (lanes, tiled_min, split) in KERNELS {
                     let gy = gpu.zeros(n * rows).unwrap();
-                    let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                    let mut pass = gpu
+                        .pass()
+                        .with_lanes(lanes)
+                        .with_tiled_min(tiled_min)
+                        .with_ksplit(split);
                     pass.matmul(&gw, &gx, n, &gy).unwrap();
                     pass.finish().unwrap();
                     got.extend(gpu.read(&gy).unwrap());
@@ -696,9 +770,15 @@ mod tests {
                 _ => gpu.upload_matrix(&up).unwrap(),
             };
             let gx = gpu.upload(&x).unwrap();
-            for (glu, (lanes, tiled_min)) in [Glu::Silu, Glu::Gelu].into_iter().flat_map(|g| KERNELS.map(|k| (g, k))) {
+            for (glu, (lanes, tiled_min, ksplit)) in
+                [Glu::Silu, Glu::Gelu].into_iter().flat_map(|g| KERNELS.map(|k| (g, k)))
+            {
                 let h = gpu.zeros(n * rows).unwrap();
-                let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                let mut pass = gpu
+                    .pass()
+                    .with_lanes(lanes)
+                    .with_tiled_min(tiled_min)
+                    .with_ksplit(ksplit);
                 pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
                 pass.finish().unwrap();
                 let got = gpu.read(&h).unwrap();

@@ -74,6 +74,9 @@ pub struct Binds {
     map: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
     /// The working tensor of [`Pass::scratch`], kept so the bind groups that hold it stay valid.
     scratch: Mutex<Option<Tensor>>,
+    /// The split-K matmul's partial products ([`Pass::partials`]), apart from `scratch`, which a matmul's caller
+    /// may be holding.
+    partials: Mutex<Option<Tensor>>,
 }
 
 /// What a bind group binds: the pipeline (its layout), the buffers at their bindings and the parameters' words. The
@@ -116,6 +119,9 @@ pub struct Pass<'g> {
     enc: wgpu::CommandEncoder,
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
     lanes: u32,
+    /// A plain tiled matmul of fewer workgroups than this splits its columns into slices until it has about as
+    /// many ([`matmul::KSPLIT_TARGET`]; 0, a software adapter's: never), changed by tests and the kernel bench.
+    ksplit_target: usize,
     /// Batches of at least this many tokens take the tiled matmul (`matmul_tiled.wgsl`), smaller ones the
     /// per-row one: [`matmul::TILED_MIN`] (on a software adapter `TILED_MIN_SOFTWARE`), changed by tests and the
     /// kernel bench.
@@ -145,6 +151,7 @@ impl Gpu {
             } else {
                 matmul::TILED_MIN
             },
+            ksplit_target: if self.is_software() { 0 } else { matmul::ksplit_target() },
             reads: Vec::new(),
             binds: None,
             dispatches: 0,
@@ -215,6 +222,13 @@ impl<'g> Pass<'g> {
         self
     }
 
+    /// The pass with split-K matmuls below `target` workgroups (0: none), so tests run them on the software adapter
+    /// and the kernel bench compares targets.
+    pub fn with_ksplit(mut self, target: usize) -> Self {
+        self.ksplit_target = target;
+        self
+    }
+
     /// Records one dispatch of `pipeline` over `groups` workgroups, its uniform parameters `params` at binding 0
     /// and the buffers `bufs` at their bindings.
     fn dispatch(
@@ -263,10 +277,19 @@ impl<'g> Pass<'g> {
     /// A tensor of at least `n` values for an op's intermediate result, used within one op: the one kept in the
     /// pass's [`Binds`] (grown when too small), or a new one for a pass without.
     fn scratch(&self, n: usize) -> Result<Tensor> {
+        self.kept(n, |b| &b.scratch)
+    }
+
+    /// [`Pass::scratch`] for the split-K matmul's partial products: a slot of its own.
+    fn partials(&self, n: usize) -> Result<Tensor> {
+        self.kept(n, |b| &b.partials)
+    }
+
+    fn kept(&self, n: usize, slot: impl Fn(&Binds) -> &Mutex<Option<Tensor>>) -> Result<Tensor> {
         let Some(binds) = self.binds else {
             return self.gpu.zeros(n);
         };
-        let mut slot = binds.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = slot(binds).lock().unwrap_or_else(|p| p.into_inner());
         match &*slot {
             Some(t) if t.len() >= n => Ok(t.clone()),
             _ => {

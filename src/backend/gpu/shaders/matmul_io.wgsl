@@ -14,7 +14,9 @@ struct Params {
     row0: u32,
     // The indexed matmuls (matmul.wgsl): picks per row of x; 0 elsewhere.
     x_div: u32,
-    pad1: u32,
+    // The tiled matmul (matmul_tiled.wgsl): slices of the columns ("split-K"), each summed into its own partial
+    // product; 0 or 1: none.
+    k_split: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

@@ -8,7 +8,10 @@
 // multiply-adds (the previous 64 × 32 tile with 4 × 8 a thread took 12 scalar loads for 32). Each weight is
 // dequantized once per 64 tokens, each activation read once per 64 rows. Rows and tokens past the matrix or the
 // batch are zeros in the tiles and are not written.
-// The grid: (x, y) over the row tiles (index wid.x + wid.y·nx, see device::grid), z over the token tiles.
+// The grid: (x, y) over the row tiles (index wid.x + wid.y·nx, see device::grid), z over the token tiles and, for
+// a plain matmul with few tiles, the column slices (p.k_split, "split-K": a 2048-row matrix at 512 tokens has only
+// 256 tiles, 2 warps each, too few to keep a large GPU's memory busy). A slice's partial products go to y as
+// [slice, token, row] (the host binds a scratch tensor there) and reduce_k adds them up.
 
 const BN: u32 = 64u;
 // A measuring aid (matmul.rs, tiled_probe): 0 the whole kernel; 1 no dequantizing, 2 one column's products a unit,
@@ -87,14 +90,14 @@ fn store_xs(li: u32, l: XLoad) {
     store_x(tl + 56u, j, l.v7);
 }
 
-// y at rows row..row + 4 for token t, those inside the matrix and the batch.
-fn store4(row: u32, t: u32, v: vec4<f32>) {
+// y at rows row..row + 4 for token t of column slice `slice`, those inside the matrix and the batch.
+fn store4(row: u32, t: u32, slice: u32, v: vec4<f32>) {
     if (t >= p.n_tok) {
         return;
     }
     for (var i = 0u; i < 4u; i++) {
         if (row + i < p.rows) {
-            y[t * p.y_stride + p.row0 + row + i] = v[i];
+            y[(slice * p.n_tok + t) * p.y_stride + p.row0 + row + i] = v[i];
         }
     }
 }
@@ -108,7 +111,11 @@ fn glu4(g: vec4<f32>, u: vec4<f32>) -> vec4<f32> {
 fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
     let rows_per_tile = select(64u, 32u, is_glu);
     let r0 = (wid.x + wid.y * p.nx) * rows_per_tile;
-    let t0 = wid.z * BN;
+    let splits = max(p.k_split, 1u);
+    let slice = wid.z % splits;
+    let t0 = (wid.z / splits) * BN;
+    let per_slice = (p.units + splits - 1u) / splits;
+    let u_end = min(p.units, (slice + 1u) * per_slice);
     let tr = li % 8u;
     let tc = li / 8u;
     // Plain vector variables, which every compiler keeps in registers (an indexed function array may go to
@@ -132,7 +139,7 @@ fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
     // The row this thread dequantizes, and from which matrix.
     let row = select(r0 + li, r0 + li % 32u, is_glu);
     let from_b = is_glu && li >= 32u;
-    for (var u = 0u; u < p.units; u++) {
+    for (var u = slice * per_slice; u < u_end; u++) {
         // The activations' loads first, so they are in flight while the weights are dequantized.
         var xl = XLoad(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0),
                        vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
@@ -181,32 +188,32 @@ fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
     let ta = t0 + 4u * tc;
     let tb = ta + 32u;
     if (is_glu) {
-        store4(ra, ta, glu4(c00, c10));
-        store4(ra, ta + 1u, glu4(c01, c11));
-        store4(ra, ta + 2u, glu4(c02, c12));
-        store4(ra, ta + 3u, glu4(c03, c13));
-        store4(ra, tb, glu4(c04, c14));
-        store4(ra, tb + 1u, glu4(c05, c15));
-        store4(ra, tb + 2u, glu4(c06, c16));
-        store4(ra, tb + 3u, glu4(c07, c17));
+        store4(ra, ta, slice, glu4(c00, c10));
+        store4(ra, ta + 1u, slice, glu4(c01, c11));
+        store4(ra, ta + 2u, slice, glu4(c02, c12));
+        store4(ra, ta + 3u, slice, glu4(c03, c13));
+        store4(ra, tb, slice, glu4(c04, c14));
+        store4(ra, tb + 1u, slice, glu4(c05, c15));
+        store4(ra, tb + 2u, slice, glu4(c06, c16));
+        store4(ra, tb + 3u, slice, glu4(c07, c17));
     } else {
         let rb = ra + 32u;
-        store4(ra, ta, c00);
-        store4(ra, ta + 1u, c01);
-        store4(ra, ta + 2u, c02);
-        store4(ra, ta + 3u, c03);
-        store4(ra, tb, c04);
-        store4(ra, tb + 1u, c05);
-        store4(ra, tb + 2u, c06);
-        store4(ra, tb + 3u, c07);
-        store4(rb, ta, c10);
-        store4(rb, ta + 1u, c11);
-        store4(rb, ta + 2u, c12);
-        store4(rb, ta + 3u, c13);
-        store4(rb, tb, c14);
-        store4(rb, tb + 1u, c15);
-        store4(rb, tb + 2u, c16);
-        store4(rb, tb + 3u, c17);
+        store4(ra, ta, slice, c00);
+        store4(ra, ta + 1u, slice, c01);
+        store4(ra, ta + 2u, slice, c02);
+        store4(ra, ta + 3u, slice, c03);
+        store4(ra, tb, slice, c04);
+        store4(ra, tb + 1u, slice, c05);
+        store4(ra, tb + 2u, slice, c06);
+        store4(ra, tb + 3u, slice, c07);
+        store4(rb, ta, slice, c10);
+        store4(rb, ta + 1u, slice, c11);
+        store4(rb, ta + 2u, slice, c12);
+        store4(rb, ta + 3u, slice, c13);
+        store4(rb, tb, slice, c14);
+        store4(rb, tb + 1u, slice, c15);
+        store4(rb, tb + 2u, slice, c16);
+        store4(rb, tb + 3u, slice, c17);
     }
 }
 
@@ -215,8 +222,23 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     tile(wid, li, false);
 }
 
+// Split-K's sum: y[t, row0 + r] = Σ_s x[s, t, r] over the p.k_split slices' partial products (the scratch tensor
+// bound as x), in slice order; a thread a value, the grid (x, y) over groups of 256.
+@compute @workgroup_size(256)
+fn reduce_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let i = (wid.x + wid.y * p.nx) * 256u + li;
+    if (i >= p.rows * p.n_tok) {
+        return;
+    }
+    var s = 0.0;
+    for (var k = 0u; k < p.k_split; k++) {
+        s += x[k * p.rows * p.n_tok + i];
+    }
+    y[(i / p.rows) * p.y_stride + p.row0 + i % p.rows] = s;
+}
+
 // y[t, r] = act(G[r, :]·x[t, :]) · (U[r, :]·x[t, :]), gate in wa, up in wb (of one type): threads 0..32
-// dequantize the gate's rows, 32..64 the up's.
+// dequantize the gate's rows, 32..64 the up's. Never split: the activation needs the whole sums.
 @compute @workgroup_size(64)
 fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     tile(wid, li, true);
