@@ -419,8 +419,8 @@ impl GpuLayers {
         };
         alloc().with_context(|| {
             format!(
-                "allocating a GPU session on {} ({} MiB of KV cache for {} layers of {n_ctx} positions): use a \
-                 smaller -c or fewer --gpu-layers",
+                "allocating a GPU session on {} ({} MiB of KV cache for {} layers of {n_ctx} positions, and batches of {n_batch} rows): use a \
+                 smaller -c or -b, or fewer --gpu-layers",
                 gpu.info().name,
                 kv_bytes >> 20,
                 w.layers.len()
