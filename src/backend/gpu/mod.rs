@@ -117,10 +117,11 @@ pub struct Pass<'g> {
     cp: Option<wgpu::ComputePass<'static>>,
     /// Declared after `cp`, so a pass dropped unfinished (an error) closes its compute pass first.
     enc: wgpu::CommandEncoder,
-    /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, 16 on a GPU.
+    /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, on a GPU
+    /// [`matmul::gpu_lanes`] (32).
     lanes: u32,
     /// A plain tiled matmul of fewer workgroups than this splits its columns into slices until it has about as
-    /// many ([`matmul::KSPLIT_TARGET`]; 0, a software adapter's: never), changed by tests and the kernel bench.
+    /// many ([`matmul::ksplit_target`], 1024; 0, a software adapter's: never), changed by tests and the kernel bench.
     ksplit_target: usize,
     /// Batches of at least this many tokens take the tiled matmul (`matmul_tiled.wgsl`), smaller ones the
     /// per-row one: [`matmul::TILED_MIN`] (on a software adapter `TILED_MIN_SOFTWARE`), changed by tests and the

@@ -4,7 +4,7 @@
 // A workgroup of 64 threads takes RPW = 64 / LANES weight rows for up to TT = 8 tokens: LANES threads per row walk
 // the row's 32-weight units, then the lanes' sums are added in workgroup memory. For one token (matvec) each unit
 // is dotted straight from its block (dot.wgsl); for several (matmul) it is dequantized once into an array and
-// dotted with every token's activations, so the weights are decoded once per 8 tokens. LANES is 16 on a GPU
+// dotted with every token's activations, so the weights are decoded once per 8 tokens. LANES is 32 on a GPU
 // (threads of a row read neighbouring blocks) and 1 on a software adapter, where a barrier costs more than a whole
 // row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see device::grid) and z
 // over the token tiles. Batches from TILED_MIN tokens on take matmul_tiled.wgsl.
