@@ -751,12 +751,7 @@ fn flush_layers(gpu: &Gpu) -> usize {
     if gpu.is_software() {
         return 0;
     }
-    *EVERY.get_or_init(|| {
-        std::env::var("BATON_GPU_FLUSH_LAYERS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2)
-    })
+    *EVERY.get_or_init(|| super::env_number("BATON_GPU_FLUSH_LAYERS", |_| true, 2))
 }
 
 /// Little-endian f16 bytes into `out`.

@@ -10,7 +10,7 @@
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;
-use super::{Pass, module, u32_of, wgsl};
+use super::{Pass, env_number, module, u32_of, wgsl};
 use crate::gguf::GgmlType;
 use crate::kernels::Glu;
 use anyhow::{Result, ensure};
@@ -42,13 +42,7 @@ const TILE_TOKENS: usize = 64;
 /// Read once: a prefill calls it for every matmul.
 fn tiled_probe() -> u32 {
     static PROBE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *PROBE.get_or_init(|| {
-        std::env::var("BATON_GPU_PROBE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&v| v <= 3)
-            .unwrap_or(0)
-    })
+    *PROBE.get_or_init(|| env_number("BATON_GPU_PROBE", |&v| v <= 3, 0))
 }
 
 /// Workgroups a plain tiled matmul should have at least on a GPU: below, it splits its columns into slices, each a
@@ -56,12 +50,7 @@ fn tiled_probe() -> u32 {
 /// `BATON_GPU_KSPLIT` sets it (0: never split), to compare; else 1024. Read once.
 pub(super) fn ksplit_target() -> usize {
     static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TARGET.get_or_init(|| {
-        std::env::var("BATON_GPU_KSPLIT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1024)
-    })
+    *TARGET.get_or_init(|| env_number("BATON_GPU_KSPLIT", |_| true, 1024))
 }
 
 /// Slices of the columns a tiled matmul of `tiles` workgroups over `units` 32-weight units takes to reach `target`
@@ -77,13 +66,7 @@ fn k_slices(tiles: usize, units: usize, target: usize) -> usize {
 /// model, else 32 (on an H200 the 1B's decode ran at 237, 294 and 293 tokens/s with 16, 32 and 64). Read once.
 pub(super) fn gpu_lanes() -> u32 {
     static LANES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *LANES.get_or_init(|| {
-        std::env::var("BATON_GPU_LANES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|v| [16, 32, 64].contains(v))
-            .unwrap_or(32)
-    })
+    *LANES.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 32))
 }
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
@@ -352,11 +335,7 @@ impl Pass<'_> {
             (true, false) => "matmul_glu",
         };
         let (pipeline, rpw, tt) = if tiled {
-            let key = format!("matmul_tiled_{}", wgsl_type(w.ty));
-            let constants = [("PROBE", tiled_probe() as f64)];
-            let pipeline = self
-                .gpu()
-                .pipeline(&key, entry, &constants, || source(w.ty, wgsl::MATMUL_TILED))?;
+            let pipeline = self.tiled_pipeline(w.ty, entry)?;
             let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
             (pipeline, rows, TILE_TOKENS)
         } else {
@@ -401,6 +380,14 @@ impl Pass<'_> {
 }
 
 impl Pass<'_> {
+    /// The entry point `entry` of the tiled matmul module for weights of type `ty`.
+    fn tiled_pipeline(&self, ty: GgmlType, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+        let key = format!("matmul_tiled_{}", wgsl_type(ty));
+        let constants = [("PROBE", tiled_probe() as f64)];
+        self.gpu()
+            .pipeline(&key, entry, &constants, || source(ty, wgsl::MATMUL_TILED))
+    }
+
     /// A tiled matmul of a one-part matrix with its columns in `slices`: each slice's partial products into
     /// [`Pass::partials`] (`[slice, token, row]`), then `reduce_k` adds them into `y`.
     fn mm_split(
@@ -414,29 +401,26 @@ impl Pass<'_> {
     ) -> Result<()> {
         let part = &w.parts[0];
         let parts = self.partials(slices * n * w.rows)?;
+        let k_split = u32_of(slices, "column slices")?;
+        // Both dispatches take the matrix's parameters with the slices; only their grids differ.
+        let params = |nx: u32| -> Result<[u32; 12]> {
+            let mut p = mm_params(w, (0, w.rows), n, nx, Glu::Silu, w.rows, 0)?;
+            p[PARAM_K_SPLIT] = k_split;
+            Ok(p)
+        };
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(TILE_ROWS), "matmul rows")?);
-        let mut params = mm_params(w, (0, w.rows), n, gx, Glu::Silu, w.rows, 0)?;
-        params[10] = u32_of(slices, "column slices")?;
-        let bufs = [
+        let mut bufs = vec![
             (1, &part.buf),
             (2, &x.buf),
             (3, &parts.buf),
             (4, &part.buf),
             (7, &x.buf),
         ];
-        let mut bufs = bufs.to_vec();
         bufs.extend(self.grid_binding(w.ty)?);
-        self.dispatch(pipeline, &params, &bufs, (gx, gy, tiles * params[10]));
-        let reduce = self.gpu().pipeline(
-            &format!("matmul_tiled_{}", wgsl_type(w.ty)),
-            "reduce_k",
-            &[("PROBE", tiled_probe() as f64)],
-            || source(w.ty, wgsl::MATMUL_TILED),
-        )?;
+        self.dispatch(pipeline, &params(gx)?, &bufs, (gx, gy, tiles * k_split));
+        let reduce = self.tiled_pipeline(w.ty, "reduce_k")?;
         let (rx, ry) = grid(u32_of((n * w.rows).div_ceil(256), "matmul outputs")?);
-        let mut params = mm_params(w, (0, w.rows), n, rx, Glu::Silu, w.rows, 0)?;
-        params[10] = u32_of(slices, "column slices")?;
-        self.dispatch(&reduce, &params, &[(2, &parts.buf), (3, &y.buf)], (rx, ry, 1));
+        self.dispatch(&reduce, &params(rx)?, &[(2, &parts.buf), (3, &y.buf)], (rx, ry, 1));
         Ok(())
     }
 
@@ -552,6 +536,9 @@ impl Pass<'_> {
         Ok(())
     }
 }
+
+/// Where `k_split` sits in [`mm_params`]' words: only the split tiled matmul sets it.
+const PARAM_K_SPLIT: usize = 10;
 
 /// The matmul kernels' parameters (`Params` in `matmul_io.wgsl`) for the part of `w` holding rows `row0..row0 +
 /// rows`, over `n` tokens (or picks), `nx` workgroups a grid row, outputs `y_stride` apart, and `x_div` picks a row

@@ -60,6 +60,16 @@ mod wgsl {
     pub const KV_GATHER: &str = include_str!("shaders/kv_gather.wgsl");
 }
 
+/// The number a measuring variable (`BATON_GPU_LANES`, `BATON_GPU_KSPLIT`, ...) sets, where it is set, parses and
+/// `valid` takes it; else `default`. Callers keep it in a `OnceLock`: the hot paths ask for it at every dispatch.
+fn env_number<T: std::str::FromStr>(name: &str, valid: impl Fn(&T) -> bool, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(valid)
+        .unwrap_or(default)
+}
+
 /// One shader module's source: the snippets joined.
 fn module(parts: &[&str]) -> String {
     parts.join("\n")
