@@ -202,11 +202,12 @@ pub fn run(
     name: &str,
     cfg: &BenchConfig,
     compare: Option<Compare>,
+    warmed: impl FnMut(),
     report: impl FnMut(&Figure, Option<&Figure>),
 ) -> Result<Vec<Figure>> {
     let threads = pool.n_threads();
     let mut s = Session::new(model, pool, cfg.n_ctx()?, cfg.n_batch)?;
-    run_on(&mut s, name, threads, cfg, compare, report)
+    run_on(&mut s, name, threads, cfg, compare, warmed, report)
 }
 
 impl BenchConfig {
@@ -230,12 +231,14 @@ pub type Compare<'a> = &'a mut dyn FnMut(&str, usize) -> Result<Option<f64>>;
 
 /// Runs every test of `cfg` on any target (`threads` is only reported). With `compare`, the other engine's
 /// repetitions are interleaved with Baton's, so both see the same machine load; `report` gets both figures.
+/// `warmed` is called after each test's warm-up (the GPU profile starts over there).
 pub fn run_on(
     s: &mut dyn Target,
     name: &str,
     threads: usize,
     cfg: &BenchConfig,
     mut compare: Option<Compare>,
+    mut warmed: impl FnMut(),
     mut report: impl FnMut(&Figure, Option<&Figure>),
 ) -> Result<Vec<Figure>> {
     let mut out = Vec::new();
@@ -255,6 +258,7 @@ pub fn run_on(
                 }
             };
             run(s, n.min(if is_pp { 64 } else { 4 }))?; // warm-up
+            warmed();
             let (mut ours, mut theirs) = (Vec::new(), Vec::new());
             for _ in 0..cfg.reps {
                 ours.push(run(s, n)?);

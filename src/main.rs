@@ -1033,7 +1033,10 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let mut rss = 0u64;
     let file_bytes = std::fs::metadata(&model.file.path).map_or(0, |m| m.len());
     let kv_bytes = baton::engine::kv_cache::KvCache::bytes_for(&model.hp, model.range.len(), n_ctx) as u64;
-    baton::bench::run(model, pool, &name, &cfg, compare, |f, other| {
+    let gpu = placement.gpu().cloned();
+    // BATON_GPU_PROFILE: a test's profile leaves out its warm-up (pipelines built, first bind groups).
+    let warmed = || drop(gpu.as_ref().and_then(|g| g.take_profile()));
+    baton::bench::run(model, pool, &name, &cfg, compare, warmed, |f, other| {
         rss = rss.max(baton::bench::current_rss());
         let bound = if f.test.starts_with("tg") && on_cpu {
             format!("{:.0}%", wbytes as f64 * f.tps_median / bw * 100.0)
@@ -1067,9 +1070,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
                 f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
             );
         }
-        // BATON_GPU_PROFILE: the test's kernel times, its warm-up and repetitions together.
-        if let Some(p) = placement.gpu().and_then(|g| g.take_profile()) {
-            eprintln!("GPU profile of {} (warm-up and {} runs):\n{p}", f.test, f.samples.len());
+        // BATON_GPU_PROFILE: the test's kernel times over its repetitions.
+        if let Some(p) = gpu.as_ref().and_then(|g| g.take_profile()) {
+            eprintln!(
+                "GPU profile of {} ({} runs, not the warm-up):\n{p}",
+                f.test,
+                f.samples.len()
+            );
         }
     })?;
     let mib = |b: u64| b as f64 / 1048576.0;
@@ -1132,16 +1139,24 @@ fn bench_pipeline(a: BenchArgs, cfg: baton::bench::BenchConfig) -> Result<()> {
         println!("| model | local threads | test | depth | t/s median | min | max |");
         println!("|---|---:|---|---:|---:|---:|---:|");
     }
-    baton::bench::run_on(&mut p, &name, threads, &cfg, None, |f, _| {
-        if a.json {
-            println!("{}", serde_json::to_value(f).unwrap());
-        } else {
-            println!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
-                f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
-            );
-        }
-    })?;
+    baton::bench::run_on(
+        &mut p,
+        &name,
+        threads,
+        &cfg,
+        None,
+        || {},
+        |f, _| {
+            if a.json {
+                println!("{}", serde_json::to_value(f).unwrap());
+            } else {
+                println!(
+                    "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
+                    f.model, f.threads, f.test, f.depth, f.tps_median, f.tps_min, f.tps_max
+                );
+            }
+        },
+    )?;
     p.reset_stats();
     let n_tok: usize = 16;
     let t0 = Instant::now();

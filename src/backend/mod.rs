@@ -89,6 +89,11 @@ impl AttnShape {
         self.n_head / self.n_head_kv
     }
 
+    /// Values of one row's Q, K and V side by side (the GPU's stacked projections).
+    pub fn qkv_width(&self) -> usize {
+        self.n_head * self.hdk + self.n_head_kv * (self.hdk + self.hdv)
+    }
+
     /// First position a row at `pos` attends to.
     pub fn lo(&self, pos: usize) -> usize {
         self.window.map_or(0, |w| (pos + 1).saturating_sub(w))

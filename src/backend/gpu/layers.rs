@@ -15,6 +15,7 @@ use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, AttnShape, KvLayers};
 use crate::kernels::Glu;
 use crate::kernels::Matrix;
+use crate::kernels::matrix::{Bytes, Layout};
 use crate::model::rope::RopeTables;
 use crate::model::{Arch, Hparams, Model, RopeType};
 use anyhow::{Context, Result, ensure};
@@ -25,9 +26,10 @@ use std::sync::Arc;
 /// One block's weights on the device.
 struct Layer {
     attn_norm: Tensor,
-    wq: GpuMatrix,
-    wk: GpuMatrix,
-    wv: GpuMatrix,
+    /// The Q, K and V projections, stacked where they are of one type: each matrix and where its outputs start in
+    /// a row of Q, K and V side by side (`AttnShape::qkv_width`). One matmul reads all three where it can, two or
+    /// three where the types differ (Q4_K_M keeps some V projections in Q6_K): a decode step pays per dispatch.
+    qkv: Vec<(GpuMatrix, usize)>,
     wo: GpuMatrix,
     /// Biases added to Q, K and V (Qwen 2) and the RMSNorm of every Q and K head before RoPE (Gemma 3, Qwen 3).
     qkv_extras: QkvExtras,
@@ -196,9 +198,7 @@ impl GpuWeights {
                 };
                 w.push(Layer {
                     attn_norm: vector(&p("attn_norm"))?,
-                    wq: up(&wq)?,
-                    wk: up(&wk)?,
-                    wv: up(&wv)?,
+                    qkv: stack_qkv([&wq, &wk, &wv], up)?,
                     wo: up(&mapped(&p("attn_output"))?)?,
                     qkv_extras: gpu.upload_qkv_extras([&lw.bq, &lw.bk, &lw.bv].map(|b| b.as_deref()), qk_norm)?,
                     post_norms: pair(&lw.post_attn_norm, &lw.post_ffn_norm)?,
@@ -269,6 +269,37 @@ impl GpuWeights {
     }
 }
 
+/// The Q, K and V matrices stacked into as few as they can be (runs of one type and row length, uploaded by
+/// `up` as one matrix), each with where its outputs start in a row of Q, K and V side by side.
+fn stack_qkv(ms: [&Matrix; 3], up: impl Fn(&Matrix) -> Result<GpuMatrix>) -> Result<Vec<(GpuMatrix, usize)>> {
+    let stacks_with =
+        |a: &Matrix, b: &Matrix| (a.ty, a.cols, a.layout, b.layout) == (b.ty, b.cols, Layout::Rows, Layout::Rows);
+    let (mut out, mut at, mut i) = (Vec::new(), 0, 0);
+    while i < ms.len() {
+        let mut j = i + 1;
+        while j < ms.len() && stacks_with(ms[i], ms[j]) {
+            j += 1;
+        }
+        let run = &ms[i..j];
+        let rows: usize = run.iter().map(|m| m.rows).sum();
+        let m = if let [one] = run {
+            up(one)?
+        } else {
+            up(&Matrix {
+                ty: run[0].ty,
+                rows,
+                cols: run[0].cols,
+                data: Bytes::Owned(run.iter().flat_map(|m| m.bytes().iter().copied()).collect()),
+                layout: Layout::Rows,
+            })?
+        };
+        out.push((m, at));
+        at += rows;
+        i = j;
+    }
+    Ok(out)
+}
+
 /// Bytes of layer `il`'s tensors in the file (every expert of a mixture's).
 fn layer_bytes(model: &Model, il: usize) -> u64 {
     let prefix = format!("blk.{il}.");
@@ -298,9 +329,10 @@ pub struct GpuLayers {
     n_batch: usize,
     x: Tensor,
     xn: Tensor,
+    /// The rotated query heads, `[n, n_head, hdk]`.
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    /// Each row's Q, K and V projections side by side, `[n, AttnShape::qkv_width]`.
+    qkv: Tensor,
     att: Tensor,
     h: Tensor,
     /// A mixture of experts' buffers, where the model has one.
@@ -402,8 +434,7 @@ impl GpuLayers {
                 x: gpu.zeros(n * hp.n_embd)?,
                 xn: gpu.zeros(n * hp.n_embd)?,
                 q: gpu.zeros(n * hp.n_head * hdk)?,
-                k: gpu.zeros(n * hp.n_head_kv * hdk)?,
-                v: gpu.zeros(n * hp.n_head_kv * hdv)?,
+                qkv: gpu.zeros(n * (hp.n_head * hdk + hp.n_head_kv * (hdk + hdv)))?,
                 att: gpu.zeros(n * hp.n_head * hdv)?,
                 h: gpu.zeros(n * n_ff)?,
                 moe,
@@ -532,9 +563,6 @@ impl GpuLayers {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
-            pass.matmul(&l.wq, &self.xn, n, &self.q)?;
-            pass.matmul(&l.wk, &self.xn, n, &self.k)?;
-            pass.matmul(&l.wv, &self.xn, n, &self.v)?;
             let shape = AttnShape {
                 n_tok: n,
                 n_head: hp.n_head,
@@ -544,13 +572,17 @@ impl GpuLayers {
                 window: hp.window(il),
                 scale: hp.attn_scale,
             };
+            for (m, at) in &l.qkv {
+                pass.matmul_at(m, &self.xn, n, &self.qkv, *at, shape.qkv_width())?;
+            }
             pass.rope_store(
                 rope,
                 &l.qkv_extras,
                 &shape,
                 hp.rms_eps,
                 neox,
-                [&self.q, &self.k, &self.v],
+                &self.qkv,
+                &self.q,
                 [&kv.k, &kv.v],
                 self.n_ctx,
                 pos,
@@ -1066,20 +1098,21 @@ mod tests {
         }
     }
 
-    /// The dispatches of a forward: the first layer's norm, 11 a layer (Q, K, V; biases, head norms, RoPE and KV
-    /// stores; attention; output; add with the FFN norm; gate/up; down; add with the next norm; the gather of the
-    /// KV rows for the host, which replaced two copies a KV head) and the head's
-    /// matmul, for the tiny llama and gemma3 (post-norms) and the generated qwen2 (biases) and qwen3 (head norms). A
-    /// decode step's last add is fused with the head's norm; a prompt's last row, not at row 0, takes its own norm;
-    /// a hidden-state forward ends on a plain add (after Gemma's post-norm). It was 14 a layer (16 with post-norms or head norms, 17 with
-    /// biases) before the fusions; this keeps the count from growing back silently. (Their logits are checked
-    /// against the CPU's by the tests above.)
+    /// The dispatches of a forward: the first layer's norm, 9 a layer (Q, K and V stacked in one matrix; biases,
+    /// head norms, RoPE and KV stores; attention; output; add with the FFN norm; gate/up; down; add with the next
+    /// norm; the gather of the KV rows for the host, which replaced two copies a KV head) and the head's matmul,
+    /// for the tiny llama and gemma3 (post-norms) and the generated qwen2 (biases; Q8_0, so a batch's 4 matmuls a
+    /// layer each round their activations first, act8.rs) and qwen3 (head norms). A decode step's last add is
+    /// fused with the head's norm; a prompt's last row, not at row 0, takes its own norm; a hidden-state forward
+    /// ends on a plain add (after Gemma's post-norm). It was 14 a layer (16 with post-norms or head norms, 17 with
+    /// biases) before the fusions and 11 before the stacking; this keeps the count from growing back silently.
+    /// (Their logits are checked against the CPU's by the tests above.)
     #[test]
     fn forward_dispatches_per_layer() {
         use super::{GpuLayers, GpuWeights, Out};
         use crate::engine::KvCache;
         use crate::kernels::testutil::Rng;
-        const PER_LAYER: usize = 11;
+        const PER_LAYER: usize = 9;
         let Some(gpu) = test_gpu() else { return };
         let dir = tempfile::tempdir().unwrap();
         let generated = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models");
@@ -1088,6 +1121,7 @@ mod tests {
             .map(|(a, p)| (format!("{a:?}"), p))
             .chain(["qwen2", "qwen3"].map(|m| (m.to_string(), generated.join(format!("{m}.gguf")))));
         for (name, path) in models {
+            let rounds = if name == "qwen2" { 4 } else { 0 };
             let model = Arc::new(Model::load(&path).unwrap());
             let (hp, layers) = (&model.hp, model.hp.n_layer);
             let w = Arc::new(GpuWeights::upload(gpu.clone(), &model, model.range.clone()).unwrap());
@@ -1103,7 +1137,7 @@ mod tests {
             let post = usize::from(hp.arch == Arch::Gemma3);
             assert_eq!(
                 g.dispatches(),
-                1 + PER_LAYER * layers + post,
+                1 + (PER_LAYER + rounds) * layers + post,
                 "{name}: a forward to the hidden state"
             );
             let mut x = rows(n);
@@ -1114,7 +1148,7 @@ mod tests {
             g.forward(&mut x, None, n, n, 0, &mut kv, out).unwrap();
             assert_eq!(
                 g.dispatches(),
-                1 + PER_LAYER * layers + post + 2,
+                1 + (PER_LAYER + rounds) * layers + post + 2,
                 "{name}: a prompt's last logits"
             );
             let mut x = rows(1);

@@ -272,8 +272,22 @@ pub(super) fn act_code(glu: Glu) -> u32 {
 impl Pass<'_> {
     /// `y[t] = W · x[t]` for the `n` rows of `x` (`[n, w.cols]`) into `y` (`[n, w.rows]`).
     pub fn matmul(&mut self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
-        self.check_mm(w, x, n, y)?;
-        self.mm(w, None, Glu::Silu, x, n, y)
+        self.matmul_at(w, x, n, y, 0, w.rows)
+    }
+
+    /// [`Pass::matmul`] into columns `at..at + w.rows` of `y`, whose rows are `stride` values (the stacked Q, K and
+    /// V projections write one row of the three side by side).
+    pub fn matmul_at(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Tensor,
+        n: usize,
+        y: &Tensor,
+        at: usize,
+        stride: usize,
+    ) -> Result<()> {
+        self.check_mm(w, x, n, y, (at, stride))?;
+        self.mm(w, None, Glu::Silu, x, n, y, (at, stride))
     }
 
     /// `h[t] = act(gate · x[t]) * (up · x[t])`, `h` `[n, gate.rows]`: one pass over both matrices where they are
@@ -296,18 +310,24 @@ impl Pass<'_> {
             up.rows,
             up.cols
         );
-        self.check_mm(gate, x, n, h)?;
+        let out = (0, gate.rows);
+        self.check_mm(gate, x, n, h, out)?;
         if gate.ty == up.ty && same_parts(gate, up) {
-            return self.mm(gate, Some(up), glu, x, n, h);
+            return self.mm(gate, Some(up), glu, x, n, h, out);
         }
         let u = self.scratch(n * up.rows)?;
-        self.mm(gate, None, glu, x, n, h)?;
-        self.mm(up, None, glu, x, n, &u)?;
+        self.mm(gate, None, glu, x, n, h, out)?;
+        self.mm(up, None, glu, x, n, &u, out)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
 
-    fn check_mm(&self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
+    fn check_mm(&self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor, (at, stride): (usize, usize)) -> Result<()> {
         ensure!(n > 0, "a matmul over no rows");
+        ensure!(
+            at + w.rows <= stride,
+            "a matmul's {} outputs from column {at} overrun rows of {stride}",
+            w.rows
+        );
         ensure!(
             x.len() >= n * w.cols,
             "matmul input holds {} values, {n} rows of {} need {}",
@@ -316,16 +336,30 @@ impl Pass<'_> {
             n * w.cols
         );
         ensure!(
-            y.len() >= n * w.rows,
-            "matmul output holds {} values, {n} rows of {} need {}",
+            y.len() >= n * stride,
+            "matmul output holds {} values, {n} rows of {stride} need {}",
             y.len(),
-            w.rows,
-            n * w.rows
+            n * stride
         );
         Ok(())
     }
 
-    fn mm(&mut self, w: &GpuMatrix, up: Option<&GpuMatrix>, glu: Glu, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
+    /// The matmul of `w` (with `up`, the fused GLU), outputs into columns `out.0..out.0 + w.rows` of rows of
+    /// `out.1` values.
+    #[allow(clippy::too_many_arguments)]
+    fn mm(
+        &mut self,
+        w: &GpuMatrix,
+        up: Option<&GpuMatrix>,
+        glu: Glu,
+        x: &Tensor,
+        n: usize,
+        y: &Tensor,
+        (at, stride): (usize, usize),
+    ) -> Result<()> {
+        // A batch reads its activations rounded as the CPU's (act8.rs); a decode step's stay f32.
+        let rounded = if n > 1 { self.act8(w.ty, x, n * w.cols)? } else { None };
+        let x = rounded.as_ref().unwrap_or(x);
         // Rows and tokens per workgroup.
         let tiled = n >= self.tiled_min;
         let entry = match (up.is_some(), n == 1 && !tiled) {
@@ -357,12 +391,12 @@ impl Pass<'_> {
             let units = w.cols.div_ceil(UNIT);
             let slices = k_slices(w.rows.div_ceil(rpw) * tiles as usize, units, self.ksplit_target);
             if slices > 1 && tiles as usize * slices <= 65535 {
-                return self.mm_split(w, &pipeline, x, n, y, (tiles, slices));
+                return self.mm_split(w, &pipeline, x, n, y, (at, stride), (tiles, slices));
             }
         }
         for (i, part) in w.parts.iter().enumerate() {
             let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
-            let params = mm_params(w, (part.row0, part.rows), n, gx, glu, w.rows, 0)?;
+            let params = mm_params(w, (at + part.row0, part.rows), n, gx, glu, stride, 0)?;
             let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
@@ -390,6 +424,7 @@ impl Pass<'_> {
 
     /// A tiled matmul of a one-part matrix with its columns in `slices`: each slice's partial products into
     /// [`Pass::partials`] (`[slice, token, row]`), then `reduce_k` adds them into `y`.
+    #[allow(clippy::too_many_arguments)]
     fn mm_split(
         &mut self,
         w: &GpuMatrix,
@@ -397,14 +432,16 @@ impl Pass<'_> {
         x: &Tensor,
         n: usize,
         y: &Tensor,
+        (at, stride): (usize, usize),
         (tiles, slices): (u32, usize),
     ) -> Result<()> {
         let part = &w.parts[0];
-        let parts = self.partials(slices * n * w.rows)?;
+        // The partial products are laid out as the output: rows of `stride`, this matrix's from column `at`.
+        let parts = self.partials(slices * n * stride)?;
         let k_split = u32_of(slices, "column slices")?;
         // Both dispatches take the matrix's parameters with the slices; only their grids differ.
         let params = |nx: u32| -> Result<[u32; 12]> {
-            let mut p = mm_params(w, (0, w.rows), n, nx, Glu::Silu, w.rows, 0)?;
+            let mut p = mm_params(w, (at, w.rows), n, nx, Glu::Silu, stride, 0)?;
             p[PARAM_K_SPLIT] = k_split;
             Ok(p)
         };
@@ -516,6 +553,14 @@ impl Pass<'_> {
     ) -> Result<()> {
         let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
         let m = &w.mat;
+        // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
+        let x_rows = n_picks / x_div.max(1);
+        let rounded = if x_rows > 1 {
+            self.act8(m.ty, x, x_rows * m.cols)?
+        } else {
+            None
+        };
+        let x = rounded.as_ref().unwrap_or(x);
         let key = format!("matmul_{}", wgsl_type(m.ty));
         let lanes = self.lanes;
         let rpw = WG / lanes as usize;
@@ -585,9 +630,15 @@ mod tests {
     use crate::kernels::testutil::Rng;
     use crate::kernels::{self, Glu, Matrix, ThreadPool};
 
-    /// The exact product (f64) of the dequantized weights with `x`, and the sum of the products' magnitudes.
+    /// The exact product (f64) of the dequantized weights with `x` (a batch's rounded as the CPU's, act8.rs), and
+    /// the sum of the products' magnitudes.
     fn reference(w: &Matrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
         let wf = w.to_f32();
+        let x = if n > 1 {
+            super::super::act8::cpu_rounded(w.ty, &x[..n * w.cols])
+        } else {
+            x.to_vec()
+        };
         let (mut exact, mut mag) = (Vec::new(), Vec::new());
         for t in 0..n {
             for r in 0..w.rows {

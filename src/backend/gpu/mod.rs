@@ -21,6 +21,7 @@
 //!   on the device (weights shared per model, KV per session), and the head when the range ends the model.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
 
+pub mod act8;
 pub mod attention;
 pub mod buffers;
 pub mod device;
@@ -45,6 +46,7 @@ use wgpu::util::DeviceExt;
 /// WGSL sources: a shader module is the snippets it needs, in order.
 mod wgsl {
     pub const ACT: &str = include_str!("shaders/act.wgsl");
+    pub const ACT8: &str = include_str!("shaders/act8.wgsl");
     pub const QUANT: &str = include_str!("shaders/quant.wgsl");
     pub const MATMUL_IO: &str = include_str!("shaders/matmul_io.wgsl");
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
@@ -87,6 +89,9 @@ pub struct Binds {
     /// The split-K matmul's partial products ([`Pass::partials`]), apart from `scratch`, which a matmul's caller
     /// may be holding.
     partials: Mutex<Option<Tensor>>,
+    /// A batch's activations rounded for a matmul ([`Pass::rounded`]), apart from the two above, which the
+    /// matmul may be writing.
+    rounded: Mutex<Option<Tensor>>,
 }
 
 /// What a bind group binds: the pipeline (its layout), the buffers at their bindings and the parameters' words. The
@@ -294,6 +299,11 @@ impl<'g> Pass<'g> {
     /// [`Pass::scratch`] for the split-K matmul's partial products: a slot of its own.
     fn partials(&self, n: usize) -> Result<Tensor> {
         self.kept(n, |b| &b.partials)
+    }
+
+    /// [`Pass::scratch`] for the rounded activations of [`Pass::act8`].
+    fn rounded(&self, n: usize) -> Result<Tensor> {
+        self.kept(n, |b| &b.rounded)
     }
 
     fn kept(&self, n: usize, slot: impl Fn(&Binds) -> &Mutex<Option<Tensor>>) -> Result<Tensor> {

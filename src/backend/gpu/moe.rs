@@ -125,6 +125,7 @@ impl Pass<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::act8::cpu_rounded;
     use super::super::test_gpu;
     use crate::gguf::GgmlType::{self, *};
     use crate::kernels::tests::random_matrix;
@@ -254,7 +255,8 @@ mod tests {
             .collect()
     }
 
-    /// The indexed matmuls equal the exact product of the picked expert's rows (the CPU's dequantization) for a
+    /// The indexed matmuls equal the exact product of the picked expert's rows (the CPU's dequantization, and its
+    /// rounding of an input of several rows) for a
     /// few weight types (F32 with rows of 2.5 units, padded on the device), both lane layouts, whole and in parts
     /// that split experts: the down projection (a pick's own
     /// input row) within the matmuls' tolerance (`1e-5 · Σ|w·x|`), the fused gate/up (a row's input shared by its
@@ -279,6 +281,7 @@ mod tests {
             // Picks: row t's slots; one row picks an expert twice over the batch, expert 0 and the last are there.
             let picks: Vec<u32> = vec![4, 0, 2, 4, 1, 3];
             let gx = gpu.upload(&x).unwrap();
+            let (xg, xu) = (cpu_rounded(ty, &x), cpu_rounded(ty_up, &x));
             // The down projection's shape: each pick its own input row (here its row's, repeated).
             let xd: Vec<f32> = (0..n * k)
                 .flat_map(|z| x[(z / k) * cols..(z / k + 1) * cols].to_vec())
@@ -304,9 +307,10 @@ mod tests {
                     let got = pass.finish_read().unwrap();
                     let (y, h) = (f32s(&got[0]), f32s(&got[1]));
                     for (z, &e) in picks.iter().enumerate() {
-                        let xr = &x[(z / k) * cols..(z / k + 1) * cols];
-                        let g = expert_dot(&gf, cols, rows, e as usize, xr);
-                        let u = expert_dot(&uf, cols, rows, e as usize, xr);
+                        // An input of several rows is rounded as the CPU's, for each matrix's type (act8.rs).
+                        let row = |x: &[f32]| x[(z / k) * cols..(z / k + 1) * cols].to_vec();
+                        let g = expert_dot(&gf, cols, rows, e as usize, &row(&xg));
+                        let u = expert_dot(&uf, cols, rows, e as usize, &row(&xu));
                         for r in 0..rows {
                             let what = format!("{ty}/{ty_up} parts {in_parts} lanes {lanes} pick {z} row {r}");
                             let (gv, gm) = g[r];

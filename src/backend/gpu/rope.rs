@@ -82,11 +82,12 @@ fn offset(v: Option<(usize, usize)>, len: usize, what: &str) -> Result<u32> {
 }
 
 impl Pass<'_> {
-    /// Readies the `a.n_tok` rows of `q` (`[n_tok, n_head, hdk]`), `k` and `v` (`[n_tok, n_head_kv, hd]`) for
-    /// attention, row `t` at position `pos[t]`, as the CPU's `model::blocks` does: each head plus its bias, Q and K
-    /// heads RMS-normalised (`eps`) where `extras` has norms, then rotated by `table` (`neox`: the halves of a head
-    /// rather than adjacent pairs). Q is written back; K and V go into the f16 caches `kc` and `vc` (`[n_head_kv,
-    /// n_ctx, hd]`) at the rows' positions.
+    /// Readies the `a.n_tok` rows of `qkv` (each row Q `[n_head, hdk]`, K `[n_head_kv, hdk]` and V `[n_head_kv,
+    /// hdv]` side by side, as the stacked projections write them) for attention, row `t` at position `pos[t]`, as
+    /// the CPU's `model::blocks` does: each head plus its bias, Q and K heads RMS-normalised (`eps`) where `extras`
+    /// has norms, then rotated by `table` (`neox`: the halves of a head rather than adjacent pairs). Q goes to `q`
+    /// (`[n_tok, n_head, hdk]`); K and V into the f16 caches `kc` and `vc` (`[n_head_kv, n_ctx, hd]`) at the rows'
+    /// positions.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_store(
         &mut self,
@@ -95,7 +96,8 @@ impl Pass<'_> {
         a: &AttnShape,
         eps: f32,
         neox: bool,
-        [q, k, v]: [&Tensor; 3],
+        qkv: &Tensor,
+        q: &Tensor,
         [kc, vc]: [&Halves; 2],
         n_ctx: usize,
         pos: &U32s,
@@ -114,8 +116,8 @@ impl Pass<'_> {
             a.hdk
         );
         ensure!(
-            q.len() >= n * hq * a.hdk && k.len() >= n * hkv * a.hdk && v.len() >= n * hkv * a.hdv,
-            "Q, K or V smaller than {n} rows"
+            qkv.len() >= n * a.qkv_width() && q.len() >= n * hq * a.hdk,
+            "Q, K and V or the rotated Q smaller than {n} rows"
         );
         ensure!(
             kc.len() >= hkv * n_ctx * a.hdk && vc.len() >= hkv * n_ctx * a.hdv,
@@ -159,8 +161,7 @@ impl Pass<'_> {
         ];
         let bufs = [
             (1, &q.buf),
-            (2, &k.buf),
-            (3, &v.buf),
+            (2, &qkv.buf),
             (4, &kc.buf),
             (5, &vc.buf),
             (6, &table.buf),
@@ -260,16 +261,22 @@ mod tests {
                         normed.then_some([&norm[0][..], &norm[1][..]]),
                     )
                     .unwrap();
-                let (gq, gk, gv) = (
-                    gpu.upload(&q).unwrap(),
-                    gpu.upload(&k).unwrap(),
-                    gpu.upload(&v).unwrap(),
-                );
+                // Each row's Q, K and V side by side, as the stacked projections write them.
+                let rows = (0..n).flat_map(|t| {
+                    let (qw, kw) = (n_head * hd, n_head_kv * hd);
+                    [
+                        &q[t * qw..(t + 1) * qw],
+                        &k[t * kw..(t + 1) * kw],
+                        &v[t * kw..(t + 1) * kw],
+                    ]
+                });
+                let qkv: Vec<f32> = rows.flatten().copied().collect();
+                let (gqkv, gq) = (gpu.upload(&qkv).unwrap(), gpu.zeros(q.len()).unwrap());
                 let (kc, vc) = (gpu.upload_halves(&old).unwrap(), gpu.upload_halves(&old).unwrap());
                 let mut pass = gpu.pass();
-                pass.rope_store(&gt, &extras, &a, eps, neox, [&gq, &gk, &gv], [&kc, &vc], n_ctx, &gp)
+                pass.rope_store(&gt, &extras, &a, eps, neox, &gqkv, &gq, [&kc, &vc], n_ctx, &gp)
                     .unwrap();
-                let short = pass.rope_store(&gt, &extras, &a, eps, neox, [&gq, &gk, &gv], [&kc, &vc], 299, &gp);
+                let short = pass.rope_store(&gt, &extras, &a, eps, neox, &gqkv, &gq, [&kc, &vc], 299, &gp);
                 assert!(short.is_err(), "a position past the cache is refused");
                 pass.finish().unwrap();
                 let case = format!("rot {n_rot} bias {biased} norm {normed} neox {neox}");

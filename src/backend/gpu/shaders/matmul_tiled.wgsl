@@ -222,7 +222,7 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     tile(wid, li, false);
 }
 
-// Split-K's sum: y[t, row0 + r] = Σ_s x[s, t, r] over the p.k_split slices' partial products (the scratch tensor
+// Split-K's sum: y[t, row0 + r] = Σ_s x[s, t, row0 + r] over the p.k_split slices' partial products (the scratch tensor
 // bound as x), in slice order; a thread a value, the grid (x, y) over groups of 256.
 @compute @workgroup_size(256)
 fn reduce_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -230,11 +230,13 @@ fn reduce_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     if (i >= p.rows * p.n_tok) {
         return;
     }
+    // The partial products are laid out as the output, a slice's after the one before.
+    let at = (i / p.rows) * p.y_stride + p.row0 + i % p.rows;
     var s = 0.0;
     for (var k = 0u; k < p.k_split; k++) {
-        s += x[k * p.rows * p.n_tok + i];
+        s += x[k * p.n_tok * p.y_stride + at];
     }
-    y[(i / p.rows) * p.y_stride + p.row0 + i % p.rows] = s;
+    y[at] = s;
 }
 
 // y[t, r] = act(G[r, :]·x[t, :]) · (U[r, :]·x[t, :]), gate in wa, up in wb (of one type): threads 0..32

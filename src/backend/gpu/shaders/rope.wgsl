@@ -1,12 +1,12 @@
 // Q, K and V of a batch made ready for attention in one dispatch, one workgroup of 64 threads per (row, head): the
 // row's n_head query heads, then its n_head_kv K heads, then its n_head_kv V heads. Each head, in the CPU's order
 // (model/blocks.rs): its bias added (Qwen 2), RMS-normalised (Qwen 3, Gemma 3; Q and K only), rotated (Q and K);
-// then Q is written back in place and K and V are stored as f16 into the cache at the row's position.
+// then Q is written out for attention and K and V are stored as f16 into the cache at the row's position.
 //
 // RoPE rotates adjacent pairs (2i, 2i+1) for Llama, halves (i, i + n_rot/2) for NeoX style, by the angles of the
 // CPU's table (kernels::ops::RopeTable), uploaded as (cos, sin) pairs per position, so both backends rotate by the
 // same numbers. The biases and norm weights are one buffer (`aux`, at the offsets below), so the dispatch binds
-// eight storage buffers, the portable limit.
+// seven storage buffers, within the portable limit of eight.
 //
 // Cache layout, as the CPU's (engine::kv_cache): K [n_head_kv, n_ctx, hdk], V [n_head_kv, n_ctx, hdv], f16 packed
 // two to a word; hdk and hdv are even and at most 256.
@@ -34,9 +34,11 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
+// The rotated query heads, [n_tok, n_head, hdk].
 @group(0) @binding(1) var<storage, read_write> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k: array<f32>;
-@group(0) @binding(3) var<storage, read> v: array<f32>;
+// The projections of each row side by side, as one matmul of the stacked matrices writes them: Q (n_head × hdk),
+// K (n_head_kv × hdk), V (n_head_kv × hdv).
+@group(0) @binding(2) var<storage, read> qkv: array<f32>;
 @group(0) @binding(4) var<storage, read_write> kc: array<u32>;
 @group(0) @binding(5) var<storage, read_write> vc: array<u32>;
 @group(0) @binding(6) var<storage, read> cs: array<vec2<f32>>;
@@ -75,22 +77,17 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let kind = select(select(2u, 1u, j < p.n_head + p.n_head_kv), 0u, j < p.n_head);
     let h = select(select(j - p.n_head - p.n_head_kv, j - p.n_head, kind == 1u), j, kind == 0u);
     let hd = select(p.hdk, p.hdv, kind == 2u);
-    let n_heads = select(p.n_head_kv, p.n_head, kind == 0u);
     let bias = select(select(p.bv, p.bk, kind == 1u), p.bq, kind == 0u);
     let norm = select(select(NONE, p.kn, kind == 1u), p.qn, kind == 0u);
-    let src = (t * n_heads + h) * hd;
+    let q_width = p.n_head * p.hdk;
+    let k_width = p.n_head_kv * p.hdk;
+    let first = select(select(q_width + k_width, q_width, kind == 1u), 0u, kind == 0u);
+    let src = t * (q_width + k_width + p.n_head_kv * p.hdv) + first + h * hd;
 
     // The head, plus its bias, and its sum of squares.
     var part = 0.0;
     for (var i = li; i < hd; i += WG) {
-        var x: f32;
-        if (kind == 0u) {
-            x = q[src + i];
-        } else if (kind == 1u) {
-            x = k[src + i];
-        } else {
-            x = v[src + i];
-        }
+        var x = qkv[src + i];
         if (bias != NONE) {
             x += aux[bias + h * hd + i];
         }
@@ -129,7 +126,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 
     if (kind == 0u) {
         for (var i = li; i < hd; i += WG) {
-            q[src + i] = hv[i];
+            q[(t * p.n_head + h) * hd + i] = hv[i];
         }
         return;
     }

@@ -1,0 +1,140 @@
+//! A batch's activations rounded to the CPU backend's 8-bit grid before a matmul of quantized weights
+//! (`shaders/act8.wgsl`).
+//!
+//! The CPU backend, as llama.cpp, quantizes activations to 8 bits before every quantized matmul (the type each
+//! weight type is dotted with, `kernels::table`). A GPU that kept them in f32 computed products closer to exact
+//! ones, and so a model of its own: Gemma 3's perplexity on the golden text came out 0.57 % below the CPU's
+//! (docs/gpu.md). Rounding a batch's activations the same way makes a GPU prefill's logits and KV rows the CPU's
+//! up to the order of the sums, which is what a prefill handed from one backend to the other needs. A decode step
+//! (one row) keeps f32 activations: the rounding would be a dispatch of its own before each mat-vec.
+
+use super::buffers::Tensor;
+use super::device::grid;
+use super::{Pass, env_number, u32_of, wgsl};
+use crate::gguf::GgmlType;
+use anyhow::{Result, ensure};
+use std::sync::OnceLock;
+
+/// Threads of `act8.wgsl` per block of the activation type a weight type is dotted with, `None` where the CPU
+/// keeps f32 activations (the float types).
+fn threads_per_block(ty: GgmlType) -> Option<u32> {
+    // `BATON_GPU_ACT8=0` keeps every batch's activations f32, to measure what the rounding costs.
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !*ON.get_or_init(|| env_number("BATON_GPU_ACT8", |&v: &u32| v <= 1, 1) == 1) {
+        return None;
+    }
+    let act = crate::kernels::kernels().for_type(ty)?.vec_dot_type;
+    Some(match act {
+        GgmlType::Q8_0 | GgmlType::Q8_1 => 8,
+        _ => 64,
+    })
+}
+
+impl Pass<'_> {
+    /// The first `len` values of `x` (whole rows of `w_ty`'s blocks) rounded as the CPU rounds the activations of
+    /// a matmul of `w_ty` weights, in a tensor of their own; `None` where `w_ty`'s activations stay f32.
+    pub(super) fn act8(&mut self, w_ty: GgmlType, x: &Tensor, len: usize) -> Result<Option<Tensor>> {
+        let Some(group) = threads_per_block(w_ty) else {
+            return Ok(None);
+        };
+        ensure!(
+            len <= x.len() && len.is_multiple_of(4 * group as usize),
+            "{len} activations to round in blocks of {} (of a tensor of {})",
+            4 * group,
+            x.len()
+        );
+        let y = self.rounded(len)?;
+        let pipeline = self.gpu().pipeline("act8", "round8", &[], || wgsl::ACT8.to_string())?;
+        let (gx, gy) = grid(u32_of(len.div_ceil(256), "activations")?);
+        let params = [u32_of(len, "activations")?, gx, group, 0];
+        self.dispatch(&pipeline, &params, &[(1, &x.buf), (2, &y.buf)], (gx, gy, 1));
+        Ok(Some(y))
+    }
+}
+
+/// The CPU's rounding of a batch's activations for a matmul of `w_ty` weights (its quantizer, dequantized: what
+/// its dot products multiply the weights with), for the tests of the kernels that read them; `x` where they stay
+/// f32.
+#[cfg(test)]
+pub(super) fn cpu_rounded(w_ty: GgmlType, x: &[f32]) -> Vec<f32> {
+    use crate::kernels::{self, blocks32, kquants};
+    let Some(k) = kernels::kernels().for_type(w_ty) else {
+        return x.to_vec();
+    };
+    let act = k.vec_dot_type;
+    let mut q = vec![0u8; act.row_bytes(x.len()).expect("whole blocks")];
+    kernels::kernels().quant(act)(x, &mut q);
+    let mut out = vec![0f32; x.len()];
+    match act {
+        GgmlType::Q8K => kquants::dequantize_q8_k(&q, &mut out),
+        GgmlType::Q8_0 => blocks32::dequantize_q8_0(&q, &mut out),
+        // Q8_0's scale and quants, with their sum after them.
+        GgmlType::Q8_1 => {
+            for (b, o) in q.chunks_exact(36).zip(out.chunks_exact_mut(32)) {
+                let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = d * b[4 + j] as i8 as f32;
+                }
+            }
+        }
+        other => panic!("activation type {other:?}"),
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_gpu;
+    use super::cpu_rounded;
+    use crate::gguf::GgmlType;
+    use crate::kernels::testutil::Rng;
+
+    /// Every activation type, on rows with ties of magnitude (the first wins, as on the CPU), zero blocks, a few
+    /// large values and a tail workgroup that is only partly used: the GPU's values are the CPU's dequantized
+    /// quants, within one f32 rounding of the product d·q.
+    #[test]
+    fn rounding_matches_the_cpu_quantizers() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(808);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::IQ4NL] {
+            let cols = 512;
+            let rows = 5;
+            let mut x: Vec<f32> = (0..rows * cols).map(|_| 3.0 * rng.normal()).collect();
+            x[cols..cols + 256].fill(0.0);
+            x[3 * cols + 7] = 40.0;
+            x[3 * cols + 9] = -40.0;
+            x[4 * cols + 1] = -40.0;
+            x[4 * cols + 200] = 40.0;
+            let len = if ty == GgmlType::Q4K {
+                rows * cols
+            } else {
+                rows * cols - 32
+            };
+            let want = cpu_rounded(ty, &x[..len]);
+            let t = gpu.upload(&x).unwrap();
+            let mut pass = gpu.pass();
+            let y = pass.act8(ty, &t, len).unwrap().expect("a quantized type rounds");
+            pass.finish().unwrap();
+            let got = gpu.read(&y).unwrap();
+            for i in 0..len {
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-6 * want[i].abs(),
+                    "{ty:?} at {i}: {} rounds to {} on the GPU, {} on the CPU",
+                    x[i],
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+        let t = gpu.upload(&[1.0; 64]).unwrap();
+        let mut pass = gpu.pass();
+        assert!(
+            pass.act8(GgmlType::F16, &t, 64).unwrap().is_none(),
+            "float weights keep f32"
+        );
+        assert!(
+            pass.act8(GgmlType::Q4K, &t, 64).is_err(),
+            "64 values are not a Q8_K block"
+        );
+    }
+}
