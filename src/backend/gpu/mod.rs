@@ -27,7 +27,6 @@ pub mod buffers;
 pub mod device;
 pub mod elementwise;
 pub mod embed;
-pub mod kv;
 pub mod layers;
 pub mod matmul;
 pub mod moe;
@@ -59,7 +58,6 @@ mod wgsl {
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");
-    pub const KV_GATHER: &str = include_str!("shaders/kv_gather.wgsl");
 }
 
 /// The number a measuring variable (`BATON_GPU_LANES`, `BATON_GPU_KSPLIT`, ...) sets, where it is set, parses and

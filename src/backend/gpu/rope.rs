@@ -81,13 +81,19 @@ fn offset(v: Option<(usize, usize)>, len: usize, what: &str) -> Result<u32> {
     }
 }
 
+/// Halves one layer's K and V rows of a batch take in the run read back for the host's cache.
+pub fn fresh_halves(a: &AttnShape) -> usize {
+    a.n_head_kv * a.n_tok * (a.hdk + a.hdv)
+}
+
 impl Pass<'_> {
     /// Readies the `a.n_tok` rows of `qkv` (each row Q `[n_head, hdk]`, K `[n_head_kv, hdk]` and V `[n_head_kv,
     /// hdv]` side by side, as the stacked projections write them) for attention, row `t` at position `pos[t]`, as
     /// the CPU's `model::blocks` does: each head plus its bias, Q and K heads RMS-normalised (`eps`) where `extras`
     /// has norms, then rotated by `table` (`neox`: the halves of a head rather than adjacent pairs). Q goes to `q`
     /// (`[n_tok, n_head, hdk]`); K and V into the f16 caches `kc` and `vc` (`[n_head_kv, n_ctx, hd]`) at the rows'
-    /// positions.
+    /// positions, and into `fresh` from half `fresh_at` (per KV head, its K rows, then its V rows: the run the host's
+    /// copy of the cache is read back from).
     #[allow(clippy::too_many_arguments)]
     pub fn rope_store(
         &mut self,
@@ -101,6 +107,7 @@ impl Pass<'_> {
         [kc, vc]: [&Halves; 2],
         n_ctx: usize,
         pos: &U32s,
+        (fresh, fresh_at): (&Halves, usize),
     ) -> Result<()> {
         let (n, hq, hkv) = (a.n_tok, a.n_head, a.n_head_kv);
         ensure!(
@@ -124,6 +131,11 @@ impl Pass<'_> {
             "KV cache smaller than {hkv} heads of {n_ctx} positions"
         );
         ensure!(pos.len() >= n, "{n} rows given {} positions", pos.len());
+        ensure!(
+            fresh_at.is_multiple_of(2) && fresh_at + fresh_halves(a) <= fresh.len(),
+            "{n} rows' K and V from half {fresh_at} past a run of {}",
+            fresh.len()
+        );
         ensure!(
             (pos.max() as usize) < n_ctx.min(table.n_ctx),
             "position {} past a cache of {n_ctx} or a RoPE table of {}",
@@ -158,10 +170,12 @@ impl Pass<'_> {
             offset(bv, hkv * a.hdv, "V bias")?,
             offset(qn, a.hdk, "Q norm")?,
             offset(kn, a.hdk, "K norm")?,
+            u32_of(fresh_at / 2, "KV run offset")?,
         ];
         let bufs = [
             (1, &q.buf),
             (2, &qkv.buf),
+            (3, &fresh.buf),
             (4, &kc.buf),
             (5, &vc.buf),
             (6, &table.buf),
@@ -175,7 +189,8 @@ impl Pass<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_gpu;
+    use super::super::{Pass, test_gpu};
+    use super::fresh_halves;
     use crate::backend::AttnShape;
     use crate::kernels::ops::{self, RopeTable};
     use crate::kernels::testutil::Rng;
@@ -273,18 +288,53 @@ mod tests {
                 let qkv: Vec<f32> = rows.flatten().copied().collect();
                 let (gqkv, gq) = (gpu.upload(&qkv).unwrap(), gpu.zeros(q.len()).unwrap());
                 let (kc, vc) = (gpu.upload_halves(&old).unwrap(), gpu.upload_halves(&old).unwrap());
+                // The run for the host's copy, this layer's after another's (`at` halves in).
+                let at = 2 * n_head_kv * n * hd;
+                let fresh = gpu.zero_halves(at + fresh_halves(&a)).unwrap();
                 let mut pass = gpu.pass();
-                pass.rope_store(&gt, &extras, &a, eps, neox, &gqkv, &gq, [&kc, &vc], n_ctx, &gp)
-                    .unwrap();
-                let short = pass.rope_store(&gt, &extras, &a, eps, neox, &gqkv, &gq, [&kc, &vc], 299, &gp);
-                assert!(short.is_err(), "a position past the cache is refused");
+                let rs = |pass: &mut Pass, n_ctx, at| {
+                    pass.rope_store(
+                        &gt,
+                        &extras,
+                        &a,
+                        eps,
+                        neox,
+                        &gqkv,
+                        &gq,
+                        [&kc, &vc],
+                        n_ctx,
+                        &gp,
+                        (&fresh, at),
+                    )
+                };
+                rs(&mut pass, n_ctx, at).unwrap();
+                assert!(rs(&mut pass, 299, at).is_err(), "a position past the cache is refused");
+                assert!(
+                    rs(&mut pass, n_ctx, at + 2).is_err(),
+                    "a run past its buffer is refused"
+                );
                 pass.finish().unwrap();
                 let case = format!("rot {n_rot} bias {biased} norm {normed} neox {neox}");
                 for (i, (g, e)) in gpu.read(&gq).unwrap().iter().zip(&want_q).enumerate() {
                     assert!((g - e).abs() <= 4e-6 * (1.0 + e.abs()), "{case}: Q at {i}: {g} vs {e}");
                 }
-                for (what, c, want) in [("K", &kc, &want_k), ("V", &vc, &want_v)] {
-                    for (i, (g, e)) in gpu.read_halves(c).unwrap().iter().zip(want).enumerate() {
+                // Per KV head, its K rows at the batch's positions, then its V rows, as the caches hold them.
+                let run: Vec<f16> = (0..n_head_kv)
+                    .flat_map(|h| {
+                        let rows = |c: &[f16]| {
+                            pos.map(|p| (h * n_ctx + p as usize) * hd)
+                                .map(|r| c[r..r + hd].to_vec())
+                        };
+                        rows(&want_k).into_iter().chain(rows(&want_v)).flatten()
+                    })
+                    .collect();
+                let got_run = gpu.read_halves(&fresh).unwrap()[at..].to_vec();
+                for (what, got, want) in [
+                    ("K", gpu.read_halves(&kc).unwrap(), &want_k),
+                    ("V", gpu.read_halves(&vc).unwrap(), &want_v),
+                    ("the host's run", got_run, &run),
+                ] {
+                    for (i, (g, e)) in got.iter().zip(want).enumerate() {
                         // WGSL leaves pack2x16float's rounding to the implementation: one f16 step at most.
                         let step = (e.to_f32().abs() * 2f32.powi(-10)).max(6e-8);
                         assert!(

@@ -1,12 +1,13 @@
 // Q, K and V of a batch made ready for attention in one dispatch, one workgroup of 64 threads per (row, head): the
 // row's n_head query heads, then its n_head_kv K heads, then its n_head_kv V heads. Each head, in the CPU's order
 // (model/blocks.rs): its bias added (Qwen 2), RMS-normalised (Qwen 3, Gemma 3; Q and K only), rotated (Q and K);
-// then Q is written out for attention and K and V are stored as f16 into the cache at the row's position.
+// then Q is written out for attention and K and V are stored as f16 into the cache at the row's position, and into
+// the run the host's copy of the cache is read back from.
 //
 // RoPE rotates adjacent pairs (2i, 2i+1) for Llama, halves (i, i + n_rot/2) for NeoX style, by the angles of the
 // CPU's table (kernels::ops::RopeTable), uploaded as (cos, sin) pairs per position, so both backends rotate by the
 // same numbers. The biases and norm weights are one buffer (`aux`, at the offsets below), so the dispatch binds
-// seven storage buffers, within the portable limit of eight.
+// eight storage buffers, the portable limit.
 //
 // Cache layout, as the CPU's (engine::kv_cache): K [n_head_kv, n_ctx, hdk], V [n_head_kv, n_ctx, hdv], f16 packed
 // two to a word; hdk and hdv are even and at most 256.
@@ -31,6 +32,8 @@ struct Params {
     bv: u32,
     qn: u32,
     kn: u32,
+    // Where this layer's rows start in `fresh`, in words.
+    fresh_at: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -39,6 +42,9 @@ struct Params {
 // The projections of each row side by side, as one matmul of the stacked matrices writes them: Q (n_head × hdk),
 // K (n_head_kv × hdk), V (n_head_kv × hdv).
 @group(0) @binding(2) var<storage, read> qkv: array<f32>;
+// The K and V rows written, again, for the host's copy of the cache: all the pass's layers in one run read back at
+// once; a layer's run holds, per KV head, its K rows at the batch's positions, then its V rows (layers.rs).
+@group(0) @binding(3) var<storage, read_write> fresh: array<u32>;
 @group(0) @binding(4) var<storage, read_write> kc: array<u32>;
 @group(0) @binding(5) var<storage, read_write> vc: array<u32>;
 @group(0) @binding(6) var<storage, read> cs: array<vec2<f32>>;
@@ -135,6 +141,9 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         return;
     }
     let at = ((h * p.n_ctx + ps) * hd) / 2u;
+    let k_rows = p.n_tok * p.hdk / 2u;
+    let head_run = p.fresh_at + h * (k_rows + p.n_tok * p.hdv / 2u);
+    let f = head_run + select(k_rows + t * p.hdv / 2u, t * p.hdk / 2u, kind == 1u);
     for (var i = li; i < hd / 2u; i += WG) {
         let w = pack2x16float(vec2<f32>(hv[2u * i], hv[2u * i + 1u]));
         if (kind == 1u) {
@@ -142,5 +151,6 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         } else {
             vc[at + i] = w;
         }
+        fresh[f + i] = w;
     }
 }
