@@ -1173,7 +1173,8 @@ mod tests {
 
     /// Greedy decoding of `n_new` tokens after `prompt` on a GPU session and a CPU one: the same tokens, or a first
     /// difference where the CPU's top two logits are within 0.1 (a near-tie, which the two backends' roundings may
-    /// break differently: the CPU rounds activations to 8 bits). Logits stay close all along.
+    /// break differently: a decode step's activations are rounded to 8 bits on the CPU only). Logits stay close all
+    /// along.
     fn greedy_matches(file: &str, prompt: &[u32], n_new: usize) {
         let Some(gpu) = test_gpu() else { return };
         // A default model is fetched (or the test fails), as every test that needs one.
@@ -1199,9 +1200,10 @@ mod tests {
             let (gt, _) = top(&g_logits);
             let (d, scale) = diff(&c_logits, &g_logits);
             eprintln!("{file} step {step}: CPU {ct} GPU {gt}, top-2 gap {gap:.3}, max logit diff {d:.4} of {scale:.1}");
-            // The CPU rounds activations to 8 bits before each matmul and the GPU does not: through the layers of
-            // these small quantized models that moves the logits by up to a unit (the CPU's own ISAs differ by 0.3,
-            // docs/correctness.md). This bound only catches gross faults; the tiny-model tests are the tight check.
+            // The CPU rounds a decode step's activations to 8 bits before each matmul and the GPU does not (a batch's
+            // it rounds as the CPU's, act8.rs): through the layers of these small quantized models that moves the
+            // logits by up to a unit (the CPU's own ISAs differ by 0.3, docs/correctness.md). This bound only catches
+            // gross faults; the tiny-model tests are the tight check.
             assert!(d <= 0.1 * scale.max(1.0), "{file} step {step}: logits differ by {d}");
             if ct != gt {
                 assert!(
