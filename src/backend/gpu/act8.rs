@@ -57,7 +57,7 @@ impl Pass<'_> {
 /// f32.
 #[cfg(test)]
 pub(super) fn cpu_rounded(w_ty: GgmlType, x: &[f32]) -> Vec<f32> {
-    use crate::kernels::{self, blocks32, kquants};
+    use crate::kernels;
     let Some(k) = kernels::kernels().for_type(w_ty) else {
         return x.to_vec();
     };
@@ -65,20 +65,7 @@ pub(super) fn cpu_rounded(w_ty: GgmlType, x: &[f32]) -> Vec<f32> {
     let mut q = vec![0u8; act.row_bytes(x.len()).expect("whole blocks")];
     kernels::kernels().quant(act)(x, &mut q);
     let mut out = vec![0f32; x.len()];
-    match act {
-        GgmlType::Q8K => kquants::dequantize_q8_k(&q, &mut out),
-        GgmlType::Q8_0 => blocks32::dequantize_q8_0(&q, &mut out),
-        // Q8_0's scale and quants, with their sum after them.
-        GgmlType::Q8_1 => {
-            for (b, o) in q.chunks_exact(36).zip(out.chunks_exact_mut(32)) {
-                let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-                for (j, v) in o.iter_mut().enumerate() {
-                    *v = d * b[4 + j] as i8 as f32;
-                }
-            }
-        }
-        other => panic!("activation type {other:?}"),
-    }
+    kernels::dequantize_row(act, &q, &mut out);
     out
 }
 
