@@ -77,9 +77,8 @@ impl Pass<'_> {
         if a.n_tok == 0 {
             return Ok(());
         }
-        let pipeline = self
-            .gpu()
-            .pipeline("attention", "attend", &[], || module(&[wgsl::ATTENTION]))?;
+        let pipeline =
+            self.reducing_pipeline("attention", "attend", &[], || module(&[wgsl::REDUCE, wgsl::ATTENTION]))?;
         let window = match a.window {
             Some(w) => u32_of(w.max(1), "window")?,
             None => 0,
@@ -113,9 +112,8 @@ impl Pass<'_> {
         ];
         self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, a.n_tok as u32, n_split));
         if n_split > 1 {
-            let merge = self
-                .gpu()
-                .pipeline("attention", "merge", &[], || module(&[wgsl::ATTENTION]))?;
+            let merge =
+                self.reducing_pipeline("attention", "merge", &[], || module(&[wgsl::REDUCE, wgsl::ATTENTION]))?;
             let bufs = [(5, &out.buf), (6, &part.buf)];
             self.dispatch(&merge, &params, &bufs, (a.n_head as u32, a.n_tok as u32, 1));
         }
@@ -200,16 +198,21 @@ mod tests {
                 gpu.upload_halves(&k).unwrap(),
                 gpu.upload_halves(&v).unwrap(),
             );
-            let (gp, out) = (gpu.upload_u32(&pos).unwrap(), gpu.zeros(want.len()).unwrap());
-            let mut pass = gpu.pass();
-            pass.attend(&a, &gq, &gk, &gv, n_ctx, &gp, &out).unwrap();
-            pass.finish().unwrap();
-            let got = gpu.read(&out).unwrap();
-            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    (g - e).abs() <= 2e-5,
-                    "heads {n_head}/{n_head_kv} hd {hd} pos {pos:?} window {window:?} at {i}: {g} vs {e}"
-                );
+            let gp = gpu.upload_u32(&pos).unwrap();
+            // The maxima and sums by subgroups and by the workgroup-memory trees.
+            for sg in [true, false] {
+                let out = gpu.zeros(want.len()).unwrap();
+                let mut pass = gpu.pass().with_subgroups(sg);
+                pass.attend(&a, &gq, &gk, &gv, n_ctx, &gp, &out).unwrap();
+                pass.finish().unwrap();
+                let got = gpu.read(&out).unwrap();
+                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - e).abs() <= 2e-5,
+                        "heads {n_head}/{n_head_kv} hd {hd} pos {pos:?} window {window:?} subgroups {sg} at {i}: \
+                         {g} vs {e}"
+                    );
+                }
             }
         }
     }

@@ -63,6 +63,8 @@ pub struct Gpu {
     pub(super) iq_grid: std::sync::OnceLock<wgpu::Buffer>,
     /// Kernel times, where `BATON_GPU_PROFILE` asks for them (profile.rs).
     profiler: Option<super::profile::Profiler>,
+    /// The subgroup size the reducing shaders count on, 0 where they keep workgroup memory (subgroup.rs).
+    subgroup: u32,
 }
 
 /// Preference among real adapters: a discrete GPU over an integrated one over anything else that is not software.
@@ -116,6 +118,10 @@ impl Gpu {
         // The adapter's own limits: the defaults cap storage buffers at 128 MiB, less than an output head.
         let limits = adapter.limits();
         let mut features = wgpu::Features::empty();
+        let subgroup = super::subgroup::usable_size(&adapter);
+        if subgroup > 0 {
+            features |= wgpu::Features::SUBGROUP;
+        }
         let mut profiler = super::profile::Profiler::from_env(&adapter, &mut features);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("baton"),
@@ -138,7 +144,7 @@ impl Gpu {
         if let Some(p) = &mut profiler {
             p.set_period(&queue);
         }
-        Ok(Gpu {
+        let mut gpu = Gpu {
             device,
             queue,
             info,
@@ -147,15 +153,43 @@ impl Gpu {
             error,
             iq_grid: std::sync::OnceLock::new(),
             profiler,
-        })
+            subgroup,
+        };
+        if subgroup > 0 {
+            // A driver whose subgroups are not runs of consecutive threads, or whose shuffles fail to compile or
+            // to give the partners asked for, keeps the workgroup-memory reductions.
+            let why = match super::subgroup::probe(&gpu) {
+                Ok(true) => None,
+                Ok(false) => Some("its subgroups do not hold consecutive threads".to_string()),
+                Err(e) => Some(format!("{e:#}")),
+            };
+            if let Some(why) = why {
+                tracing::warn!(
+                    "GPU {}: no subgroup reductions ({why}); reducing in workgroup memory",
+                    gpu.info.name
+                );
+                gpu.subgroup = 0;
+            }
+        }
+        Ok(gpu)
     }
 
-    /// Name, kind and API of the adapter, as printed at load: `llvmpipe (LLVM 15.0.6, 256 bits) (Cpu, Vulkan)`.
+    /// Name, kind and API of the adapter, as printed at load: `llvmpipe (LLVM 15.0.6, 256 bits) (Cpu, Vulkan,
+    /// driver llvmpipe Mesa 22.3.6 (LLVM 15.0.6), subgroups of 8)`.
     pub fn describe(&self) -> String {
+        let subgroups = match self.subgroup {
+            0 => "no subgroups".to_string(),
+            n => format!("subgroups of {n}"),
+        };
         format!(
-            "{} ({:?}, {:?}, driver {} {})",
+            "{} ({:?}, {:?}, driver {} {}, {subgroups})",
             self.info.name, self.info.device_type, self.info.backend, self.info.driver, self.info.driver_info
         )
+    }
+
+    /// The subgroup size the reducing shaders count on, 0 where they reduce in workgroup memory (subgroup.rs).
+    pub fn subgroup(&self) -> u32 {
+        self.subgroup
     }
 
     pub fn info(&self) -> &wgpu::AdapterInfo {

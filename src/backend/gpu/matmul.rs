@@ -373,13 +373,7 @@ impl Pass<'_> {
             let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
             (pipeline, rows, TILE_TOKENS)
         } else {
-            let key = format!("matmul_{}", wgsl_type(w.ty));
-            let lanes = self.lanes;
-            let rpw = WG / lanes as usize;
-            let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
-            let pipeline = self
-                .gpu()
-                .pipeline(&key, entry, &constants, || source(w.ty, wgsl::MATMUL))?;
+            let (pipeline, rpw) = self.row_pipeline(w.ty, entry)?;
             (pipeline, rpw, TT)
         };
         let tiles = u32_of(n.div_ceil(tt), "matmul tokens")?;
@@ -414,6 +408,20 @@ impl Pass<'_> {
 }
 
 impl Pass<'_> {
+    /// The entry point `entry` of the per-row matmul module (`matmul.wgsl`) for weights of type `ty`, at this
+    /// pass's lanes a row and subgroups, and the rows a workgroup takes.
+    fn row_pipeline(
+        &self,
+        ty: GgmlType,
+        entry: &'static str,
+    ) -> Result<(std::sync::Arc<wgpu::ComputePipeline>, usize)> {
+        let key = format!("matmul_{}", wgsl_type(ty));
+        let rpw = WG / self.lanes as usize;
+        let constants = [("LANES", self.lanes as f64), ("RPW", rpw as f64)];
+        let pipeline = self.reducing_pipeline(&key, entry, &constants, || source(ty, wgsl::MATMUL))?;
+        Ok((pipeline, rpw))
+    }
+
     /// The entry point `entry` of the tiled matmul module for weights of type `ty`.
     fn tiled_pipeline(&self, ty: GgmlType, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
         let key = format!("matmul_tiled_{}", wgsl_type(ty));
@@ -561,13 +569,7 @@ impl Pass<'_> {
             None
         };
         let x = rounded.as_ref().unwrap_or(x);
-        let key = format!("matmul_{}", wgsl_type(m.ty));
-        let lanes = self.lanes;
-        let rpw = WG / lanes as usize;
-        let constants = [("LANES", lanes as f64), ("RPW", rpw as f64)];
-        let pipeline = self
-            .gpu()
-            .pipeline(&key, entry, &constants, || source(m.ty, wgsl::MATMUL))?;
+        let (pipeline, rpw) = self.row_pipeline(m.ty, entry)?;
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         for (i, part) in m.parts.iter().enumerate() {
             let params = mm_params(m, (part.row0, part.rows), n_picks, gx, glu, w.rows, x_div)?;
@@ -740,7 +742,8 @@ mod tests {
 
     /// The float types' matmuls on rows that are not a whole number of units (the last one padded, buffers.rs) or
     /// not whole vec4s: the tail takes the scalar loop, in the mat-vec (one token; and, as the picks of a mixture
-    /// do, for rows of `x` past the first) and in the tiled kernel's activation loads (3 tokens).
+    /// do, for rows of `x` past the first) and in the tiled kernel's activation loads (3 tokens). The mat-vec's
+    /// lanes add up every way `lanes_sum` has.
     #[test]
     fn matvec_rows_of_any_length() {
         let Some(gpu) = test_gpu() else { return };
@@ -753,15 +756,21 @@ mod tests {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
                     let (exact, mag) = reference(&w, &x, n);
                     let (gw, gx) = (gpu.upload_matrix(&w).unwrap(), gpu.upload(&x).unwrap());
-                    for lanes in [1, 16] {
+                    // The lanes' sums by subgroup shuffles alone (8 lanes, lavapipe's subgroups), by shuffles and
+                    // workgroup memory (16), and by workgroup memory alone.
+                    for (lanes, sg) in [(1, true), (8, true), (16, true), (16, false)] {
                         let gy = gpu.zeros(n * rows).unwrap();
-                        let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                        let mut pass = gpu
+                            .pass()
+                            .with_lanes(lanes)
+                            .with_tiled_min(tiled_min)
+                            .with_subgroups(sg);
                         pass.matmul(&gw, &gx, n, &gy).unwrap();
                         pass.finish().unwrap();
                         for (i, g) in gpu.read(&gy).unwrap().into_iter().enumerate() {
                             assert!(
                                 (g as f64 - exact[i]).abs() <= TOL * mag[i] + 1e-6,
-                                "{ty} {rows}x{cols} n {n} lanes {lanes} out {i}: GPU {g} vs exact {}",
+                                "{ty} {rows}x{cols} n {n} lanes {lanes} subgroups {sg} out {i}: GPU {g} vs exact {}",
                                 exact[i]
                             );
                         }

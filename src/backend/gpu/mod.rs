@@ -17,6 +17,7 @@
 //! - `moe.rs`: a mixture of experts' routing (top-k on the device) and weighted sum; its indexed matmuls are in
 //!   `matmul.rs`.
 //! - `attention.rs`: causal attention over the f16 cache (GQA, sliding window).
+//! - `subgroup.rs`: the reductions across a subgroup where the adapter has them, and the check at load.
 //! - `layers.rs`: a layer range of llama / gemma3 (and the families and mixtures of experts built on llama's block)
 //!   on the device (weights shared per model, KV per session), and the head when the range ends the model.
 //! - `shaders/*.wgsl`: the kernels, composed into modules by [`module`].
@@ -33,6 +34,7 @@ pub mod moe;
 pub mod norm;
 pub mod profile;
 pub mod rope;
+pub mod subgroup;
 
 pub use buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 pub use device::{AdapterChoice, Gpu, NoAdapter};
@@ -58,6 +60,9 @@ mod wgsl {
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");
+    pub const SUBGROUP: &str = include_str!("shaders/subgroup.wgsl");
+    pub const SUBGROUP_OFF: &str = include_str!("shaders/subgroup_off.wgsl");
+    pub const REDUCE: &str = include_str!("shaders/reduce.wgsl");
 }
 
 /// The number a measuring variable (`BATON_GPU_LANES`, `BATON_GPU_KSPLIT`, ...) sets, where it is set, parses and
@@ -148,6 +153,9 @@ pub struct Pass<'g> {
     dispatches: usize,
     /// Timestamps between the dispatches, where `BATON_GPU_PROFILE` is on (profile.rs).
     stamps: Option<profile::Stamps>,
+    /// The subgroup size the reducing shaders count on: the adapter's ([`Gpu::subgroup`]), or 0 for the
+    /// workgroup-memory trees ([`Pass::with_subgroups`]).
+    subgroup: u32,
 }
 
 impl Gpu {
@@ -170,6 +178,7 @@ impl Gpu {
             binds: None,
             dispatches: 0,
             stamps: profile::Stamps::new(self),
+            subgroup: self.subgroup(),
         }
     }
 

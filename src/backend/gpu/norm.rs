@@ -6,7 +6,7 @@ use super::{Pass, module, u32_of, wgsl};
 use anyhow::{Result, ensure};
 
 fn source() -> String {
-    module(&[wgsl::NORM])
+    module(&[wgsl::REDUCE, wgsl::NORM])
 }
 
 impl Pass<'_> {
@@ -76,7 +76,7 @@ impl Pass<'_> {
         if n == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("norm", entry, &[], source)?;
+        let pipeline = self.reducing_pipeline("norm", entry, &[], source)?;
         let (gx, gy) = grid(u32_of(n, "rows")?);
         let params = [
             u32_of(n, "rows")?,
@@ -97,12 +97,19 @@ mod tests {
     use crate::kernels::testutil::Rng;
 
     /// Within 2e-6 relative of the CPU's, which sums the squares in f64: the GPU's f32 sum of a row of a few
-    /// thousand squares (256 partial sums, then a tree) is off by a few ulps, and the scale by half that.
+    /// thousand squares (256 partial sums, then subgroups or a tree, both run) is off by a few ulps, and the scale
+    /// by half that.
     #[test]
     fn rms_norm_matches_cpu() {
         let Some(gpu) = test_gpu() else { return };
         let mut rng = Rng(2120);
-        for (width, n) in [(576, 3), (2048, 1), (100, 5)] {
+        for (width, n, sg) in [
+            (576, 3, true),
+            (2048, 1, true),
+            (100, 5, true),
+            (576, 3, false),
+            (100, 5, false),
+        ] {
             let x: Vec<f32> = (0..n * width).map(|_| rng.normal() * 3.0).collect();
             let w: Vec<f32> = (0..width).map(|_| 1.0 + rng.normal() * 0.2).collect();
             let eps = 1e-5;
@@ -112,7 +119,7 @@ mod tests {
             }
             let (gx, gw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
             let out = gpu.zeros(n * width).unwrap();
-            let mut pass = gpu.pass();
+            let mut pass = gpu.pass().with_subgroups(sg);
             pass.rms_norm(&gx, &gw, eps, n, &out).unwrap();
             pass.rms_norm_inplace(&gx, &gw, eps, n).unwrap();
             pass.finish().unwrap();
@@ -120,7 +127,7 @@ mod tests {
                 for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (g - e).abs() <= 2e-6 * e.abs() + 1e-7,
-                        "width {width} at {i}: {g} vs {e}"
+                        "width {width} subgroups {sg} at {i}: {g} vs {e}"
                     );
                 }
             }
@@ -134,7 +141,15 @@ mod tests {
     fn add_rms_norm_matches_cpu_ops() {
         let Some(gpu) = test_gpu() else { return };
         let mut rng = Rng(2121);
-        for (width, n, post) in [(576, 3, false), (576, 2, true), (2048, 1, false), (100, 5, true)] {
+        let cases = [
+            (576, 3, false, true),
+            (576, 2, true, true),
+            (2048, 1, false, true),
+            (100, 5, true, true),
+        ];
+        // The workgroup-memory reductions too.
+        let trees = [(576, 2, true, false), (2048, 1, false, false)];
+        for (width, n, post, sg) in cases.into_iter().chain(trees) {
             let x: Vec<f32> = (0..n * width).map(|_| rng.normal() * 3.0).collect();
             let y: Vec<f32> = (0..n * width).map(|_| rng.normal()).collect();
             let w: Vec<f32> = (0..width).map(|_| 1.0 + rng.normal() * 0.2).collect();
@@ -150,7 +165,7 @@ mod tests {
             }
             let (gx, gy) = (gpu.upload(&x).unwrap(), gpu.upload(&y).unwrap());
             let (gw, gpw) = (gpu.upload(&w).unwrap(), gpu.upload(&pw).unwrap());
-            let mut pass = gpu.pass();
+            let mut pass = gpu.pass().with_subgroups(sg);
             pass.add_rms_norm(&gx, &gy, post.then_some(&gpw), &gw, eps, n).unwrap();
             assert!(pass.add_rms_norm(&gx, &gy, None, &gw, eps, n + 1).is_err());
             pass.finish().unwrap();
@@ -167,7 +182,7 @@ mod tests {
             for (i, (g, e)) in gpu.read(&gy).unwrap().iter().zip(&want_y).enumerate() {
                 assert!(
                     (g - e).abs() <= 4e-6 * e.abs() + 1e-7,
-                    "width {width} post {post}: normalised at {i}: {g} vs {e}"
+                    "width {width} post {post} subgroups {sg}: normalised at {i}: {g} vs {e}"
                 );
             }
         }

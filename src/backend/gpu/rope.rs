@@ -67,7 +67,7 @@ impl Gpu {
 }
 
 fn source() -> String {
-    module(&[wgsl::ROPE])
+    module(&[wgsl::REDUCE, wgsl::ROPE])
 }
 
 /// A shader's offset of an optional vector, checked to be `len` long.
@@ -151,7 +151,7 @@ impl Pass<'_> {
         if workgroups == 0 {
             return Ok(());
         }
-        let pipeline = self.gpu().pipeline("rope", "rope_store", &[], source)?;
+        let pipeline = self.reducing_pipeline("rope", "rope_store", &[], source)?;
         let (gx, gy) = grid(u32_of(workgroups, "heads")?);
         let params = [
             u32_of(n, "rows")?,
@@ -291,7 +291,9 @@ mod tests {
                 // The run for the host's copy, this layer's after another's (`at` halves in).
                 let at = 2 * n_head_kv * n * hd;
                 let fresh = gpu.zero_halves(at + fresh_halves(&a)).unwrap();
-                let mut pass = gpu.pass();
+                // The head norm's sum by subgroups in one style, by the workgroup-memory tree in the other.
+                let sg = neox;
+                let mut pass = gpu.pass().with_subgroups(sg);
                 let rs = |pass: &mut Pass, n_ctx, at| {
                     pass.rope_store(
                         &gt,
@@ -314,7 +316,7 @@ mod tests {
                     "a run past its buffer is refused"
                 );
                 pass.finish().unwrap();
-                let case = format!("rot {n_rot} bias {biased} norm {normed} neox {neox}");
+                let case = format!("rot {n_rot} bias {biased} norm {normed} neox {neox} subgroups {sg}");
                 for (i, (g, e)) in gpu.read(&gq).unwrap().iter().zip(&want_q).enumerate() {
                     assert!((g - e).abs() <= 4e-6 * (1.0 + e.abs()), "{case}: Q at {i}: {g} vs {e}");
                 }

@@ -40,35 +40,6 @@ const PER: u32 = 4u;
 
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> sc: array<f32, 256>;
-var<workgroup> red: array<f32, 64>;
-
-fn reduce_max(li: u32, x: f32) -> f32 {
-    red[li] = x;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s / 2u) {
-        if (li < s) {
-            red[li] = max(red[li], red[li + s]);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(li: u32, x: f32) -> f32 {
-    red[li] = x;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s / 2u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 @compute @workgroup_size(64)
 fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {

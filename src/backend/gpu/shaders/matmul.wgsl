@@ -138,19 +138,29 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 }
 
 // Sums a and b each over the LANES threads of every row, for the row's lane 0: every thread of the workgroup
-// calls it (it holds barriers).
+// calls it (it may hold barriers). Runs of min(LANES, SG) lanes add by subgroup shuffles (subgroup.wgsl; none
+// where SG = 0); what is left, the runs' sums, by a tree in workgroup memory. On a GPU whose subgroups are 32 wide
+// a row of 32 lanes takes no barrier.
 fn lanes_sum(li: u32, a: f32, b: f32) -> vec2<f32> {
     if (LANES == 1u) {
         return vec2<f32>(a, b);
     }
+    let w = max(min(LANES, SG), 1u);
+    var s = vec2<f32>(a, b);
+    if (w > 1u) {
+        s = vec2<f32>(run_sum(a, w), run_sum(b, w));
+        if (w == LANES) {
+            return s;
+        }
+    }
     let lane = li % LANES;
-    red_a[li] = a;
-    red_b[li] = b;
+    red_a[li] = s.x;
+    red_b[li] = s.y;
     workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s = s / 2u) {
-        if (lane < s) {
-            red_a[li] += red_a[li + s];
-            red_b[li] += red_b[li + s];
+    for (var k = LANES / 2u; k >= w; k = k / 2u) {
+        if (lane < k) {
+            red_a[li] += red_a[li + k];
+            red_b[li] += red_b[li + k];
         }
         workgroupBarrier();
     }

@@ -1,6 +1,7 @@
 // RMSNorm: out = x / sqrt(mean(x²) + eps) · w, one row per workgroup of 256 threads. The sum of squares is
-// taken in f32 (the CPU takes it in f64): partial sums per thread, then a tree in workgroup memory. And the
-// residual add fused with the RMSNorm that follows it (add_rms_norm), one dispatch where there were two or three.
+// taken in f32 (the CPU takes it in f64): partial sums per thread, then subgroup shuffles and workgroup memory
+// (reduce.wgsl). And the residual add fused with the RMSNorm that follows it (add_rms_norm), one dispatch where
+// there were two or three.
 
 struct Params {
     n_rows: u32,
@@ -20,19 +21,10 @@ struct Params {
 @group(0) @binding(6) var<storage, read> pw: array<f32>;
 
 const WG: u32 = 256u;
-var<workgroup> red: array<f32, 256>;
 
-// 1 / rms of a row, from each thread's partial sum of squares.
+// 1 / rms of a row, from each thread's partial sum of squares (reduce.wgsl).
 fn inv_rms(li: u32, part: f32) -> f32 {
-    red[li] = part;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s / 2u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    return 1.0 / sqrt(red[0] / f32(p.width) + p.eps);
+    return 1.0 / sqrt(reduce_sum(li, part) / f32(p.width) + p.eps);
 }
 
 @compute @workgroup_size(256)
@@ -91,8 +83,6 @@ fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             let y = io[base + i] * scale * pw[i];
             res[base + i] += y;
         }
-        // Every thread has read red[0] before the next reduction writes it.
-        workgroupBarrier();
     } else {
         for (var i = li; i < p.width; i += WG) {
             res[base + i] += io[base + i];

@@ -56,19 +56,6 @@ const NONE: u32 = 0xffffffffu;
 
 // The head being prepared.
 var<workgroup> hv: array<f32, 256>;
-var<workgroup> red: array<f32, 64>;
-
-fn reduce_sum(li: u32, x: f32) -> f32 {
-    red[li] = x;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s / 2u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    return red[0];
-}
 
 @compute @workgroup_size(64)
 fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -100,7 +87,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         hv[i] = x;
         part += x * x;
     }
-    let ss = reduce_sum(li, part);
+    let ss = reduce_sum(li, part); // reduce.wgsl
     if (norm != NONE) {
         let scale = 1.0 / sqrt(ss / f32(hd) + p.eps);
         for (var i = li; i < hd; i += WG) {

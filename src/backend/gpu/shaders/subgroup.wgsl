@@ -1,0 +1,20 @@
+// Sums and maxima across a subgroup's threads by shuffles (the module starts by defining SG, the adapter's least
+// subgroup size, see subgroup.rs). A run is w aligned threads of one subgroup (w a power of two
+// up to SG; subgroup.rs checks at load that a subgroup holds consecutive threads): each thread of the run gets the
+// same result, the butterfly adding the same two values on both sides at every step.
+
+fn run_sum(v: f32, w: u32) -> f32 {
+    var s = v;
+    for (var m = w / 2u; m > 0u; m = m / 2u) {
+        s += subgroupShuffleXor(s, m);
+    }
+    return s;
+}
+
+fn run_max(v: f32, w: u32) -> f32 {
+    var s = v;
+    for (var m = w / 2u; m > 0u; m = m / 2u) {
+        s = max(s, subgroupShuffleXor(s, m));
+    }
+    return s;
+}
