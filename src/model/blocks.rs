@@ -209,16 +209,7 @@ pub struct Step<'a> {
 
 impl Step<'_> {
     fn attn_shape(&self) -> AttnShape {
-        let hp = self.hp;
-        AttnShape {
-            n_tok: self.n_tok,
-            n_head: hp.n_head,
-            n_head_kv: hp.n_head_kv,
-            hdk: hp.head_dim_k,
-            hdv: hp.head_dim_v,
-            window: hp.window(self.il),
-            scale: hp.attn_scale,
-        }
+        self.hp.attn_shape(self.il, self.n_tok)
     }
 }
 

@@ -420,6 +420,19 @@ impl Hparams {
         if self.swa_layers[il] { self.sliding_window } else { None }
     }
 
+    /// The attention of layer `il` over a batch of `n_tok` rows.
+    pub fn attn_shape(&self, il: usize, n_tok: usize) -> crate::backend::AttnShape {
+        crate::backend::AttnShape {
+            n_tok,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            hdk: self.head_dim_k,
+            hdv: self.head_dim_v,
+            window: self.window(il),
+            scale: self.attn_scale,
+        }
+    }
+
     pub fn rope_base_of(&self, il: usize) -> f32 {
         if self.swa_layers[il] {
             self.rope_base_swa

@@ -11,7 +11,7 @@
 use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 use super::rope::{GpuRope, QkvExtras, fresh_halves};
 use super::{Binds, Gpu, u32_of};
-use crate::backend::{self, AttnShape, KvLayers};
+use crate::backend::{self, KvLayers};
 use crate::kernels::Glu;
 use crate::kernels::Matrix;
 use crate::kernels::matrix::{Bytes, Layout};
@@ -406,6 +406,8 @@ impl GpuLayers {
                 0
             };
             let n = n_batch;
+            // A batch's attention, for the sizes of the buffers it fills (any layer's: the window is no size).
+            let batch = hp.attn_shape(0, n);
             let moe = match &hp.moe {
                 None => None,
                 Some(m) => {
@@ -433,7 +435,7 @@ impl GpuLayers {
                 x: gpu.zeros(n * hp.n_embd)?,
                 xn: gpu.zeros(n * hp.n_embd)?,
                 q: gpu.zeros(n * hp.n_head * hdk)?,
-                qkv: gpu.zeros(n * (hp.n_head * hdk + hp.n_head_kv * (hdk + hdv)))?,
+                qkv: gpu.zeros(n * batch.qkv_width())?,
                 att: gpu.zeros(n * hp.n_head * hdv)?,
                 h: gpu.zeros(n * n_ff)?,
                 moe,
@@ -441,7 +443,7 @@ impl GpuLayers {
                 head_rows,
                 pos: gpu.upload_u32(&vec![0; n])?,
                 tok: gpu.upload_u32(&vec![0; n])?,
-                fresh: gpu.zero_halves(w.layers.len().max(1) * n * hp.n_head_kv * (hdk + hdv))?,
+                fresh: gpu.zero_halves(w.layers.len().max(1) * fresh_halves(&batch))?,
                 binds: Some(Binds::default()),
                 dispatches: 0,
                 w: w.clone(),
@@ -562,15 +564,7 @@ impl GpuLayers {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
-            let shape = AttnShape {
-                n_tok: n,
-                n_head: hp.n_head,
-                n_head_kv: hp.n_head_kv,
-                hdk,
-                hdv,
-                window: hp.window(il),
-                scale: hp.attn_scale,
-            };
+            let shape = hp.attn_shape(il, n);
             for (m, at) in &l.qkv {
                 pass.matmul_at(m, &self.xn, n, &self.qkv, *at, shape.qkv_width())?;
             }
@@ -621,8 +615,8 @@ impl GpuLayers {
         }
         // The KV rows written, for the host's copy: `rope_store` wrote them into one run as well (per layer and
         // head, the rows of K then of V), read back in one copy.
-        let per_layer = hp.n_head_kv * n * (hdk + hdv);
         if first < w.layers.end {
+            let per_layer = fresh_halves(&hp.attn_shape(first, n));
             pass.read_halves(&self.fresh, 0, per_layer * (w.layers.end - first))?;
         }
         let (rows, logits) = match out {
