@@ -15,28 +15,33 @@ use crate::gguf::GgmlType;
 use anyhow::{Result, ensure};
 use std::sync::OnceLock;
 
-/// Threads of `act8.wgsl` per block of the activation type a weight type is dotted with, `None` where the CPU
-/// keeps f32 activations (the float types).
-fn threads_per_block(ty: GgmlType) -> Option<u32> {
+/// The activation type a matmul of `ty` weights rounds a batch to (the type the CPU dots `ty` with), `None` where
+/// the CPU keeps f32 activations (the float types) or `BATON_GPU_ACT8=0` says to keep them.
+pub(super) fn act_type(ty: GgmlType) -> Option<GgmlType> {
     // `BATON_GPU_ACT8=0` keeps every batch's activations f32, to measure what the rounding costs.
     static ON: OnceLock<bool> = OnceLock::new();
     if !*ON.get_or_init(|| env_number("BATON_GPU_ACT8", |&v: &u32| v <= 1, 1) == 1) {
         return None;
     }
-    let act = crate::kernels::kernels().for_type(ty)?.vec_dot_type;
-    Some(match act {
+    Some(crate::kernels::kernels().for_type(ty)?.vec_dot_type)
+}
+
+/// Threads of `act8.wgsl` per block of the activation type `act`.
+fn threads_per_block(act: GgmlType) -> u32 {
+    match act {
         GgmlType::Q8_0 | GgmlType::Q8_1 => 8,
         _ => 64,
-    })
+    }
 }
 
 impl Pass<'_> {
     /// The first `len` values of `x` (whole rows of `w_ty`'s blocks) rounded as the CPU rounds the activations of
     /// a matmul of `w_ty` weights, in a tensor of their own; `None` where `w_ty`'s activations stay f32.
     pub(super) fn act8(&mut self, w_ty: GgmlType, x: &Tensor, len: usize) -> Result<Option<Tensor>> {
-        let Some(group) = threads_per_block(w_ty) else {
+        let Some(act) = act_type(w_ty) else {
             return Ok(None);
         };
+        let group = threads_per_block(act);
         ensure!(
             len <= x.len() && len.is_multiple_of(4 * group as usize),
             "{len} activations to round in blocks of {} (of a tensor of {})",

@@ -565,9 +565,7 @@ impl GpuLayers {
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
             let shape = hp.attn_shape(il, n);
-            for (m, at) in &l.qkv {
-                pass.matmul_at(m, &self.xn, n, &self.qkv, *at, shape.qkv_width())?;
-            }
+            pass.matmuls_at(&l.qkv, &self.xn, n, &self.qkv, shape.qkv_width())?;
             pass.rope_store(
                 rope,
                 &l.qkv_extras,

@@ -10,7 +10,7 @@
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;
-use super::{Pass, env_number, module, u32_of, wgsl};
+use super::{Pass, act8, env_number, module, u32_of, wgsl};
 use crate::gguf::GgmlType;
 use crate::kernels::Glu;
 use anyhow::{Result, ensure};
@@ -290,6 +290,26 @@ impl Pass<'_> {
         self.mm(w, None, Glu::Silu, x, n, y, (at, stride))
     }
 
+    /// [`Pass::matmul_at`] of several matrices over one input, each `(matrix, at)` into its columns of rows of
+    /// `stride` values (a layer's stacked Q/K and V where their types differ): the input rounded once per
+    /// activation grid rather than once per matrix.
+    pub fn matmuls_at(
+        &mut self,
+        ws: &[(GpuMatrix, usize)],
+        x: &Tensor,
+        n: usize,
+        y: &Tensor,
+        stride: usize,
+    ) -> Result<()> {
+        let mut memo = None;
+        for (w, at) in ws {
+            self.check_mm(w, x, n, y, (*at, stride))?;
+            let xr = self.round_for(w, x, n, &mut memo)?;
+            self.mm_rounded(w, None, Glu::Silu, &xr, n, y, (*at, stride))?;
+        }
+        Ok(())
+    }
+
     /// `h[t] = act(gate · x[t]) * (up · x[t])`, `h` `[n, gate.rows]`: one pass over both matrices where they are
     /// of one type (and split alike), else two matmuls and the activation.
     #[allow(clippy::too_many_arguments)]
@@ -316,8 +336,11 @@ impl Pass<'_> {
             return self.mm(gate, Some(up), glu, x, n, h, out);
         }
         let u = self.scratch(n * up.rows)?;
-        self.mm(gate, None, glu, x, n, h, out)?;
-        self.mm(up, None, glu, x, n, &u, out)?;
+        let mut memo = None;
+        let xg = self.round_for(gate, x, n, &mut memo)?;
+        self.mm_rounded(gate, None, glu, &xg, n, h, out)?;
+        let xu = self.round_for(up, x, n, &mut memo)?;
+        self.mm_rounded(up, None, glu, &xu, n, &u, out)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
 
@@ -357,9 +380,47 @@ impl Pass<'_> {
         y: &Tensor,
         (at, stride): (usize, usize),
     ) -> Result<()> {
-        // A batch reads its activations rounded as the CPU's (act8.rs); a decode step's stay f32.
-        let rounded = if n > 1 { self.act8(w.ty, x, n * w.cols)? } else { None };
-        let x = rounded.as_ref().unwrap_or(x);
+        let x = self.round_for(w, x, n, &mut None)?;
+        self.mm_rounded(w, up, glu, &x, n, y, (at, stride))
+    }
+
+    /// What a matmul of `w` over `n` rows of `x` reads: a batch rounded as the CPU's (act8.rs), a decode step's
+    /// row as it is. `memo` holds the last rounding of `x` in this op, which a matmul of the same activation grid
+    /// takes again (Q4_K_M's Q4_K and Q6_K both round to Q8_K) instead of a dispatch of its own.
+    fn round_for(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Tensor,
+        n: usize,
+        memo: &mut Option<(GgmlType, Tensor)>,
+    ) -> Result<Tensor> {
+        let Some(act) = act8::act_type(w.ty).filter(|_| n > 1) else {
+            return Ok(x.clone());
+        };
+        if let Some((done, t)) = memo
+            && *done == act
+        {
+            return Ok(t.clone());
+        }
+        let t = self
+            .act8(w.ty, x, n * w.cols)?
+            .ok_or_else(|| anyhow::anyhow!("{} weights have no activation grid to round to", w.ty))?;
+        *memo = Some((act, t.clone()));
+        Ok(t)
+    }
+
+    /// [`Pass::mm`] of an `x` already rounded by [`Pass::round_for`].
+    #[allow(clippy::too_many_arguments)]
+    fn mm_rounded(
+        &mut self,
+        w: &GpuMatrix,
+        up: Option<&GpuMatrix>,
+        glu: Glu,
+        x: &Tensor,
+        n: usize,
+        y: &Tensor,
+        (at, stride): (usize, usize),
+    ) -> Result<()> {
         // Rows and tokens per workgroup.
         let tiled = n >= self.tiled_min;
         let entry = match (up.is_some(), n == 1 && !tiled) {
@@ -847,6 +908,45 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Matrices over one batch into side-by-side columns (a layer's Q/K stack and V of another type): the bits of
+    /// each matrix's own matmul, with one rounding where their types share an activation grid (Q4_K and Q6_K:
+    /// Q8_K) and one each where they do not (Q4_0: Q8_0).
+    #[test]
+    fn matmuls_at_round_once_per_grid() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2108);
+        let (cols, n) = (256, 5);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let gx = gpu.upload(&x).unwrap();
+        for (tys, roundings) in [([Q4K, Q6K], 1), ([Q4K, Q4_0], 2)] {
+            let ws = [(tys[0], 12, 0), (tys[1], 7, 12)]
+                .map(|(ty, rows, at)| (gpu.upload_matrix(&random_matrix(&mut rng, ty, rows, cols)).unwrap(), at));
+            let stride = 19;
+            let gy = gpu.zeros(n * stride).unwrap();
+            let mut pass = gpu.pass();
+            pass.matmuls_at(&ws, &gx, n, &gy, stride).unwrap();
+            assert_eq!(pass.dispatches(), ws.len() + roundings, "{tys:?}");
+            pass.finish().unwrap();
+            let got = gpu.read(&gy).unwrap();
+            for (w, at) in &ws {
+                let own = gpu.zeros(n * w.rows).unwrap();
+                let mut pass = gpu.pass();
+                pass.matmul(w, &gx, n, &own).unwrap();
+                pass.finish().unwrap();
+                let own = gpu.read(&own).unwrap();
+                for t in 0..n {
+                    assert_eq!(
+                        &got[t * stride + at..t * stride + at + w.rows],
+                        &own[t * w.rows..(t + 1) * w.rows],
+                        "{tys:?} row {t} columns from {at}"
+                    );
+                }
+            }
+            // Columns past the output's rows are an error, not a write out of bounds.
+            assert!(gpu.pass().matmuls_at(&ws, &gx, n, &gy, stride - 1).is_err());
         }
     }
 
