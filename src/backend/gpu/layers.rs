@@ -565,7 +565,13 @@ impl GpuLayers {
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
             let shape = hp.attn_shape(il, n);
-            pass.matmuls_at(&l.qkv, &self.xn, n, &self.qkv, shape.qkv_width())?;
+            pass.matmuls_at(
+                l.qkv.iter().map(|(m, at)| (m, *at)),
+                &self.xn,
+                n,
+                &self.qkv,
+                shape.qkv_width(),
+            )?;
             pass.rope_store(
                 rope,
                 &l.qkv_extras,

@@ -272,30 +272,16 @@ pub(super) fn act_code(glu: Glu) -> u32 {
 impl Pass<'_> {
     /// `y[t] = W · x[t]` for the `n` rows of `x` (`[n, w.cols]`) into `y` (`[n, w.rows]`).
     pub fn matmul(&mut self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
-        self.matmul_at(w, x, n, y, 0, w.rows)
+        self.matmuls_at([(w, 0)], x, n, y, w.rows)
     }
 
-    /// [`Pass::matmul`] into columns `at..at + w.rows` of `y`, whose rows are `stride` values (the stacked Q, K and
-    /// V projections write one row of the three side by side).
-    pub fn matmul_at(
+    /// Matmuls of several matrices over one input, each `(matrix, at)` into columns `at..at + rows` of `y`, whose
+    /// rows are `stride` values: a layer's stacked Q, K and V projections write one row of the three side by side.
+    /// The input is rounded once per activation grid, not once per matrix (a Q/K stack of Q4_K and a V of Q6_K
+    /// share Q8_K).
+    pub fn matmuls_at<'w>(
         &mut self,
-        w: &GpuMatrix,
-        x: &Tensor,
-        n: usize,
-        y: &Tensor,
-        at: usize,
-        stride: usize,
-    ) -> Result<()> {
-        self.check_mm(w, x, n, y, (at, stride))?;
-        self.mm(w, None, Glu::Silu, x, n, y, (at, stride))
-    }
-
-    /// [`Pass::matmul_at`] of several matrices over one input, each `(matrix, at)` into its columns of rows of
-    /// `stride` values (a layer's stacked Q/K and V where their types differ): the input rounded once per
-    /// activation grid rather than once per matrix.
-    pub fn matmuls_at(
-        &mut self,
-        ws: &[(GpuMatrix, usize)],
+        ws: impl IntoIterator<Item = (&'w GpuMatrix, usize)>,
         x: &Tensor,
         n: usize,
         y: &Tensor,
@@ -303,9 +289,9 @@ impl Pass<'_> {
     ) -> Result<()> {
         let mut memo = None;
         for (w, at) in ws {
-            self.check_mm(w, x, n, y, (*at, stride))?;
+            self.check_mm(w, x, n, y, (at, stride))?;
             let xr = self.round_for(w, x, n, &mut memo)?;
-            self.mm_rounded(w, None, Glu::Silu, &xr, n, y, (*at, stride))?;
+            self.mm(w, None, Glu::Silu, &xr, n, y, (at, stride))?;
         }
         Ok(())
     }
@@ -333,14 +319,15 @@ impl Pass<'_> {
         let out = (0, gate.rows);
         self.check_mm(gate, x, n, h, out)?;
         if gate.ty == up.ty && same_parts(gate, up) {
-            return self.mm(gate, Some(up), glu, x, n, h, out);
+            let x = self.round_for(gate, x, n, &mut None)?;
+            return self.mm(gate, Some(up), glu, &x, n, h, out);
         }
         let u = self.scratch(n * up.rows)?;
         let mut memo = None;
         let xg = self.round_for(gate, x, n, &mut memo)?;
-        self.mm_rounded(gate, None, glu, &xg, n, h, out)?;
+        self.mm(gate, None, glu, &xg, n, h, out)?;
         let xu = self.round_for(up, x, n, &mut memo)?;
-        self.mm_rounded(up, None, glu, &xu, n, &u, out)?;
+        self.mm(up, None, glu, &xu, n, &u, out)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
 
@@ -365,23 +352,6 @@ impl Pass<'_> {
             n * stride
         );
         Ok(())
-    }
-
-    /// The matmul of `w` (with `up`, the fused GLU), outputs into columns `out.0..out.0 + w.rows` of rows of
-    /// `out.1` values.
-    #[allow(clippy::too_many_arguments)]
-    fn mm(
-        &mut self,
-        w: &GpuMatrix,
-        up: Option<&GpuMatrix>,
-        glu: Glu,
-        x: &Tensor,
-        n: usize,
-        y: &Tensor,
-        (at, stride): (usize, usize),
-    ) -> Result<()> {
-        let x = self.round_for(w, x, n, &mut None)?;
-        self.mm_rounded(w, up, glu, &x, n, y, (at, stride))
     }
 
     /// What a matmul of `w` over `n` rows of `x` reads: a batch rounded as the CPU's (act8.rs), a decode step's
@@ -409,9 +379,10 @@ impl Pass<'_> {
         Ok(t)
     }
 
-    /// [`Pass::mm`] of an `x` already rounded by [`Pass::round_for`].
+    /// The matmul of `w` (with `up`, the fused GLU) over `x` as [`Pass::round_for`] gives it, outputs into columns
+    /// `out.0..out.0 + w.rows` of rows of `out.1` values.
     #[allow(clippy::too_many_arguments)]
-    fn mm_rounded(
+    fn mm(
         &mut self,
         w: &GpuMatrix,
         up: Option<&GpuMatrix>,
@@ -927,7 +898,8 @@ mod tests {
             let stride = 19;
             let gy = gpu.zeros(n * stride).unwrap();
             let mut pass = gpu.pass();
-            pass.matmuls_at(&ws, &gx, n, &gy, stride).unwrap();
+            pass.matmuls_at(ws.iter().map(|(w, at)| (w, *at)), &gx, n, &gy, stride)
+                .unwrap();
             assert_eq!(pass.dispatches(), ws.len() + roundings, "{tys:?}");
             pass.finish().unwrap();
             let got = gpu.read(&gy).unwrap();
@@ -946,7 +918,11 @@ mod tests {
                 }
             }
             // Columns past the output's rows are an error, not a write out of bounds.
-            assert!(gpu.pass().matmuls_at(&ws, &gx, n, &gy, stride - 1).is_err());
+            assert!(
+                gpu.pass()
+                    .matmuls_at(ws.iter().map(|(w, at)| (w, *at)), &gx, n, &gy, stride - 1)
+                    .is_err()
+            );
         }
     }
 
