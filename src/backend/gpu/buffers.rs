@@ -309,10 +309,17 @@ impl Gpu {
         self.map_read(&staging, idx, bytes)
     }
 
-    /// The first `bytes` bytes of `staging`, once the submission `idx` that fills it is done.
+    /// The first `bytes` bytes of `staging`, once the submission `idx` that fills it is done. Only those are
+    /// mapped: a session's kept buffer may be larger (`Binds`).
     pub(super) fn map_read(&self, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex, bytes: usize) -> Result<Vec<u8>> {
         let (tx, rx) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        let span = (bytes as u64).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT).max(4);
+        ensure!(
+            span <= staging.size(),
+            "reading {bytes} bytes back through a buffer of {}",
+            staging.size()
+        );
+        staging.map_async(wgpu::MapMode::Read, ..span, move |r| {
             let _ = tx.send(r);
         });
         self.wait(idx)?;
@@ -336,7 +343,7 @@ impl Gpu {
                 }
             }
         }
-        let out = staging.get_mapped_range(..)?[..bytes].to_vec();
+        let out = staging.get_mapped_range(..span)?[..bytes].to_vec();
         staging.unmap();
         Ok(out)
     }

@@ -95,6 +95,9 @@ pub struct Binds {
     /// A batch's activations rounded for a matmul ([`Pass::rounded`]), apart from the two above, which the
     /// matmul may be writing.
     rounded: Mutex<Option<Tensor>>,
+    /// The buffer [`Pass::finish_read`] copies back through, kept rather than made for every decode step; unmapped
+    /// between uses, dropped after a failed read.
+    staging: Mutex<Option<wgpu::Buffer>>,
 }
 
 /// What a bind group binds: the pipeline (its layout), the buffers at their bindings and the parameters' words. The
@@ -401,12 +404,18 @@ impl<'g> Pass<'g> {
     /// submission and one copy back for all of them.
     pub fn finish_read(mut self) -> Result<Vec<Vec<u8>>> {
         let total: u64 = self.reads.iter().map(|r| r.2).sum();
-        let staging = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: total.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let kept = self
+            .binds
+            .map(|b| b.staging.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let staging = match kept.flatten() {
+            Some(b) if b.size() >= total => b,
+            _ => self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size: total.max(4),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+        };
         self.cp = None;
         let mut at = 0;
         for (buf, offset, len) in &self.reads {
@@ -419,6 +428,10 @@ impl<'g> Pass<'g> {
         let idx = self.gpu.queue.submit([self.enc.finish()]);
         let returned = std::time::Instant::now();
         let bytes = self.gpu.map_read(&staging, idx.clone(), total as usize)?;
+        // Read and unmapped: the next pass of this session may copy into it again.
+        if let Some(b) = self.binds {
+            *b.staging.lock().unwrap_or_else(|p| p.into_inner()) = Some(staging);
+        }
         if let Some(st) = stamps {
             st.count(self.gpu, idx, [submitted, returned])?;
         }
@@ -458,4 +471,33 @@ pub(crate) fn test_gpu() -> Option<std::sync::Arc<Gpu>> {
         println!("SKIPPED: no GPU adapter (install mesa-vulkan-drivers)");
     }
     gpu.clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Binds, test_gpu};
+
+    /// A session's passes read back through one kept buffer: a smaller read after a larger one takes it again, a
+    /// larger one replaces it, and every read returns its own values, not what an earlier read left there.
+    #[test]
+    fn reads_back_through_a_kept_buffer() {
+        let Some(gpu) = test_gpu() else { return };
+        let binds = Binds::default();
+        let kept = || binds.staging.lock().unwrap().clone().expect("a kept buffer");
+        let read = |x: &[f32]| {
+            let t = gpu.upload(x).unwrap();
+            let mut pass = gpu.pass_cached(&binds);
+            pass.read(&t, 0, x.len()).unwrap();
+            let bytes = pass.finish_read().unwrap().remove(0);
+            bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
+        };
+        let big: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        assert_eq!(read(&big), big);
+        let first = kept();
+        assert_eq!(read(&[7.0, 8.0]), [7.0, 8.0]);
+        assert!(kept() == first, "the smaller read made a buffer of its own");
+        let bigger: Vec<f32> = (0..100).map(|i| -(i as f32)).collect();
+        assert_eq!(read(&bigger), bigger);
+        assert!(kept() != first && kept().size() >= 400);
+    }
 }
