@@ -35,12 +35,10 @@ fn threads_per_block(act: GgmlType) -> u32 {
 }
 
 impl Pass<'_> {
-    /// The first `len` values of `x` (whole rows of `w_ty`'s blocks) rounded as the CPU rounds the activations of
-    /// a matmul of `w_ty` weights, in a tensor of their own; `None` where `w_ty`'s activations stay f32.
-    pub(super) fn act8(&mut self, w_ty: GgmlType, x: &Tensor, len: usize) -> Result<Option<Tensor>> {
-        let Some(act) = act_type(w_ty) else {
-            return Ok(None);
-        };
+    /// The first `len` values of `x` (whole blocks of `act`) rounded to the activation type `act` as the CPU
+    /// quantizes them ([`act_type`] of the weights), in a tensor of their own. Matmuls call it through
+    /// `Pass::round_for`.
+    pub(super) fn act8(&mut self, act: GgmlType, x: &Tensor, len: usize) -> Result<Tensor> {
         let group = threads_per_block(act);
         ensure!(
             len <= x.len() && len.is_multiple_of(4 * group as usize),
@@ -53,7 +51,7 @@ impl Pass<'_> {
         let (gx, gy) = grid(u32_of(len.div_ceil(256), "activations")?);
         let params = [u32_of(len, "activations")?, gx, group, 0];
         self.dispatch(&pipeline, &params, &[(1, &x.buf), (2, &y.buf)], (gx, gy, 1));
-        Ok(Some(y))
+        Ok(y)
     }
 }
 
@@ -105,7 +103,8 @@ mod tests {
             let want = cpu_rounded(ty, &x[..len]);
             let t = gpu.upload(&x).unwrap();
             let mut pass = gpu.pass();
-            let y = pass.act8(ty, &t, len).unwrap().expect("a quantized type rounds");
+            let act = super::act_type(ty).expect("a quantized type rounds");
+            let y = pass.act8(act, &t, len).unwrap();
             pass.finish().unwrap();
             let got = gpu.read(&y).unwrap();
             for i in 0..len {
@@ -118,14 +117,11 @@ mod tests {
                 );
             }
         }
+        assert!(super::act_type(GgmlType::F16).is_none(), "float weights keep f32");
         let t = gpu.upload(&[1.0; 64]).unwrap();
         let mut pass = gpu.pass();
         assert!(
-            pass.act8(GgmlType::F16, &t, 64).unwrap().is_none(),
-            "float weights keep f32"
-        );
-        assert!(
-            pass.act8(GgmlType::Q4K, &t, 64).is_err(),
+            pass.act8(GgmlType::Q8K, &t, 64).is_err(),
             "64 values are not a Q8_K block"
         );
     }

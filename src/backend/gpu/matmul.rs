@@ -372,9 +372,7 @@ impl Pass<'_> {
         {
             return Ok(t.clone());
         }
-        let t = self
-            .act8(w.ty, x, n * w.cols)?
-            .ok_or_else(|| anyhow::anyhow!("{} weights have no activation grid to round to", w.ty))?;
+        let t = self.act8(act, x, n * w.cols)?;
         *memo = Some((act, t.clone()));
         Ok(t)
     }
@@ -594,13 +592,7 @@ impl Pass<'_> {
         let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
         let m = &w.mat;
         // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
-        let x_rows = n_picks / x_div.max(1);
-        let rounded = if x_rows > 1 {
-            self.act8(m.ty, x, x_rows * m.cols)?
-        } else {
-            None
-        };
-        let x = rounded.as_ref().unwrap_or(x);
+        let x = &self.round_for(m, x, n_picks / x_div.max(1), &mut None)?;
         let (pipeline, rpw) = self.row_pipeline(m.ty, entry)?;
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         for (i, part) in m.parts.iter().enumerate() {

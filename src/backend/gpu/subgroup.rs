@@ -3,7 +3,7 @@
 //!
 //! A decode step is mostly small dispatches whose last act is a reduction: a mat-vec's 32 lanes of a row, a norm's
 //! 256 threads, attention's maxima and sums. In workgroup memory each is a tree of a barrier a level (6 for 32
-//! lanes, 8 for 256 threads); across a subgroup it is shuffles and at most one barrier. The shaders that reduce take
+//! lanes, 8 for 256 threads); across 32-wide subgroups it is shuffles and at most two barriers. The shaders that reduce take
 //! `SG` (the adapter's least subgroup size, 0 without subgroups) and `run_sum` / `run_max`, from one of the two
 //! snippets [`head`] picks, so one WGSL text holds both paths and the tests run both on lavapipe (subgroups of 8).
 //!
@@ -11,7 +11,7 @@
 //! promise that of a 1-D workgroup, so [`probe`] checks it at load on every workgroup size the reducing shaders
 //! use, and an adapter where it fails keeps the trees.
 
-use super::{Gpu, Pass, module, u32_of, wgsl};
+use super::{Gpu, Pass, module, wgsl};
 use anyhow::{Result, ensure};
 
 /// `BATON_GPU_SUBGROUPS=0` keeps the workgroup-memory reductions on an adapter that has subgroups (to measure
@@ -75,7 +75,7 @@ pub(super) fn probe(gpu: &Gpu) -> Result<bool> {
     let mut pass = gpu.pass();
     for entry in ["probe64", "probe256"] {
         let pipeline = gpu.pipeline("subgroup_probe", entry, &[], || module(&[&head(sg), PROBE]))?;
-        pass.dispatch(&pipeline, &[u32_of(1, "probe")?], &[(1, &bad.buf)], (8, 1, 1));
+        pass.dispatch(&pipeline, &[1], &[(1, &bad.buf)], (8, 1, 1));
     }
     pass.read_u32(&bad, 0, 1)?;
     let bytes = pass.finish_read()?;
