@@ -9,7 +9,7 @@ use crate::kernels::Glu;
 use anyhow::{Result, ensure};
 
 fn source() -> String {
-    module(&[wgsl::ACT, wgsl::ELEMENTWISE])
+    module(&[wgsl::F16, wgsl::ACT, wgsl::ELEMENTWISE])
 }
 
 impl Pass<'_> {

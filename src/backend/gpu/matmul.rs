@@ -258,7 +258,14 @@ fn source(ty: GgmlType, kernel: &str) -> String {
     } else {
         String::new()
     };
-    module(&[wgsl::ACT, wgsl::MATMUL_IO, &dequantizers(ty, &weights), &dot, kernel])
+    module(&[
+        wgsl::F16,
+        wgsl::ACT,
+        wgsl::MATMUL_IO,
+        &dequantizers(ty, &weights),
+        &dot,
+        kernel,
+    ])
 }
 
 /// The activation's code in `act.wgsl`.

@@ -46,6 +46,7 @@ use wgpu::util::DeviceExt;
 
 /// WGSL sources: a shader module is the snippets it needs, in order.
 mod wgsl {
+    pub const F16: &str = include_str!("shaders/f16.wgsl");
     pub const ACT: &str = include_str!("shaders/act.wgsl");
     pub const ACT8: &str = include_str!("shaders/act8.wgsl");
     pub const QUANT: &str = include_str!("shaders/quant.wgsl");

@@ -1,10 +1,5 @@
 // The activations of the gated feed-forward, as the CPU kernels compute them (kernels/ops.rs).
 
-// x rounded to the nearest f16.
-fn f16_round(x: f32) -> f32 {
-    return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0))).x;
-}
-
 // SiLU, x / (1 + e^-x); the exponent is clamped so it stays finite.
 fn silu(x: f32) -> f32 {
     return x / (1.0 + exp(min(-x, 88.0)));

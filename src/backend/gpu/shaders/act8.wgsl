@@ -54,7 +54,7 @@ fn round8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     } else {
         // Q8_0 / Q8_1: the scale is stored as f16, the quants taken with the f32 one.
         let a = abs(m);
-        let d = unpack2x16float(pack2x16float(vec2<f32>(a / 127.0, 0.0))).x;
+        let d = f16_round(a / 127.0);
         y[i] = d * round(v * (127.0 / a));
     }
 }
