@@ -4,16 +4,20 @@
 //! (`backend::LayerKv`), so a handoff or snapshot reads the same layout from either backend.
 
 use super::buffers::{Halves, Tensor, U32s};
-use super::{Pass, module, u32_of, wgsl};
+use super::{Pass, env_number, module, u32_of, wgsl};
 use crate::backend::AttnShape;
 use anyhow::{Result, ensure};
+use std::sync::OnceLock;
 
 /// Largest head the attention shader takes (its query and output live in 256-float workgroup arrays).
 const MAX_HEAD: usize = 256;
 
 /// Workgroups an attention dispatch should reach for a GPU to be busy: a decode step's (head, row) pairs are split
-/// over positions until there are about this many.
-const BUSY: usize = 1024;
+/// over positions until there are about this many (`BATON_GPU_ATTN_BUSY` sets it, to measure).
+fn busy() -> usize {
+    static BUSY: OnceLock<usize> = OnceLock::new();
+    *BUSY.get_or_init(|| env_number("BATON_GPU_ATTN_BUSY", |&v: &usize| v >= 1, 1024))
+}
 
 /// Positions per split and splits per (head, row) for `pairs` (head, row) pairs over the first `span` positions: one
 /// split when the pairs alone keep the GPU busy or the span is one chunk, else up to `BUSY / pairs` splits of whole
@@ -21,7 +25,7 @@ const BUSY: usize = 1024;
 fn attention_splits(pairs: usize, span: usize) -> (u32, u32) {
     const CHUNK: usize = 256;
     let chunks = span.div_ceil(CHUNK);
-    let want = BUSY.div_ceil(pairs.max(1)).min(chunks);
+    let want = busy().div_ceil(pairs.max(1)).min(chunks);
     if want <= 1 {
         return (u32::MAX, 1);
     }
@@ -160,7 +164,7 @@ mod tests {
     }
 
     /// Decode (one row) and a batch of rows, with GQA, contexts shorter and longer than one 256-position chunk,
-    /// and a sliding window: within 2e-5 of the CPU. Outputs are weighted means of V values of magnitude ≤ 1;
+    /// a sliding window, and head sizes of 32 to 256: within 2e-5 of the CPU. Outputs are weighted means of V values of magnitude ≤ 1;
     /// the two sum the scores and weights in another order, and the exponentials differ by an ulp or two.
     #[test]
     fn attention_matches_cpu() {
@@ -174,6 +178,10 @@ mod tests {
             (4, 1, 256, vec![600], Some(512)),
             (8, 2, 32, vec![0, 1, 255, 256, 300, 511], None),
             (8, 2, 32, vec![100, 600, 601], Some(300)),
+            // Heads that leave threads idle in the weighted sum (256 / 96 = 2 groups of 96), or an odd number of
+            // key words (70 = 35 words: the score's tail).
+            (6, 2, 96, vec![300], None),
+            (4, 2, 70, vec![2, 400], None),
         ];
         for (n_head, n_head_kv, hd, pos, window) in cases {
             let a = AttnShape {

@@ -1,4 +1,4 @@
-// Causal attention over the f16 KV cache, one workgroup of 64 threads per (query head, row, split): the row at
+// Causal attention over the f16 KV cache, one workgroup of 256 threads per (query head, row, split): the row at
 // position pos[t] attends to positions lo..=pos[t] (lo = 0, or the sliding window's start). Positions go in chunks
 // of 256 with a streaming softmax: each chunk's scores are kept in workgroup memory, the running maximum, sum and
 // output are rescaled when the maximum grows. Query head h reads KV head h / (n_head / n_head_kv) (GQA).
@@ -33,15 +33,43 @@ struct Params {
 // With n_split > 1: per (row, head, split), the maximum, the sum and hdv unnormalised outputs.
 @group(0) @binding(6) var<storage, read_write> part: array<f32>;
 
-const WG: u32 = 64u;
+const WG: u32 = 256u;
 const CHUNK: u32 = 256u;
-// Output values per thread: hdv ≤ 256 = 4 · 64.
-const PER: u32 = 4u;
 
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> sc: array<f32, 256>;
 
-@compute @workgroup_size(64)
+// A key's score against the query in `qs`: the dot product of hdk values, the key f16 from word kb on, in two
+// sums so that two loads are in flight.
+fn score(kb: u32) -> f32 {
+    let hw = p.hdk / 2u;
+    var s0 = 0.0;
+    var s1 = 0.0;
+    var i = 0u;
+    for (; i + 1u < hw; i += 2u) {
+        let a = unpack2x16float(k[kb + i]);
+        let b = unpack2x16float(k[kb + i + 1u]);
+        s0 += qs[2u * i] * a.x + qs[2u * i + 1u] * a.y;
+        s1 += qs[2u * i + 2u] * b.x + qs[2u * i + 3u] * b.y;
+    }
+    if (i < hw) {
+        let a = unpack2x16float(k[kb + i]);
+        s0 += qs[2u * i] * a.x + qs[2u * i + 1u] * a.y;
+    }
+    return (s0 + s1) * p.scale;
+}
+
+// Value dimension d of position `at` (f16, two to a word).
+fn value(at: u32, d: u32) -> f32 {
+    let vi = at * p.hdv + d;
+    let vv = unpack2x16float(v[vi >> 1u]);
+    return select(vv.x, vv.y, (vi & 1u) == 1u);
+}
+
+// Each thread scores one position of a chunk. For the weighted sum of values, thread li takes dimension
+// li % hdv of the positions j ≡ g (mod ng), g = li / hdv: ng = 256 / hdv groups of threads (4 for heads of 64)
+// walk a chunk's positions side by side, two at a time, and their sums are added at the end.
+@compute @workgroup_size(256)
 fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wid.x;
     let t = wid.y;
@@ -62,51 +90,58 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     workgroupBarrier();
 
     let kbase = kvh * p.n_ctx * p.hdk;
-    let vbase = kvh * p.n_ctx * p.hdv;
+    let vpos = kvh * p.n_ctx;
+    let ng = WG / p.hdv;
+    let g = li / p.hdv;
+    let d = li % p.hdv;
     var m = -3.0e38;
     var l = 0.0;
-    var acc: array<f32, 4>;
+    var acc = 0.0;
     for (var c0 = lo; c0 < hi; c0 += CHUNK) {
         let n = min(CHUNK, hi - c0);
-        // Scores of this chunk, and their maximum.
-        var cmax = -3.0e38;
-        for (var j = li; j < n; j += WG) {
-            let kb = (kbase + (c0 + j) * p.hdk) >> 1u;
-            var s = 0.0;
-            for (var i = 0u; i < p.hdk / 2u; i++) {
-                let kv = unpack2x16float(k[kb + i]);
-                s += qs[2u * i] * kv.x + qs[2u * i + 1u] * kv.y;
-            }
-            s *= p.scale;
-            sc[j] = s;
-            cmax = max(cmax, s);
+        // This thread's score, and the chunk's maximum.
+        var s = -3.0e38;
+        if (li < n) {
+            s = score((kbase + (c0 + li) * p.hdk) >> 1u);
+            sc[li] = s;
         }
-        let mnew = max(m, reduce_max(li, cmax));
-        // Exponentials, their sum, and the rescaling of what came before.
-        var part = 0.0;
-        for (var j = li; j < n; j += WG) {
-            let e = exp(sc[j] - mnew);
-            sc[j] = e;
-            part += e;
+        let mnew = max(m, reduce_max(li, s));
+        // Exponentials, their sum (whose barriers publish `sc`), and the rescaling of what came before.
+        var e = 0.0;
+        if (li < n) {
+            e = exp(s - mnew);
+            sc[li] = e;
         }
-        let csum = reduce_sum(li, part);
+        let csum = reduce_sum(li, e);
         let f = exp(m - mnew);
         l = l * f + csum;
         m = mnew;
-        // Each thread's output values: dimension li + 64·r.
-        for (var r = 0u; r < PER; r++) {
-            let d = li + WG * r;
-            if (d < p.hdv) {
-                var s = acc[r] * f;
-                for (var j = 0u; j < n; j++) {
-                    let vi = vbase + (c0 + j) * p.hdv + d;
-                    let vv = unpack2x16float(v[vi >> 1u]);
-                    s += sc[j] * select(vv.x, vv.y, (vi & 1u) == 1u);
-                }
-                acc[r] = s;
+        if (g < ng) {
+            var a0 = acc * f;
+            var a1 = 0.0;
+            var j = g;
+            for (; j + ng < n; j += 2u * ng) {
+                a0 += sc[j] * value(vpos + c0 + j, d);
+                a1 += sc[j + ng] * value(vpos + c0 + j + ng, d);
             }
+            if (j < n) {
+                a0 += sc[j] * value(vpos + c0 + j, d);
+            }
+            acc = a0 + a1;
         }
         workgroupBarrier();
+    }
+    // The groups' sums added: group g's in sc[g·hdv + d], summed by the first hdv threads.
+    if (g < ng) {
+        sc[li] = acc;
+    }
+    workgroupBarrier();
+    if (li >= p.hdv) {
+        return;
+    }
+    var o = 0.0;
+    for (var gg = 0u; gg < ng; gg++) {
+        o += sc[gg * p.hdv + li];
     }
     if (p.n_split > 1u) {
         let pb = ((t * p.n_head + h) * p.n_split + z) * (p.hdv + 2u);
@@ -114,26 +149,15 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             part[pb] = m;
             part[pb + 1u] = l;
         }
-        for (var r = 0u; r < PER; r++) {
-            let d = li + WG * r;
-            if (d < p.hdv) {
-                part[pb + 2u + d] = acc[r];
-            }
-        }
+        part[pb + 2u + li] = o;
         return;
     }
-    let ob = (t * p.n_head + h) * p.hdv;
-    for (var r = 0u; r < PER; r++) {
-        let d = li + WG * r;
-        if (d < p.hdv) {
-            out[ob + d] = acc[r] / l;
-        }
-    }
+    out[(t * p.n_head + h) * p.hdv + li] = o / l;
 }
 
 // A row's splits combined, one workgroup per (head, row): each split's sum and outputs rescaled to the largest
 // maximum. A split with no positions has maximum -3e38 and sum 0, so it adds nothing.
-@compute @workgroup_size(64)
+@compute @workgroup_size(256)
 fn merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wid.x;
     let t = wid.y;
