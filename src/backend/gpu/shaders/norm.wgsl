@@ -72,26 +72,26 @@ fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         return;
     }
     let base = r * p.width;
+    // The sum of squares of the new residual is taken as it is written (from the value in hand, not read back).
+    var part = 0.0;
     if (p.post != 0u) {
-        var part = 0.0;
+        var ypart = 0.0;
         for (var i = li; i < p.width; i += WG) {
             let v = io[base + i];
-            part += v * v;
+            ypart += v * v;
         }
-        let scale = inv_rms(li, part);
+        let yscale = inv_rms(li, ypart);
         for (var i = li; i < p.width; i += WG) {
-            let y = io[base + i] * scale * pw[i];
-            res[base + i] += y;
+            let v = res[base + i] + io[base + i] * yscale * pw[i];
+            res[base + i] = v;
+            part += v * v;
         }
     } else {
         for (var i = li; i < p.width; i += WG) {
-            res[base + i] += io[base + i];
+            let v = res[base + i] + io[base + i];
+            res[base + i] = v;
+            part += v * v;
         }
-    }
-    var part = 0.0;
-    for (var i = li; i < p.width; i += WG) {
-        let v = res[base + i];
-        part += v * v;
     }
     let scale = inv_rms(li, part);
     for (var i = li; i < p.width; i += WG) {
