@@ -381,7 +381,12 @@ impl<'g> Pass<'g> {
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") });
         let enc = std::mem::replace(&mut self.enc, next);
+        let started = std::time::Instant::now();
         self.gpu.queue.submit([enc.finish()]);
+        if let Some(pr) = self.gpu.profiler() {
+            // Part of "host recording": what the flushes' submissions cost the host.
+            pr.add("host flushing", started.elapsed().as_nanos() as f64);
+        }
         Ok(())
     }
 

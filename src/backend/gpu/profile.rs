@@ -49,7 +49,7 @@ impl Profiler {
         labels.insert(pipeline.clone(), format!("{key}::{entry}"));
     }
 
-    fn add(&self, what: &str, ns: f64) {
+    pub(super) fn add(&self, what: &str, ns: f64) {
         let mut totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
         let e = totals.entry(what.to_string()).or_default();
         e.0 += 1;
