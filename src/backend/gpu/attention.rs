@@ -54,8 +54,13 @@ impl Pass<'_> {
             a.n_head_kv
         );
         ensure!(
-            a.hdk.is_multiple_of(2) && a.hdv.is_multiple_of(2) && a.hdk <= MAX_HEAD && a.hdv <= MAX_HEAD,
-            "GPU attention takes even head sizes up to {MAX_HEAD}, not {} and {}",
+            a.hdk > 0
+                && a.hdv > 0
+                && a.hdk.is_multiple_of(2)
+                && a.hdv.is_multiple_of(2)
+                && a.hdk <= MAX_HEAD
+                && a.hdv <= MAX_HEAD,
+            "GPU attention takes even head sizes from 2 to {MAX_HEAD}, not {} and {}",
             a.hdk,
             a.hdv
         );
