@@ -127,6 +127,7 @@ mod tests {
             "64 values are not a Q8_K block"
         );
     }
+
     /// `f16.wgsl`'s rounding is the CPU's conversion (`half`, ties to even) bit for bit: on ties, below f16's least
     /// normal number, at and past its largest, and on random values of every scale. (NVIDIA's driver drops
     /// `unpack2x16float(pack2x16float(x))`, which it replaced, so this is what keeps the Q8_0 scales the CPU's.)
