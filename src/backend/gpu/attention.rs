@@ -19,7 +19,30 @@ fn busy() -> usize {
     *BUSY.get_or_init(|| env_number("BATON_GPU_ATTN_BUSY", |&v: &usize| v >= 1, 1024))
 }
 
-/// Positions per split and splits per (head, row) for `pairs` (head, row) pairs over the first `span` positions: one
+/// Rows a workgroup attends for a batch of `n_tok` (the shader's ROWS): 4 from 4 rows on, which share the keys
+/// and values it loads, else 1. `BATON_GPU_ATTN_ROWS=1` keeps one row a workgroup, to measure.
+fn rows_for(n_tok: usize) -> usize {
+    static ROWS: OnceLock<usize> = OnceLock::new();
+    let most = *ROWS.get_or_init(|| env_number("BATON_GPU_ATTN_ROWS", |&v: &usize| v == 1 || v == 4, 4));
+    if n_tok >= 4 { most } else { 1 }
+}
+
+/// The module's head for `rows` rows a workgroup: ROWS, and the helpers that set (`lane`) and get (`pick`) a row's
+/// component of a `Red` (f32 for one row, vec4<f32> for 4).
+fn rows_head(rows: usize) -> String {
+    let (set, get) = if rows == 1 {
+        ("*v = x;", "v")
+    } else {
+        ("(*v)[r] = x;", "v[r]")
+    };
+    format!(
+        "const ROWS: u32 = {rows}u;\n\
+         fn lane(v: ptr<function, Red>, r: u32, x: f32) {{ {set} }}\n\
+         fn pick(v: Red, r: u32) -> f32 {{ return {get}; }}\n"
+    )
+}
+
+/// Positions per split and splits per (group of rows, head) for `pairs` such pairs over the first `span` positions: one
 /// split when the pairs alone keep the GPU busy or the span is one chunk, else up to `busy() / pairs` splits of whole
 /// 256-position chunks (the shader's).
 fn attention_splits(pairs: usize, span: usize) -> (u32, u32) {
@@ -86,13 +109,20 @@ impl Pass<'_> {
         if a.n_tok == 0 {
             return Ok(());
         }
-        let pipeline =
-            self.reducing_pipeline("attention", "attend", &[], || module(&[wgsl::REDUCE, wgsl::ATTENTION]))?;
+        let rows = rows_for(a.n_tok);
+        let (red, key) = if rows == 1 {
+            ("f32", "attention")
+        } else {
+            ("vec4<f32>", "attention4")
+        };
+        let source = || module(&[&rows_head(rows), wgsl::REDUCE, wgsl::ATTENTION]);
+        let pipeline = self.reducing_pipeline_of(red, key, "attend", &[], source)?;
         let window = match a.window {
             Some(w) => u32_of(w.max(1), "window")?,
             None => 0,
         };
-        let (split, n_split) = attention_splits(a.n_tok * a.n_head, pos.max() as usize + 1);
+        let tiles = a.n_tok.div_ceil(rows);
+        let (split, n_split) = attention_splits(tiles * a.n_head, pos.max() as usize + 1);
         let params = [
             u32_of(a.n_tok, "rows")?,
             u32_of(a.n_head, "heads")?,
@@ -119,10 +149,9 @@ impl Pass<'_> {
             (5, &out.buf),
             (6, &part.buf),
         ];
-        self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, a.n_tok as u32, n_split));
+        self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, tiles as u32, n_split));
         if n_split > 1 {
-            let merge =
-                self.reducing_pipeline("attention", "merge", &[], || module(&[wgsl::REDUCE, wgsl::ATTENTION]))?;
+            let merge = self.reducing_pipeline_of(red, key, "merge", &[], source)?;
             let bufs = [(5, &out.buf), (6, &part.buf)];
             self.dispatch(&merge, &params, &bufs, (a.n_head as u32, a.n_tok as u32, 1));
         }
@@ -168,8 +197,8 @@ mod tests {
         out
     }
 
-    /// Decode (one row) and a batch of rows, with GQA, contexts shorter and longer than one 256-position chunk,
-    /// a sliding window, and head sizes of 32 to 256: within 2e-5 of the CPU. Outputs are weighted means of V values
+    /// Decode (one row) and batches of rows (one and four a workgroup), with GQA, contexts shorter and longer than
+    /// one 256-position chunk, a sliding window, and head sizes of 32 to 256: within 2e-5 of the CPU. Outputs are weighted means of V values
     /// of magnitude ≤ 1; the two sum the scores and weights in another order, and the exponentials differ by an ulp
     /// or two.
     #[test]
@@ -188,6 +217,13 @@ mod tests {
             // key words (70 = 35 words: the score's tail).
             (6, 2, 96, vec![300], None),
             (4, 2, 70, vec![2, 400], None),
+            // Batches of 4 rows a workgroup: a last group of 1 row; rows far apart in one group (row 10's range
+            // ends chunks before row 690's), with and without a window that starts every row's range elsewhere;
+            // and few groups on a long context, split over positions and merged.
+            (8, 2, 64, (0..17).map(|i| i * 41).collect(), None),
+            (4, 2, 64, vec![10, 600, 20, 690, 300], None),
+            (4, 2, 64, vec![10, 600, 20, 690, 300], Some(100)),
+            (2, 1, 128, vec![696, 697, 698, 699], None),
         ];
         for (n_head, n_head_kv, hd, pos, window) in cases {
             let a = AttnShape {
@@ -241,5 +277,16 @@ mod tests {
         assert_eq!(super::attention_splits(32, 256), (u32::MAX, 1));
         assert_eq!(super::attention_splits(16384, 4096), (u32::MAX, 1));
         assert_eq!(super::attention_splits(512, 4096), (2048, 2));
+    }
+
+    /// Four rows a workgroup from batches of four on; the module heads set and get a row's component.
+    #[test]
+    fn rows_a_workgroup() {
+        assert_eq!((super::rows_for(1), super::rows_for(3)), (1, 1));
+        if std::env::var("BATON_GPU_ATTN_ROWS").is_err() {
+            assert_eq!((super::rows_for(4), super::rows_for(512)), (4, 4));
+        }
+        assert!(super::rows_head(1).contains("const ROWS: u32 = 1u;") && super::rows_head(1).contains("*v = x;"));
+        assert!(super::rows_head(4).contains("(*v)[r] = x;") && super::rows_head(4).contains("return v[r];"));
     }
 }

@@ -30,14 +30,15 @@ pub(super) fn usable_size(adapter: &wgpu::Adapter) -> u32 {
     size.min(64)
 }
 
-/// The snippet a reducing module starts with: `SG` and the shuffles where `sg > 0`, else `SG = 0` and stubs. (No
+/// The snippet a reducing module starts with: `Red`, the type its reductions take (`red`: `f32`, or `vec4<f32>`
+/// for attention's rows), then `SG` and the shuffles where `sg > 0`, else `SG = 0` and stubs. (No
 /// `enable subgroups;`: naga takes the subgroup built-ins where the device has the feature, and refuses the
 /// directive.)
-pub(super) fn head(sg: u32) -> String {
+pub(super) fn head(sg: u32, red: &str) -> String {
     if sg == 0 {
-        return wgsl::SUBGROUP_OFF.to_string();
+        return format!("alias Red = {red};\n{}", wgsl::SUBGROUP_OFF);
     }
-    format!("const SG: u32 = {sg}u;\n{}", wgsl::SUBGROUP)
+    format!("alias Red = {red};\nconst SG: u32 = {sg}u;\n{}", wgsl::SUBGROUP)
 }
 
 /// The probe: each thread of a workgroup of 64 and of 256 asks its shuffle partners at every distance below `SG`
@@ -74,7 +75,7 @@ pub(super) fn probe(gpu: &Gpu) -> Result<bool> {
     let bad = gpu.upload_u32(&[0])?;
     let mut pass = gpu.pass();
     for entry in ["probe64", "probe256"] {
-        let pipeline = gpu.pipeline("subgroup_probe", entry, &[], || module(&[&head(sg), PROBE]))?;
+        let pipeline = gpu.pipeline("subgroup_probe", entry, &[], || module(&[&head(sg, "f32"), PROBE]))?;
         pass.dispatch(&pipeline, &[1], &[(1, &bad.buf)], (8, 1, 1));
     }
     pass.read_u32(&bad, 0, 1)?;
@@ -84,8 +85,8 @@ pub(super) fn probe(gpu: &Gpu) -> Result<bool> {
 }
 
 impl Pass<'_> {
-    /// The pipeline of `entry` in a module that reduces: `source` after the subgroup snippet this pass uses, the
-    /// key naming its `SG`.
+    /// The pipeline of `entry` in a module that reduces f32 values: `source` after the subgroup snippet this pass
+    /// uses, the key naming its `SG`.
     pub(super) fn reducing_pipeline(
         &self,
         key: &str,
@@ -93,9 +94,21 @@ impl Pass<'_> {
         constants: &[(&str, f64)],
         source: impl FnOnce() -> String,
     ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+        self.reducing_pipeline_of("f32", key, entry, constants, source)
+    }
+
+    /// [`Pass::reducing_pipeline`] of a module whose reductions take `red` values (`key` tells the types apart).
+    pub(super) fn reducing_pipeline_of(
+        &self,
+        red: &str,
+        key: &str,
+        entry: &'static str,
+        constants: &[(&str, f64)],
+        source: impl FnOnce() -> String,
+    ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
         let sg = self.subgroup;
         self.gpu().pipeline(&format!("{key}/sg{sg}"), entry, constants, || {
-            module(&[&head(sg), &source()])
+            module(&[&head(sg, red), &source()])
         })
     }
 
@@ -125,8 +138,9 @@ mod tests {
 
     #[test]
     fn head_shuffles_only_with_a_size() {
-        assert!(super::head(0).contains("const SG: u32 = 0u;"));
-        assert!(!super::head(0).contains("subgroupShuffleXor"));
-        assert!(super::head(32).starts_with("const SG: u32 = 32u;") && super::head(32).contains("subgroupShuffleXor"));
+        let (off, on) = (super::head(0, "f32"), super::head(32, "vec4<f32>"));
+        assert!(off.starts_with("alias Red = f32;") && off.contains("const SG: u32 = 0u;"));
+        assert!(!off.contains("subgroupShuffleXor"));
+        assert!(on.starts_with("alias Red = vec4<f32>;\nconst SG: u32 = 32u;") && on.contains("subgroupShuffleXor"));
     }
 }

@@ -1,10 +1,15 @@
-// Causal attention over the f16 KV cache, one workgroup of 256 threads per (query head, row, split): the row at
-// position pos[t] attends to positions lo..=pos[t] (lo = 0, or the sliding window's start). Positions go in chunks
-// of 256 with a streaming softmax: each chunk's scores are kept in workgroup memory, the running maximum, sum and
-// output are rescaled when the maximum grows. Query head h reads KV head h / (n_head / n_head_kv) (GQA).
+// Causal attention over the f16 KV cache, one workgroup of 256 threads per (query head, ROWS rows, split): the
+// row at position pos[t] attends to positions lo..=pos[t] (lo = 0, or the sliding window's start). Positions go in
+// chunks of 256 with a streaming softmax: each chunk's scores are kept in workgroup memory, the running maximum, sum
+// and output are rescaled when the maximum grows. Query head h reads KV head h / (n_head / n_head_kv) (GQA).
+//
+// ROWS is 1 (Red = f32) for a decode step, 4 (Red = vec4<f32>, a row a component) for a batch: the module's head
+// (attention.rs) defines ROWS, Red and the two helpers `lane` and `pick`. A batch's 4 rows then share each key and
+// value the workgroup loads, a quarter of the loads of one row a workgroup, and the vector arithmetic is the same
+// per row as the scalar. Rows past the batch, and positions outside a row's range, score -3e38 and weigh 0.
 //
 // A decode step has few (head, row) pairs, far fewer workgroups than a GPU runs at once, so the positions are also
-// split (flash decoding): with n_split > 1, workgroup z takes positions z·split..(z+1)·split of the row's range and
+// split (flash decoding): with n_split > 1, workgroup z takes positions z·split..(z+1)·split of the rows' range and
 // writes its running maximum, sum and unnormalised output to `part`, and `merge` combines a row's splits.
 //
 // Cache layout, as the CPU's (engine::kv_cache): K [n_head_kv, n_ctx, hdk], V [n_head_kv, n_ctx, hdv], f16
@@ -36,15 +41,16 @@ struct Params {
 const WG: u32 = 256u;
 const CHUNK: u32 = 256u;
 
-var<workgroup> qs: array<f32, 256>;
-var<workgroup> sc: array<f32, 256>;
+// The rows' queries (dimension i of row r in qs[i][r]) and a chunk's weights.
+var<workgroup> qs: array<Red, 256>;
+var<workgroup> sc: array<Red, 256>;
 
-// A key's score against the query in `qs`: the dot product of hdk values, the key f16 from word kb on, in two
+// A key's scores against the queries in `qs`: the dot products of hdk values, the key f16 from word kb on, in two
 // sums so that two loads are in flight.
-fn score(kb: u32) -> f32 {
+fn score(kb: u32) -> Red {
     let hw = p.hdk / 2u;
-    var s0 = 0.0;
-    var s1 = 0.0;
+    var s0 = Red(0.0);
+    var s1 = Red(0.0);
     var i = 0u;
     for (; i + 1u < hw; i += 2u) {
         let a = unpack2x16float(k[kb + i]);
@@ -66,26 +72,43 @@ fn value(at: u32, d: u32) -> f32 {
     return select(vv.x, vv.y, (vi & 1u) == 1u);
 }
 
-// Each thread scores one position of a chunk. For the weighted sum of values, thread li takes dimension
-// li % hdv of the positions j ≡ g (mod ng), g = li / hdv: ng = 256 / hdv groups of threads (4 for heads of 64)
-// walk a chunk's positions side by side, two at a time, and their sums are added at the end.
+// Each thread scores one position of a chunk (for every row). For the weighted sum of values, thread li takes
+// dimension li % hdv of the positions j ≡ g (mod ng), g = li / hdv: ng = 256 / hdv groups of threads (4 for heads
+// of 64) walk a chunk's positions side by side, two at a time, and their sums are added at the end.
 @compute @workgroup_size(256)
 fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wid.x;
-    let t = wid.y;
+    let t0 = wid.y * ROWS;
     let z = wid.z;
     let kvh = h / (p.n_head / p.n_head_kv);
-    var hi = pos[t] + 1u;
-    var lo = 0u;
-    if (p.window > 0u && hi > p.window) {
-        lo = hi - p.window;
+    // Each row's range rlo..rhi (empty past the batch), and the workgroup's lo..hi, which holds them all.
+    var rlo: array<u32, ROWS>;
+    var rhi: array<u32, ROWS>;
+    var lo = 0xffffffffu;
+    var hi = 0u;
+    for (var r = 0u; r < ROWS; r++) {
+        rlo[r] = 0u;
+        rhi[r] = 0u;
+        if (t0 + r < p.n_tok) {
+            rhi[r] = pos[t0 + r] + 1u;
+            if (p.window > 0u && rhi[r] > p.window) {
+                rlo[r] = rhi[r] - p.window;
+            }
+            lo = min(lo, rlo[r]);
+            hi = max(hi, rhi[r]);
+        }
     }
     // This split's part of lo..hi (maybe none).
     lo = max(lo, z * p.split);
     hi = min(hi, (z + 1u) * p.split);
-    let qb = (t * p.n_head + h) * p.hdk;
     for (var i = li; i < p.hdk; i += WG) {
-        qs[i] = q[qb + i];
+        var qv = Red(0.0);
+        for (var r = 0u; r < ROWS; r++) {
+            if (t0 + r < p.n_tok) {
+                lane(&qv, r, q[((t0 + r) * p.n_head + h) * p.hdk + i]);
+            }
+        }
+        qs[i] = qv;
     }
     workgroupBarrier();
 
@@ -94,22 +117,27 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let ng = WG / p.hdv;
     let g = li / p.hdv;
     let d = li % p.hdv;
-    var m = -3.0e38;
-    var l = 0.0;
-    var acc = 0.0;
+    var m = Red(-3.0e38);
+    var l = Red(0.0);
+    var acc = Red(0.0);
     for (var c0 = lo; c0 < hi; c0 += CHUNK) {
         let n = min(CHUNK, hi - c0);
-        // This thread's score, and the chunk's maximum.
-        var s = -3.0e38;
+        // This thread's scores, those of rows whose range holds the position, and the chunk's maxima.
+        var s = Red(-3.0e38);
         if (li < n) {
-            s = score((kbase + (c0 + li) * p.hdk) >> 1u);
-            sc[li] = s;
+            let at = c0 + li;
+            let all = score((kbase + at * p.hdk) >> 1u);
+            for (var r = 0u; r < ROWS; r++) {
+                if (at >= rlo[r] && at < rhi[r]) {
+                    lane(&s, r, pick(all, r));
+                }
+            }
         }
         let mnew = max(m, reduce_max(li, s));
-        // Exponentials, their sum (whose barriers publish `sc`), and the rescaling of what came before.
-        var e = 0.0;
+        // Exponentials (0 where there is no score), their sum (whose barriers publish `sc`), and the rescaling of
+        // what came before.
+        let e = select(Red(0.0), exp(s - mnew), s > Red(-1.0e38));
         if (li < n) {
-            e = exp(s - mnew);
             sc[li] = e;
         }
         let csum = reduce_sum(li, e);
@@ -118,7 +146,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         m = mnew;
         if (g < ng) {
             var a0 = acc * f;
-            var a1 = 0.0;
+            var a1 = Red(0.0);
             var j = g;
             for (; j + ng < n; j += 2u * ng) {
                 a0 += sc[j] * value(vpos + c0 + j, d);
@@ -139,20 +167,26 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     if (li >= p.hdv) {
         return;
     }
-    var o = 0.0;
+    var o = Red(0.0);
     for (var gg = 0u; gg < ng; gg++) {
         o += sc[gg * p.hdv + li];
     }
-    if (p.n_split > 1u) {
-        let pb = ((t * p.n_head + h) * p.n_split + z) * (p.hdv + 2u);
-        if (li == 0u) {
-            part[pb] = m;
-            part[pb + 1u] = l;
+    for (var r = 0u; r < ROWS; r++) {
+        let t = t0 + r;
+        if (t >= p.n_tok) {
+            break;
         }
-        part[pb + 2u + li] = o;
-        return;
+        if (p.n_split > 1u) {
+            let pb = ((t * p.n_head + h) * p.n_split + z) * (p.hdv + 2u);
+            if (li == 0u) {
+                part[pb] = pick(m, r);
+                part[pb + 1u] = pick(l, r);
+            }
+            part[pb + 2u + li] = pick(o, r);
+        } else {
+            out[(t * p.n_head + h) * p.hdv + li] = pick(o, r) / pick(l, r);
+        }
     }
-    out[(t * p.n_head + h) * p.hdv + li] = o / l;
 }
 
 // A row's splits combined, one workgroup per (head, row): each split's sum and outputs rescaled to the largest

@@ -2,18 +2,19 @@
 // the subgroup snippets (subgroup.rs). On a GPU whose subgroups are 32 wide a workgroup of 64 takes 2 barriers
 // where a tree in workgroup memory took 7, one of 256 takes 2 where it took 9.
 
-var<workgroup> red: array<f32, WG>;
+var<workgroup> red: array<Red, WG>;
 
-fn combine(a: f32, b: f32, is_max: bool) -> f32 {
+fn combine(a: Red, b: Red, is_max: bool) -> Red {
     return select(a + b, max(a, b), is_max);
 }
 
-// The maximum (`is_max`) or the sum of x over the workgroup, for every thread: runs of w = SG threads by subgroup
-// shuffles (subgroup.wgsl; without subgroups, SG = 0, each thread is its own run), halved in workgroup memory until
+// The maximum (`is_max`) or the sum of x (of type Red, see subgroup.wgsl: a vector's componentwise) over the
+// workgroup, for every thread: runs of w = SG threads by subgroup shuffles (subgroup.wgsl; without subgroups,
+// SG = 0, each thread is its own run), halved in workgroup memory until
 // at most 8 runs' results are left (none to halve where subgroups are 32 wide; Metal's least size, 4, leaves 64
 // runs in 256 threads), which every thread then combines in order. Every thread of the workgroup calls it (it holds
 // barriers), and it ends with a barrier, so the next call may write `red`.
-fn reduce(li: u32, x: f32, is_max: bool) -> f32 {
+fn reduce(li: u32, x: Red, is_max: bool) -> Red {
     let w = max(min(SG, WG), 1u);
     // Every thread of a run holds the run's result, so red[i] is run(i) for every i.
     var v = x;
@@ -40,10 +41,10 @@ fn reduce(li: u32, x: f32, is_max: bool) -> f32 {
     return r;
 }
 
-fn reduce_max(li: u32, x: f32) -> f32 {
+fn reduce_max(li: u32, x: Red) -> Red {
     return reduce(li, x, true);
 }
 
-fn reduce_sum(li: u32, x: f32) -> f32 {
+fn reduce_sum(li: u32, x: Red) -> Red {
     return reduce(li, x, false);
 }

@@ -2,10 +2,10 @@
 
 const SG: u32 = 0u;
 
-fn run_sum(v: f32, w: u32) -> f32 {
+fn run_sum(v: Red, w: u32) -> Red {
     return v;
 }
 
-fn run_max(v: f32, w: u32) -> f32 {
+fn run_max(v: Red, w: u32) -> Red {
     return v;
 }
