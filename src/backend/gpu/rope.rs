@@ -67,7 +67,7 @@ impl Gpu {
 }
 
 fn source() -> String {
-    module(&[wgsl::REDUCE, wgsl::ROPE])
+    module(&[wgsl::F16, wgsl::REDUCE, wgsl::ROPE])
 }
 
 /// A shader's offset of an optional vector, checked to be `len` long.
@@ -337,7 +337,8 @@ mod tests {
                     ("the host's run", got_run, &run),
                 ] {
                     for (i, (g, e)) in got.iter().zip(want).enumerate() {
-                        // WGSL leaves pack2x16float's rounding to the implementation: one f16 step at most.
+                        // Rounded to f16 as the CPU rounds, from f32 values that may differ by an ulp (the
+                        // rotation's and the norm's order of sums): one f16 step at most.
                         let step = (e.to_f32().abs() * 2f32.powi(-10)).max(6e-8);
                         assert!(
                             (g.to_f32() - e.to_f32()).abs() <= step,

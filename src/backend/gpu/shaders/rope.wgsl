@@ -132,7 +132,9 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let head_run = p.fresh_at + h * (k_rows + p.n_tok * p.hdv / 2u);
     let f = head_run + select(k_rows + t * p.hdv / 2u, t * p.hdk / 2u, kind == 1u);
     for (var i = li; i < hd / 2u; i += WG) {
-        let w = pack2x16float(vec2<f32>(hv[2u * i], hv[2u * i + 1u]));
+        // Rounded as the CPU rounds (f16.wgsl): pack2x16float's own rounding is the implementation's, and of
+        // values that are f16 already every implementation's is exact.
+        let w = pack2x16float(vec2<f32>(f16_round(hv[2u * i]), f16_round(hv[2u * i + 1u])));
         if (kind == 1u) {
             kc[at + i] = w;
         } else {
