@@ -42,9 +42,9 @@ fn rows_head(rows: usize) -> String {
     )
 }
 
-/// Positions per split and splits per (group of rows, head) for `pairs` such pairs over the first `span` positions: one
-/// split when the pairs alone keep the GPU busy or the span is one chunk, else up to `busy() / pairs` splits of whole
-/// 256-position chunks (the shader's).
+/// Positions per split and splits per (head, group of rows) for `pairs` such pairs over the first `span` positions:
+/// one split when the pairs alone keep the GPU busy or the span is one chunk, else up to `busy() / pairs` splits of
+/// whole 256-position chunks (the shader's).
 fn attention_splits(pairs: usize, span: usize) -> (u32, u32) {
     const CHUNK: usize = 256;
     let chunks = span.div_ceil(CHUNK);
@@ -198,9 +198,9 @@ mod tests {
     }
 
     /// Decode (one row) and batches of rows (one and four a workgroup), with GQA, contexts shorter and longer than
-    /// one 256-position chunk, a sliding window, and head sizes of 32 to 256: within 2e-5 of the CPU. Outputs are weighted means of V values
-    /// of magnitude ≤ 1; the two sum the scores and weights in another order, and the exponentials differ by an ulp
-    /// or two.
+    /// one 256-position chunk, a sliding window, and head sizes of 32 to 256: within 2e-5 of the CPU. Outputs are
+    /// weighted means of V values of magnitude ≤ 1; the two sum the scores and weights in another order, and the
+    /// exponentials differ by an ulp or two.
     #[test]
     fn attention_matches_cpu() {
         let Some(gpu) = test_gpu() else { return };
@@ -267,8 +267,8 @@ mod tests {
         }
     }
 
-    /// Decode steps are split over positions in whole chunks until about `busy()` (1024) workgroups run; batches that fill
-    /// the GPU by themselves, and spans of one chunk, are not.
+    /// Decode steps are split over positions in whole chunks until about `busy()` (1024) workgroups run; batches
+    /// that fill the GPU by themselves, and spans of one chunk, are not.
     #[test]
     fn attention_splits_fill_the_gpu() {
         assert_eq!(super::attention_splits(32, 4096), (256, 16));

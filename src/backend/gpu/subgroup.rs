@@ -3,9 +3,10 @@
 //!
 //! A decode step is mostly small dispatches whose last act is a reduction: a mat-vec's 32 lanes of a row, a norm's
 //! 256 threads, attention's maxima and sums. In workgroup memory each is a tree of a barrier a level (6 for 32
-//! lanes, 8 for 256 threads); across 32-wide subgroups it is shuffles and at most two barriers. The shaders that reduce take
-//! `SG` (the adapter's least subgroup size, 0 without subgroups) and `run_sum` / `run_max`, from one of the two
-//! snippets [`head`] picks, so one WGSL text holds both paths and the tests run both on lavapipe (subgroups of 8).
+//! lanes, 8 for 256 threads); across 32-wide subgroups it is shuffles and at most two barriers. The shaders that
+//! reduce take `SG` (the adapter's least subgroup size, 0 without subgroups) and `run_sum` / `run_max` over `Red`
+//! (f32, or attention's vec4 of rows), from one of the two snippets [`head`] picks, so one WGSL text holds both
+//! paths and the tests run both on lavapipe (subgroups of 8).
 //!
 //! The shuffles take a run of `w ≤ SG` threads to be aligned consecutive invocations of one subgroup. WGSL does not
 //! promise that of a 1-D workgroup, so [`probe`] checks it at load on every workgroup size the reducing shaders
