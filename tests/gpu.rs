@@ -164,7 +164,7 @@ fn handoff_between_backends_gives_the_local_output() {
                 let (logits, rep) = prefill_with_fallback(&mut s, Some(&mut pn), &prompt, k).unwrap();
                 assert!(rep.fallback.is_none(), "{what}, {k} layers: {rep:?}\n{}", node.log());
                 let d = max_abs_diff(&logits, &l);
-                let scale = l.iter().fold(1.0f32, |a, v| a.max(v.abs()));
+                let scale = logit_scale(&l);
                 assert!(
                     d <= 1e-3 * scale,
                     "{arch:?} {what}, {k} layers: logits differ by {d} of {scale}"
@@ -198,7 +198,7 @@ fn pipeline_with_a_stage_on_each_backend() {
         let mut p = PipelineSession::connect(&spec, &m, o).unwrap();
         let logits = p.eval_logits(&prompt).unwrap();
         let d = max_abs_diff(&logits, &ref_logits);
-        let scale = ref_logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let scale = logit_scale(&ref_logits);
         assert!(d <= 1e-3 * scale, "{spec}: logits differ by {d} of a scale of {scale}");
         let mut toks = vec![argmax(&logits)];
         while toks.len() < 8 {

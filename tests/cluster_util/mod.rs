@@ -375,6 +375,11 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
 }
 
+/// The scale logits are compared at: their largest magnitude, at least 1 (so 1e-3 of it is never under 1e-3).
+pub fn logit_scale(logits: &[f32]) -> f32 {
+    logits.iter().fold(1.0f32, |m, x| m.max(x.abs()))
+}
+
 /// Prefill and decode speed of the local run: (pp tokens/s, tg tokens/s).
 pub fn bench_local(model: &Path, threads: usize, prompt: &[u32], tg: usize) -> (f64, f64) {
     let m = Arc::new(Model::load(model).unwrap());

@@ -10,10 +10,10 @@ fn combine(a: Red, b: Red, is_max: bool) -> Red {
 
 // The maximum (`is_max`) or the sum of x (of type Red, see subgroup.wgsl: a vector's componentwise) over the
 // workgroup, for every thread: runs of w = SG threads by subgroup shuffles (subgroup.wgsl; without subgroups,
-// SG = 0, each thread is its own run), halved in workgroup memory until
-// at most 8 runs' results are left (none to halve where subgroups are 32 wide; Metal's least size, 4, leaves 64
-// runs in 256 threads), which every thread then combines in order. Every thread of the workgroup calls it (it holds
-// barriers), and it ends with a barrier, so the next call may write `red`.
+// SG = 0, each thread is its own run), halved in workgroup memory until at most 8 runs' results are left (none to
+// halve where subgroups are 32 wide; Metal's least size, 4, leaves 64 runs in 256 threads), which every thread
+// then combines in order. Every thread of the workgroup calls it (it holds barriers), and it ends with a barrier,
+// so the next call may write `red`.
 fn reduce(li: u32, x: Red, is_max: bool) -> Red {
     let w = max(min(SG, WG), 1u);
     // Every thread of a run holds the run's result, so red[i] is run(i) for every i.
