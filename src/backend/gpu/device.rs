@@ -65,6 +65,8 @@ pub struct Gpu {
     profiler: Option<super::profile::Profiler>,
     /// The subgroup size the reducing shaders count on, 0 where they keep workgroup memory (subgroup.rs).
     subgroup: u32,
+    /// The size S of the matrix units the batches' matmuls may take (coop.rs), 0 where there are none.
+    coop: u32,
 }
 
 /// Preference among real adapters: a discrete GPU over an integrated one over anything else that is not software.
@@ -123,13 +125,33 @@ impl Gpu {
             features |= wgpu::Features::SUBGROUP;
         }
         let mut profiler = super::profile::Profiler::from_env(&adapter, &mut features);
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-            label: Some("baton"),
-            required_features: features,
-            required_limits: limits.clone(),
-            ..Default::default()
-        }))
-        .with_context(|| format!("opening GPU adapter {}", info.name))?;
+        let mut coop = super::coop::size_for(&adapter, subgroup);
+        let open = |features: wgpu::Features| {
+            let experimental = if features.contains(super::coop::FEATURES) {
+                // SAFETY: wgpu marks cooperative matrices experimental: its implementation may have bugs that are
+                // undefined behaviour. The kernel that uses them is checked at load (`coop::probe`) and by the
+                // tests against the CPU's products, and `BATON_GPU_COOPMAT=0` opens the device without them.
+                unsafe { wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                wgpu::ExperimentalFeatures::disabled()
+            };
+            pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+                label: Some("baton"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: experimental,
+                ..Default::default()
+            }))
+        };
+        let opened = match coop {
+            0 => open(features),
+            _ => open(features | super::coop::FEATURES).or_else(|e| {
+                tracing::warn!("GPU {}: no matrix units ({e}); opening without them", info.name);
+                coop = 0;
+                open(features)
+            }),
+        };
+        let (device, queue) = opened.with_context(|| format!("opening GPU adapter {}", info.name))?;
         let error = Arc::new(Mutex::new(None::<String>));
         let sink = error.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
@@ -154,6 +176,7 @@ impl Gpu {
             iq_grid: std::sync::OnceLock::new(),
             profiler,
             subgroup,
+            coop,
         };
         if subgroup > 0 {
             // A driver whose subgroups are not runs of consecutive threads, or whose shuffles fail to compile or
@@ -171,20 +194,51 @@ impl Gpu {
                 gpu.subgroup = 0;
             }
         }
+        if gpu.coop > 0 {
+            // The kernel counts on the subgroups above; and a driver whose units do not multiply as expected keeps
+            // the f32 tiled kernel.
+            let probed = match gpu.subgroup {
+                0 => Ok(false),
+                _ => super::coop::probe(&gpu, gpu.coop),
+            };
+            let why = match probed {
+                _ if gpu.subgroup == 0 => Some("no usable subgroups".to_string()),
+                Ok(true) => None,
+                Ok(false) => Some("a test multiplication came out wrong".to_string()),
+                Err(e) => Some(format!("{e:#}")),
+            };
+            if let Some(why) = why {
+                tracing::warn!("GPU {}: not using its matrix units ({why})", gpu.info.name);
+                gpu.coop = 0;
+            }
+        }
         Ok(gpu)
     }
 
     /// Name, kind and API of the adapter, as printed at load: `llvmpipe (LLVM 15.0.6, 256 bits) (Cpu, Vulkan,
-    /// driver llvmpipe Mesa 22.3.6 (LLVM 15.0.6), subgroups of 8)`.
+    /// driver llvmpipe Mesa 22.3.6 (LLVM 15.0.6), subgroups of 8)`, and the matrix units where the batches'
+    /// matmuls take them (`, 16x16 f16 matrix units`).
     pub fn describe(&self) -> String {
         let subgroups = match self.subgroup {
             0 => "no subgroups".to_string(),
             n => format!("subgroups of {n}"),
         };
+        let units = match self.coop {
+            0 => String::new(),
+            s if self.is_software() && super::coop::wanted() != Some(true) => {
+                format!(", {s}x{s} f16 matrix units unused (software; BATON_GPU_COOPMAT=1 uses them)")
+            }
+            s => format!(", {s}x{s} f16 matrix units"),
+        };
         format!(
-            "{} ({:?}, {:?}, driver {} {}, {subgroups})",
+            "{} ({:?}, {:?}, driver {} {}, {subgroups}{units})",
             self.info.name, self.info.device_type, self.info.backend, self.info.driver, self.info.driver_info
         )
+    }
+
+    /// The size S of the matrix units the batches' matmuls may take (coop.rs), 0 where there are none.
+    pub fn coop(&self) -> u32 {
+        self.coop
     }
 
     /// The subgroup size the reducing shaders count on, 0 where they reduce in workgroup memory (subgroup.rs).

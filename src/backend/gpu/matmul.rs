@@ -70,7 +70,7 @@ pub(super) fn gpu_lanes() -> u32 {
 }
 
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
-fn wgsl_type(ty: GgmlType) -> &'static str {
+pub(super) fn wgsl_type(ty: GgmlType) -> &'static str {
     use GgmlType::*;
     match ty {
         F32 => "f32",
@@ -249,9 +249,9 @@ fn own_name(ty: GgmlType) -> &'static str {
     if has_dot(ty) { wgsl_type(ty) } else { "dq" }
 }
 
-/// The matmul module (`kernel`: per-row or tiled) for weights of type `ty`: the dequantizer instantiated for both
-/// weight buffers, and for the per-row kernel the dot products.
-fn source(ty: GgmlType, kernel: &str) -> String {
+/// The matmul module (`kernel`: per-row, tiled or matrix-unit) for weights of type `ty`: the dequantizer
+/// instantiated for both weight buffers, and for the per-row kernel the dot products.
+pub(super) fn source(ty: GgmlType, kernel: &str) -> String {
     let weights = [("wa", "a"), ("wb", "b")];
     let dot = if kernel == wgsl::MATMUL {
         dots(ty, &weights)
@@ -276,6 +276,18 @@ pub(super) fn act_code(glu: Glu) -> u32 {
     }
 }
 
+/// A matmul's input as its kernel reads it: f32 rows (a batch's rounded as the CPU's, act8.rs) and, for the
+/// matrix-unit kernel, their halves (coop.rs).
+#[derive(Clone)]
+struct Input {
+    x: Tensor,
+    halves: Option<Tensor>,
+}
+
+/// The last input made in an op, by the activation grid it was rounded to (`None`: not rounded), which a matmul of
+/// the same grid takes again.
+type Memo = Option<(Option<GgmlType>, Input)>;
+
 impl Pass<'_> {
     /// `y[t] = W · x[t]` for the `n` rows of `x` (`[n, w.cols]`) into `y` (`[n, w.rows]`).
     pub fn matmul(&mut self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
@@ -297,7 +309,7 @@ impl Pass<'_> {
         let mut memo = None;
         for (w, at) in ws {
             self.check_mm(w, x, n, y, (at, stride))?;
-            let xr = self.round_for(w, x, n, &mut memo)?;
+            let xr = self.input_for(w, x, n, &mut memo)?;
             self.mm(w, None, Glu::Silu, &xr, n, y, (at, stride))?;
         }
         Ok(())
@@ -326,14 +338,14 @@ impl Pass<'_> {
         let out = (0, gate.rows);
         self.check_mm(gate, x, n, h, out)?;
         if gate.ty == up.ty && same_parts(gate, up) {
-            let x = self.round_for(gate, x, n, &mut None)?;
+            let x = self.input_for(gate, x, n, &mut None)?;
             return self.mm(gate, Some(up), glu, &x, n, h, out);
         }
         let u = self.scratch(n * up.rows)?;
         let mut memo = None;
-        let xg = self.round_for(gate, x, n, &mut memo)?;
+        let xg = self.input_for(gate, x, n, &mut memo)?;
         self.mm(gate, None, glu, &xg, n, h, out)?;
-        let xu = self.round_for(up, x, n, &mut memo)?;
+        let xu = self.input_for(up, x, n, &mut memo)?;
         self.mm(up, None, glu, &xu, n, &u, out)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
@@ -362,29 +374,35 @@ impl Pass<'_> {
     }
 
     /// What a matmul of `w` over `n` rows of `x` reads: a batch rounded as the CPU's (act8.rs), a decode step's
-    /// row as it is. `memo` holds the last rounding of `x` in this op, which a matmul of the same activation grid
-    /// takes again (Q4_K_M's Q4_K and Q6_K both round to Q8_K) instead of a dispatch of its own.
-    fn round_for(
-        &mut self,
-        w: &GpuMatrix,
-        x: &Tensor,
-        n: usize,
-        memo: &mut Option<(GgmlType, Tensor)>,
-    ) -> Result<Tensor> {
-        let Some(act) = act8::act_type(w.ty).filter(|_| n > 1) else {
-            return Ok(x.clone());
+    /// row as it is, and the halves of either where the matrix-unit kernel takes the batch (coop.rs). `memo` holds
+    /// the last input made from `x` in this op, which a matmul of the same activation grid takes again (Q4_K_M's
+    /// Q4_K and Q6_K both round to Q8_K) instead of dispatches of its own.
+    fn input_for(&mut self, w: &GpuMatrix, x: &Tensor, n: usize, memo: &mut Memo) -> Result<Input> {
+        let act = act8::act_type(w.ty).filter(|_| n > 1);
+        let mut input = match memo.take() {
+            Some((done, input)) if done == act => input,
+            _ => Input {
+                x: self.rounded_for(w, x, n)?,
+                halves: None,
+            },
         };
-        if let Some((done, t)) = memo
-            && *done == act
-        {
-            return Ok(t.clone());
+        if input.halves.is_none() && self.takes_coop(w, n) {
+            input.halves = Some(self.halves(&input.x, n, w.cols)?);
         }
-        let t = self.act8(act, x, n * w.cols)?;
-        *memo = Some((act, t.clone()));
-        Ok(t)
+        *memo = Some((act, input.clone()));
+        Ok(input)
     }
 
-    /// The matmul of `w` (with `up`, the fused GLU) over `x` as [`Pass::round_for`] gives it, outputs into columns
+    /// The `n` rows of `x` as a matmul of `w` reads them in f32: a batch rounded as the CPU's (act8.rs), a decode
+    /// step's row as it is.
+    fn rounded_for(&mut self, w: &GpuMatrix, x: &Tensor, n: usize) -> Result<Tensor> {
+        match act8::act_type(w.ty).filter(|_| n > 1) {
+            Some(act) => self.act8(act, x, n * w.cols),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// The matmul of `w` (with `up`, the fused GLU) over `x` as [`Pass::input_for`] gives it, outputs into columns
     /// `out.0..out.0 + w.rows` of rows of `out.1` values.
     #[allow(clippy::too_many_arguments)]
     fn mm(
@@ -392,12 +410,11 @@ impl Pass<'_> {
         w: &GpuMatrix,
         up: Option<&GpuMatrix>,
         glu: Glu,
-        x: &Tensor,
+        x: &Input,
         n: usize,
         y: &Tensor,
         (at, stride): (usize, usize),
     ) -> Result<()> {
-        // Rows and tokens per workgroup.
         let tiled = n >= self.tiled_min;
         let entry = match (up.is_some(), n == 1 && !tiled) {
             (false, true) => "matvec",
@@ -405,13 +422,22 @@ impl Pass<'_> {
             (false, false) => "matmul",
             (true, false) => "matmul_glu",
         };
-        let (pipeline, rpw, tt) = if tiled {
-            let pipeline = self.tiled_pipeline(w.ty, entry)?;
-            let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
-            (pipeline, rows, TILE_TOKENS)
-        } else {
-            let (pipeline, rpw) = self.row_pipeline(w.ty, entry)?;
-            (pipeline, rpw, TT)
+        // The kernel, its rows and tokens per workgroup, and the activations' bindings: f32 (at 2, and at 7 as
+        // the kernels' vector view), or the matrix-unit kernel's halves at 7.
+        let halves = x.halves.as_ref().filter(|_| tiled && self.takes_coop(w, n));
+        let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
+        let (pipeline, rpw, tt, xb) = match halves {
+            Some(h) => (self.coop_pipeline(w.ty, entry)?, rows, TILE_TOKENS, vec![(7, &h.buf)]),
+            None if tiled => (
+                self.tiled_pipeline(w.ty, entry)?,
+                rows,
+                TILE_TOKENS,
+                vec![(2, &x.x.buf), (7, &x.x.buf)],
+            ),
+            None => {
+                let (pipeline, rpw) = self.row_pipeline(w.ty, entry)?;
+                (pipeline, rpw, TT, vec![(2, &x.x.buf), (7, &x.x.buf)])
+            }
         };
         let tiles = u32_of(n.div_ceil(tt), "matmul tokens")?;
         ensure!(
@@ -422,21 +448,20 @@ impl Pass<'_> {
             let units = w.cols.div_ceil(UNIT);
             let slices = k_slices(w.rows.div_ceil(rpw) * tiles as usize, units, self.ksplit_target);
             if slices > 1 && tiles as usize * slices <= 65535 {
-                return self.mm_split(w, &pipeline, x, n, y, (at, stride), (tiles, slices));
+                return self.mm_split(w, &pipeline, &xb, n, y, (at, stride), (tiles, slices));
             }
         }
         for (i, part) in w.parts.iter().enumerate() {
             let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
             let params = mm_params(w, (at + part.row0, part.rows), n, gx, glu, stride, 0)?;
-            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf)];
+            let mut bufs = vec![(1, &part.buf), (3, &y.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
             } else if tiled {
                 // The tiled kernels share one body that names both matrices; the plain one never reads the second.
                 bufs.push((4, &part.buf));
             }
-            // The kernels' vector view of the activations.
-            bufs.push((7, &x.buf));
+            bufs.extend(xb.iter().copied());
             bufs.extend(self.grid_binding(w.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         }
@@ -467,14 +492,15 @@ impl Pass<'_> {
             .pipeline(&key, entry, &constants, || source(ty, wgsl::MATMUL_TILED))
     }
 
-    /// A tiled matmul of a one-part matrix with its columns in `slices`: each slice's partial products into
-    /// [`Pass::partials`] (`[slice, token, row]`), then `reduce_k` adds them into `y`.
+    /// A tiled (or matrix-unit) matmul of a one-part matrix with its columns in `slices`, the activations bound as
+    /// `xb`: each slice's partial products into [`Pass::partials`] (`[slice, token, row]`), then the tiled module's
+    /// `reduce_k` adds them into `y`.
     #[allow(clippy::too_many_arguments)]
     fn mm_split(
         &mut self,
         w: &GpuMatrix,
         pipeline: &wgpu::ComputePipeline,
-        x: &Tensor,
+        xb: &[(u32, &wgpu::Buffer)],
         n: usize,
         y: &Tensor,
         (at, stride): (usize, usize),
@@ -491,13 +517,8 @@ impl Pass<'_> {
             Ok(p)
         };
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(TILE_ROWS), "matmul rows")?);
-        let mut bufs = vec![
-            (1, &part.buf),
-            (2, &x.buf),
-            (3, &parts.buf),
-            (4, &part.buf),
-            (7, &x.buf),
-        ];
+        let mut bufs = vec![(1, &part.buf), (3, &parts.buf), (4, &part.buf)];
+        bufs.extend(xb.iter().copied());
         bufs.extend(self.grid_binding(w.ty)?);
         self.dispatch(pipeline, &params(gx)?, &bufs, (gx, gy, tiles * k_split));
         let reduce = self.tiled_pipeline(w.ty, "reduce_k")?;
@@ -599,7 +620,7 @@ impl Pass<'_> {
         let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
         let m = &w.mat;
         // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
-        let x = &self.round_for(m, x, n_picks / x_div.max(1), &mut None)?;
+        let x = &self.rounded_for(m, x, n_picks / x_div.max(1))?;
         let (pipeline, rpw) = self.row_pipeline(m.ty, entry)?;
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         for (i, part) in m.parts.iter().enumerate() {
@@ -873,6 +894,127 @@ mod tests {
                     assert!(
                         (got[i] as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
                         "{tg}/{tu} {rows}x{cols} n {n} {glu:?} kernel {lanes}/{tiled_min} out {i}: {} vs {}",
+                        got[i],
+                        want[0]
+                    );
+                }
+            }
+        }
+    }
+
+    /// What the matrix-unit kernel (coop.rs) multiplies, and the exact product of it: each weight (the CPU's
+    /// dequantization) rounded to f16, each activation (a batch's rounded as the CPU's first, act8.rs) scaled by
+    /// its row's power of two as `halves.wgsl` does and rounded to f16; with the exact product of the unrounded
+    /// ones ([`reference`]) and the products' magnitude.
+    fn f16_reference(w: &Matrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (exact, mag) = reference(w, x, n);
+        let half = |v: f32| half::f16::from_f32(v).to_f32();
+        let wf: Vec<f32> = w.to_f32().into_iter().map(half).collect();
+        let xr = super::super::act8::cpu_rounded(w.ty, &x[..n * w.cols]);
+        let mut e16 = Vec::new();
+        for t in 0..n {
+            let row = &xr[t * w.cols..(t + 1) * w.cols];
+            let m = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let k = (((m.to_bits() >> 23) & 0xff) as i32 - 127 - 14).max(0);
+            let (down, up) = (2f32.powi(-k), 2f32.powi(k));
+            let xs: Vec<f32> = row.iter().map(|&v| half(v * down) * up).collect();
+            for r in 0..w.rows {
+                let wr = &wf[r * w.cols..(r + 1) * w.cols];
+                e16.push(wr.iter().zip(&xs).map(|(a, b)| *a as f64 * *b as f64).sum());
+            }
+        }
+        (e16, exact, mag)
+    }
+
+    /// Against the f16 products: f32 sums in another order, and a weight whose f32 dequantization on the device
+    /// differs from the CPU's in the last bit may round to the neighbouring f16 (2^-11 of one product).
+    const TOL_F16: f64 = 1e-4;
+    /// Against the exact product of the unrounded values: f16's rounding of each weight and activation, 2^-11
+    /// relative each.
+    const TOL_HALVES: f64 = 2e-3;
+
+    /// The matrix-unit kernel (coop.rs) for every type it takes (all but F32 and BF16): within [`TOL_F16`] of the
+    /// exact product of its f16 inputs and [`TOL_HALVES`] of the unrounded one, for batches of partial tiles, in
+    /// parts, with the columns split (split-K), and with a token of values past f16's range (1e6), which its row's
+    /// scale brings back. Prints SKIPPED on an adapter without matrix units (scripts/test-coopmat runs it on Mesa
+    /// 26's lavapipe).
+    #[test]
+    fn coop_matmul_matches_f16_products() {
+        let Some(gpu) = test_gpu() else { return };
+        if gpu.coop() == 0 {
+            println!("SKIPPED: {} has no matrix units wgpu can use", gpu.describe());
+            return;
+        }
+        let mut rng = Rng(2109);
+        for ty in TYPES.into_iter().filter(|t| !matches!(t, F32 | BF16)) {
+            let cols = if ty.block_size() == 256 { 768 } else { 96 };
+            for (rows, n, part, split) in [(6, 11, 2, 0), (70, 37, 48, 0), (131, 70, 0, 0), (131, 70, 0, 1 << 20)] {
+                let w = random_matrix(&mut rng, ty, rows, cols);
+                let mut x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+                x[3 * cols..4 * cols].iter_mut().for_each(|v| *v *= 1e6);
+                let gw = match part {
+                    0 => gpu.upload_matrix(&w).unwrap(),
+                    _ => gpu.upload_matrix_in_parts(&w, part * w.row_bytes() + 8).unwrap(),
+                };
+                let (gx, gy) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
+                let mut pass = gpu.pass().with_coop(true).with_tiled_min(1).with_ksplit(split);
+                assert!(pass.takes_coop(&gw, n), "{ty}");
+                pass.matmul(&gw, &gx, n, &gy).unwrap();
+                pass.finish().unwrap();
+                let got = gpu.read(&gy).unwrap();
+                let (e16, exact, mag) = f16_reference(&w, &x, n);
+                for (i, &g) in got.iter().enumerate() {
+                    let g = g as f64;
+                    assert!(
+                        (g - e16[i]).abs() <= TOL_F16 * mag[i] + 1e-6 && (g - exact[i]).abs() <= TOL_HALVES * mag[i] + 1e-6,
+                        "{ty} {rows}x{cols} n {n} part {part} split {split} out {i}: GPU {g} vs f16 {} exact {} (magnitude {})",
+                        e16[i],
+                        exact[i],
+                        mag[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// The fused gate/up projection on the matrix units: act(gate·x)·(up·x) of the f16 products, for both
+    /// activations, fused (one type) and not (gate and up of different types, each on the units), on partial
+    /// tiles. SKIPPED without matrix units, as above.
+    #[test]
+    fn coop_matmul_glu_matches_f16_products() {
+        let Some(gpu) = test_gpu() else { return };
+        if gpu.coop() == 0 {
+            println!("SKIPPED: {} has no matrix units wgpu can use", gpu.describe());
+            return;
+        }
+        let mut rng = Rng(2110);
+        let (rows, cols, n) = (45, 256, 67);
+        for (tg, tu) in [(Q4K, Q4K), (Q8_0, Q8_0), (Q4K, Q6K)] {
+            let gate = random_matrix(&mut rng, tg, rows, cols);
+            let up = random_matrix(&mut rng, tu, rows, cols);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
+            let (ge, _, gm) = f16_reference(&gate, &x, n);
+            let (ue, _, um) = f16_reference(&up, &x, n);
+            let (gg, gu) = (gpu.upload_matrix(&gate).unwrap(), gpu.upload_matrix(&up).unwrap());
+            let gx = gpu.upload(&x).unwrap();
+            for glu in [Glu::Silu, Glu::Gelu] {
+                let h = gpu.zeros(n * rows).unwrap();
+                let mut pass = gpu.pass().with_coop(true).with_tiled_min(1);
+                pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
+                pass.finish().unwrap();
+                let got = gpu.read(&h).unwrap();
+                for i in 0..n * rows {
+                    let mut want = [ge[i] as f32];
+                    glu.apply(&mut want, &[ue[i] as f32]);
+                    let err = TOL_F16 * (gm[i] * (ue[i].abs() + 1.0) + um[i] * (ge[i].abs() + 1.0));
+                    let f16 = if glu == Glu::Gelu {
+                        2e-3 * (ge[i].abs() + 0.2) * ue[i].abs()
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (got[i] as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
+                        "{tg}/{tu} {glu:?} out {i}: {} vs {}",
                         got[i],
                         want[0]
                     );

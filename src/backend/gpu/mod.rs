@@ -25,6 +25,7 @@
 pub mod act8;
 pub mod attention;
 pub mod buffers;
+pub mod coop;
 pub mod device;
 pub mod elementwise;
 pub mod embed;
@@ -54,6 +55,8 @@ mod wgsl {
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
     pub const DOT: &str = include_str!("shaders/dot.wgsl");
     pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
+    pub const MATMUL_COOP: &str = include_str!("shaders/matmul_coop.wgsl");
+    pub const HALVES: &str = include_str!("shaders/halves.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
     pub const NORM: &str = include_str!("shaders/norm.wgsl");
     pub const ROPE: &str = include_str!("shaders/rope.wgsl");
@@ -96,6 +99,8 @@ pub struct Binds {
     /// A batch's activations rounded for a matmul ([`Pass::rounded`]), apart from the two above, which the
     /// matmul may be writing.
     rounded: Mutex<Option<Tensor>>,
+    /// The same activations as f16 for the matrix-unit matmul ([`Pass::halves`]), made from `rounded`.
+    halves: Mutex<Option<Tensor>>,
     /// The buffer [`Pass::finish_read`] copies back through, kept rather than made for every decode step; unmapped
     /// between uses, dropped after a failed read.
     staging: Mutex<Option<wgpu::Buffer>>,
@@ -160,6 +165,9 @@ pub struct Pass<'g> {
     /// The subgroup size the reducing shaders count on: the adapter's ([`Gpu::subgroup`]), or 0 for the
     /// workgroup-memory trees ([`Pass::with_subgroups`]).
     subgroup: u32,
+    /// The matrix units' size S the batches' matmuls take (coop.rs), 0 for the f32 tiled kernel: the adapter's
+    /// ([`Gpu::coop`]) on a GPU, 0 on a software adapter unless `BATON_GPU_COOPMAT=1` ([`Pass::with_coop`]).
+    coop: u32,
 }
 
 impl Gpu {
@@ -183,6 +191,11 @@ impl Gpu {
             dispatches: 0,
             stamps: profile::Stamps::new(self),
             subgroup: self.subgroup(),
+            coop: if self.is_software() && coop::wanted() != Some(true) {
+                0
+            } else {
+                self.coop()
+            },
         }
     }
 
@@ -315,6 +328,11 @@ impl<'g> Pass<'g> {
     /// [`Pass::scratch`] for the rounded activations of [`Pass::act8`].
     fn rounded(&self, n: usize) -> Result<Tensor> {
         self.kept(n, |b| &b.rounded)
+    }
+
+    /// [`Pass::scratch`] for the halves of [`Pass::halves`].
+    fn kept_halves(&self, n: usize) -> Result<Tensor> {
+        self.kept(n, |b| &b.halves)
     }
 
     fn kept(&self, n: usize, slot: impl Fn(&Binds) -> &Mutex<Option<Tensor>>) -> Result<Tensor> {
