@@ -49,8 +49,7 @@ pub(super) fn size_for(adapter: &wgpu::Adapter, subgroup: u32) -> u32 {
     }
     let info = adapter.get_info();
     let limits = adapter.limits();
-    if info.subgroup_min_size != info.subgroup_max_size || limits.max_compute_invocations_per_workgroup < 4 * subgroup
-    {
+    if info.subgroup_min_size != info.subgroup_max_size || limits.max_compute_invocations_per_workgroup < 4 * subgroup {
         return 0;
     }
     let props = adapter.cooperative_matrix_properties();
@@ -174,6 +173,41 @@ mod tests {
                 gpu.describe()
             ),
             s => assert!(super::probe(&gpu, s).unwrap(), "{}", gpu.describe()),
+        }
+    }
+
+    /// `halves.wgsl`: each row's values times 2^-k in f16 and 2^k after the rows, k the least that brings the
+    /// row's largest magnitude under 2^15: 0 for small values and for zeros, 1 just past 2^15, 5 at 1e6 (2^19.9).
+    /// On any adapter (it needs neither f16 nor matrix units).
+    #[test]
+    fn halves_scale_rows_into_f16() {
+        let Some(gpu) = test_gpu() else { return };
+        let cols = 300;
+        let rows: [(f32, u32); 4] = [(3.0, 0), (0.0, 0), (40000.0, 1), (-1e6, 5)];
+        let x: Vec<f32> = rows
+            .iter()
+            .flat_map(|&(big, _)| (0..cols).map(move |i| big * ((i % 17) as f32 - 8.0) / 8.0))
+            .collect();
+        let gx = gpu.upload(&x).unwrap();
+        let mut pass = gpu.pass();
+        let h = pass.halves(&gx, rows.len(), cols).unwrap();
+        let words = rows.len() * cols / 2 + rows.len();
+        pass.read(&h, 0, words).unwrap();
+        let got: Vec<u32> = bytemuck::pod_collect_to_vec(&pass.finish_read().unwrap()[0]);
+        for (r, &(_, k)) in rows.iter().enumerate() {
+            let scale = f32::from_bits(got[rows.len() * cols / 2 + r]);
+            assert_eq!(scale, 2f32.powi(k as i32), "row {r}");
+            for c in 0..cols {
+                let word = got[(r * cols + c) / 2];
+                let bits = if c % 2 == 0 { word & 0xffff } else { word >> 16 };
+                // Within one f16 step: WGSL leaves `pack2x16float`'s rounding to the implementation.
+                let want = x[r * cols + c] / scale;
+                let got = half::f16::from_bits(bits as u16).to_f32();
+                assert!(
+                    (got - want).abs() <= want.abs() / 1024.0,
+                    "row {r} column {c}: {got} for {want}"
+                );
+            }
         }
     }
 

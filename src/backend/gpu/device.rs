@@ -65,8 +65,9 @@ pub struct Gpu {
     profiler: Option<super::profile::Profiler>,
     /// The subgroup size the reducing shaders count on, 0 where they keep workgroup memory (subgroup.rs).
     subgroup: u32,
-    /// The size S of the matrix units the batches' matmuls may take (coop.rs), 0 where there are none.
-    coop: u32,
+    /// The size S of the matrix units the batches' matmuls may take (coop.rs), 0 where there are none; set to 0
+    /// when a kernel for them fails to compile ([`Gpu::stop_coop`]).
+    coop: std::sync::atomic::AtomicU32,
 }
 
 /// Preference among real adapters: a discrete GPU over an integrated one over anything else that is not software.
@@ -176,7 +177,7 @@ impl Gpu {
             iq_grid: std::sync::OnceLock::new(),
             profiler,
             subgroup,
-            coop,
+            coop: coop.into(),
         };
         if subgroup > 0 {
             // A driver whose subgroups are not runs of consecutive threads, or whose shuffles fail to compile or
@@ -194,12 +195,12 @@ impl Gpu {
                 gpu.subgroup = 0;
             }
         }
-        if gpu.coop > 0 {
+        if gpu.coop() > 0 {
             // The kernel counts on the subgroups above; and a driver whose units do not multiply as expected keeps
             // the f32 tiled kernel.
             let probed = match gpu.subgroup {
                 0 => Ok(false),
-                _ => super::coop::probe(&gpu, gpu.coop),
+                _ => super::coop::probe(&gpu, gpu.coop()),
             };
             let why = match probed {
                 _ if gpu.subgroup == 0 => Some("no usable subgroups".to_string()),
@@ -209,7 +210,7 @@ impl Gpu {
             };
             if let Some(why) = why {
                 tracing::warn!("GPU {}: not using its matrix units ({why})", gpu.info.name);
-                gpu.coop = 0;
+                gpu.coop = 0.into();
             }
         }
         Ok(gpu)
@@ -223,7 +224,7 @@ impl Gpu {
             0 => "no subgroups".to_string(),
             n => format!("subgroups of {n}"),
         };
-        let units = match self.coop {
+        let units = match self.coop() {
             0 => String::new(),
             s if self.is_software() && super::coop::wanted() != Some(true) => {
                 format!(", {s}x{s} f16 matrix units unused (software; BATON_GPU_COOPMAT=1 uses them)")
@@ -238,7 +239,15 @@ impl Gpu {
 
     /// The size S of the matrix units the batches' matmuls may take (coop.rs), 0 where there are none.
     pub fn coop(&self) -> u32 {
-        self.coop
+        self.coop.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Gives up the matrix units for good, with a warning saying why (a kernel that does not compile on this
+    /// driver): the passes made from now on take the f32 tiled kernel.
+    pub(super) fn stop_coop(&self, why: &anyhow::Error) {
+        if self.coop.swap(0, std::sync::atomic::Ordering::Relaxed) > 0 {
+            tracing::warn!("GPU {}: not using its matrix units any more ({why:#})", self.info.name);
+        }
     }
 
     /// The subgroup size the reducing shaders count on, 0 where they reduce in workgroup memory (subgroup.rs).

@@ -425,9 +425,21 @@ impl Pass<'_> {
         // The kernel, its rows and tokens per workgroup, and the activations' bindings: f32 (at 2, and at 7 as
         // the kernels' vector view), or the matrix-unit kernel's halves at 7.
         let halves = x.halves.as_ref().filter(|_| tiled && self.takes_coop(w, n));
+        let coop = match halves {
+            None => None,
+            // A matrix-unit kernel the driver does not compile leaves the f32 tiled one, for good.
+            Some(h) => match self.coop_pipeline(w.ty, entry) {
+                Ok(pipeline) => Some((pipeline, h)),
+                Err(e) => {
+                    self.gpu().stop_coop(&e);
+                    self.coop = 0;
+                    None
+                }
+            },
+        };
         let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
-        let (pipeline, rpw, tt, xb) = match halves {
-            Some(h) => (self.coop_pipeline(w.ty, entry)?, rows, TILE_TOKENS, vec![(7, &h.buf)]),
+        let (pipeline, rpw, tt, xb) = match coop {
+            Some((pipeline, h)) => (pipeline, rows, TILE_TOKENS, vec![(7, &h.buf)]),
             None if tiled => (
                 self.tiled_pipeline(w.ty, entry)?,
                 rows,
@@ -966,7 +978,8 @@ mod tests {
                 for (i, &g) in got.iter().enumerate() {
                     let g = g as f64;
                     assert!(
-                        (g - e16[i]).abs() <= TOL_F16 * mag[i] + 1e-6 && (g - exact[i]).abs() <= TOL_HALVES * mag[i] + 1e-6,
+                        (g - e16[i]).abs() <= TOL_F16 * mag[i] + 1e-6
+                            && (g - exact[i]).abs() <= TOL_HALVES * mag[i] + 1e-6,
                         "{ty} {rows}x{cols} n {n} part {part} split {split} out {i}: GPU {g} vs f16 {} exact {} (magnitude {})",
                         e16[i],
                         exact[i],
