@@ -185,11 +185,11 @@ fn main() {
 
 /// `--gpu`: the GPU backend's matmuls on the adapter `BATON_GPU_ADAPTER` picks (default a hardware GPU), on Llama 3
 /// 8B's and 1B's shapes: each batch size (`BATON_BENCH_NS`, default 1,2,4,8,16,64,512) with the per-row kernel at
-/// several lane counts and the tiled one, as GB/s of weights and GFLOP/s; and the time one submission with a
-/// read-back takes to come back (a decode step makes one). Every matrix is uploaded in copies that together pass
-/// 256 MiB, taken in turn, so repeats are not served from the GPU's L2 cache (50 MB on an H100); a figure is the
-/// difference between `2r` and `r` dispatches in one submission (medians of 5), divided by `r`, so the submission's
-/// own cost drops out.
+/// several lane counts, the tiled one and, where the adapter has them, the matrix units' (coop.rs), as GB/s of
+/// weights and GFLOP/s; and the time one submission with a read-back takes to come back (a decode step makes one).
+/// Every matrix is uploaded in copies that together pass 256 MiB, taken in turn, so repeats are not served from the
+/// GPU's L2 cache (50 MB on an H100); a figure is the difference between `2r` and `r` dispatches in one submission
+/// (medians of 5), divided by `r`, so the submission's own cost drops out.
 fn gpu_main(filter: &str) {
     use GgmlType::*;
     use baton::backend::gpu::Binds;
@@ -262,9 +262,9 @@ fn gpu_main(filter: &str) {
         for &n in &ns {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
             let (x, y) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
-            // (kernel, lanes, tiled_min): lane counts for the per-row kernel at small batches, the tiled kernel
-            // from 2 tokens on.
-            let mut kernels: Vec<(String, u32, usize, Option<usize>)> = Vec::new();
+            // (kernel, lanes, tiled_min, split-K target, matrix units): lane counts for the per-row kernel at small
+            // batches, the f32 tiled kernel from 2 tokens on and, where the adapter has them, the matrix units'.
+            let mut kernels: Vec<(String, u32, usize, Option<usize>, bool)> = Vec::new();
             if n <= 64 {
                 let lanes: &[u32] = if gpu.is_software() {
                     &[1]
@@ -276,18 +276,26 @@ fn gpu_main(filter: &str) {
                 kernels.extend(
                     lanes
                         .iter()
-                        .map(|&l| (format!("per-row {l:>2} lanes"), l, usize::MAX, None)),
+                        .map(|&l| (format!("per-row {l:>2} lanes"), l, usize::MAX, None, false)),
                 );
             }
             if n >= 2 {
-                // The tiled kernel as a pass takes it (split-K where it has few tiles), and never split.
-                kernels.push(("tiled".into(), 16, 1, None));
-                kernels.push(("tiled, no split-K".into(), 16, 1, Some(0)));
+                // The tiled kernels as a pass takes them (split-K where they have few tiles), and never split.
+                kernels.push(("tiled".into(), 16, 1, None, false));
+                kernels.push(("tiled, no split-K".into(), 16, 1, Some(0), false));
+                if gpu.coop() > 0 {
+                    kernels.push(("matrix units".into(), 16, 1, None, true));
+                    kernels.push(("units, no split-K".into(), 16, 1, Some(0), true));
+                }
             }
-            for (kname, lanes, tiled_min, ksplit) in kernels {
+            for (kname, lanes, tiled_min, ksplit, coop) in kernels {
                 let run = |r: usize| {
                     time(5, || {
-                        let mut p = gpu.pass_cached(&binds).with_lanes(lanes).with_tiled_min(tiled_min);
+                        let mut p = gpu
+                            .pass_cached(&binds)
+                            .with_lanes(lanes)
+                            .with_tiled_min(tiled_min)
+                            .with_coop(coop);
                         if let Some(k) = ksplit {
                             p = p.with_ksplit(k);
                         }

@@ -6,7 +6,8 @@
 //! each 32-weight unit straight from its block with one token's activations (`dot.wgsl`: decode); `matmul` there
 //! dequantizes a unit once into registers and dots it with up to 8 tokens (small batches); `matmul_tiled.wgsl`
 //! dequantizes a tile of rows into workgroup memory and reuses it across 64 tokens (prefill); [`TILED_MIN`] picks
-//! (on a software adapter [`TILED_MIN_SOFTWARE`]).
+//! (on a software adapter [`TILED_MIN_SOFTWARE`]). Where the adapter has matrix units, the tiled matmuls take
+//! `matmul_coop.wgsl` instead (coop.rs).
 
 use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
 use super::device::grid;

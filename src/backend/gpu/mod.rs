@@ -11,6 +11,7 @@
 //! - `device.rs`: adapter choice (`auto` never opens a software adapter), the device and its pipelines.
 //! - `buffers.rs`: device buffers and uploads.
 //! - `matmul.rs`: quantized mat-vec / mat-mul and the fused gate/up projection.
+//! - `coop.rs`: a batch's matmul on the matrix units (cooperative matrices, f16 inputs) where the adapter has them.
 //! - `norm.rs`: RMSNorm, and the residual add fused with the next RMSNorm. `rope.rs`: Q/K/V biases, Q/K head norms,
 //!   RoPE (both styles) and the KV cache writes, in one dispatch. `elementwise.rs`: residual add, SwiGLU/GeGLU.
 //! - `embed.rs`: the embedding lookup of a batch's tokens.
