@@ -845,6 +845,26 @@ mod tests {
         }
     }
 
+    /// `got` is act(gate·x)·(up·x) of the exact sums `ge` and `ue` (magnitudes `gm`, `um`), each sum within `tol`
+    /// of its magnitude: through an activation of slope ≤ 1.13, plus GeGLU's f16 rounding.
+    fn assert_glu(got: &[f32], glu: Glu, (ge, gm): (&[f64], &[f64]), (ue, um): (&[f64], &[f64]), tol: f64, what: &str) {
+        for (i, &g) in got.iter().enumerate() {
+            let mut want = [ge[i] as f32];
+            glu.apply(&mut want, &[ue[i] as f32]);
+            let err = tol * (gm[i] * (ue[i].abs() + 1.0) + um[i] * (ge[i].abs() + 1.0));
+            let f16 = if glu == Glu::Gelu {
+                2e-3 * (ge[i].abs() + 0.2) * ue[i].abs()
+            } else {
+                0.0
+            };
+            assert!(
+                (g as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
+                "{what} out {i}: {g} vs {}",
+                want[0]
+            );
+        }
+    }
+
     /// The fused gate/up projection gives act(gate·x)·(up·x) for both activations, fused (one type, whole or split
     /// alike into parts; a grid i-quant, whose two dequantizers share the codebooks) and not (gate and up of different types, or split differently), through both kernels, on
     /// a small batch and one of partial tiles (45 rows: 32 + 13; 67 tokens: 64 + 3); the activations are checked
@@ -893,24 +913,8 @@ mod tests {
                     .with_ksplit(ksplit);
                 pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
                 pass.finish().unwrap();
-                let got = gpu.read(&h).unwrap();
-                for i in 0..n * rows {
-                    let mut want = [ge[i] as f32];
-                    glu.apply(&mut want, &[ue[i] as f32]);
-                    // Both sums within TOL, through an activation of slope ≤ 1.13, and GeGLU's f16 rounding.
-                    let err = TOL * (gm[i] * (ue[i].abs() + 1.0) + um[i] * (ge[i].abs() + 1.0));
-                    let f16 = if glu == Glu::Gelu {
-                        2e-3 * (ge[i].abs() + 0.2) * ue[i].abs()
-                    } else {
-                        0.0
-                    };
-                    assert!(
-                        (got[i] as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
-                        "{tg}/{tu} {rows}x{cols} n {n} {glu:?} kernel {lanes}/{tiled_min} out {i}: {} vs {}",
-                        got[i],
-                        want[0]
-                    );
-                }
+                let what = format!("{tg}/{tu} {rows}x{cols} n {n} {glu:?} kernel {lanes}/{tiled_min}");
+                assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), TOL, &what);
             }
         }
     }
@@ -1016,23 +1020,8 @@ mod tests {
                 let mut pass = gpu.pass().with_coop(true).with_tiled_min(1);
                 pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
                 pass.finish().unwrap();
-                let got = gpu.read(&h).unwrap();
-                for i in 0..n * rows {
-                    let mut want = [ge[i] as f32];
-                    glu.apply(&mut want, &[ue[i] as f32]);
-                    let err = TOL_F16 * (gm[i] * (ue[i].abs() + 1.0) + um[i] * (ge[i].abs() + 1.0));
-                    let f16 = if glu == Glu::Gelu {
-                        2e-3 * (ge[i].abs() + 0.2) * ue[i].abs()
-                    } else {
-                        0.0
-                    };
-                    assert!(
-                        (got[i] as f64 - want[0] as f64).abs() <= 1.2 * err + f16 + 1e-6,
-                        "{tg}/{tu} {glu:?} out {i}: {} vs {}",
-                        got[i],
-                        want[0]
-                    );
-                }
+                let what = format!("{tg}/{tu} {glu:?} on the matrix units");
+                assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), TOL_F16, &what);
             }
         }
     }
