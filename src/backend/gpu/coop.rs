@@ -49,7 +49,11 @@ pub(super) fn size_for(adapter: &wgpu::Adapter, subgroup: u32) -> u32 {
     }
     let info = adapter.get_info();
     let limits = adapter.limits();
-    if info.subgroup_min_size != info.subgroup_max_size || limits.max_compute_invocations_per_workgroup < 4 * subgroup {
+    let threads = 4 * subgroup;
+    if info.subgroup_min_size != info.subgroup_max_size
+        || limits.max_compute_invocations_per_workgroup < threads
+        || limits.max_compute_workgroup_size_x < threads
+    {
         return 0;
     }
     let props = adapter.cooperative_matrix_properties();
