@@ -26,13 +26,14 @@ pub(super) const FEATURES: wgpu::Features =
     wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
 
 /// `BATON_GPU_COOPMAT`: `Some(false)` for 0, `Some(true)` for 1, `None` unset (on for a hardware adapter that
-/// has the units, off for a software one).
+/// has the units, off for a software one). Read once: every pass asks.
 pub(super) fn wanted() -> Option<bool> {
-    match std::env::var("BATON_GPU_COOPMAT").ok()?.trim() {
+    static WANTED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| match std::env::var("BATON_GPU_COOPMAT").ok()?.trim() {
         "0" => Some(false),
         "1" => Some(true),
         _ => None,
-    }
+    })
 }
 
 /// Workgroup memory the kernel takes with S × S matrices: two tiles of 64 × 40 halves, and 2 S × S f32 blocks
