@@ -163,6 +163,21 @@ impl Pass<'_> {
     }
 }
 
+/// The test adapter ([`super::test_gpu`]) where it has matrix units; `None`, after printing SKIPPED with the
+/// reason, where it has none (`scripts/test-coopmat` runs the tests that ask on Mesa 26's lavapipe).
+#[cfg(test)]
+pub(super) fn test_units() -> Option<Arc<Gpu>> {
+    let gpu = super::test_gpu()?;
+    if gpu.coop() == 0 {
+        println!(
+            "SKIPPED: {} has no cooperative matrices wgpu can use (scripts/test-coopmat runs Mesa 26's lavapipe)",
+            gpu.describe()
+        );
+        return None;
+    }
+    Some(gpu)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_gpu;
@@ -171,14 +186,8 @@ mod tests {
     /// tests of the kernel print SKIPPED, which `scripts/test-coopmat` answers by running them on Mesa 26.
     #[test]
     fn probe_passes_where_there_are_units() {
-        let Some(gpu) = test_gpu() else { return };
-        match gpu.coop() {
-            0 => println!(
-                "SKIPPED: {} has no cooperative matrices wgpu can use (scripts/test-coopmat runs Mesa 26's lavapipe)",
-                gpu.describe()
-            ),
-            s => assert!(super::probe(&gpu, s).unwrap(), "{}", gpu.describe()),
-        }
+        let Some(gpu) = super::test_units() else { return };
+        assert!(super::probe(&gpu, gpu.coop()).unwrap(), "{}", gpu.describe());
     }
 
     /// `halves.wgsl`: each row's values times 2^-k in f16 and 2^k after the rows, k the least that brings the

@@ -198,15 +198,13 @@ impl Gpu {
         if gpu.coop() > 0 {
             // The kernel counts on the subgroups above; and a driver whose units do not multiply as expected keeps
             // the f32 tiled kernel.
-            let probed = match gpu.subgroup {
-                0 => Ok(false),
-                _ => super::coop::probe(&gpu, gpu.coop()),
-            };
-            let why = match probed {
-                _ if gpu.subgroup == 0 => Some("no usable subgroups".to_string()),
-                Ok(true) => None,
-                Ok(false) => Some("a test multiplication came out wrong".to_string()),
-                Err(e) => Some(format!("{e:#}")),
+            let why = match gpu.subgroup {
+                0 => Some("no usable subgroups".to_string()),
+                _ => match super::coop::probe(&gpu, gpu.coop()) {
+                    Ok(true) => None,
+                    Ok(false) => Some("a test multiplication came out wrong".to_string()),
+                    Err(e) => Some(format!("{e:#}")),
+                },
             };
             if let Some(why) = why {
                 tracing::warn!("GPU {}: not using its matrix units ({why})", gpu.info.name);
