@@ -9,6 +9,7 @@
 //! a disaggregated prefill's KV stream and imports see one cache whichever backend ran the layers.
 
 use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
+use super::matmul::Norm;
 use super::rope::{GpuRope, QkvExtras, fresh_halves};
 use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, KvLayers};
@@ -554,24 +555,33 @@ impl GpuLayers {
         if let Some(embd) = embd {
             pass.embed(embd, &self.tok, hp.embd_scale, &self.x)?;
         }
-        // The first layer's attention norm; every later one is fused with the residual add that ends the layer
-        // before it (`add_rms_norm`), as is the feed-forward's norm with the add after attention.
+        // A decode step folds the norms into the mat-vecs after them and the residual adds into those before
+        // them (`Pass::folds`): `folded` is the norm the next mat-vec applies to the residual stream `x`, where
+        // `xn` does not hold its input already. Otherwise the first layer's attention norm is a dispatch, and
+        // every later one is fused with the residual add that ends the layer before it (`add_rms_norm`), as is
+        // the feed-forward's norm with the add after attention. Gemma's post-norms (of a block's whole output,
+        // before the add) and a mixture's feed-forward keep the fused adds.
+        let decode = pass.folds(n);
+        let norm = |w| Norm { w, eps: hp.rms_eps };
+        let mut folded = None;
         if first < w.layers.end {
             let attn_norm = &w.w[first - w.layers.start].attn_norm;
-            pass.rms_norm(&self.x, attn_norm, hp.rms_eps, n, &self.xn)?;
+            if decode {
+                folded = Some(norm(attn_norm));
+            } else {
+                pass.rms_norm(&self.x, attn_norm, hp.rms_eps, n, &self.xn)?;
+            }
         }
         for il in first..w.layers.end {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
             let shape = hp.attn_shape(il, n);
-            pass.matmuls_at(
-                l.qkv.iter().map(|(m, at)| (m, *at)),
-                &self.xn,
-                n,
-                &self.qkv,
-                shape.qkv_width(),
-            )?;
+            let qkv = l.qkv.iter().map(|(m, at)| (m, *at));
+            match folded.take() {
+                Some(nm) => pass.matvecs_normed_at(qkv, &self.x, nm, &self.qkv, shape.qkv_width())?,
+                None => pass.matmuls_at(qkv, &self.xn, n, &self.qkv, shape.qkv_width())?,
+            }
             pass.rope_store(
                 rope,
                 &l.qkv_extras,
@@ -586,25 +596,46 @@ impl GpuLayers {
                 (&self.fresh, (il - first) * fresh_halves(&shape)),
             )?;
             pass.attend(&shape, &self.q, &kv.k, &kv.v, self.n_ctx, pos, &self.att)?;
-            pass.matmul(&l.wo, &self.att, n, &self.xn)?;
             let [post_attn, post_ffn] = match &l.post_norms {
                 Some([a, f]) => [Some(a), Some(f)],
                 None => [None, None],
             };
-            pass.add_rms_norm(&self.x, &self.xn, post_attn, &l.ffn_norm, hp.rms_eps, n)?;
-            match &l.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    pass.matmul_glu(gate, up, glu, &self.xn, n, &self.h)?;
-                    pass.matmul(down, &self.h, n, &self.xn)?;
-                }
-                Ffn::Moe(m) => self.moe_ffn(&mut pass, m, n)?,
+            let dense = matches!(l.ffn, Ffn::Dense { .. });
+            if decode && post_attn.is_none() && dense {
+                pass.matvec_add(&l.wo, &self.att, &self.x)?;
+                folded = Some(norm(&l.ffn_norm));
+            } else {
+                pass.matmul(&l.wo, &self.att, n, &self.xn)?;
+                pass.add_rms_norm(&self.x, &self.xn, post_attn, &l.ffn_norm, hp.rms_eps, n)?;
             }
             let next_norm = match (w.w.get(i + 1), &w.head) {
                 (Some(next), _) => Some(&next.attn_norm),
                 (None, Some(head)) if head_fused => Some(&head.norm),
                 _ => None,
             };
+            // The feed-forward into `xn`, or added into `x` by the down projection's mat-vec.
+            let added = match &l.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    match folded.take() {
+                        Some(nm) => pass.matvec_glu_normed(gate, up, glu, &self.x, nm, &self.h)?,
+                        None => pass.matmul_glu(gate, up, glu, &self.xn, n, &self.h)?,
+                    }
+                    if decode && post_ffn.is_none() {
+                        pass.matvec_add(down, &self.h, &self.x)?;
+                        folded = next_norm.map(norm);
+                        true
+                    } else {
+                        pass.matmul(down, &self.h, n, &self.xn)?;
+                        false
+                    }
+                }
+                Ffn::Moe(m) => {
+                    self.moe_ffn(&mut pass, m, n)?;
+                    false
+                }
+            };
             match next_norm {
+                _ if added => {}
                 Some(norm) => pass.add_rms_norm(&self.x, &self.xn, post_ffn, norm, hp.rms_eps, n)?,
                 None => {
                     if let Some(post) = post_ffn {
@@ -641,7 +672,12 @@ impl GpuLayers {
         // The first rows of the head go in this submission, the rest (all-rows logits) in their own.
         let mut chunks = rows.clone().step_by(self.head_rows.max(1));
         if let Some(r0) = chunks.next() {
-            self.head(&mut pass, r0..(r0 + self.head_rows).min(rows.end), head_fused)?;
+            let input = match (head_fused, folded) {
+                (true, Some(nm)) => HeadIn::Folded(nm),
+                (true, None) => HeadIn::Normed,
+                (false, _) => HeadIn::Raw,
+            };
+            self.head(&mut pass, r0..(r0 + self.head_rows).min(rows.end), input)?;
         }
         let dispatches = pass.dispatches();
         tracing::trace!(
@@ -682,7 +718,7 @@ impl GpuLayers {
         for r0 in chunks {
             let r1 = (r0 + self.head_rows).min(rows.end);
             let mut pass = self.pass();
-            self.head(&mut pass, r0..r1, false)?;
+            self.head(&mut pass, r0..r1, HeadIn::Raw)?;
             let got = pass.finish_read()?;
             let at = (r0 - rows.start) * nv;
             f32s_into(&got[0], &mut logits[at..at + (r1 - r0) * nv]);
@@ -728,16 +764,21 @@ impl GpuLayers {
     }
 
     /// Records the final norm and head over rows `rows` of the residual stream on the device, and the read of
-    /// their logits; `normed`: the last layer's add has left them normalised in `xn` already.
-    fn head(&self, pass: &mut super::Pass, rows: Range<usize>, normed: bool) -> Result<()> {
+    /// their logits.
+    fn head(&self, pass: &mut super::Pass, rows: Range<usize>, input: HeadIn) -> Result<()> {
         let (hp, head) = (&self.w.hp, self.w.head.as_ref().expect("checked by the caller"));
         let (e, n) = (hp.n_embd, rows.len());
-        if !normed {
-            pass.copy(&self.x, rows.start * e, &self.xn, 0, n * e)?;
-            pass.rms_norm_inplace(&self.xn, &head.norm, hp.rms_eps, n)?;
+        let nv = hp.n_vocab;
+        match input {
+            HeadIn::Normed => pass.matmul(&head.out, &self.xn, n, &self.logits)?,
+            HeadIn::Folded(nm) => pass.matvecs_normed_at([(&*head.out, 0)], &self.x, nm, &self.logits, nv)?,
+            HeadIn::Raw => {
+                pass.copy(&self.x, rows.start * e, &self.xn, 0, n * e)?;
+                pass.rms_norm_inplace(&self.xn, &head.norm, hp.rms_eps, n)?;
+                pass.matmul(&head.out, &self.xn, n, &self.logits)?;
+            }
         }
-        pass.matmul(&head.out, &self.xn, n, &self.logits)?;
-        pass.read(&self.logits, 0, n * hp.n_vocab)
+        pass.read(&self.logits, 0, n * nv)
     }
 
     /// Uploads the rows of positions `pos` of every device layer from `kv` (after an import into the host's copy).
@@ -761,6 +802,16 @@ impl GpuLayers {
         }
         Ok(())
     }
+}
+
+/// Where the head's input comes from.
+enum HeadIn<'a> {
+    /// The last layer's add left the rows normalised in `xn`.
+    Normed,
+    /// Row 0 of `x` (a decode step), which the head's mat-vec normalises itself.
+    Folded(Norm<'a>),
+    /// The rows of `x`, copied to `xn` and normalised there first.
+    Raw,
 }
 
 /// Layers a forward pass records before it starts them on the device (`Pass::flush`), so the GPU runs the first
@@ -1094,7 +1145,8 @@ mod tests {
     /// for the tiny llama and gemma3 (post-norms) and the generated qwen2 (biases; Q8_0, so a batch's 4 matmuls a
     /// layer each round their activations first, act8.rs) and qwen3 (head norms). A decode step's last add is
     /// fused with the head's norm; a prompt's last row, not at row 0, takes its own norm; a hidden-state forward
-    /// ends on a plain add (after Gemma's post-norm). It was 14 a layer (16 with post-norms or head norms, 17 with
+    /// ends on a plain add (after Gemma's post-norm). A decode step folds the norms and adds into its mat-vecs:
+    /// 6 a layer and the head (Gemma 8 a layer). It was 14 a layer (16 with post-norms or head norms, 17 with
     /// biases) before the fusions and 11 before the stacking and the stores; this keeps the count from growing back silently.
     /// (Their logits are checked against the CPU's by the tests above.)
     #[test]
@@ -1148,7 +1200,14 @@ mod tests {
             };
             g.forward(&mut x, None, 1, 2 * n, 0, &mut kv, out).unwrap();
             eprintln!("{name}: {} dispatches a decode step of {layers} layers", g.dispatches());
-            assert_eq!(g.dispatches(), 1 + PER_LAYER * layers + 1, "{name}: a decode step");
+            // A decode step folds the norms into the mat-vecs after them and the adds into those before (6 a
+            // layer, and the head); Gemma's post-norms keep the fused adds, and only the first norm folds.
+            let per_layer = if hp.arch == Arch::Gemma3 {
+                PER_LAYER
+            } else {
+                PER_LAYER - 2
+            };
+            assert_eq!(g.dispatches(), per_layer * layers + 1, "{name}: a decode step");
         }
     }
 

@@ -254,10 +254,11 @@ fn own_name(ty: GgmlType) -> &'static str {
 /// instantiated for both weight buffers, and for the per-row kernel the dot products.
 pub(super) fn source(ty: GgmlType, kernel: &str) -> String {
     let weights = [("wa", "a"), ("wb", "b")];
-    let dot = if kernel == wgsl::MATMUL {
-        dots(ty, &weights)
+    // The per-row kernels' dot products, and the reductions of the mat-vecs' folded norm.
+    let (dot, reduce) = if kernel == wgsl::MATMUL {
+        (dots(ty, &weights), wgsl::REDUCE)
     } else {
-        String::new()
+        (String::new(), "")
     };
     module(&[
         wgsl::F16,
@@ -266,6 +267,7 @@ pub(super) fn source(ty: GgmlType, kernel: &str) -> String {
         &dequantizers(ty, &weights),
         &dot,
         kernel,
+        reduce,
     ])
 }
 
@@ -289,6 +291,39 @@ struct Input {
 /// the same grid takes again.
 type Memo = Option<(Option<GgmlType>, Input)>;
 
+/// The RMSNorm a decode step's mat-vec applies to its input row first (its weights and epsilon): the residual
+/// stream goes in, and the norm's own dispatch is gone ([`Pass::matvecs_normed_at`]).
+#[derive(Clone, Copy)]
+pub struct Norm<'a> {
+    pub w: &'a Tensor,
+    pub eps: f32,
+}
+
+/// What a mat-vec does around its dot products (`FUSE` in `matmul.wgsl`).
+#[derive(Clone, Copy)]
+enum Fuse<'a> {
+    None,
+    /// The input row RMS-normalised first.
+    Norm(Norm<'a>),
+    /// The products added into the output (the residual stream) rather than written.
+    Add,
+}
+
+impl Fuse<'_> {
+    fn code(self) -> u32 {
+        match self {
+            Fuse::None => 0,
+            Fuse::Norm(_) => 1,
+            Fuse::Add => 2,
+        }
+    }
+
+    /// The pipeline's name suffix, which the profile shows.
+    fn suffix(self) -> &'static str {
+        ["", "+norm", "+add"][self.code() as usize]
+    }
+}
+
 impl Pass<'_> {
     /// `y[t] = W · x[t]` for the `n` rows of `x` (`[n, w.cols]`) into `y` (`[n, w.rows]`).
     pub fn matmul(&mut self, w: &GpuMatrix, x: &Tensor, n: usize, y: &Tensor) -> Result<()> {
@@ -311,7 +346,98 @@ impl Pass<'_> {
         for (w, at) in ws {
             self.check_mm(w, x, n, y, (at, stride))?;
             let xr = self.input_for(w, x, n, &mut memo)?;
-            self.mm(w, None, Glu::Silu, &xr, n, y, (at, stride))?;
+            self.mm(w, None, Glu::Silu, &xr, n, y, (at, stride), Fuse::None)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a matmul of `n` rows takes the decode mat-vec, which can fold in the RMSNorm before it
+    /// ([`Pass::matvecs_normed_at`], [`Pass::matvec_glu_normed`]) and the residual add after it
+    /// ([`Pass::matvec_add`]).
+    pub fn folds(&self, n: usize) -> bool {
+        n == 1 && n < self.tiled_min
+    }
+
+    /// [`Pass::matmuls_at`] of one row (a decode step) RMS-normalised by `norm` on the way in: `x` is the residual
+    /// stream, and each matrix's mat-vec normalises it itself, so the norm is not a dispatch of its own.
+    pub fn matvecs_normed_at<'w>(
+        &mut self,
+        ws: impl IntoIterator<Item = (&'w GpuMatrix, usize)>,
+        x: &Tensor,
+        norm: Norm,
+        y: &Tensor,
+        stride: usize,
+    ) -> Result<()> {
+        for (w, at) in ws {
+            self.check_fold(w, Some(norm))?;
+            self.check_mm(w, x, 1, y, (at, stride))?;
+            let input = Input {
+                x: x.clone(),
+                halves: None,
+            };
+            self.mm(w, None, Glu::Silu, &input, 1, y, (at, stride), Fuse::Norm(norm))?;
+        }
+        Ok(())
+    }
+
+    /// `res += W · x` for one row (a decode step): the residual add after a mat-vec in the mat-vec itself.
+    pub fn matvec_add(&mut self, w: &GpuMatrix, x: &Tensor, res: &Tensor) -> Result<()> {
+        self.check_fold(w, None)?;
+        self.check_mm(w, x, 1, res, (0, w.rows))?;
+        let input = Input {
+            x: x.clone(),
+            halves: None,
+        };
+        self.mm(w, None, Glu::Silu, &input, 1, res, (0, w.rows), Fuse::Add)
+    }
+
+    /// [`Pass::matmul_glu`] of one row RMS-normalised by `norm` on the way in, as [`Pass::matvecs_normed_at`].
+    pub fn matvec_glu_normed(
+        &mut self,
+        gate: &GpuMatrix,
+        up: &GpuMatrix,
+        glu: Glu,
+        x: &Tensor,
+        norm: Norm,
+        h: &Tensor,
+    ) -> Result<()> {
+        ensure!(
+            (gate.rows, gate.cols) == (up.rows, up.cols),
+            "gate {}×{} and up {}×{} projections differ in shape",
+            gate.rows,
+            gate.cols,
+            up.rows,
+            up.cols
+        );
+        self.check_fold(gate, Some(norm))?;
+        let out = (0, gate.rows);
+        self.check_mm(gate, x, 1, h, out)?;
+        let input = Input {
+            x: x.clone(),
+            halves: None,
+        };
+        if gate.ty == up.ty && same_parts(gate, up) {
+            return self.mm(gate, Some(up), glu, &input, 1, h, out, Fuse::Norm(norm));
+        }
+        let u = self.scratch(up.rows)?;
+        self.mm(gate, None, glu, &input, 1, h, out, Fuse::Norm(norm))?;
+        self.mm(up, None, glu, &input, 1, &u, out, Fuse::Norm(norm))?;
+        self.glu_mul(h, &u, glu, up.rows)
+    }
+
+    /// A folding mat-vec is one row on the mat-vec kernel; a folded norm spans the matrix's columns, whole vec4s.
+    fn check_fold(&self, w: &GpuMatrix, norm: Option<Norm>) -> Result<()> {
+        ensure!(
+            self.folds(1),
+            "a folded mat-vec on a pass whose one-row matmuls are tiled"
+        );
+        if let Some(norm) = norm {
+            ensure!(
+                norm.w.len() == w.cols && w.cols.is_multiple_of(4),
+                "a mat-vec over {} columns folding a norm of {}",
+                w.cols,
+                norm.w.len()
+            );
         }
         Ok(())
     }
@@ -340,14 +466,14 @@ impl Pass<'_> {
         self.check_mm(gate, x, n, h, out)?;
         if gate.ty == up.ty && same_parts(gate, up) {
             let x = self.input_for(gate, x, n, &mut None)?;
-            return self.mm(gate, Some(up), glu, &x, n, h, out);
+            return self.mm(gate, Some(up), glu, &x, n, h, out, Fuse::None);
         }
         let u = self.scratch(n * up.rows)?;
         let mut memo = None;
         let xg = self.input_for(gate, x, n, &mut memo)?;
-        self.mm(gate, None, glu, &xg, n, h, out)?;
+        self.mm(gate, None, glu, &xg, n, h, out, Fuse::None)?;
         let xu = self.input_for(up, x, n, &mut memo)?;
-        self.mm(up, None, glu, &xu, n, &u, out)?;
+        self.mm(up, None, glu, &xu, n, &u, out, Fuse::None)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
 
@@ -404,7 +530,7 @@ impl Pass<'_> {
     }
 
     /// The matmul of `w` (with `up`, the fused GLU) over `x` as [`Pass::input_for`] gives it, outputs into columns
-    /// `out.0..out.0 + w.rows` of rows of `out.1` values.
+    /// `out.0..out.0 + w.rows` of rows of `out.1` values; `fuse` only for a mat-vec ([`Pass::folds`]).
     #[allow(clippy::too_many_arguments)]
     fn mm(
         &mut self,
@@ -415,6 +541,7 @@ impl Pass<'_> {
         n: usize,
         y: &Tensor,
         (at, stride): (usize, usize),
+        fuse: Fuse,
     ) -> Result<()> {
         let tiled = n >= self.tiled_min;
         let entry = match (up.is_some(), n == 1 && !tiled) {
@@ -449,8 +576,17 @@ impl Pass<'_> {
                 vec![(2, &x.x.buf), (7, &x.x.buf)],
             ),
             None => {
-                let (pipeline, rpw) = self.row_pipeline(w.ty, entry)?;
-                (pipeline, rpw, TT, vec![(2, &x.x.buf), (7, &x.x.buf)])
+                let (pipeline, rpw) = self.row_pipeline(w.ty, entry, fuse)?;
+                // The mat-vecs' norm weights at 8 (the activations again where there is no norm, unread).
+                let nw = match fuse {
+                    Fuse::Norm(norm) => &norm.w.buf,
+                    _ => &x.x.buf,
+                };
+                let mut xb = vec![(2, &x.x.buf), (7, &x.x.buf)];
+                if entry.starts_with("matvec") {
+                    xb.push((8, nw));
+                }
+                (pipeline, rpw, TT, xb)
             }
         };
         let tiles = u32_of(n.div_ceil(tt), "matmul tokens")?;
@@ -467,7 +603,10 @@ impl Pass<'_> {
         }
         for (i, part) in w.parts.iter().enumerate() {
             let (gx, gy) = grid(u32_of(part.rows.div_ceil(rpw), "matmul rows")?);
-            let params = mm_params(w, (at + part.row0, part.rows), n, gx, glu, stride, 0)?;
+            let mut params = mm_params(w, (at + part.row0, part.rows), n, gx, glu, stride, 0)?;
+            if let Fuse::Norm(norm) = fuse {
+                params[PARAM_EPS] = norm.eps.to_bits();
+            }
             let mut bufs = vec![(1, &part.buf), (3, &y.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
@@ -490,10 +629,15 @@ impl Pass<'_> {
         &self,
         ty: GgmlType,
         entry: &'static str,
+        fuse: Fuse,
     ) -> Result<(std::sync::Arc<wgpu::ComputePipeline>, usize)> {
-        let key = format!("matmul_{}", wgsl_type(ty));
+        let key = format!("matmul_{}{}", wgsl_type(ty), fuse.suffix());
         let rpw = WG / self.lanes as usize;
-        let constants = [("LANES", self.lanes as f64), ("RPW", rpw as f64)];
+        let constants = [
+            ("LANES", self.lanes as f64),
+            ("RPW", rpw as f64),
+            ("FUSE", fuse.code() as f64),
+        ];
         let pipeline = self.reducing_pipeline(&key, entry, &constants, || source(ty, wgsl::MATMUL))?;
         Ok((pipeline, rpw))
     }
@@ -635,11 +779,19 @@ impl Pass<'_> {
         let m = &w.mat;
         // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
         let x = &self.rounded_for(m, x, n_picks / x_div.max(1))?;
-        let (pipeline, rpw) = self.row_pipeline(m.ty, entry)?;
+        let (pipeline, rpw) = self.row_pipeline(m.ty, entry, Fuse::None)?;
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         for (i, part) in m.parts.iter().enumerate() {
             let params = mm_params(m, (part.row0, part.rows), n_picks, gx, glu, w.rows, x_div)?;
-            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf), (7, &x.buf)];
+            // Binding 8, the mat-vecs' folded norm, is the activations again, unread.
+            let mut bufs = vec![
+                (1, &part.buf),
+                (2, &x.buf),
+                (3, &y.buf),
+                (6, &ids.buf),
+                (7, &x.buf),
+                (8, &x.buf),
+            ];
             if let Some(u) = up {
                 bufs.push((4, &u.mat.parts[i].buf));
             }
@@ -652,6 +804,9 @@ impl Pass<'_> {
 
 /// Where `k_split` sits in [`mm_params`]' words: only the split tiled matmul sets it.
 const PARAM_K_SPLIT: usize = 10;
+
+/// Where a folded norm's epsilon sits: only the mat-vecs that fold one set it.
+const PARAM_EPS: usize = 11;
 
 /// The matmul kernels' parameters (`Params` in `matmul_io.wgsl`) for the part of `w` holding rows `row0..row0 +
 /// rows`, over `n` tokens (or picks), `nx` workgroups a grid row, outputs `y_stride` apart, and `x_div` picks a row
@@ -918,6 +1073,116 @@ mod tests {
                 assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), TOL, &what);
             }
         }
+    }
+
+    /// A decode step's mat-vecs with the RMSNorm before them folded in (`matvecs_normed_at`, `matvec_glu_normed`)
+    /// against the exact product of the CPU's normalised row (`ops::rms_norm`), and with the residual add after them
+    /// (`matvec_add`) against the residual plus the exact product: every type, whole and in parts; a float row not
+    /// a whole number of units (the scalar tail); the lanes and reductions as in `matvec_rows_of_any_length`; the
+    /// gate/up fused and not. Within [`TOL`] plus the norm's f32 sum of squares (2e-6 of the products). A one-row
+    /// pass whose matmuls are tiled refuses to fold.
+    #[test]
+    fn folded_norm_and_add_match_the_ops() {
+        use super::Norm;
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2108);
+        let eps = 1e-5;
+        let tol = TOL + 2e-6;
+        let widths = TYPES
+            .into_iter()
+            .map(|ty| (ty, if ty.block_size() == 256 { 768 } else { 96 }))
+            .chain([(F32, 100), (F16, 68)]);
+        for (ty, cols) in widths {
+            let rows = 37;
+            let w = random_matrix(&mut rng, ty, rows, cols);
+            let x: Vec<f32> = (0..cols).map(|_| rng.normal() * 3.0).collect();
+            let nw: Vec<f32> = (0..cols).map(|_| 1.0 + rng.normal() * 0.2).collect();
+            let res: Vec<f32> = (0..rows).map(|_| rng.normal()).collect();
+            let mut xn = vec![0.0; cols];
+            crate::kernels::ops::rms_norm(&x, &nw, eps, &mut xn);
+            let (exact_n, mag_n) = reference(&w, &xn, 1);
+            let (exact, mag) = reference(&w, &x, 1);
+            let (gx, gnw) = (gpu.upload(&x).unwrap(), gpu.upload(&nw).unwrap());
+            let norm = Norm { w: &gnw, eps };
+            // Every type at a GPU's 32 lanes; a few (a part walk, a unit walk, a scalar tail) also in parts and
+            // at the other lane counts and reductions (each a pipeline of its own, slow to build on lavapipe).
+            let all = matches!((ty, cols), (Q4K, _) | (Q4_1, _) | (F32, 100));
+            let parts: &[usize] = if all { &[0, 16] } else { &[0] };
+            let kernels: &[(u32, bool)] = if all {
+                &[(1, true), (16, true), (32, true), (32, false)]
+            } else {
+                &[(32, true)]
+            };
+            for &part in parts {
+                let gw = match part {
+                    0 => gpu.upload_matrix(&w).unwrap(),
+                    _ => gpu.upload_matrix_in_parts(&w, part * w.row_bytes() + 8).unwrap(),
+                };
+                for &(lanes, sg) in kernels {
+                    let what = format!("{ty} {rows}x{cols} parts of {part} lanes {lanes} subgroups {sg}");
+                    // The norm folded in, outputs from column 3 of rows of 41.
+                    let gy = gpu.zeros(rows + 4).unwrap();
+                    let gr = gpu.upload(&res).unwrap();
+                    let mut pass = gpu.pass().with_lanes(lanes).with_subgroups(sg);
+                    assert!(pass.folds(1));
+                    pass.matvecs_normed_at([(&gw, 3)], &gx, norm, &gy, rows + 4).unwrap();
+                    pass.matvec_add(&gw, &gx, &gr).unwrap();
+                    pass.finish().unwrap();
+                    let y = gpu.read(&gy).unwrap();
+                    for (i, &g) in y[3..3 + rows].iter().enumerate() {
+                        let e = exact_n[i];
+                        assert!(
+                            (g as f64 - e).abs() <= tol * mag_n[i] + 1e-6,
+                            "{what} normed out {i}: GPU {g} vs exact {e} (magnitude {})",
+                            mag_n[i]
+                        );
+                    }
+                    assert!(
+                        y[..3].iter().chain(&y[3 + rows..]).all(|&v| v == 0.0),
+                        "{what}: wrote outside"
+                    );
+                    for (i, g) in gpu.read(&gr).unwrap().into_iter().enumerate() {
+                        let e = res[i] as f64 + exact[i];
+                        assert!(
+                            (g as f64 - e).abs() <= TOL * mag[i] + 1e-6 * (1.0 + e.abs()),
+                            "{what} added out {i}: GPU {g} vs exact {e}"
+                        );
+                    }
+                }
+            }
+        }
+        // The gate/up: one type (fused) and two (two mat-vecs and the activation), for both activations.
+        let cols = 256;
+        for ((tg, tu), glu) in [(Q4K, Q4K), (Q4K, Q6K), (Q8_0, Q8_0)]
+            .into_iter()
+            .flat_map(|t| [Glu::Silu, Glu::Gelu].map(|g| (t, g)))
+        {
+            let rows = 21;
+            let gate = random_matrix(&mut rng, tg, rows, cols);
+            let up = random_matrix(&mut rng, tu, rows, cols);
+            let x: Vec<f32> = (0..cols).map(|_| rng.normal()).collect();
+            let nw: Vec<f32> = (0..cols).map(|_| 0.3 + rng.normal() * 0.05).collect();
+            let mut xn = vec![0.0; cols];
+            crate::kernels::ops::rms_norm(&x, &nw, eps, &mut xn);
+            let (ge, gm) = reference(&gate, &xn, 1);
+            let (ue, um) = reference(&up, &xn, 1);
+            let (gg, gu) = (gpu.upload_matrix(&gate).unwrap(), gpu.upload_matrix(&up).unwrap());
+            let (gx, gnw) = (gpu.upload(&x).unwrap(), gpu.upload(&nw).unwrap());
+            for lanes in [1, 32] {
+                let h = gpu.zeros(rows).unwrap();
+                let mut pass = gpu.pass().with_lanes(lanes);
+                pass.matvec_glu_normed(&gg, &gu, glu, &gx, Norm { w: &gnw, eps }, &h)
+                    .unwrap();
+                pass.finish().unwrap();
+                let what = format!("{tg}/{tu} normed {glu:?} lanes {lanes}");
+                assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), tol, &what);
+            }
+        }
+        let gw = gpu.upload_matrix(&random_matrix(&mut rng, Q8_0, 4, 32)).unwrap();
+        let (gx, gy) = (gpu.zeros(32).unwrap(), gpu.zeros(4).unwrap());
+        let mut pass = gpu.pass().with_tiled_min(1);
+        assert!(!pass.folds(1));
+        assert!(pass.matvec_add(&gw, &gx, &gy).is_err());
     }
 
     /// What the matrix-unit kernel (coop.rs) multiplies, and the exact product of it: each weight (the CPU's

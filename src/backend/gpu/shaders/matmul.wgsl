@@ -167,10 +167,58 @@ fn lanes_sum(li: u32, a: f32, b: f32) -> vec2<f32> {
     return vec2<f32>(red_a[li], red_b[li]);
 }
 
+// What a decode step's mat-vec does around its dot products, so that the RMSNorm before it and the residual add
+// after it are not dispatches of their own (matmul.rs, `Fuse`): 0 nothing; 1 (NORM) the input row is the residual
+// stream, RMS-normalised here by the weights at binding 8 (each workgroup takes the row's sum of squares itself,
+// the same sum in every one); 2 (ADD) the products are added into y, the residual stream, rather than written.
+override FUSE: u32 = 0u;
+const WG: u32 = 64u;
+
+@group(0) @binding(8) var<storage, read> nw4: array<vec4<f32>>;
+
+// Activations x4[i] (and x[i]) as the dot products read them (dot.wgsl): times the norm's weights under NORM, whose
+// row is x's first (a decode step's only one), so i indexes the weights too.
+fn xin(i: u32) -> vec4<f32> {
+    if (FUSE == 1u) {
+        return x4[i] * nw4[i];
+    }
+    return x4[i];
+}
+
+fn xin1(i: u32) -> f32 {
+    if (FUSE == 1u) {
+        return x[i] * nw4[i >> 2u][i & 3u];
+    }
+    return x[i];
+}
+
+// The RMSNorm's 1 / rms of x's first row (p.cols values, a multiple of 4 under NORM), else 1; every thread calls it.
+fn norm_scale(li: u32) -> f32 {
+    if (FUSE != 1u) {
+        return 1.0;
+    }
+    var part = 0.0;
+    for (var i = li; i < p.cols / 4u; i += WG) {
+        let v = x4[i];
+        part += dot(v, v);
+    }
+    return 1.0 / sqrt(reduce_sum(li, part) / f32(p.cols) + p.eps);
+}
+
+// Row `row`'s result `v` into y: written, or added to it (ADD).
+fn put(row: u32, v: f32) {
+    if (FUSE == 2u) {
+        y[p.row0 + row] += v;
+    } else {
+        y[p.row0 + row] = v;
+    }
+}
+
 // The mat-vec of a decode step (one token; the mixtures' picks below too): each unit dotted straight from its
 // block (dot.wgsl), no array.
 @compute @workgroup_size(64)
 fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let scale = norm_scale(li);
     let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
     var acc = 0.0;
     if (row < p.rows) {
@@ -178,13 +226,14 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     }
     let s = lanes_sum(li, acc, 0.0);
     if (li % LANES == 0u && row < p.rows) {
-        y[p.row0 + row] = s.x;
+        put(row, s.x * scale);
     }
 }
 
 // The gated feed-forward's first half for one token: y[r] = act(G[r, :]·x) · (U[r, :]·x), gate in wa, up in wb.
 @compute @workgroup_size(64)
 fn matvec_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let scale = norm_scale(li);
     let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
     var g = 0.0;
     var u = 0.0;
@@ -194,7 +243,7 @@ fn matvec_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     }
     let s = lanes_sum(li, g, u);
     if (li % LANES == 0u && row < p.rows) {
-        y[p.row0 + row] = glu(p.act, s.x, s.y);
+        put(row, glu(p.act, s.x * scale, s.y * scale));
     }
 }
 

@@ -17,6 +17,8 @@ struct Params {
     // The tiled matmul (matmul_tiled.wgsl): slices of the columns ("split-K"), each summed into its own partial
     // product; 0 or 1: none.
     k_split: u32,
+    // The decode mat-vecs that fold in an RMSNorm (matmul.wgsl's FUSE = 1): its epsilon.
+    eps: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
