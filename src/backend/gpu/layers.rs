@@ -669,15 +669,15 @@ impl GpuLayers {
                 (rows, Some(logits))
             }
         };
+        // A decode step's head norm is not folded into the head's mat-vec: that would read the norm's weights
+        // again in each of its (vocabulary-many) rows to save one dispatch.
+        if let Some(nm) = folded {
+            pass.rms_norm(&self.x, nm.w, nm.eps, n, &self.xn)?;
+        }
         // The first rows of the head go in this submission, the rest (all-rows logits) in their own.
         let mut chunks = rows.clone().step_by(self.head_rows.max(1));
         if let Some(r0) = chunks.next() {
-            let input = match (head_fused, folded) {
-                (true, Some(nm)) => HeadIn::Folded(nm),
-                (true, None) => HeadIn::Normed,
-                (false, _) => HeadIn::Raw,
-            };
-            self.head(&mut pass, r0..(r0 + self.head_rows).min(rows.end), input)?;
+            self.head(&mut pass, r0..(r0 + self.head_rows).min(rows.end), head_fused)?;
         }
         let dispatches = pass.dispatches();
         tracing::trace!(
@@ -718,7 +718,7 @@ impl GpuLayers {
         for r0 in chunks {
             let r1 = (r0 + self.head_rows).min(rows.end);
             let mut pass = self.pass();
-            self.head(&mut pass, r0..r1, HeadIn::Raw)?;
+            self.head(&mut pass, r0..r1, false)?;
             let got = pass.finish_read()?;
             let at = (r0 - rows.start) * nv;
             f32s_into(&got[0], &mut logits[at..at + (r1 - r0) * nv]);
@@ -764,21 +764,16 @@ impl GpuLayers {
     }
 
     /// Records the final norm and head over rows `rows` of the residual stream on the device, and the read of
-    /// their logits.
-    fn head(&self, pass: &mut super::Pass, rows: Range<usize>, input: HeadIn) -> Result<()> {
+    /// their logits; `normed`: the last layer's add (or a decode step's norm) has left them normalised in `xn`.
+    fn head(&self, pass: &mut super::Pass, rows: Range<usize>, normed: bool) -> Result<()> {
         let (hp, head) = (&self.w.hp, self.w.head.as_ref().expect("checked by the caller"));
         let (e, n) = (hp.n_embd, rows.len());
-        let nv = hp.n_vocab;
-        match input {
-            HeadIn::Normed => pass.matmul(&head.out, &self.xn, n, &self.logits)?,
-            HeadIn::Folded(nm) => pass.matvecs_normed_at([(&*head.out, 0)], &self.x, nm, &self.logits, nv)?,
-            HeadIn::Raw => {
-                pass.copy(&self.x, rows.start * e, &self.xn, 0, n * e)?;
-                pass.rms_norm_inplace(&self.xn, &head.norm, hp.rms_eps, n)?;
-                pass.matmul(&head.out, &self.xn, n, &self.logits)?;
-            }
+        if !normed {
+            pass.copy(&self.x, rows.start * e, &self.xn, 0, n * e)?;
+            pass.rms_norm_inplace(&self.xn, &head.norm, hp.rms_eps, n)?;
         }
-        pass.read(&self.logits, 0, n * nv)
+        pass.matmul(&head.out, &self.xn, n, &self.logits)?;
+        pass.read(&self.logits, 0, n * hp.n_vocab)
     }
 
     /// Uploads the rows of positions `pos` of every device layer from `kv` (after an import into the host's copy).
@@ -802,16 +797,6 @@ impl GpuLayers {
         }
         Ok(())
     }
-}
-
-/// Where the head's input comes from.
-enum HeadIn<'a> {
-    /// The last layer's add left the rows normalised in `xn`.
-    Normed,
-    /// Row 0 of `x` (a decode step), which the head's mat-vec normalises itself.
-    Folded(Norm<'a>),
-    /// The rows of `x`, copied to `xn` and normalised there first.
-    Raw,
 }
 
 /// Layers a forward pass records before it starts them on the device (`Pass::flush`), so the GPU runs the first
@@ -1146,7 +1131,7 @@ mod tests {
     /// layer each round their activations first, act8.rs) and qwen3 (head norms). A decode step's last add is
     /// fused with the head's norm; a prompt's last row, not at row 0, takes its own norm; a hidden-state forward
     /// ends on a plain add (after Gemma's post-norm). A decode step folds the norms and adds into its mat-vecs:
-    /// 6 a layer and the head (Gemma 8 a layer). It was 14 a layer (16 with post-norms or head norms, 17 with
+    /// 6 a layer, the head's norm and matmul (Gemma 8 a layer and the head). It was 14 a layer (16 with post-norms or head norms, 17 with
     /// biases) before the fusions and 11 before the stacking and the stores; this keeps the count from growing back silently.
     /// (Their logits are checked against the CPU's by the tests above.)
     #[test]
@@ -1201,13 +1186,16 @@ mod tests {
             g.forward(&mut x, None, 1, 2 * n, 0, &mut kv, out).unwrap();
             eprintln!("{name}: {} dispatches a decode step of {layers} layers", g.dispatches());
             // A decode step folds the norms into the mat-vecs after them and the adds into those before (6 a
-            // layer, and the head); Gemma's post-norms keep the fused adds, and only the first norm folds.
-            let per_layer = if hp.arch == Arch::Gemma3 {
-                PER_LAYER
+            // layer, then the head's norm and matmul); Gemma's post-norms keep the fused adds, and only the first
+            // norm folds. `BATON_GPU_FOLD=0`: as a batch.
+            let decode = if !g.pass().folds(1) {
+                1 + PER_LAYER * layers + 1
+            } else if hp.arch == Arch::Gemma3 {
+                PER_LAYER * layers + 1
             } else {
-                PER_LAYER - 2
+                (PER_LAYER - 2) * layers + 2
             };
-            assert_eq!(g.dispatches(), per_layer * layers + 1, "{name}: a decode step");
+            assert_eq!(g.dispatches(), decode, "{name}: a decode step");
         }
     }
 

@@ -63,6 +63,15 @@ fn k_slices(tiles: usize, units: usize, target: usize) -> usize {
     target.div_ceil(tiles).min(16).min(units).max(1)
 }
 
+/// Whether a decode step folds its RMSNorms into the mat-vecs after them and its residual adds into those before
+/// (`Pass::folds`): `BATON_GPU_FOLD=0` keeps them dispatches of their own (`add_rms_norm`), to compare; else on.
+/// Each saves a dispatch, and costs every row of the mat-vec that folds a norm a second activation read (the
+/// norm's weights) and every workgroup the row's sum of squares. Read once.
+pub(super) fn fold_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| env_number("BATON_GPU_FOLD", |v| *v <= 1, 1) == 1)
+}
+
 /// Threads a weight row in the per-row matmuls on a GPU: `BATON_GPU_LANES` (16, 32 or 64) to compare them on a
 /// model, else 32 (on an H200 the 1B's decode ran at 237, 294 and 293 tokens/s with 16, 32 and 64). Read once.
 pub(super) fn gpu_lanes() -> u32 {
@@ -351,11 +360,12 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// Whether a matmul of `n` rows takes the decode mat-vec, which can fold in the RMSNorm before it
-    /// ([`Pass::matvecs_normed_at`], [`Pass::matvec_glu_normed`]) and the residual add after it
-    /// ([`Pass::matvec_add`]).
+    /// Whether a forward of `n` rows folds its norms and residual adds into its mat-vecs: one row (a decode step)
+    /// that takes the mat-vec kernel, which can fold in the RMSNorm before it ([`Pass::matvecs_normed_at`],
+    /// [`Pass::matvec_glu_normed`]) and the residual add after it ([`Pass::matvec_add`]), unless
+    /// `BATON_GPU_FOLD=0` ([`fold_on`]).
     pub fn folds(&self, n: usize) -> bool {
-        n == 1 && n < self.tiled_min
+        fold_on() && n == 1 && n < self.tiled_min
     }
 
     /// [`Pass::matmuls_at`] of one row (a decode step) RMS-normalised by `norm` on the way in: `x` is the residual
@@ -428,7 +438,7 @@ impl Pass<'_> {
     /// A folding mat-vec is one row on the mat-vec kernel; a folded norm spans the matrix's columns, whole vec4s.
     fn check_fold(&self, w: &GpuMatrix, norm: Option<Norm>) -> Result<()> {
         ensure!(
-            self.folds(1),
+            1 < self.tiled_min,
             "a folded mat-vec on a pass whose one-row matmuls are tiled"
         );
         if let Some(norm) = norm {
@@ -1124,7 +1134,6 @@ mod tests {
                     let gy = gpu.zeros(rows + 4).unwrap();
                     let gr = gpu.upload(&res).unwrap();
                     let mut pass = gpu.pass().with_lanes(lanes).with_subgroups(sg);
-                    assert!(pass.folds(1));
                     pass.matvecs_normed_at([(&gw, 3)], &gx, norm, &gy, rows + 4).unwrap();
                     pass.matvec_add(&gw, &gx, &gr).unwrap();
                     pass.finish().unwrap();
@@ -1183,6 +1192,8 @@ mod tests {
         let mut pass = gpu.pass().with_tiled_min(1);
         assert!(!pass.folds(1));
         assert!(pass.matvec_add(&gw, &gx, &gy).is_err());
+        let mut pass = gpu.pass();
+        assert!(pass.matvec_add(&gw, &gy, &gx).is_err(), "an input too short");
     }
 
     /// What the matrix-unit kernel (coop.rs) multiplies, and the exact product of it: each weight (the CPU's
