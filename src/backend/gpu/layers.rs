@@ -555,32 +555,34 @@ impl GpuLayers {
         if let Some(embd) = embd {
             pass.embed(embd, &self.tok, hp.embd_scale, &self.x)?;
         }
-        // A decode step folds the norms into the mat-vecs after them and the residual adds into those before
-        // them (`Pass::folds`): `folded` is the norm the next mat-vec applies to the residual stream `x`, where
-        // `xn` does not hold its input already. Otherwise the first layer's attention norm is a dispatch, and
-        // every later one is fused with the residual add that ends the layer before it (`add_rms_norm`), as is
-        // the feed-forward's norm with the add after attention. Gemma's post-norms (of a block's whole output,
-        // before the add) and a mixture's feed-forward keep the fused adds.
+        // The first layer's attention norm; every later one is fused with the residual add that ends the layer
+        // before it (`add_rms_norm`), as is the feed-forward's norm with the add after attention. A decode step
+        // folds those adds into the mat-vecs before them and the norms into the mat-vecs after (`Pass::folds`):
+        // the add's mat-vec writes the new residual times the next norm's weights into `xn` (`weighed`), and the
+        // next mat-vec scales its products by the row's 1 / rms. Gemma's post-norms (of a block's whole output,
+        // before the add) and a mixture's feed-forward (whose input the router reads too) keep the fused adds.
         let decode = pass.folds(n);
-        let norm = |w| Norm { w, eps: hp.rms_eps };
-        let mut folded = None;
+        let folded = Norm {
+            res: &self.x,
+            eps: hp.rms_eps,
+        };
+        let mut weighed = false;
         if first < w.layers.end {
             let attn_norm = &w.w[first - w.layers.start].attn_norm;
-            if decode {
-                folded = Some(norm(attn_norm));
-            } else {
-                pass.rms_norm(&self.x, attn_norm, hp.rms_eps, n, &self.xn)?;
-            }
+            pass.rms_norm(&self.x, attn_norm, hp.rms_eps, n, &self.xn)?;
         }
+        // A decode step's last add leaves the head's norm to a dispatch of its own: folded, the head's mat-vec
+        // would take the row's sum of squares in each of its (vocabulary-many) workgroups to save one.
+        let mut head_norm = None;
         for il in first..w.layers.end {
             let i = il - w.layers.start;
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
             let shape = hp.attn_shape(il, n);
             let qkv = l.qkv.iter().map(|(m, at)| (m, *at));
-            match folded.take() {
-                Some(nm) => pass.matvecs_normed_at(qkv, &self.x, nm, &self.qkv, shape.qkv_width())?,
-                None => pass.matmuls_at(qkv, &self.xn, n, &self.qkv, shape.qkv_width())?,
+            match std::mem::take(&mut weighed) {
+                true => pass.matvecs_normed_at(qkv, &self.xn, folded, &self.qkv, shape.qkv_width())?,
+                false => pass.matmuls_at(qkv, &self.xn, n, &self.qkv, shape.qkv_width())?,
             }
             pass.rope_store(
                 rope,
@@ -602,8 +604,8 @@ impl GpuLayers {
             };
             let dense = matches!(l.ffn, Ffn::Dense { .. });
             if decode && post_attn.is_none() && dense {
-                pass.matvec_add(&l.wo, &self.att, &self.x)?;
-                folded = Some(norm(&l.ffn_norm));
+                pass.matvec_add(&l.wo, &self.att, &self.x, Some((&l.ffn_norm, &self.xn)))?;
+                weighed = true;
             } else {
                 pass.matmul(&l.wo, &self.att, n, &self.xn)?;
                 pass.add_rms_norm(&self.x, &self.xn, post_attn, &l.ffn_norm, hp.rms_eps, n)?;
@@ -616,13 +618,15 @@ impl GpuLayers {
             // The feed-forward into `xn`, or added into `x` by the down projection's mat-vec.
             let added = match &l.ffn {
                 Ffn::Dense { gate, up, down } => {
-                    match folded.take() {
-                        Some(nm) => pass.matvec_glu_normed(gate, up, glu, &self.x, nm, &self.h)?,
-                        None => pass.matmul_glu(gate, up, glu, &self.xn, n, &self.h)?,
+                    match std::mem::take(&mut weighed) {
+                        true => pass.matvec_glu_normed(gate, up, glu, &self.xn, folded, &self.h)?,
+                        false => pass.matmul_glu(gate, up, glu, &self.xn, n, &self.h)?,
                     }
                     if decode && post_ffn.is_none() {
-                        pass.matvec_add(down, &self.h, &self.x)?;
-                        folded = next_norm.map(norm);
+                        let next_attn = w.w.get(i + 1).map(|next| (&next.attn_norm, &self.xn));
+                        pass.matvec_add(down, &self.h, &self.x, next_attn)?;
+                        weighed = next_attn.is_some();
+                        head_norm = next_norm.filter(|_| !weighed);
                         true
                     } else {
                         pass.matmul(down, &self.h, n, &self.xn)?;
@@ -669,10 +673,8 @@ impl GpuLayers {
                 (rows, Some(logits))
             }
         };
-        // A decode step's head norm is not folded into the head's mat-vec: that would read the norm's weights
-        // again in each of its (vocabulary-many) rows to save one dispatch.
-        if let Some(nm) = folded {
-            pass.rms_norm(&self.x, nm.w, nm.eps, n, &self.xn)?;
+        if let Some(norm) = head_norm {
+            pass.rms_norm(&self.x, norm, hp.rms_eps, n, &self.xn)?;
         }
         // The first rows of the head go in this submission, the rest (all-rows logits) in their own.
         let mut chunks = rows.clone().step_by(self.head_rows.max(1));
@@ -1131,7 +1133,7 @@ mod tests {
     /// layer each round their activations first, act8.rs) and qwen3 (head norms). A decode step's last add is
     /// fused with the head's norm; a prompt's last row, not at row 0, takes its own norm; a hidden-state forward
     /// ends on a plain add (after Gemma's post-norm). A decode step folds the norms and adds into its mat-vecs:
-    /// 6 a layer, the head's norm and matmul (Gemma 8 a layer and the head). It was 14 a layer (16 with post-norms or head norms, 17 with
+    /// the first norm, 6 a layer, the head's norm and matmul (Gemma as a batch). It was 14 a layer (16 with post-norms or head norms, 17 with
     /// biases) before the fusions and 11 before the stacking and the stores; this keeps the count from growing back silently.
     /// (Their logits are checked against the CPU's by the tests above.)
     #[test]
@@ -1186,14 +1188,12 @@ mod tests {
             g.forward(&mut x, None, 1, 2 * n, 0, &mut kv, out).unwrap();
             eprintln!("{name}: {} dispatches a decode step of {layers} layers", g.dispatches());
             // A decode step folds the norms into the mat-vecs after them and the adds into those before (6 a
-            // layer, then the head's norm and matmul); Gemma's post-norms keep the fused adds, and only the first
-            // norm folds. `BATON_GPU_FOLD=0`: as a batch.
-            let decode = if !g.pass().folds(1) {
+            // layer, after the first norm, then the head's norm and matmul); Gemma's post-norms keep the fused
+            // adds. `BATON_GPU_FOLD=0`: as a batch.
+            let decode = if !g.pass().folds(1) || hp.arch == Arch::Gemma3 {
                 1 + PER_LAYER * layers + 1
-            } else if hp.arch == Arch::Gemma3 {
-                PER_LAYER * layers + 1
             } else {
-                (PER_LAYER - 2) * layers + 2
+                1 + (PER_LAYER - 2) * layers + 2
             };
             assert_eq!(g.dispatches(), decode, "{name}: a decode step");
         }

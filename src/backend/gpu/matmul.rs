@@ -65,8 +65,8 @@ fn k_slices(tiles: usize, units: usize, target: usize) -> usize {
 
 /// Whether a decode step folds its RMSNorms into the mat-vecs after them and its residual adds into those before
 /// (`Pass::folds`): `BATON_GPU_FOLD=0` keeps them dispatches of their own (`add_rms_norm`), to compare; else on.
-/// Each saves a dispatch, and costs every row of the mat-vec that folds a norm a second activation read (the
-/// norm's weights) and every workgroup the row's sum of squares. Read once.
+/// Each saves a dispatch, and costs each workgroup of a mat-vec that folds a norm the row's sum of squares (a
+/// read of the residual row); the dot products read one activation each as before. Read once.
 pub(super) fn fold_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| env_number("BATON_GPU_FOLD", |v| *v <= 1, 1) == 1)
@@ -300,11 +300,13 @@ struct Input {
 /// the same grid takes again.
 type Memo = Option<(Option<GgmlType>, Input)>;
 
-/// The RMSNorm a decode step's mat-vec applies to its input row first (its weights and epsilon): the residual
-/// stream goes in, and the norm's own dispatch is gone ([`Pass::matvecs_normed_at`]).
+/// The RMSNorm a decode step's mat-vec folds in: `res`, the residual stream whose row's 1 / rms scales the
+/// products, and its epsilon. The mat-vec's input is that row times the norm's weights, which the mat-vec before
+/// wrote ([`Pass::matvec_add`] with them): so the norm is not a dispatch of its own, and the dot products read one
+/// activation each as before.
 #[derive(Clone, Copy)]
 pub struct Norm<'a> {
-    pub w: &'a Tensor,
+    pub res: &'a Tensor,
     pub eps: f32,
 }
 
@@ -312,10 +314,11 @@ pub struct Norm<'a> {
 #[derive(Clone, Copy)]
 enum Fuse<'a> {
     None,
-    /// The input row RMS-normalised first.
+    /// The products scaled by the row's 1 / rms.
     Norm(Norm<'a>),
-    /// The products added into the output (the residual stream) rather than written.
-    Add,
+    /// The products added into the output (the residual stream) rather than written, and with `Some((w, out))`
+    /// the new residual times `w` written into `out`.
+    Add(Option<(&'a Tensor, &'a Tensor)>),
 }
 
 impl Fuse<'_> {
@@ -323,13 +326,14 @@ impl Fuse<'_> {
         match self {
             Fuse::None => 0,
             Fuse::Norm(_) => 1,
-            Fuse::Add => 2,
+            Fuse::Add(None) => 2,
+            Fuse::Add(Some(_)) => 3,
         }
     }
 
     /// The pipeline's name suffix, which the profile shows.
     fn suffix(self) -> &'static str {
-        ["", "+norm", "+add"][self.code() as usize]
+        ["", "+norm", "+add", "+add+weigh"][self.code() as usize]
     }
 }
 
@@ -368,21 +372,22 @@ impl Pass<'_> {
         fold_on() && n == 1 && n < self.tiled_min
     }
 
-    /// [`Pass::matmuls_at`] of one row (a decode step) RMS-normalised by `norm` on the way in: `x` is the residual
-    /// stream, and each matrix's mat-vec normalises it itself, so the norm is not a dispatch of its own.
+    /// [`Pass::matmuls_at`] of one row (a decode step) RMS-normalised on the way in: `xw` is the residual stream
+    /// `norm.res` times the norm's weights, and each matrix's mat-vec takes the row's 1 / rms itself, so the norm
+    /// is not a dispatch of its own.
     pub fn matvecs_normed_at<'w>(
         &mut self,
         ws: impl IntoIterator<Item = (&'w GpuMatrix, usize)>,
-        x: &Tensor,
+        xw: &Tensor,
         norm: Norm,
         y: &Tensor,
         stride: usize,
     ) -> Result<()> {
         for (w, at) in ws {
-            self.check_fold(w, Some(norm))?;
-            self.check_mm(w, x, 1, y, (at, stride))?;
+            self.check_fold(w, Some(norm.res))?;
+            self.check_mm(w, xw, 1, y, (at, stride))?;
             let input = Input {
-                x: x.clone(),
+                x: xw.clone(),
                 halves: None,
             };
             self.mm(w, None, Glu::Silu, &input, 1, y, (at, stride), Fuse::Norm(norm))?;
@@ -390,24 +395,41 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// `res += W · x` for one row (a decode step): the residual add after a mat-vec in the mat-vec itself.
-    pub fn matvec_add(&mut self, w: &GpuMatrix, x: &Tensor, res: &Tensor) -> Result<()> {
+    /// `res += W · x` for one row (a decode step): the residual add after a mat-vec in the mat-vec itself; with
+    /// `weigh = Some((w, xw))`, also `xw = res · w`, the input of a mat-vec that folds the norm of weights `w`
+    /// ([`Pass::matvecs_normed_at`]).
+    pub fn matvec_add(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Tensor,
+        res: &Tensor,
+        weigh: Option<(&Tensor, &Tensor)>,
+    ) -> Result<()> {
         self.check_fold(w, None)?;
         self.check_mm(w, x, 1, res, (0, w.rows))?;
+        if let Some((nw, xw)) = weigh {
+            ensure!(
+                nw.len() == w.rows && xw.len() >= w.rows,
+                "a mat-vec of {} rows weighing by a norm of {} into {}",
+                w.rows,
+                nw.len(),
+                xw.len()
+            );
+        }
         let input = Input {
             x: x.clone(),
             halves: None,
         };
-        self.mm(w, None, Glu::Silu, &input, 1, res, (0, w.rows), Fuse::Add)
+        self.mm(w, None, Glu::Silu, &input, 1, res, (0, w.rows), Fuse::Add(weigh))
     }
 
-    /// [`Pass::matmul_glu`] of one row RMS-normalised by `norm` on the way in, as [`Pass::matvecs_normed_at`].
+    /// [`Pass::matmul_glu`] of one row RMS-normalised on the way in, as [`Pass::matvecs_normed_at`].
     pub fn matvec_glu_normed(
         &mut self,
         gate: &GpuMatrix,
         up: &GpuMatrix,
         glu: Glu,
-        x: &Tensor,
+        xw: &Tensor,
         norm: Norm,
         h: &Tensor,
     ) -> Result<()> {
@@ -419,11 +441,11 @@ impl Pass<'_> {
             up.rows,
             up.cols
         );
-        self.check_fold(gate, Some(norm))?;
+        self.check_fold(gate, Some(norm.res))?;
         let out = (0, gate.rows);
-        self.check_mm(gate, x, 1, h, out)?;
+        self.check_mm(gate, xw, 1, h, out)?;
         let input = Input {
-            x: x.clone(),
+            x: xw.clone(),
             halves: None,
         };
         if gate.ty == up.ty && same_parts(gate, up) {
@@ -435,18 +457,18 @@ impl Pass<'_> {
         self.glu_mul(h, &u, glu, up.rows)
     }
 
-    /// A folding mat-vec is one row on the mat-vec kernel; a folded norm spans the matrix's columns, whole vec4s.
-    fn check_fold(&self, w: &GpuMatrix, norm: Option<Norm>) -> Result<()> {
+    /// A folding mat-vec is one row on the mat-vec kernel; a folded norm's residual row spans the matrix's columns.
+    fn check_fold(&self, w: &GpuMatrix, res: Option<&Tensor>) -> Result<()> {
         ensure!(
             1 < self.tiled_min,
             "a folded mat-vec on a pass whose one-row matmuls are tiled"
         );
-        if let Some(norm) = norm {
+        if let Some(res) = res {
             ensure!(
-                norm.w.len() == w.cols && w.cols.is_multiple_of(4),
-                "a mat-vec over {} columns folding a norm of {}",
+                res.len() >= w.cols,
+                "a mat-vec over {} columns folding the norm of a residual of {}",
                 w.cols,
-                norm.w.len()
+                res.len()
             );
         }
         Ok(())
@@ -587,14 +609,16 @@ impl Pass<'_> {
             ),
             None => {
                 let (pipeline, rpw) = self.row_pipeline(w.ty, entry, fuse)?;
-                // The mat-vecs' norm weights at 8 (the activations again where there is no norm, unread).
-                let nw = match fuse {
-                    Fuse::Norm(norm) => &norm.w.buf,
-                    _ => &x.x.buf,
+                // The mat-vecs' residual or norm weights at 8 and weighed output at 9: the activations and the
+                // output again where they fold nothing, unread and unwritten.
+                let (aux, weighed) = match fuse {
+                    Fuse::Norm(norm) => (&norm.res.buf, &y.buf),
+                    Fuse::Add(Some((nw, xw))) => (&nw.buf, &xw.buf),
+                    _ => (&x.x.buf, &y.buf),
                 };
                 let mut xb = vec![(2, &x.x.buf), (7, &x.x.buf)];
                 if entry.starts_with("matvec") {
-                    xb.push((8, nw));
+                    xb.extend([(8, aux), (9, weighed)]);
                 }
                 (pipeline, rpw, TT, xb)
             }
@@ -793,15 +817,7 @@ impl Pass<'_> {
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         for (i, part) in m.parts.iter().enumerate() {
             let params = mm_params(m, (part.row0, part.rows), n_picks, gx, glu, w.rows, x_div)?;
-            // Binding 8, the mat-vecs' folded norm, is the activations again, unread.
-            let mut bufs = vec![
-                (1, &part.buf),
-                (2, &x.buf),
-                (3, &y.buf),
-                (6, &ids.buf),
-                (7, &x.buf),
-                (8, &x.buf),
-            ];
+            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf), (7, &x.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.mat.parts[i].buf));
             }
@@ -1085,12 +1101,14 @@ mod tests {
         }
     }
 
-    /// A decode step's mat-vecs with the RMSNorm before them folded in (`matvecs_normed_at`, `matvec_glu_normed`)
-    /// against the exact product of the CPU's normalised row (`ops::rms_norm`), and with the residual add after them
-    /// (`matvec_add`) against the residual plus the exact product: every type, whole and in parts; a float row not
-    /// a whole number of units (the scalar tail); the lanes and reductions as in `matvec_rows_of_any_length`; the
-    /// gate/up fused and not. Within [`TOL`] plus the norm's f32 sum of squares (2e-6 of the products). A one-row
-    /// pass whose matmuls are tiled refuses to fold.
+    /// A decode step's mat-vecs with the RMSNorm before them folded in (`matvecs_normed_at`, `matvec_glu_normed`:
+    /// the residual row times the norm's weights in, the row's 1 / rms taken on the device) against the exact
+    /// product of the CPU's normalised row (`ops::rms_norm`), and with the residual add after them (`matvec_add`)
+    /// against the residual plus the exact product, the new residual times the next norm's weights written beside
+    /// it: every type, whole and in parts; a float row not a whole number of units (the scalar tail); the lanes and
+    /// reductions as in `matvec_rows_of_any_length`; the gate/up fused and not. Within [`TOL`] plus the norm's f32
+    /// sum of squares (2e-6 of the products); the weighed row is the new residual times its weight, exactly. A
+    /// one-row pass whose matmuls are tiled refuses to fold.
     #[test]
     fn folded_norm_and_add_match_the_ops() {
         use super::Norm;
@@ -1101,19 +1119,25 @@ mod tests {
         let widths = TYPES
             .into_iter()
             .map(|ty| (ty, if ty.block_size() == 256 { 768 } else { 96 }))
-            .chain([(F32, 100), (F16, 68)]);
+            .chain([(F32, 100), (F16, 70)]);
         for (ty, cols) in widths {
             let rows = 37;
             let w = random_matrix(&mut rng, ty, rows, cols);
             let x: Vec<f32> = (0..cols).map(|_| rng.normal() * 3.0).collect();
             let nw: Vec<f32> = (0..cols).map(|_| 1.0 + rng.normal() * 0.2).collect();
+            let xw: Vec<f32> = x.iter().zip(&nw).map(|(a, b)| a * b).collect();
             let res: Vec<f32> = (0..rows).map(|_| rng.normal()).collect();
+            let next: Vec<f32> = (0..rows).map(|_| 1.0 + rng.normal() * 0.2).collect();
             let mut xn = vec![0.0; cols];
             crate::kernels::ops::rms_norm(&x, &nw, eps, &mut xn);
             let (exact_n, mag_n) = reference(&w, &xn, 1);
             let (exact, mag) = reference(&w, &x, 1);
-            let (gx, gnw) = (gpu.upload(&x).unwrap(), gpu.upload(&nw).unwrap());
-            let norm = Norm { w: &gnw, eps };
+            let (gx, gxw, gnext) = (
+                gpu.upload(&x).unwrap(),
+                gpu.upload(&xw).unwrap(),
+                gpu.upload(&next).unwrap(),
+            );
+            let norm = Norm { res: &gx, eps };
             // Every type at a GPU's 32 lanes; a few (a part walk, a unit walk, a scalar tail) also in parts and
             // at the other lane counts and reductions (each a pipeline of its own, slow to build on lavapipe).
             let all = matches!((ty, cols), (Q4K, _) | (Q4_1, _) | (F32, 100));
@@ -1130,12 +1154,14 @@ mod tests {
                 };
                 for &(lanes, sg) in kernels {
                     let what = format!("{ty} {rows}x{cols} parts of {part} lanes {lanes} subgroups {sg}");
-                    // The norm folded in, outputs from column 3 of rows of 41.
+                    // The norm folded in, outputs from column 3 of rows of 41; the add, weighed and not.
                     let gy = gpu.zeros(rows + 4).unwrap();
-                    let gr = gpu.upload(&res).unwrap();
+                    let (gr, gr2) = (gpu.upload(&res).unwrap(), gpu.upload(&res).unwrap());
+                    let weighed = gpu.zeros(rows).unwrap();
                     let mut pass = gpu.pass().with_lanes(lanes).with_subgroups(sg);
-                    pass.matvecs_normed_at([(&gw, 3)], &gx, norm, &gy, rows + 4).unwrap();
-                    pass.matvec_add(&gw, &gx, &gr).unwrap();
+                    pass.matvecs_normed_at([(&gw, 3)], &gxw, norm, &gy, rows + 4).unwrap();
+                    pass.matvec_add(&gw, &gx, &gr, Some((&gnext, &weighed))).unwrap();
+                    pass.matvec_add(&gw, &gx, &gr2, None).unwrap();
                     pass.finish().unwrap();
                     let y = gpu.read(&gy).unwrap();
                     for (i, &g) in y[3..3 + rows].iter().enumerate() {
@@ -1150,13 +1176,17 @@ mod tests {
                         y[..3].iter().chain(&y[3 + rows..]).all(|&v| v == 0.0),
                         "{what}: wrote outside"
                     );
-                    for (i, g) in gpu.read(&gr).unwrap().into_iter().enumerate() {
+                    let (added, added2) = (gpu.read(&gr).unwrap(), gpu.read(&gr2).unwrap());
+                    assert_eq!(added, added2, "{what}: the add weighed and not");
+                    for (i, &g) in added.iter().enumerate() {
                         let e = res[i] as f64 + exact[i];
                         assert!(
                             (g as f64 - e).abs() <= TOL * mag[i] + 1e-6 * (1.0 + e.abs()),
                             "{what} added out {i}: GPU {g} vs exact {e}"
                         );
                     }
+                    let want: Vec<f32> = added.iter().zip(&next).map(|(a, b)| a * b).collect();
+                    assert_eq!(gpu.read(&weighed).unwrap(), want, "{what}: weighed");
                 }
             }
         }
@@ -1171,16 +1201,17 @@ mod tests {
             let up = random_matrix(&mut rng, tu, rows, cols);
             let x: Vec<f32> = (0..cols).map(|_| rng.normal()).collect();
             let nw: Vec<f32> = (0..cols).map(|_| 0.3 + rng.normal() * 0.05).collect();
+            let xw: Vec<f32> = x.iter().zip(&nw).map(|(a, b)| a * b).collect();
             let mut xn = vec![0.0; cols];
             crate::kernels::ops::rms_norm(&x, &nw, eps, &mut xn);
             let (ge, gm) = reference(&gate, &xn, 1);
             let (ue, um) = reference(&up, &xn, 1);
             let (gg, gu) = (gpu.upload_matrix(&gate).unwrap(), gpu.upload_matrix(&up).unwrap());
-            let (gx, gnw) = (gpu.upload(&x).unwrap(), gpu.upload(&nw).unwrap());
+            let (gx, gxw) = (gpu.upload(&x).unwrap(), gpu.upload(&xw).unwrap());
             for lanes in [1, 32] {
                 let h = gpu.zeros(rows).unwrap();
                 let mut pass = gpu.pass().with_lanes(lanes);
-                pass.matvec_glu_normed(&gg, &gu, glu, &gx, Norm { w: &gnw, eps }, &h)
+                pass.matvec_glu_normed(&gg, &gu, glu, &gxw, Norm { res: &gx, eps }, &h)
                     .unwrap();
                 pass.finish().unwrap();
                 let what = format!("{tg}/{tu} normed {glu:?} lanes {lanes}");
@@ -1191,9 +1222,13 @@ mod tests {
         let (gx, gy) = (gpu.zeros(32).unwrap(), gpu.zeros(4).unwrap());
         let mut pass = gpu.pass().with_tiled_min(1);
         assert!(!pass.folds(1));
-        assert!(pass.matvec_add(&gw, &gx, &gy).is_err());
+        assert!(pass.matvec_add(&gw, &gx, &gy, None).is_err());
         let mut pass = gpu.pass();
-        assert!(pass.matvec_add(&gw, &gy, &gx).is_err(), "an input too short");
+        assert!(pass.matvec_add(&gw, &gy, &gx, None).is_err(), "an input too short");
+        assert!(
+            pass.matvec_add(&gw, &gx, &gy, Some((&gx, &gy))).is_err(),
+            "norm weights of another length"
+        );
     }
 
     /// What the matrix-unit kernel (coop.rs) multiplies, and the exact product of it: each weight (the CPU's

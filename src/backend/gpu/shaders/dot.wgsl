@@ -5,8 +5,7 @@
 // Why not dequant_$F and a loop: that fills a 32-float function array indexed in loops, which a driver may keep in
 // memory rather than registers (the tiled kernel's accumulators did, docs/gpu.md). Here the weights go from the
 // loaded word to a vec4 and into vec4 sums, and a block's scale and offset multiply the sums once, not each weight.
-// Each dot_<type> reads the activations through xin(i) (matmul.wgsl: the vec4 x4[i], normalised where the mat-vec
-// folds in an RMSNorm), xb4 the index of the unit's first activation over 4; the types without
+// Each dot_<type> reads the activations as x4[xb4 ..], xb4 the unit's first activation over 4; the types without
 // one here (Q2_K, Q3_K, the i-quants) go through dot_dq, which does dequantize into an array.
 
 // The low nibbles of w's 4 bytes, with bit j of h as their fifth bit.
@@ -45,7 +44,7 @@ fn dot_f32_$F(rb: u32, u: u32, xb4: u32) -> f32 {
         let k = w0 + 4u * i;
         let w = vec4<f32>(bitcast<f32>($W[k]), bitcast<f32>($W[k + 1u]), bitcast<f32>($W[k + 2u]),
                           bitcast<f32>($W[k + 3u]));
-        s += w * xin(xb4 + i);
+        s += w * x4[xb4 + i];
     }
     return hsum_$F(s);
 }
@@ -55,7 +54,7 @@ fn dot_f16_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     var s = vec4<f32>(0.0);
     for (var i = 0u; i < 8u; i++) {
         let w = vec4<f32>(unpack2x16float($W[w0 + 2u * i]), unpack2x16float($W[w0 + 2u * i + 1u]));
-        s += w * xin(xb4 + i);
+        s += w * x4[xb4 + i];
     }
     return hsum_$F(s);
 }
@@ -68,7 +67,7 @@ fn dot_bf16_$F(rb: u32, u: u32, xb4: u32) -> f32 {
         let b = $W[w0 + 2u * i + 1u];
         let w = vec4<f32>(bitcast<f32>(a << 16u), bitcast<f32>(a & 0xffff0000u), bitcast<f32>(b << 16u),
                           bitcast<f32>(b & 0xffff0000u));
-        s += w * xin(xb4 + i);
+        s += w * x4[xb4 + i];
     }
     return hsum_$F(s);
 }
@@ -78,7 +77,7 @@ fn dot_q8_0_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     let o = rb + u * 34u;
     var s = vec4<f32>(0.0);
     for (var k = 0u; k < 8u; k++) {
-        s += i8x4_$F(word_$F(o + 2u + 4u * k)) * xin(xb4 + k);
+        s += i8x4_$F(word_$F(o + 2u + 4u * k)) * x4[xb4 + k];
     }
     return half_$F(o) * hsum_$F(s);
 }
@@ -90,8 +89,8 @@ fn nib32_$F(qs: u32, qh: u32, xb4: u32) -> vec2<f32> {
     var sx = vec4<f32>(0.0);
     for (var k = 0u; k < 4u; k++) {
         let w = word_$F(qs + 4u * k);
-        let xa = xin(xb4 + k);
-        let xb = xin(xb4 + 4u + k);
+        let xa = x4[xb4 + k];
+        let xb = x4[xb4 + 4u + k];
         s += nib4_$F(w, qh >> (4u * k)) * xa + nib4_$F(w >> 4u, qh >> (16u + 4u * k)) * xb;
         sx += xa + xb;
     }
@@ -136,7 +135,7 @@ fn dot_q4_k_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     var s = vec4<f32>(0.0);
     var sx = vec4<f32>(0.0);
     for (var k = 0u; k < 8u; k++) {
-        let xv = xin(xb4 + k);
+        let xv = x4[xb4 + k];
         s += nib4_$F(word_$F(q0 + 4u * k) >> shift, 0u) * xv;
         sx += xv;
     }
@@ -153,7 +152,7 @@ fn dot_q5_k_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     var s = vec4<f32>(0.0);
     var sx = vec4<f32>(0.0);
     for (var k = 0u; k < 8u; k++) {
-        let xv = xin(xb4 + k);
+        let xv = x4[xb4 + k];
         let h = bits4_$F(word_$F(o + 16u + 4u * k) >> j);
         s += nib4_$F(word_$F(q0 + 4u * k) >> shift, h) * xv;
         sx += xv;
@@ -174,7 +173,7 @@ fn q6_part_$F(ql: u32, qh: u32, lshift: u32, hshift: u32, xb4: u32, k0: u32) -> 
             f32(((wl >> 16u) & 15u) | (((wh >> 16u) & 3u) << 4u)),
             f32(((wl >> 24u) & 15u) | (((wh >> 24u) & 3u) << 4u)),
         );
-        let xv = xin(xb4 + k);
+        let xv = x4[xb4 + k];
         s += q * xv;
         sx += xv;
     }
@@ -202,7 +201,7 @@ fn dot_dq_$F(rb: u32, u: u32, xb4: u32) -> f32 {
     dequant_$F(rb, u, &w);
     var s = vec4<f32>(0.0);
     for (var i = 0u; i < 8u; i++) {
-        s += vec4<f32>(w[4u * i], w[4u * i + 1u], w[4u * i + 2u], w[4u * i + 3u]) * xin(xb4 + i);
+        s += vec4<f32>(w[4u * i], w[4u * i + 1u], w[4u * i + 2u], w[4u * i + 3u]) * x4[xb4 + i];
     }
     return hsum_$F(s);
 }
@@ -216,7 +215,7 @@ fn dot_$F(rb: u32, u: u32, xb4: u32) -> f32 {
 // The unit walk above gives each lane a whole 32-weight unit: a load of its lanes touches as many cache sectors as
 // it has lanes, and a Q4_K unit reads both nibbles of a word to keep one (measured on an H200: 270-580 GB/s for a
 // Q4_K or Q6_K mat-vec, docs/gpu.md). pdot_<type>_$F(o, t, xb4): part t's share of the block at byte o, whose
-// first activation is xin(xb4).
+// first activation is x4[xb4].
 
 // Q4_K, 16 parts: part t = 8c + l takes word l of the 32-byte runs 2c and 2c + 1 of qs, holding weights 4l.. of
 // units 2c, 2c + 1 (low, high nibbles) and 2c + 4, 2c + 5 (c = 0, 1).
@@ -225,10 +224,10 @@ fn pdot_q4_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
     let xi = xb4 + 16u * c + t % 8u;
     let qa = word_$F(o + 16u + 4u * t);
     let qb = word_$F(o + 80u + 4u * t);
-    let x0 = xin(xi);
-    let x1 = xin(xi + 8u);
-    let x2 = xin(xi + 32u);
-    let x3 = xin(xi + 40u);
+    let x0 = x4[xi];
+    let x1 = x4[xi + 8u];
+    let x2 = x4[xi + 32u];
+    let x3 = x4[xi + 40u];
     let sm = k4_scales_$F(o, c);
     let dots = vec4<f32>(dot(nib4_$F(qa, 0u), x0), dot(nib4_$F(qa >> 4u, 0u), x1), dot(nib4_$F(qb, 0u), x2),
                          dot(nib4_$F(qb >> 4u, 0u), x3));
@@ -243,10 +242,10 @@ fn pdot_q5_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
     let qa = word_$F(o + 48u + 4u * t);
     let qb = word_$F(o + 112u + 4u * t);
     let h = word_$F(o + 16u + 4u * (t % 8u)) >> (2u * c);
-    let x0 = xin(xi);
-    let x1 = xin(xi + 8u);
-    let x2 = xin(xi + 32u);
-    let x3 = xin(xi + 40u);
+    let x0 = x4[xi];
+    let x1 = x4[xi + 8u];
+    let x2 = x4[xi + 32u];
+    let x3 = x4[xi + 40u];
     let sm = k4_scales_$F(o, c);
     let dots = vec4<f32>(dot(nib4_$F(qa, bits4_$F(h)), x0), dot(nib4_$F(qa >> 4u, bits4_$F(h >> 1u)), x1),
                          dot(nib4_$F(qb, bits4_$F(h >> 4u)), x2), dot(nib4_$F(qb >> 4u, bits4_$F(h >> 5u)), x3));
@@ -289,7 +288,7 @@ fn pdot_q6_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
             f32(((ql >> 16u) & 15u) | (((hb >> 16u) & 3u) << 4u)),
             f32(((ql >> 24u) & 15u) | (((hb >> 24u) & 3u) << 4u)),
         );
-        let xv = xin(xi + 8u * g);
+        let xv = x4[xi + 8u * g];
         let sc = f32(bitcast<i32>(byte_$F(o + 192u + 8u * hf + l / 4u + 2u * g) << 24u) >> 24u);
         s += sc * (dot(q, xv) - 32.0 * hsum_$F(xv));
     }
@@ -298,16 +297,16 @@ fn pdot_q6_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
 
 // Q8_0, 4 parts: part t takes words t and t + 4 of qs, weights 4t.. and 16 + 4t...
 fn pdot_q8_0_$F(o: u32, t: u32, xb4: u32) -> f32 {
-    let a = dot(i8x4_$F(word_$F(o + 2u + 4u * t)), xin(xb4 + t));
-    let b = dot(i8x4_$F(word_$F(o + 18u + 4u * t)), xin(xb4 + 4u + t));
+    let a = dot(i8x4_$F(word_$F(o + 2u + 4u * t)), x4[xb4 + t]);
+    let b = dot(i8x4_$F(word_$F(o + 18u + 4u * t)), x4[xb4 + 4u + t]);
     return half_$F(o) * (a + b);
 }
 
 // Q4_0, 4 parts: part t takes word t of qs, weights 4t.. (low nibbles) and 16 + 4t.. (high).
 fn pdot_q4_0_$F(o: u32, t: u32, xb4: u32) -> f32 {
     let w = word_$F(o + 2u + 4u * t);
-    let xa = xin(xb4 + t);
-    let xb = xin(xb4 + 4u + t);
+    let xa = x4[xb4 + t];
+    let xb = x4[xb4 + 4u + t];
     let s = dot(nib4_$F(w, 0u), xa) + dot(nib4_$F(w >> 4u, 0u), xb);
     return half_$F(o) * (s - 8.0 * (hsum_$F(xa) + hsum_$F(xb)));
 }
@@ -335,7 +334,7 @@ fn row_dot_units_$F(rb: u32, xr: u32, lane: u32) -> f32 {
             var w: array<f32, 32>;
             dequant_$F(rb, u, &w);
             for (var i = 0u; i < min(32u, p.cols - u * 32u); i++) {
-                acc += w[i] * xin1(xr + u * 32u + i);
+                acc += w[i] * x[xr + u * 32u + i];
             }
         }
     }

@@ -169,48 +169,40 @@ fn lanes_sum(li: u32, a: f32, b: f32) -> vec2<f32> {
 
 // What a decode step's mat-vec does around its dot products, so that the RMSNorm before it and the residual add
 // after it are not dispatches of their own (matmul.rs, `Fuse`): 0 nothing; 1 (NORM) the input row is the residual
-// stream, RMS-normalised here by the weights at binding 8 (each workgroup takes the row's sum of squares itself,
-// the same sum in every one); 2 (ADD) the products are added into y, the residual stream, rather than written.
+// stream times the norm's weights (written so by the mat-vec before, 3), and the row's 1 / rms, taken from the
+// residual stream at binding 8 by each workgroup (the same f32 sum in every one), scales the products; 2 (ADD) the
+// products are added into y, the residual stream, rather than written; 3 (ADD and WEIGH) also the new residual
+// times the next norm's weights (binding 8) into binding 9, the next mat-vec's input under NORM.
 override FUSE: u32 = 0u;
 const WG: u32 = 64u;
 
-@group(0) @binding(8) var<storage, read> nw4: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> aux: array<f32>;
+@group(0) @binding(9) var<storage, read_write> weighed: array<f32>;
 
-// Activations x4[i] (and x[i]) as the dot products read them (dot.wgsl): times the norm's weights under NORM, whose
-// row is x's first (a decode step's only one), so i indexes the weights too.
-fn xin(i: u32) -> vec4<f32> {
-    if (FUSE == 1u) {
-        return x4[i] * nw4[i];
-    }
-    return x4[i];
-}
-
-fn xin1(i: u32) -> f32 {
-    if (FUSE == 1u) {
-        return x[i] * nw4[i >> 2u][i & 3u];
-    }
-    return x[i];
-}
-
-// The RMSNorm's 1 / rms of x's first row (p.cols values, a multiple of 4 under NORM), else 1; every thread calls it.
+// The RMSNorm's 1 / rms of the residual row at binding 8 (p.cols values) under NORM, else 1; every thread calls it.
 fn norm_scale(li: u32) -> f32 {
     if (FUSE != 1u) {
         return 1.0;
     }
     var part = 0.0;
-    for (var i = li; i < p.cols / 4u; i += WG) {
-        let v = x4[i];
-        part += dot(v, v);
+    for (var i = li; i < p.cols; i += WG) {
+        let v = aux[i];
+        part += v * v;
     }
     return 1.0 / sqrt(reduce_sum(li, part) / f32(p.cols) + p.eps);
 }
 
-// Row `row`'s result `v` into y: written, or added to it (ADD).
+// Row `row`'s result `v` into y: written, or added to it (ADD), and the sum weighed into `weighed` (WEIGH).
 fn put(row: u32, v: f32) {
-    if (FUSE == 2u) {
-        y[p.row0 + row] += v;
+    let r = p.row0 + row;
+    if (FUSE == 2u || FUSE == 3u) {
+        let s = y[r] + v;
+        y[r] = s;
+        if (FUSE == 3u) {
+            weighed[r] = s * aux[r];
+        }
     } else {
-        y[p.row0 + row] = v;
+        y[r] = v;
     }
 }
 
