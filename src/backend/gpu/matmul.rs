@@ -433,28 +433,12 @@ impl Pass<'_> {
         norm: Norm,
         h: &Tensor,
     ) -> Result<()> {
-        ensure!(
-            (gate.rows, gate.cols) == (up.rows, up.cols),
-            "gate {}×{} and up {}×{} projections differ in shape",
-            gate.rows,
-            gate.cols,
-            up.rows,
-            up.cols
-        );
         self.check_fold(gate, Some(norm.res))?;
-        let out = (0, gate.rows);
-        self.check_mm(gate, xw, 1, h, out)?;
         let input = Input {
             x: xw.clone(),
             halves: None,
         };
-        if gate.ty == up.ty && same_parts(gate, up) {
-            return self.mm(gate, Some(up), glu, &input, 1, h, out, Fuse::Norm(norm));
-        }
-        let u = self.scratch(up.rows)?;
-        self.mm(gate, None, glu, &input, 1, h, out, Fuse::Norm(norm))?;
-        self.mm(up, None, glu, &input, 1, &u, out, Fuse::Norm(norm))?;
-        self.glu_mul(h, &u, glu, up.rows)
+        self.glu_pair(gate, up, glu, xw, 1, h, Fuse::Norm(norm), |_, _, _| Ok(input.clone()))
     }
 
     /// A folding mat-vec is one row on the mat-vec kernel; a folded norm's residual row spans the matrix's columns.
@@ -486,6 +470,25 @@ impl Pass<'_> {
         n: usize,
         h: &Tensor,
     ) -> Result<()> {
+        self.glu_pair(gate, up, glu, x, n, h, Fuse::None, |pass, w, memo| {
+            pass.input_for(w, x, n, memo)
+        })
+    }
+
+    /// The gate/up projection over `x` as `input` makes it for each matrix (given the op's [`Memo`]): one pass
+    /// over both matrices where they are of one type (and split alike), else two matmuls and the activation.
+    #[allow(clippy::too_many_arguments)]
+    fn glu_pair(
+        &mut self,
+        gate: &GpuMatrix,
+        up: &GpuMatrix,
+        glu: Glu,
+        x: &Tensor,
+        n: usize,
+        h: &Tensor,
+        fuse: Fuse,
+        mut input: impl FnMut(&mut Self, &GpuMatrix, &mut Memo) -> Result<Input>,
+    ) -> Result<()> {
         ensure!(
             (gate.rows, gate.cols) == (up.rows, up.cols),
             "gate {}×{} and up {}×{} projections differ in shape",
@@ -497,15 +500,15 @@ impl Pass<'_> {
         let out = (0, gate.rows);
         self.check_mm(gate, x, n, h, out)?;
         if gate.ty == up.ty && same_parts(gate, up) {
-            let x = self.input_for(gate, x, n, &mut None)?;
-            return self.mm(gate, Some(up), glu, &x, n, h, out, Fuse::None);
+            let x = input(self, gate, &mut None)?;
+            return self.mm(gate, Some(up), glu, &x, n, h, out, fuse);
         }
         let u = self.scratch(n * up.rows)?;
         let mut memo = None;
-        let xg = self.input_for(gate, x, n, &mut memo)?;
-        self.mm(gate, None, glu, &xg, n, h, out, Fuse::None)?;
-        let xu = self.input_for(up, x, n, &mut memo)?;
-        self.mm(up, None, glu, &xu, n, &u, out, Fuse::None)?;
+        let xg = input(self, gate, &mut memo)?;
+        self.mm(gate, None, glu, &xg, n, h, out, fuse)?;
+        let xu = input(self, up, &mut memo)?;
+        self.mm(up, None, glu, &xu, n, &u, out, fuse)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
 
