@@ -1133,8 +1133,9 @@ mod tests {
     /// layer each round their activations first, act8.rs) and qwen3 (head norms). A decode step's last add is
     /// fused with the head's norm; a prompt's last row, not at row 0, takes its own norm; a hidden-state forward
     /// ends on a plain add (after Gemma's post-norm). A decode step folds the norms and adds into its mat-vecs:
-    /// the first norm, 6 a layer, the head's norm and matmul (Gemma as a batch). It was 14 a layer (16 with post-norms or head norms, 17 with
-    /// biases) before the fusions and 11 before the stacking and the stores; this keeps the count from growing back silently.
+    /// the first norm, 6 a layer, the head's norm and matmul (Gemma as a batch). It was 14 a layer (16 with
+    /// post-norms or head norms, 17 with biases) before the fusions and 11 before the stacking and the stores; this
+    /// keeps the count from growing back silently.
     /// (Their logits are checked against the CPU's by the tests above.)
     #[test]
     fn forward_dispatches_per_layer() {

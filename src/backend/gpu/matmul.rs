@@ -386,10 +386,7 @@ impl Pass<'_> {
         for (w, at) in ws {
             self.check_fold(w, Some(norm.res))?;
             self.check_mm(w, xw, 1, y, (at, stride))?;
-            let input = Input {
-                x: xw.clone(),
-                halves: None,
-            };
+            let input = self.input_for(w, xw, 1, &mut None)?;
             self.mm(w, None, Glu::Silu, &input, 1, y, (at, stride), Fuse::Norm(norm))?;
         }
         Ok(())
@@ -416,10 +413,7 @@ impl Pass<'_> {
                 xw.len()
             );
         }
-        let input = Input {
-            x: x.clone(),
-            halves: None,
-        };
+        let input = self.input_for(w, x, 1, &mut None)?;
         self.mm(w, None, Glu::Silu, &input, 1, res, (0, w.rows), Fuse::Add(weigh))
     }
 
@@ -434,11 +428,7 @@ impl Pass<'_> {
         h: &Tensor,
     ) -> Result<()> {
         self.check_fold(gate, Some(norm.res))?;
-        let input = Input {
-            x: xw.clone(),
-            halves: None,
-        };
-        self.glu_pair(gate, up, glu, xw, 1, h, Fuse::Norm(norm), |_, _, _| Ok(input.clone()))
+        self.glu_pair(gate, up, glu, xw, 1, h, Fuse::Norm(norm))
     }
 
     /// A folding mat-vec is one row on the mat-vec kernel; a folded norm's residual row spans the matrix's columns.
@@ -470,13 +460,10 @@ impl Pass<'_> {
         n: usize,
         h: &Tensor,
     ) -> Result<()> {
-        self.glu_pair(gate, up, glu, x, n, h, Fuse::None, |pass, w, memo| {
-            pass.input_for(w, x, n, memo)
-        })
+        self.glu_pair(gate, up, glu, x, n, h, Fuse::None)
     }
 
-    /// The gate/up projection over `x` as `input` makes it for each matrix (given the op's [`Memo`]): one pass
-    /// over both matrices where they are of one type (and split alike), else two matmuls and the activation.
+    /// [`Pass::matmul_glu`], its mat-vecs folding `fuse` (a one-row pass's input is `x` as it is).
     #[allow(clippy::too_many_arguments)]
     fn glu_pair(
         &mut self,
@@ -487,7 +474,6 @@ impl Pass<'_> {
         n: usize,
         h: &Tensor,
         fuse: Fuse,
-        mut input: impl FnMut(&mut Self, &GpuMatrix, &mut Memo) -> Result<Input>,
     ) -> Result<()> {
         ensure!(
             (gate.rows, gate.cols) == (up.rows, up.cols),
@@ -500,14 +486,14 @@ impl Pass<'_> {
         let out = (0, gate.rows);
         self.check_mm(gate, x, n, h, out)?;
         if gate.ty == up.ty && same_parts(gate, up) {
-            let x = input(self, gate, &mut None)?;
+            let x = self.input_for(gate, x, n, &mut None)?;
             return self.mm(gate, Some(up), glu, &x, n, h, out, fuse);
         }
         let u = self.scratch(n * up.rows)?;
         let mut memo = None;
-        let xg = input(self, gate, &mut memo)?;
+        let xg = self.input_for(gate, x, n, &mut memo)?;
         self.mm(gate, None, glu, &xg, n, h, out, fuse)?;
-        let xu = input(self, up, &mut memo)?;
+        let xu = self.input_for(up, x, n, &mut memo)?;
         self.mm(up, None, glu, &xu, n, &u, out, fuse)?;
         self.glu_mul(h, &u, glu, n * up.rows)
     }
