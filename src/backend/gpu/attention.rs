@@ -4,6 +4,7 @@
 //! (`backend::LayerKv`), so a handoff or snapshot reads the same layout from either backend.
 
 use super::buffers::{Halves, Tensor, U32s};
+use super::rope::Ready;
 use super::{Pass, env_number, module, u32_of, wgsl};
 use crate::backend::AttnShape;
 use anyhow::{Result, ensure};
@@ -56,20 +57,38 @@ fn attention_splits(pairs: usize, span: usize) -> (u32, u32) {
     (split as u32, span.div_ceil(split) as u32)
 }
 
+/// Where an attention dispatch's queries come from.
+pub enum Queries<'a> {
+    /// Rotated already (`[n_tok, n_head, hdk]`, [`Pass::rope_store`]'s), every row's K and V in the cache.
+    Rotated(&'a Tensor),
+    /// A decode step's projections: the dispatch makes its query heads, and the row's K and V, ready itself and
+    /// stores K and V into the cache (`shaders/attention_fresh.wgsl`), one dispatch where there were two. It binds
+    /// nine storage buffers, so it takes an adapter that allows that ([`Pass::attends_fresh`]).
+    Fresh(&'a Ready<'a>),
+}
+
+/// Storage buffers [`Queries::Fresh`]'s dispatch binds.
+const FRESH_BUFFERS: u32 = 9;
+
 impl Pass<'_> {
-    /// Causal attention of the `a.n_tok` rows of `q` (`[n_tok, n_head, hdk]`), row `t` at position `pos[t]`, over
-    /// the cache `k`/`v` of `n_ctx` positions per head, into `out` (`[n_tok, n_head, hdv]`).
-    #[allow(clippy::too_many_arguments)]
+    /// Whether a batch of `n_tok` rows takes [`Queries::Fresh`]: a decode step that folds its dispatches
+    /// ([`Pass::folds`]) on an adapter with storage buffers enough.
+    pub fn attends_fresh(&self, n_tok: usize) -> bool {
+        self.folds(n_tok) && self.gpu().storage_buffers() >= FRESH_BUFFERS
+    }
+
+    /// Causal attention of the `a.n_tok` rows of `queries`, row `t` at position `pos[t]`, over the cache `kv` (K
+    /// and V) of `n_ctx` positions per head, into `out` (`[n_tok, n_head, hdv]`).
     pub fn attend(
         &mut self,
         a: &AttnShape,
-        q: &Tensor,
-        k: &Halves,
-        v: &Halves,
+        queries: Queries,
+        kv: [&Halves; 2],
         n_ctx: usize,
         pos: &U32s,
         out: &Tensor,
     ) -> Result<()> {
+        let [k, v] = kv;
         ensure!(
             a.n_head_kv > 0 && a.n_head.is_multiple_of(a.n_head_kv),
             "{} query heads do not share {} KV heads evenly",
@@ -87,7 +106,6 @@ impl Pass<'_> {
             a.hdk,
             a.hdv
         );
-        ensure!(q.len() >= a.n_tok * a.n_head * a.hdk, "attention queries too small");
         ensure!(out.len() >= a.n_tok * a.n_head * a.hdv, "attention output too small");
         ensure!(
             k.len() >= a.n_head_kv * n_ctx * a.hdk && v.len() >= a.n_head_kv * n_ctx * a.hdv,
@@ -106,16 +124,48 @@ impl Pass<'_> {
             pos.max()
         );
         ensure!(a.n_head <= 65535 && a.n_tok <= 65535, "attention grid too large");
+        // The words of qkv_head.wgsl's Params (zeros where the module has none of it), the head, and the buffers.
+        let (ready, head, mut bufs) = match &queries {
+            Queries::Rotated(q) => {
+                ensure!(q.len() >= a.n_tok * a.n_head * a.hdk, "attention queries too small");
+                let bufs = vec![(1, &q.buf), (4, &k.buf), (5, &v.buf)];
+                ([0; 10], wgsl::ATTENTION_CACHED, bufs)
+            }
+            Queries::Fresh(r) => {
+                ensure!(
+                    a.n_tok == 1,
+                    "attention from the projections takes one row, not {}",
+                    a.n_tok
+                );
+                let limit = self.gpu().storage_buffers();
+                ensure!(
+                    limit >= FRESH_BUFFERS,
+                    "attention from the projections binds {FRESH_BUFFERS} storage buffers; the adapter allows {limit}"
+                );
+                (r.words(a, kv, n_ctx, pos)?, wgsl::ATTENTION_FRESH, r.bufs(kv).to_vec())
+            }
+        };
         if a.n_tok == 0 {
             return Ok(());
         }
         let rows = rows_for(a.n_tok);
-        let (red, key) = if rows == 1 {
-            ("f32", "attention")
-        } else {
-            ("vec4<f32>", "attention4")
+        let fresh = matches!(queries, Queries::Fresh(_));
+        let (red, key) = match (rows, fresh) {
+            (1, false) => ("f32", "attention"),
+            (1, true) => ("f32", "attention-fresh"),
+            _ => ("vec4<f32>", "attention4"),
         };
-        let source = || module(&[&rows_head(rows), wgsl::REDUCE, wgsl::ATTENTION]);
+        let source = || match fresh {
+            true => module(&[
+                &rows_head(rows),
+                wgsl::F16,
+                wgsl::REDUCE,
+                wgsl::QKV_HEAD,
+                head,
+                wgsl::ATTENTION,
+            ]),
+            false => module(&[&rows_head(rows), wgsl::REDUCE, head, wgsl::ATTENTION]),
+        };
         let pipeline = self.reducing_pipeline_of(red, key, "attend", &[], source)?;
         let window = match a.window {
             Some(w) => u32_of(w.max(1), "window")?,
@@ -123,7 +173,7 @@ impl Pass<'_> {
         };
         let tiles = a.n_tok.div_ceil(rows);
         let (split, n_split) = attention_splits(tiles * a.n_head, pos.max() as usize + 1);
-        let params = [
+        let mut params = vec![
             u32_of(a.n_tok, "rows")?,
             u32_of(a.n_head, "heads")?,
             u32_of(a.n_head_kv, "KV heads")?,
@@ -135,24 +185,18 @@ impl Pass<'_> {
             split,
             n_split,
         ];
+        params.extend(ready);
         // Without splits the partials are never written, but a buffer (not `out`: no two writable bindings of
         // one buffer) is bound there all the same.
         let part = match n_split {
             1 => self.scratch(1)?,
             n => self.scratch(a.n_tok * a.n_head * n as usize * (a.hdv + 2))?,
         };
-        let bufs = [
-            (1, &q.buf),
-            (2, &k.buf),
-            (3, &v.buf),
-            (4, &pos.buf),
-            (5, &out.buf),
-            (6, &part.buf),
-        ];
+        bufs.extend([(7, &pos.buf), (9, &out.buf), (10, &part.buf)]);
         self.dispatch(&pipeline, &params, &bufs, (a.n_head as u32, tiles as u32, n_split));
         if n_split > 1 {
             let merge = self.reducing_pipeline_of(red, key, "merge", &[], source)?;
-            let bufs = [(5, &out.buf), (6, &part.buf)];
+            let bufs = [(9, &out.buf), (10, &part.buf)];
             self.dispatch(&merge, &params, &bufs, (a.n_head as u32, a.n_tok as u32, 1));
         }
         Ok(())
@@ -161,9 +205,12 @@ impl Pass<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::rope::{Ready, fresh_halves};
     use super::super::test_gpu;
+    use super::Queries;
     use crate::backend::AttnShape;
     use crate::kernels::attention::{self, Group};
+    use crate::kernels::ops::RopeTable;
     use crate::kernels::testutil::Rng;
     use half::f16;
 
@@ -253,7 +300,8 @@ mod tests {
             for sg in [true, false] {
                 let out = gpu.zeros(want.len()).unwrap();
                 let mut pass = gpu.pass().with_subgroups(sg);
-                pass.attend(&a, &gq, &gk, &gv, n_ctx, &gp, &out).unwrap();
+                pass.attend(&a, Queries::Rotated(&gq), [&gk, &gv], n_ctx, &gp, &out)
+                    .unwrap();
                 pass.finish().unwrap();
                 let got = gpu.read(&out).unwrap();
                 for (i, (g, e)) in got.iter().zip(&want).enumerate() {
@@ -263,6 +311,117 @@ mod tests {
                          {g} vs {e}"
                     );
                 }
+            }
+        }
+    }
+
+    /// A decode step's attention from the projections (`Queries::Fresh`) against `rope_store` then attention of
+    /// the rotated queries, on the same inputs: biases and head norms or none, both RoPE styles, partial rotation,
+    /// GQA, the row's position first in the cache, first in a split (with an empty cached range), last in a long
+    /// split one, under a sliding window, and heads of 64 to 256 and of 96 (threads idle in the weighted sum). The
+    /// cache and the host's run within one f16 step of the other path's (the head norm's sum is over 256 threads
+    /// there, 64 here), the outputs within 2e-5 of 1 + their magnitude.
+    #[test]
+    fn fresh_attention_matches_rotated() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2160);
+        let n_ctx = 700;
+        let cases = [
+            // (n_head, n_head_kv, hd, n_rot, position, window, biased, normed, neox)
+            (8, 2, 64, 64, 5, None, false, false, false),
+            (4, 1, 128, 64, 699, None, true, true, true),
+            (6, 2, 64, 32, 512, Some(100), false, true, false),
+            (2, 2, 256, 256, 0, None, true, false, true),
+            (4, 2, 96, 64, 300, None, true, true, false),
+            (3, 3, 64, 64, 40, Some(1), false, false, true),
+        ];
+        for (n_head, n_head_kv, hd, n_rot, at, window, biased, normed, neox) in cases {
+            let a = AttnShape {
+                n_tok: 1,
+                n_head,
+                n_head_kv,
+                hdk: hd,
+                hdv: hd,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let normal = |rng: &mut Rng, len: usize, s: f32| (0..len).map(|_| rng.normal() * s).collect::<Vec<f32>>();
+            let qkv = gpu.upload(&normal(&mut rng, a.qkv_width(), 1.5)).unwrap();
+            let bias = [n_head, n_head_kv, n_head_kv].map(|h| normal(&mut rng, h * hd, 0.5));
+            let norm = [0, 1].map(|_| (0..hd).map(|_| 1.0 + rng.normal() * 0.2).collect::<Vec<f32>>());
+            let extras = gpu
+                .upload_qkv_extras(
+                    [0, 1, 2].map(|i| biased.then_some(&bias[i][..])),
+                    normed.then_some([&norm[0][..], &norm[1][..]]),
+                )
+                .unwrap();
+            let table = gpu.upload_rope(&RopeTable::new(10000.0, n_rot, n_ctx)).unwrap();
+            let old: Vec<f16> = (0..n_head_kv * n_ctx * hd)
+                .map(|_| f16::from_f32(rng.normal()))
+                .collect();
+            let gp = gpu.upload_u32(&[at]).unwrap();
+            // The run for the host's copy, this layer's after another's.
+            let run_at = 2 * fresh_halves(&a);
+            let case = format!("heads {n_head}/{n_head_kv} hd {hd} rot {n_rot} at {at} window {window:?}");
+            for sg in [true, false] {
+                // (out, K, V, the host's run) of each path.
+                let mut got = vec![];
+                for fresh_path in [false, true] {
+                    let (kc, vc) = (gpu.upload_halves(&old).unwrap(), gpu.upload_halves(&old).unwrap());
+                    let run = gpu.zero_halves(run_at + fresh_halves(&a)).unwrap();
+                    let (q, out) = (gpu.zeros(n_head * hd).unwrap(), gpu.zeros(n_head * hd).unwrap());
+                    let ready = Ready {
+                        qkv: &qkv,
+                        extras: &extras,
+                        eps: 1e-6,
+                        table: &table,
+                        neox,
+                        fresh: (&run, run_at),
+                    };
+                    let mut pass = gpu.pass().with_subgroups(sg);
+                    if fresh_path {
+                        pass.attend(&a, Queries::Fresh(&ready), [&kc, &vc], n_ctx, &gp, &out)
+                            .unwrap();
+                        let two = AttnShape { n_tok: 2, ..a };
+                        let two_pos = gpu.upload_u32(&[at, at]).unwrap();
+                        assert!(
+                            pass.attend(&two, Queries::Fresh(&ready), [&kc, &vc], n_ctx, &two_pos, &out)
+                                .is_err(),
+                            "two rows from the projections are refused"
+                        );
+                    } else {
+                        pass.rope_store(&ready, &a, &q, [&kc, &vc], n_ctx, &gp).unwrap();
+                        pass.attend(&a, Queries::Rotated(&q), [&kc, &vc], n_ctx, &gp, &out)
+                            .unwrap();
+                    }
+                    pass.finish().unwrap();
+                    let halves = |h| gpu.read_halves(h).unwrap();
+                    got.push((gpu.read(&out).unwrap(), halves(&kc), halves(&vc), halves(&run)));
+                }
+                let (want, fresh) = (&got[0], &got[1]);
+                for (i, (g, e)) in fresh.0.iter().zip(&want.0).enumerate() {
+                    assert!(
+                        (g - e).abs() <= 2e-5 * (1.0 + e.abs()),
+                        "{case} subgroups {sg}: out {i}: {g} vs {e}"
+                    );
+                }
+                for (what, g, e) in [
+                    ("K", &fresh.1, &want.1),
+                    ("V", &fresh.2, &want.2),
+                    ("run", &fresh.3, &want.3),
+                ] {
+                    for (i, (g, e)) in g.iter().zip(e).enumerate() {
+                        let step = (e.to_f32().abs() * 2f32.powi(-10)).max(6e-8);
+                        assert!(
+                            (g.to_f32() - e.to_f32()).abs() <= step,
+                            "{case} subgroups {sg}: {what} at {i}: {g} vs {e}"
+                        );
+                    }
+                }
+                assert!(
+                    fresh.3[run_at..].iter().any(|h| h.to_f32() != 0.0),
+                    "{case}: the run is written"
+                );
             }
         }
     }

@@ -266,6 +266,11 @@ impl Gpu {
         self.profiler.as_ref()
     }
 
+    /// Storage buffers one dispatch may bind (8 is the portable least; desktop GPUs and Metal allow more).
+    pub fn storage_buffers(&self) -> u32 {
+        self.limits.max_storage_buffers_per_shader_stage
+    }
+
     /// Largest buffer one binding may cover, in bytes.
     pub fn max_binding(&self) -> u64 {
         self.limits

@@ -8,9 +8,10 @@
 //! the CPU, and keeps a copy of every KV row the device writes, brought back in the same submission: snapshots,
 //! a disaggregated prefill's KV stream and imports see one cache whichever backend ran the layers.
 
+use super::attention::Queries;
 use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 use super::matmul::Norm;
-use super::rope::{GpuRope, QkvExtras, fresh_halves};
+use super::rope::{GpuRope, QkvExtras, Ready, fresh_halves};
 use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, KvLayers};
 use crate::kernels::Glu;
@@ -584,20 +585,23 @@ impl GpuLayers {
                 true => pass.matvecs_normed_at(qkv, &self.xn, folded, &self.qkv, shape.qkv_width())?,
                 false => pass.matmuls_at(qkv, &self.xn, n, &self.qkv, shape.qkv_width())?,
             }
-            pass.rope_store(
-                rope,
-                &l.qkv_extras,
-                &shape,
-                hp.rms_eps,
+            // The rows' Q, K and V made ready (biases, head norms, RoPE), K and V stored into the cache, and the
+            // attention: a decode step does all of it in the attention dispatch (`Queries::Fresh`).
+            let ready = Ready {
+                qkv: &self.qkv,
+                extras: &l.qkv_extras,
+                eps: hp.rms_eps,
+                table: rope,
                 neox,
-                &self.qkv,
-                &self.q,
-                [&kv.k, &kv.v],
-                self.n_ctx,
-                pos,
-                (&self.fresh, (il - first) * fresh_halves(&shape)),
-            )?;
-            pass.attend(&shape, &self.q, &kv.k, &kv.v, self.n_ctx, pos, &self.att)?;
+                fresh: (&self.fresh, (il - first) * fresh_halves(&shape)),
+            };
+            let kv_cache = [&kv.k, &kv.v];
+            if pass.attends_fresh(n) {
+                pass.attend(&shape, Queries::Fresh(&ready), kv_cache, self.n_ctx, pos, &self.att)?;
+            } else {
+                pass.rope_store(&ready, &shape, &self.q, kv_cache, self.n_ctx, pos)?;
+                pass.attend(&shape, Queries::Rotated(&self.q), kv_cache, self.n_ctx, pos, &self.att)?;
+            }
             let [post_attn, post_ffn] = match &l.post_norms {
                 Some([a, f]) => [Some(a), Some(f)],
                 None => [None, None],
@@ -1189,12 +1193,13 @@ mod tests {
             g.forward(&mut x, None, 1, 2 * n, 0, &mut kv, out).unwrap();
             eprintln!("{name}: {} dispatches a decode step of {layers} layers", g.dispatches());
             // A decode step folds the norms into the mat-vecs after them and the adds into those before (6 a
-            // layer, after the first norm, then the head's norm and matmul); Gemma's post-norms keep the fused
-            // adds. `BATON_GPU_FOLD=0`: as a batch.
+            // layer, after the first norm, then the head's norm and matmul), and the rotation into attention (5);
+            // Gemma's post-norms keep the fused adds. `BATON_GPU_FOLD=0`: as a batch.
+            let fresh = usize::from(g.pass().attends_fresh(1));
             let decode = if !g.pass().folds(1) || hp.arch == Arch::Gemma3 {
-                1 + PER_LAYER * layers + 1
+                1 + (PER_LAYER - fresh) * layers + 1
             } else {
-                1 + (PER_LAYER - 2) * layers + 2
+                1 + (PER_LAYER - 2 - fresh) * layers + 2
             };
             assert_eq!(g.dispatches(), decode, "{name}: a decode step");
         }

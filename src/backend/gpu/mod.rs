@@ -60,8 +60,11 @@ mod wgsl {
     pub const HALVES: &str = include_str!("shaders/halves.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
     pub const NORM: &str = include_str!("shaders/norm.wgsl");
+    pub const QKV_HEAD: &str = include_str!("shaders/qkv_head.wgsl");
     pub const ROPE: &str = include_str!("shaders/rope.wgsl");
     pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+    pub const ATTENTION_CACHED: &str = include_str!("shaders/attention_cached.wgsl");
+    pub const ATTENTION_FRESH: &str = include_str!("shaders/attention_fresh.wgsl");
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");

@@ -1,6 +1,7 @@
 //! RoPE, both styles, over the CPU's angle table, fused with what surrounds it in a layer (`shaders/rope.wgsl`):
 //! one dispatch adds Q, K and V's biases, RMS-normalises the Q and K heads, rotates them and stores K and V into
-//! the f16 cache, where these were five to nine dispatches.
+//! the f16 cache, where these were five to nine dispatches. A decode step's attention does the same work itself
+//! (`attention::Queries::Fresh`), from the same shader functions (`shaders/qkv_head.wgsl`).
 
 use super::buffers::{Halves, Tensor, U32s};
 use super::device::{Gpu, grid};
@@ -67,7 +68,7 @@ impl Gpu {
 }
 
 fn source() -> String {
-    module(&[wgsl::F16, wgsl::REDUCE, wgsl::ROPE])
+    module(&[wgsl::F16, wgsl::REDUCE, wgsl::QKV_HEAD, wgsl::ROPE])
 }
 
 /// A shader's offset of an optional vector, checked to be `len` long.
@@ -86,30 +87,29 @@ pub fn fresh_halves(a: &AttnShape) -> usize {
     a.n_head_kv * a.n_tok * (a.hdk + a.hdv)
 }
 
-impl Pass<'_> {
-    /// Readies the `a.n_tok` rows of `qkv` (each row Q `[n_head, hdk]`, K `[n_head_kv, hdk]` and V `[n_head_kv,
-    /// hdv]` side by side, as the stacked projections write them) for attention, row `t` at position `pos[t]`, as
-    /// the CPU's `model::blocks` does: each head plus its bias, Q and K heads RMS-normalised (`eps`) where `extras`
-    /// has norms, then rotated by `table` (`neox`: the halves of a head rather than adjacent pairs). Q goes to `q`
-    /// (`[n_tok, n_head, hdk]`); K and V into the f16 caches `kc` and `vc` (`[n_head_kv, n_ctx, hd]`) at the rows'
-    /// positions, and into `fresh` from half `fresh_at` (per KV head, its K rows, then its V rows: the run the host's
-    /// copy of the cache is read back from).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope_store(
-        &mut self,
-        table: &GpuRope,
-        extras: &QkvExtras,
-        a: &AttnShape,
-        eps: f32,
-        neox: bool,
-        qkv: &Tensor,
-        q: &Tensor,
-        [kc, vc]: [&Halves; 2],
-        n_ctx: usize,
-        pos: &U32s,
-        (fresh, fresh_at): (&Halves, usize),
-    ) -> Result<()> {
+/// What makes a layer's Q, K and V heads ready for attention (`shaders/qkv_head.wgsl`), as the CPU's
+/// `model::blocks` does, for [`Pass::rope_store`] and a decode step's attention (`attention::Queries::Fresh`).
+pub struct Ready<'a> {
+    /// The rows' projections, each row Q `[n_head, hdk]`, K `[n_head_kv, hdk]` and V `[n_head_kv, hdv]` side by
+    /// side, as the stacked projections write them.
+    pub qkv: &'a Tensor,
+    /// The layer's biases, added to each head, and Q and K head norms (with `eps`), where it has them.
+    pub extras: &'a QkvExtras,
+    pub eps: f32,
+    /// The angles Q and K are rotated by; `neox`: the halves of a head rather than adjacent pairs.
+    pub table: &'a GpuRope,
+    pub neox: bool,
+    /// The run the host's copy of the cache is read back from, and the half this layer's rows start at (per KV
+    /// head, its K rows at the batch's positions, then its V rows).
+    pub fresh: (&'a Halves, usize),
+}
+
+impl Ready<'_> {
+    /// Checks the shapes against `a`'s rows, the caches `kc`/`vc` of `n_ctx` positions and the positions `pos`,
+    /// and gives the words qkv_head.wgsl reads from its module's Params (`half_rot` to `fresh_at`).
+    pub(super) fn words(&self, a: &AttnShape, [kc, vc]: [&Halves; 2], n_ctx: usize, pos: &U32s) -> Result<[u32; 10]> {
         let (n, hq, hkv) = (a.n_tok, a.n_head, a.n_head_kv);
+        let (table, (fresh, fresh_at)) = (self.table, self.fresh);
         ensure!(
             a.hdk.is_multiple_of(2) && a.hdv.is_multiple_of(2) && a.hdk <= 256 && a.hdv <= 256,
             "the GPU takes even head sizes up to 256, not {} and {}",
@@ -122,10 +122,7 @@ impl Pass<'_> {
             2 * table.half,
             a.hdk
         );
-        ensure!(
-            qkv.len() >= n * a.qkv_width() && q.len() >= n * hq * a.hdk,
-            "Q, K and V or the rotated Q smaller than {n} rows"
-        );
+        ensure!(self.qkv.len() >= n * a.qkv_width(), "Q, K and V smaller than {n} rows");
         ensure!(
             kc.len() >= hkv * n_ctx * a.hdk && vc.len() >= hkv * n_ctx * a.hdv,
             "KV cache smaller than {hkv} heads of {n_ctx} positions"
@@ -142,46 +139,73 @@ impl Pass<'_> {
             pos.max(),
             table.n_ctx
         );
+        let extras = self.extras;
         let [bq, bk, bv] = extras.bias;
         let (qn, kn) = match extras.norm {
             Some([qn, kn]) => (Some(qn), Some(kn)),
             None => (None, None),
         };
-        let workgroups = n * (hq + 2 * hkv);
-        if workgroups == 0 {
-            return Ok(());
-        }
-        let pipeline = self.reducing_pipeline("rope", "rope_store", &[], source)?;
-        let (gx, gy) = grid(u32_of(workgroups, "heads")?);
-        let params = [
-            u32_of(n, "rows")?,
-            u32_of(hq, "heads")?,
-            u32_of(hkv, "KV heads")?,
-            u32_of(a.hdk, "head size")?,
-            u32_of(a.hdv, "head size")?,
+        Ok([
             u32_of(table.half, "rotated pairs")?,
-            neox as u32,
+            self.neox as u32,
             u32_of(table.n_ctx, "positions")?,
-            u32_of(n_ctx, "context")?,
-            eps.to_bits(),
-            gx,
+            self.eps.to_bits(),
             offset(bq, hq * a.hdk, "Q bias")?,
             offset(bk, hkv * a.hdk, "K bias")?,
             offset(bv, hkv * a.hdv, "V bias")?,
             offset(qn, a.hdk, "Q norm")?,
             offset(kn, a.hdk, "K norm")?,
             u32_of(fresh_at / 2, "KV run offset")?,
-        ];
-        let bufs = [
-            (1, &q.buf),
-            (2, &qkv.buf),
-            (3, &fresh.buf),
+        ])
+    }
+
+    /// The buffers qkv_head.wgsl binds, with the caches `kc` and `vc`.
+    pub(super) fn bufs<'b>(&'b self, [kc, vc]: [&'b Halves; 2]) -> [(u32, &'b wgpu::Buffer); 6] {
+        [
+            (2, &self.qkv.buf),
+            (3, &self.fresh.0.buf),
             (4, &kc.buf),
             (5, &vc.buf),
-            (6, &table.buf),
-            (7, &pos.buf),
-            (8, &extras.buf.buf),
+            (6, &self.table.buf),
+            (8, &self.extras.buf.buf),
+        ]
+    }
+}
+
+impl Pass<'_> {
+    /// Readies the `a.n_tok` rows of `r.qkv` for attention, row `t` at position `pos[t]` (see [`Ready`]): Q goes
+    /// to `q` (`[n_tok, n_head, hdk]`); K and V into the f16 caches `kc` and `vc` (`[n_head_kv, n_ctx, hd]`) at the
+    /// rows' positions, and into the host's run.
+    pub fn rope_store(
+        &mut self,
+        r: &Ready,
+        a: &AttnShape,
+        q: &Tensor,
+        kv: [&Halves; 2],
+        n_ctx: usize,
+        pos: &U32s,
+    ) -> Result<()> {
+        let ready = r.words(a, kv, n_ctx, pos)?;
+        let (n, hq, hkv) = (a.n_tok, a.n_head, a.n_head_kv);
+        ensure!(q.len() >= n * hq * a.hdk, "rotated Q smaller than {n} rows");
+        let workgroups = n * (hq + 2 * hkv);
+        if workgroups == 0 {
+            return Ok(());
+        }
+        let pipeline = self.reducing_pipeline("rope", "rope_store", &[], source)?;
+        let (gx, gy) = grid(u32_of(workgroups, "heads")?);
+        let mut params = vec![
+            u32_of(n, "rows")?,
+            u32_of(hq, "heads")?,
+            u32_of(hkv, "KV heads")?,
+            u32_of(a.hdk, "head size")?,
+            u32_of(a.hdv, "head size")?,
+            u32_of(n_ctx, "context")?,
+            gx,
         ];
+        params.extend(ready);
+        let mut bufs = vec![(1, &q.buf), (7, &pos.buf)];
+        bufs.extend(r.bufs(kv));
         self.dispatch(&pipeline, &params, &bufs, (gx, gy, 1));
         Ok(())
     }
@@ -190,7 +214,7 @@ impl Pass<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::{Pass, test_gpu};
-    use super::fresh_halves;
+    use super::{Ready, fresh_halves};
     use crate::backend::AttnShape;
     use crate::kernels::ops::{self, RopeTable};
     use crate::kernels::testutil::Rng;
@@ -295,19 +319,15 @@ mod tests {
                 let sg = neox;
                 let mut pass = gpu.pass().with_subgroups(sg);
                 let rs = |pass: &mut Pass, n_ctx, at| {
-                    pass.rope_store(
-                        &gt,
-                        &extras,
-                        &a,
+                    let ready = Ready {
+                        qkv: &gqkv,
+                        extras: &extras,
                         eps,
+                        table: &gt,
                         neox,
-                        &gqkv,
-                        &gq,
-                        [&kc, &vc],
-                        n_ctx,
-                        &gp,
-                        (&fresh, at),
-                    )
+                        fresh: (&fresh, at),
+                    };
+                    pass.rope_store(&ready, &a, &gq, [&kc, &vc], n_ctx, &gp)
                 };
                 rs(&mut pass, n_ctx, at).unwrap();
                 assert!(rs(&mut pass, 299, at).is_err(), "a position past the cache is refused");

@@ -12,6 +12,12 @@
 // split (flash decoding): with n_split > 1, workgroup z takes positions z·split..(z+1)·split of the rows' range and
 // writes its running maximum, sum and unnormalised output to `part`, and `merge` combines a row's splits.
 //
+// The module's head says where the queries come from (attention.rs): attention_cached.wgsl reads them rotated
+// (rope.wgsl's), from the cache all the keys and values; attention_fresh.wgsl (a decode step, ROWS 1) makes each
+// workgroup's query head ready itself from the projections (qkv_head.wgsl), and the K and V of the row's own
+// position too, which it attends to without reading them back and stores into the cache (FRESH), so that the
+// rotation needs no dispatch of its own.
+//
 // Cache layout, as the CPU's (engine::kv_cache): K [n_head_kv, n_ctx, hdk], V [n_head_kv, n_ctx, hdv], f16
 // packed two to a word; hdk and hdv are even and at most 256.
 
@@ -27,16 +33,25 @@ struct Params {
     // Positions per split (a multiple of CHUNK) and splits per (head, row).
     split: u32,
     n_split: u32,
+    // From here as rope.wgsl's, for attention_fresh.wgsl (rope.rs, `Ready::words`; zeros otherwise).
+    half_rot: u32,
+    neox: u32,
+    rope_ctx: u32,
+    eps: f32,
+    bq: u32,
+    bk: u32,
+    bv: u32,
+    qn: u32,
+    kn: u32,
+    fresh_at: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k: array<u32>;
-@group(0) @binding(3) var<storage, read> v: array<u32>;
-@group(0) @binding(4) var<storage, read> pos: array<u32>;
-@group(0) @binding(5) var<storage, read_write> out: array<f32>;
+// The queries and the cache `kc` and `vc` are the head's bindings (1 to 6 and 8).
+@group(0) @binding(7) var<storage, read> pos: array<u32>;
+@group(0) @binding(9) var<storage, read_write> out: array<f32>;
 // With n_split > 1: per (row, head, split), the maximum, the sum and hdv unnormalised outputs.
-@group(0) @binding(6) var<storage, read_write> part: array<f32>;
+@group(0) @binding(10) var<storage, read_write> part: array<f32>;
 
 const WG: u32 = 256u;
 const CHUNK: u32 = 256u;
@@ -53,13 +68,13 @@ fn score(kb: u32) -> Red {
     var s1 = Red(0.0);
     var i = 0u;
     for (; i + 1u < hw; i += 2u) {
-        let a = unpack2x16float(k[kb + i]);
-        let b = unpack2x16float(k[kb + i + 1u]);
+        let a = unpack2x16float(kc[kb + i]);
+        let b = unpack2x16float(kc[kb + i + 1u]);
         s0 += qs[2u * i] * a.x + qs[2u * i + 1u] * a.y;
         s1 += qs[2u * i + 2u] * b.x + qs[2u * i + 3u] * b.y;
     }
     if (i < hw) {
-        let a = unpack2x16float(k[kb + i]);
+        let a = unpack2x16float(kc[kb + i]);
         s0 += qs[2u * i] * a.x + qs[2u * i + 1u] * a.y;
     }
     return (s0 + s1) * p.scale;
@@ -68,7 +83,7 @@ fn score(kb: u32) -> Red {
 // Value dimension d of position `at` (f16, two to a word).
 fn value(at: u32, d: u32) -> f32 {
     let vi = at * p.hdv + d;
-    let vv = unpack2x16float(v[vi >> 1u]);
+    let vv = unpack2x16float(vc[vi >> 1u]);
     return select(vv.x, vv.y, (vi & 1u) == 1u);
 }
 
@@ -98,18 +113,13 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             hi = max(hi, rhi[r]);
         }
     }
-    // This split's part of lo..hi (maybe none).
+    // This split's part of lo..hi (maybe none); with FRESH, the row's own position is not read from the cache.
     lo = max(lo, z * p.split);
     hi = min(hi, (z + 1u) * p.split);
-    for (var i = li; i < p.hdk; i += WG) {
-        var qv = Red(0.0);
-        for (var r = 0u; r < ROWS; r++) {
-            if (t0 + r < p.n_tok) {
-                lane(&qv, r, q[((t0 + r) * p.n_head + h) * p.hdk + i]);
-            }
-        }
-        qs[i] = qv;
+    if (FRESH) {
+        hi = min(hi, rhi[0] - 1u);
     }
+    queries(h, t0, li);
     workgroupBarrier();
 
     let kbase = kvh * p.n_ctx * p.hdk;
@@ -158,6 +168,9 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             acc = a0 + a1;
         }
         workgroupBarrier();
+    }
+    if (FRESH) {
+        fresh_position(h, kvh, z, li, g, d, &m, &l, &acc);
     }
     // The groups' sums added: group g's in sc[g·hdv + d], summed by the first hdv threads.
     if (g < ng) {
