@@ -70,11 +70,21 @@ pub enum Queries<'a> {
 /// Storage buffers [`Queries::Fresh`]'s dispatch binds.
 const FRESH_BUFFERS: u32 = 9;
 
+/// Whether a decode step's attention readies its queries and its own K and V itself ([`Queries::Fresh`]):
+/// `BATON_GPU_FRESH=0` keeps `rope_store` a dispatch of its own, to compare; else on. It saves a dispatch a layer
+/// and costs each workgroup its query head's and the row's K and V heads' loads and rotations, and 3 to 6
+/// reductions (on lavapipe, whose barriers are slow, SmolLM2's attention took 1.50 ms a call against 0.98 + 0.25
+/// for `attend` and `rope_store`). Read once.
+fn fresh_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| env_number("BATON_GPU_FRESH", |v| *v <= 1, 1) == 1)
+}
+
 impl Pass<'_> {
     /// Whether a batch of `n_tok` rows takes [`Queries::Fresh`]: a decode step that folds its dispatches
-    /// ([`Pass::folds`]) on an adapter with storage buffers enough.
+    /// ([`Pass::folds`]) on an adapter with storage buffers enough, unless `BATON_GPU_FRESH=0`.
     pub fn attends_fresh(&self, n_tok: usize) -> bool {
-        self.folds(n_tok) && self.gpu().storage_buffers() >= FRESH_BUFFERS
+        fresh_on() && self.folds(n_tok) && self.gpu().storage_buffers() >= FRESH_BUFFERS
     }
 
     /// Causal attention of the `a.n_tok` rows of `queries`, row `t` at position `pos[t]`, over the cache `kv` (K

@@ -44,7 +44,8 @@ fn ready_head(t: u32, kind: u32, h: u32, ps: u32, li: u32) {
     let first = select(select(q_width + k_width, q_width, kind == K_HEAD), 0u, kind == Q_HEAD);
     let src = t * (q_width + k_width + p.n_head_kv * p.hdv) + first + h * hd;
 
-    // The head, plus its bias, and its sum of squares.
+    // The head, plus its bias, and its sum of squares (reduced only for a norm: a reduction's barriers are most
+    // of this function's time on a CPU adapter).
     var part = 0.0;
     for (var i = li; i < hd; i += WG) {
         var x = qkv[src + i];
@@ -54,8 +55,8 @@ fn ready_head(t: u32, kind: u32, h: u32, ps: u32, li: u32) {
         hv[i] = x;
         part += x * x;
     }
-    let ss = reduce_sum(li, part);
     if (norm != NONE) {
+        let ss = reduce_sum(li, part);
         let scale = 1.0 / sqrt(ss / f32(hd) + p.eps);
         for (var i = li; i < hd; i += WG) {
             hv[i] = hv[i] * scale * aux[norm + i];
