@@ -327,10 +327,10 @@ mod tests {
 
     /// A decode step's attention from the projections (`Queries::Fresh`) against `rope_store` then attention of
     /// the rotated queries, on the same inputs: biases and head norms or none, both RoPE styles, partial rotation,
-    /// GQA, the row's position first in the cache, first in a split (with an empty cached range), last in a long
-    /// split one, under a sliding window, and heads of 64 to 256 and of 96 (threads idle in the weighted sum). The
-    /// cache and the host's run within one f16 step of the other path's (the head norm's sum is over 256 threads
-    /// there, 64 here), the outputs within 2e-5 of 1 + their magnitude.
+    /// GQA, the row's position first in the cache, first in a split (its cached range empty), last of a cache
+    /// split three ways, under windows of 100 and 1, heads of 64 to 256 and of 96 (threads idle in the weighted
+    /// sum). The cache and the host's run within one f16 step of the other path's (the head norm's sum is over 256
+    /// threads here, 64 there), the outputs within 2e-5·(1 + |x|).
     #[test]
     fn fresh_attention_matches_rotated() {
         let Some(gpu) = test_gpu() else { return };
