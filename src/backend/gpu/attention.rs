@@ -134,12 +134,13 @@ impl Pass<'_> {
             pos.max()
         );
         ensure!(a.n_head <= 65535 && a.n_tok <= 65535, "attention grid too large");
-        // The words of qkv_head.wgsl's Params (zeros where the module has none of it), the head, and the buffers.
-        let (ready, head, mut bufs) = match &queries {
+        // The words of qkv_head.wgsl's Params (zeros where the module has none of it), the snippets before
+        // attention.wgsl, and the buffers.
+        let (ready, snippets, mut bufs) = match &queries {
             Queries::Rotated(q) => {
                 ensure!(q.len() >= a.n_tok * a.n_head * a.hdk, "attention queries too small");
                 let bufs = vec![(1, &q.buf), (4, &k.buf), (5, &v.buf)];
-                ([0; 10], wgsl::ATTENTION_CACHED, bufs)
+                ([0; 10], &[wgsl::REDUCE, wgsl::ATTENTION_CACHED][..], bufs)
             }
             Queries::Fresh(r) => {
                 ensure!(
@@ -152,7 +153,8 @@ impl Pass<'_> {
                     limit >= FRESH_BUFFERS,
                     "attention from the projections binds {FRESH_BUFFERS} storage buffers; the adapter allows {limit}"
                 );
-                (r.words(a, kv, n_ctx, pos)?, wgsl::ATTENTION_FRESH, r.bufs(kv).to_vec())
+                let snippets = &[wgsl::F16, wgsl::REDUCE, wgsl::QKV_HEAD, wgsl::ATTENTION_FRESH][..];
+                (r.words(a, kv, n_ctx, pos)?, snippets, r.bufs(kv).to_vec())
             }
         };
         if a.n_tok == 0 {
@@ -165,16 +167,12 @@ impl Pass<'_> {
             (1, true) => ("f32", "attention-fresh"),
             _ => ("vec4<f32>", "attention4"),
         };
-        let source = || match fresh {
-            true => module(&[
-                &rows_head(rows),
-                wgsl::F16,
-                wgsl::REDUCE,
-                wgsl::QKV_HEAD,
-                head,
-                wgsl::ATTENTION,
-            ]),
-            false => module(&[&rows_head(rows), wgsl::REDUCE, head, wgsl::ATTENTION]),
+        let source = || {
+            let head = rows_head(rows);
+            let mut parts = vec![head.as_str()];
+            parts.extend(snippets);
+            parts.push(wgsl::ATTENTION);
+            module(&parts)
         };
         let pipeline = self.reducing_pipeline_of(red, key, "attend", &[], source)?;
         let window = match a.window {
