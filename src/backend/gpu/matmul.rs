@@ -79,6 +79,14 @@ pub(super) fn gpu_lanes() -> u32 {
     *LANES.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 32))
 }
 
+/// Rows each thread of a decode mat-vec takes on a GPU, dotting each block's activations, loaded once, with all of
+/// them (`MROWS` in `matmul.wgsl`, the types with a part walk): `BATON_GPU_MV_ROWS` (1, 2 or 4) to compare, else 2,
+/// as llama.cpp's Vulkan mat-vecs take 2 rows of these types on NVIDIA. Read once.
+pub(super) fn gpu_mv_rows() -> u32 {
+    static ROWS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| env_number("BATON_GPU_MV_ROWS", |v| [1, 2, 4].contains(v), 2))
+}
+
 /// The name of `ty`'s dequantizer in `quant.wgsl`.
 pub(super) fn wgsl_type(ty: GgmlType) -> &'static str {
     use GgmlType::*;
@@ -195,63 +203,87 @@ fn has_dot(ty: GgmlType) -> bool {
     )
 }
 
-/// The types whose blocks `dot.wgsl` dots with several lanes each (`pdot_<type>`): lanes a block (`PARTS`), and
-/// the block's weights and bytes.
-fn parts(ty: GgmlType) -> Option<(u32, u32, u32)> {
-    use GgmlType::*;
-    match ty {
-        Q4K => Some((16, 256, 144)),
-        Q5K => Some((16, 256, 176)),
-        Q6K => Some((16, 256, 210)),
-        Q8_0 => Some((4, 32, 34)),
-        Q4_0 => Some((4, 32, 18)),
-        _ => None,
-    }
+/// A type whose blocks `dot.wgsl` dots with several lanes each (`pdot_<type>`): the lanes a block takes
+/// (`PARTS`), the block's weights and bytes, and the `acts_*` that loads a part's activations.
+struct Parts {
+    parts: u32,
+    block_w: u32,
+    block_bytes: u32,
+    acts: &'static str,
 }
 
-/// `dot.wgsl` for weights of type `ty`, instantiated for each weight buffer as [`dequantizers`] is: the shared
-/// helpers, `ty`'s own dot product only (`dot_dq` for a type without one), the unit walk, and for a type with a
-/// part dot ([`parts`]) its block walk, which `row_dot_$F` takes where there are lanes enough.
+fn parts(ty: GgmlType) -> Option<Parts> {
+    use GgmlType::*;
+    let (parts, block_w, block_bytes, acts) = match ty {
+        Q4K => (16, 256, 144, "k4"),
+        Q5K => (16, 256, 176, "k4"),
+        Q6K => (16, 256, 210, "q6_k"),
+        Q8_0 => (4, 32, 34, "b32"),
+        Q4_0 => (4, 32, 18, "b32"),
+        Q4_1 => (4, 32, 20, "b32"),
+        Q5_0 => (4, 32, 22, "b32"),
+        Q5_1 => (4, 32, 24, "b32"),
+        _ => return None,
+    };
+    Some(Parts {
+        parts,
+        block_w,
+        block_bytes,
+        acts,
+    })
+}
+
+/// `dot.wgsl` for weights of type `ty`: the shared helpers, `ty`'s own dot product only (`dot_dq` for a type
+/// without one) and unit walk, instantiated for each weight buffer as [`dequantizers`] is; for a type with a part
+/// dot ([`parts`]) its part dots and the rows' part walk, which `rows_dot` takes where there are lanes enough.
+/// Items that name no buffer (`$F`) are written once.
 fn dots(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
     let own = own_name(ty);
     let decl = format!("fn dot_{own}_$F(");
     let pdecl = format!("fn pdot_{}_$F(", wgsl_type(ty));
     let blocks = parts(ty);
-    let items: Vec<&str> = wgsl::DOT
-        .split("\n\n")
-        .filter(|item| {
-            let dot = !item.contains("fn dot_") || item.contains(&decl) || item.contains("fn dot_$F(");
-            let pdot = if item.contains("fn row_dot_parts_") {
-                blocks.is_some()
-            } else {
-                !item.contains("fn pdot_") || (blocks.is_some() && item.contains(&pdecl))
-            };
-            dot && pdot && (!item.contains("fn k4_scales_") || matches!(ty, GgmlType::Q4K | GgmlType::Q5K))
-        })
-        .collect();
-    let text = items.join("\n\n").replace("$D", own).replace("$P", wgsl_type(ty));
-    let (consts, walk) = match blocks {
-        Some((parts, block_w, block_bytes)) => (
-            format!(
-                "const PARTS: u32 = {parts}u;\nconst BLOCK_W: u32 = {block_w}u;\nconst BLOCK_BYTES: u32 = {block_bytes}u;\n"
-            ),
-            r"fn row_dot_$F(rb: u32, xr: u32, lane: u32) -> f32 {
-    if (LANES >= PARTS && (p.cols % BLOCK_W) == 0u) {
-        return row_dot_parts_$F(rb, xr, lane);
+    let (mut each, mut once) = (Vec::new(), Vec::new());
+    for item in wgsl::DOT.split("\n\n") {
+        let keep = if item.contains("fn dot_") {
+            item.contains(&decl) || item.contains("fn dot_$F(")
+        } else if item.contains("fn pdot_") {
+            blocks.is_some() && item.contains(&pdecl)
+        } else if item.contains("Acts") || item.contains("fn rows_dot_parts(") {
+            // The part walk's activations, and what takes them.
+            blocks.is_some()
+        } else {
+            true
+        };
+        if keep {
+            if item.contains("$F") { &mut each } else { &mut once }.push(item);
+        }
     }
-    return row_dot_units_$F(rb, xr, lane);
+    let once = once.join("\n\n");
+    let walk = match &blocks {
+        Some(b) => format!(
+            "const PARTS: u32 = {}u;\nconst BLOCK_W: u32 = {}u;\nconst BLOCK_BYTES: u32 = {}u;\n{}\n{}",
+            b.parts,
+            b.block_w,
+            b.block_bytes,
+            once.replace("$A", b.acts).replace("$P", wgsl_type(ty)),
+            r"fn rows_dot(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {
+    if (LANES >= PARTS && (p.cols % BLOCK_W) == 0u) {
+        return rows_dot_parts(rb, xr, lane, nr, both);
+    }
+    return rows_dot_units(rb, xr, lane, nr, both);
 }
-",
+"
         ),
-        None => (
-            String::new(),
-            r"fn row_dot_$F(rb: u32, xr: u32, lane: u32) -> f32 {
-    return row_dot_units_$F(rb, xr, lane);
+        None => format!(
+            "{once}\n{}",
+            r"fn rows_dot(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {
+    return rows_dot_units(rb, xr, lane, nr, both);
 }
-",
+"
         ),
     };
-    consts + &per_buffer(&(text + "\n" + walk), bufs)
+    let text = each.join("\n\n").replace("$D", own).replace("$P", wgsl_type(ty));
+    per_buffer(&text, bufs) + "\n" + &walk
 }
 
 /// The name `dot_$F` calls for `ty`: its own dot product or the dequantizing one.
@@ -633,8 +665,9 @@ impl Pass<'_> {
             let mut bufs = vec![(1, &part.buf), (3, &y.buf)];
             if let Some(u) = up {
                 bufs.push((4, &u.parts[i].buf));
-            } else if tiled {
-                // The tiled kernels share one body that names both matrices; the plain one never reads the second.
+            } else if tiled || entry == "matvec" {
+                // The tiled kernels and the mat-vecs share one body with their gate/up forms, which names both
+                // matrices; the plain ones never read the second.
                 bufs.push((4, &part.buf));
             }
             bufs.extend(xb.iter().copied());
@@ -647,7 +680,8 @@ impl Pass<'_> {
 
 impl Pass<'_> {
     /// The entry point `entry` of the per-row matmul module (`matmul.wgsl`) for weights of type `ty`, at this
-    /// pass's lanes a row and subgroups, and the rows a workgroup takes.
+    /// pass's lanes a row and subgroups, and the rows a workgroup takes: several a thread (`MROWS`) in the decode
+    /// mat-vecs of a type whose part walk the lanes take, one elsewhere.
     fn row_pipeline(
         &self,
         ty: GgmlType,
@@ -655,9 +689,16 @@ impl Pass<'_> {
         fuse: Fuse,
     ) -> Result<(std::sync::Arc<wgpu::ComputePipeline>, usize)> {
         let key = format!("matmul_{}{}", wgsl_type(ty), fuse.suffix());
-        let rpw = WG / self.lanes as usize;
+        let walks_parts = parts(ty).is_some_and(|b| self.lanes >= b.parts);
+        let mrows = if entry.starts_with("matvec") && walks_parts {
+            self.mv_rows
+        } else {
+            1
+        };
+        let rpw = WG / self.lanes as usize * mrows as usize;
         let constants = [
             ("LANES", self.lanes as f64),
+            ("MROWS", mrows as f64),
             ("RPW", rpw as f64),
             ("FUSE", fuse.code() as f64),
         ];
@@ -807,9 +848,9 @@ impl Pass<'_> {
         for (i, part) in m.parts.iter().enumerate() {
             let params = mm_params(m, (part.row0, part.rows), n_picks, gx, glu, w.rows, x_div)?;
             let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf), (7, &x.buf)];
-            if let Some(u) = up {
-                bufs.push((4, &u.mat.parts[i].buf));
-            }
+            // The plain kernel shares its rows' walk with the gate/up one, which names the second matrix.
+            let second = up.map_or(&part.buf, |u| &u.mat.parts[i].buf);
+            bufs.push((4, second));
             bufs.extend(self.grid_binding(m.ty)?);
             self.dispatch(&pipeline, &params, &bufs, (gx, gy, n_picks as u32));
         }
@@ -900,17 +941,19 @@ mod tests {
         IQ3XXS, IQ3S, IQ1S,
     ];
 
-    /// The kernels a test runs on one batch, as a pass would pick them (lanes, tiled from, split-K below): the
-    /// per-row kernel in the software adapter's layout (a thread per row), with fewer lanes a row than a block has
-    /// parts (the unit walk), as many, and more (the block walk striding); then the tiled one whole and with its
-    /// columns split (a target no test matrix reaches: as many slices as its units allow, up to 16).
-    const KERNELS: [(u32, usize, usize); 6] = [
-        (1, usize::MAX, 0),
-        (4, usize::MAX, 0),
-        (16, usize::MAX, 0),
-        (64, usize::MAX, 0),
-        (16, 1, 0),
-        (16, 1, 1 << 20),
+    /// The kernels a test runs on one batch, as a pass would pick them (lanes, tiled from, split-K below, rows a
+    /// thread of a mat-vec): the per-row kernel in the software adapter's layout (a thread per row), with fewer
+    /// lanes a row than a K-quant block has parts (the unit walk; a 32-weight block's part walk), as many, and more
+    /// (the block walk striding), its mat-vec taking 1, 2 and 4 rows a thread; then the tiled one whole and with
+    /// its columns split (a target no test matrix reaches: as many slices as its units allow, up to 16).
+    const KERNELS: [(u32, usize, usize, u32); 7] = [
+        (1, usize::MAX, 0, 1),
+        (4, usize::MAX, 0, 2),
+        (16, usize::MAX, 0, 1),
+        (16, usize::MAX, 0, 4),
+        (64, usize::MAX, 0, 2),
+        (16, 1, 0, 2),
+        (16, 1, 1 << 20, 2),
     ];
 
     /// Each type's matmul equals the exact product of its dequantized weights (the CPU's scalar dequantization)
@@ -937,13 +980,14 @@ mod tests {
                 assert_eq!(gw.parts.len(), if part == 0 { 1 } else { rows.div_ceil(part) });
                 let gx = gpu.upload(&x).unwrap();
                 let mut got = Vec::new();
-                for (lanes, tiled_min, split) in KERNELS {
+                for (lanes, tiled_min, split, mv_rows) in KERNELS {
                     let gy = gpu.zeros(n * rows).unwrap();
                     let mut pass = gpu
                         .pass()
                         .with_lanes(lanes)
                         .with_tiled_min(tiled_min)
-                        .with_ksplit(split);
+                        .with_ksplit(split)
+                        .with_mv_rows(mv_rows);
                     pass.matmul(&gw, &gx, n, &gy).unwrap();
                     pass.finish().unwrap();
                     got.extend(gpu.read(&gy).unwrap());
@@ -1073,7 +1117,7 @@ mod tests {
                 _ => gpu.upload_matrix(&up).unwrap(),
             };
             let gx = gpu.upload(&x).unwrap();
-            for (glu, (lanes, tiled_min, ksplit)) in
+            for (glu, (lanes, tiled_min, ksplit, mv_rows)) in
                 [Glu::Silu, Glu::Gelu].into_iter().flat_map(|g| KERNELS.map(|k| (g, k)))
             {
                 let h = gpu.zeros(n * rows).unwrap();
@@ -1081,10 +1125,11 @@ mod tests {
                     .pass()
                     .with_lanes(lanes)
                     .with_tiled_min(tiled_min)
-                    .with_ksplit(ksplit);
+                    .with_ksplit(ksplit)
+                    .with_mv_rows(mv_rows);
                 pass.matmul_glu(&gg, &gu, glu, &gx, n, &h).unwrap();
                 pass.finish().unwrap();
-                let what = format!("{tg}/{tu} {rows}x{cols} n {n} {glu:?} kernel {lanes}/{tiled_min}");
+                let what = format!("{tg}/{tu} {rows}x{cols} n {n} {glu:?} kernel {lanes}/{tiled_min}/{mv_rows}");
                 assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), TOL, &what);
             }
         }
@@ -1127,27 +1172,28 @@ mod tests {
                 gpu.upload(&next).unwrap(),
             );
             let norm = Norm { res: &gx, eps };
-            // Every type at a GPU's 32 lanes; a few (a part walk, a unit walk, a scalar tail) also in parts and
-            // at the other lane counts and reductions (each a pipeline of its own, slow to build on lavapipe).
+            // Every type at a GPU's 32 lanes and 2 rows a thread; a few (a K-quant's and a 32-weight block's part
+            // walk, a scalar tail) also in parts and at the other lane counts, rows a thread and reductions (each a
+            // pipeline of its own, slow to build on lavapipe).
             let all = matches!((ty, cols), (Q4K, _) | (Q4_1, _) | (F32, 100));
             let parts: &[usize] = if all { &[0, 16] } else { &[0] };
-            let kernels: &[(u32, bool)] = if all {
-                &[(1, true), (16, true), (32, true), (32, false)]
+            let kernels: &[(u32, bool, u32)] = if all {
+                &[(1, true, 1), (16, true, 4), (32, true, 1), (32, false, 2)]
             } else {
-                &[(32, true)]
+                &[(32, true, 2)]
             };
             for &part in parts {
                 let gw = match part {
                     0 => gpu.upload_matrix(&w).unwrap(),
                     _ => gpu.upload_matrix_in_parts(&w, part * w.row_bytes() + 8).unwrap(),
                 };
-                for &(lanes, sg) in kernels {
-                    let what = format!("{ty} {rows}x{cols} parts of {part} lanes {lanes} subgroups {sg}");
+                for &(lanes, sg, mv_rows) in kernels {
+                    let what = format!("{ty} {rows}x{cols} parts of {part} lanes {lanes}x{mv_rows} subgroups {sg}");
                     // The norm folded in, outputs from column 3 of rows of 41; the add, weighed and not.
                     let gy = gpu.zeros(rows + 4).unwrap();
                     let (gr, gr2) = (gpu.upload(&res).unwrap(), gpu.upload(&res).unwrap());
                     let weighed = gpu.zeros(rows).unwrap();
-                    let mut pass = gpu.pass().with_lanes(lanes).with_subgroups(sg);
+                    let mut pass = gpu.pass().with_lanes(lanes).with_subgroups(sg).with_mv_rows(mv_rows);
                     pass.matvecs_normed_at([(&gw, 3)], &gxw, norm, &gy, rows + 4).unwrap();
                     pass.matvec_add(&gw, &gx, &gr, Some((&gnext, &weighed))).unwrap();
                     pass.matvec_add(&gw, &gx, &gr2, None).unwrap();
@@ -1197,13 +1243,13 @@ mod tests {
             let (ue, um) = reference(&up, &xn, 1);
             let (gg, gu) = (gpu.upload_matrix(&gate).unwrap(), gpu.upload_matrix(&up).unwrap());
             let (gx, gxw) = (gpu.upload(&x).unwrap(), gpu.upload(&xw).unwrap());
-            for lanes in [1, 32] {
+            for (lanes, mv_rows) in [(1, 1), (32, 2), (16, 4)] {
                 let h = gpu.zeros(rows).unwrap();
-                let mut pass = gpu.pass().with_lanes(lanes);
+                let mut pass = gpu.pass().with_lanes(lanes).with_mv_rows(mv_rows);
                 pass.matvec_glu_normed(&gg, &gu, glu, &gxw, Norm { res: &gx, eps }, &h)
                     .unwrap();
                 pass.finish().unwrap();
-                let what = format!("{tg}/{tu} normed {glu:?} lanes {lanes}");
+                let what = format!("{tg}/{tu} normed {glu:?} lanes {lanes}x{mv_rows}");
                 assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), tol, &what);
             }
         }
@@ -1474,8 +1520,21 @@ mod tests {
         }
         let s = super::source(IQ2S, super::wgsl::MATMUL);
         assert!(s.contains("fn dot_dq_b(") && s.contains("return dot_dq_a(") && !s.contains("fn dot_q8_0"));
+        assert!(!s.contains("fn rows_dot_parts(") && !s.contains("fn pdot_"));
         let s = super::source(Q6K, super::wgsl::MATMUL);
         assert!(s.contains("fn dot_q6_k_a(") && s.contains("fn q6_part_a(") && !s.contains("fn dot_dq"));
+        assert!(s.contains("fn pdot_q6_k_a(") && s.contains("fn pdot_q6_k_b(") && !s.contains("fn pdot_q4_k"));
+        // The walks over a thread's rows, and the activation loads, name no buffer: written once.
+        for once in [
+            "fn rows_dot(",
+            "fn rows_dot_parts(",
+            "fn rows_dot_units(",
+            "fn acts_q6_k(",
+            "struct Acts",
+        ] {
+            assert_eq!(s.matches(once).count(), 1, "{once}");
+        }
+        assert!(s.contains("acts_q6_k(t,") && !s.contains('$'));
     }
 
     /// Bad shapes and types are errors, not panics or device faults.

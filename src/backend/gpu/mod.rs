@@ -151,6 +151,9 @@ pub struct Pass<'g> {
     /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): 1 on a software adapter, on a GPU
     /// [`matmul::gpu_lanes`] (32).
     lanes: u32,
+    /// Rows a thread of a decode mat-vec takes where its type has a part walk (`MROWS` in `matmul.wgsl`): on a GPU
+    /// [`matmul::gpu_mv_rows`] (2), changed by tests ([`Pass::with_mv_rows`]).
+    mv_rows: u32,
     /// A plain tiled matmul of fewer workgroups than this splits its columns into slices until it has about as
     /// many ([`matmul::ksplit_target`], 1024; 0, a software adapter's: never), changed by tests and the kernel bench.
     ksplit_target: usize,
@@ -184,6 +187,7 @@ impl Gpu {
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
             lanes: if self.is_software() { 1 } else { matmul::gpu_lanes() },
+            mv_rows: matmul::gpu_mv_rows(),
             tiled_min: if self.is_software() {
                 matmul::TILED_MIN_SOFTWARE
             } else {
@@ -256,6 +260,14 @@ impl<'g> Pass<'g> {
     pub fn with_lanes(mut self, lanes: u32) -> Self {
         assert!(lanes.is_power_of_two() && lanes <= 64);
         self.lanes = lanes;
+        self
+    }
+
+    /// The pass with `rows` (1, 2 or 4) rows a thread in the decode mat-vecs of the types with a part walk, where
+    /// the lanes a row are enough for it, so tests run each on the software adapter.
+    pub fn with_mv_rows(mut self, rows: u32) -> Self {
+        assert!([1, 2, 4].contains(&rows));
+        self.mv_rows = rows;
         self
     }
 

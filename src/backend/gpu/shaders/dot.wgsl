@@ -214,43 +214,66 @@ fn dot_$F(rb: u32, u: u32, xb4: u32) -> f32 {
 // words t, t + PARTS, ... of each of its runs of quants, so the lanes of a load read one run of neighbouring words.
 // The unit walk above gives each lane a whole 32-weight unit: a load of its lanes touches as many cache sectors as
 // it has lanes, and a Q4_K unit reads both nibbles of a word to keep one (measured on an H200: 270-580 GB/s for a
-// Q4_K or Q6_K mat-vec, docs/gpu.md). pdot_<type>_$F(o, t, xb4): part t's share of the block at byte o, whose
-// first activation is x4[xb4].
+// Q4_K or Q6_K mat-vec, docs/gpu.md). A part's activations are loaded once (acts_*) and dotted with the same part
+// of every row the thread takes (matmul.wgsl's MROWS), as llama.cpp's mat-vecs share theirs across 2 rows:
+// pdot_<type>_$F(o, t, a) is part t's share of the block at byte o, given its activations a.
+
+// Up to four runs of 4 activations a part dots with, and the sum of each run (for the types' offsets and mins).
+struct Acts {
+    x0: vec4<f32>,
+    x1: vec4<f32>,
+    x2: vec4<f32>,
+    x3: vec4<f32>,
+    s: vec4<f32>,
+}
+
+// Four runs of activations and their sums.
+fn acts4(x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> Acts {
+    let one = vec4<f32>(1.0);
+    return Acts(x0, x1, x2, x3, vec4<f32>(dot(x0, one), dot(x1, one), dot(x2, one), dot(x3, one)));
+}
+
+// Q4_K and Q5_K, part t = 8c + l: activations 4l.. of units 2c, 2c + 1, 2c + 4, 2c + 5 of the block at x4[xb4].
+fn acts_k4(t: u32, xb4: u32) -> Acts {
+    let xi = xb4 + 16u * (t / 8u) + t % 8u;
+    return acts4(x4[xi], x4[xi + 8u], x4[xi + 32u], x4[xi + 40u]);
+}
+
+// Q6_K, part t = 8h + l: activations 4l.. of the four 32-weight groups of half h.
+fn acts_q6_k(t: u32, xb4: u32) -> Acts {
+    let xi = xb4 + 32u * (t / 8u) + t % 8u;
+    return acts4(x4[xi], x4[xi + 8u], x4[xi + 16u], x4[xi + 24u]);
+}
+
+// The 32-weight blocks, 4 parts: part t takes activations 4t.. (x0) and 16 + 4t.. (x1); s.x sums both.
+fn acts_b32(t: u32, xb4: u32) -> Acts {
+    let x0 = x4[xb4 + t];
+    let x1 = x4[xb4 + 4u + t];
+    let one = vec4<f32>(1.0);
+    return Acts(x0, x1, vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(dot(x0 + x1, one), 0.0, 0.0, 0.0));
+}
 
 // Q4_K, 16 parts: part t = 8c + l takes word l of the 32-byte runs 2c and 2c + 1 of qs, holding weights 4l.. of
 // units 2c, 2c + 1 (low, high nibbles) and 2c + 4, 2c + 5 (c = 0, 1).
-fn pdot_q4_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
-    let c = t / 8u;
-    let xi = xb4 + 16u * c + t % 8u;
+fn pdot_q4_k_$F(o: u32, t: u32, a: Acts) -> f32 {
     let qa = word_$F(o + 16u + 4u * t);
     let qb = word_$F(o + 80u + 4u * t);
-    let x0 = x4[xi];
-    let x1 = x4[xi + 8u];
-    let x2 = x4[xi + 32u];
-    let x3 = x4[xi + 40u];
-    let sm = k4_scales_$F(o, c);
-    let dots = vec4<f32>(dot(nib4_$F(qa, 0u), x0), dot(nib4_$F(qa >> 4u, 0u), x1), dot(nib4_$F(qb, 0u), x2),
-                         dot(nib4_$F(qb >> 4u, 0u), x3));
-    let sums = vec4<f32>(hsum_$F(x0), hsum_$F(x1), hsum_$F(x2), hsum_$F(x3));
-    return half_$F(o) * dot(sm[0], dots) - half_$F(o + 2u) * dot(sm[1], sums);
+    let sm = k4_scales_$F(o, t / 8u);
+    let dots = vec4<f32>(dot(nib4_$F(qa, 0u), a.x0), dot(nib4_$F(qa >> 4u, 0u), a.x1), dot(nib4_$F(qb, 0u), a.x2),
+                         dot(nib4_$F(qb >> 4u, 0u), a.x3));
+    return half_$F(o) * dot(sm[0], dots) - half_$F(o + 2u) * dot(sm[1], a.s);
 }
 
 // Q5_K, 16 parts as Q4_K's, the fifth bits of weights 4l.. of unit j in bit j of the qh word l.
-fn pdot_q5_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
+fn pdot_q5_k_$F(o: u32, t: u32, a: Acts) -> f32 {
     let c = t / 8u;
-    let xi = xb4 + 16u * c + t % 8u;
     let qa = word_$F(o + 48u + 4u * t);
     let qb = word_$F(o + 112u + 4u * t);
     let h = word_$F(o + 16u + 4u * (t % 8u)) >> (2u * c);
-    let x0 = x4[xi];
-    let x1 = x4[xi + 8u];
-    let x2 = x4[xi + 32u];
-    let x3 = x4[xi + 40u];
     let sm = k4_scales_$F(o, c);
-    let dots = vec4<f32>(dot(nib4_$F(qa, bits4_$F(h)), x0), dot(nib4_$F(qa >> 4u, bits4_$F(h >> 1u)), x1),
-                         dot(nib4_$F(qb, bits4_$F(h >> 4u)), x2), dot(nib4_$F(qb >> 4u, bits4_$F(h >> 5u)), x3));
-    let sums = vec4<f32>(hsum_$F(x0), hsum_$F(x1), hsum_$F(x2), hsum_$F(x3));
-    return half_$F(o) * dot(sm[0], dots) - half_$F(o + 2u) * dot(sm[1], sums);
+    let dots = vec4<f32>(dot(nib4_$F(qa, bits4_$F(h)), a.x0), dot(nib4_$F(qa >> 4u, bits4_$F(h >> 1u)), a.x1),
+                         dot(nib4_$F(qb, bits4_$F(h >> 4u)), a.x2), dot(nib4_$F(qb >> 4u, bits4_$F(h >> 5u)), a.x3));
+    return half_$F(o) * dot(sm[0], dots) - half_$F(o + 2u) * dot(sm[1], a.s);
 }
 
 // The 6-bit scales and mins of units 2c, 2c + 1, 2c + 4, 2c + 5 of the Q4_K / Q5_K block at byte o, as
@@ -268,58 +291,105 @@ fn k4_scales_$F(o: u32, c: u32) -> mat2x4<f32> {
     );
 }
 
+// Q6_K's 4 quants of a word: 4 bits from each byte of ql, 2 from each byte of qh (both already shifted), unbiased
+// later.
+fn q6_quads_$F(ql: u32, qh: u32) -> vec4<f32> {
+    return vec4<f32>(
+        f32((ql & 15u) | ((qh & 3u) << 4u)),
+        f32(((ql >> 8u) & 15u) | (((qh >> 8u) & 3u) << 4u)),
+        f32(((ql >> 16u) & 15u) | (((qh >> 16u) & 3u) << 4u)),
+        f32(((ql >> 24u) & 15u) | (((qh >> 24u) & 3u) << 4u)),
+    );
+}
+
+// A Q6_K scale, a signed byte.
+fn q6_scale_$F(at: u32) -> f32 {
+    return f32(bitcast<i32>(byte_$F(at) << 24u) >> 24u);
+}
+
 // Q6_K, 16 parts: part t = 8h + l takes words l of half h's two 32-byte runs of ql and of its qh: weights 4l.. of
 // the half's four 32-weight groups g (low nibbles of run 0 for g = 0, run 1 for g = 1, high ones for 2 and 3; bits
 // 2g of qh), scaled by scales[8h + l/4 + 2g].
-fn pdot_q6_k_$F(o: u32, t: u32, xb4: u32) -> f32 {
+fn pdot_q6_k_$F(o: u32, t: u32, a: Acts) -> f32 {
     let hf = t / 8u;
     let l = t % 8u;
-    let xi = xb4 + 32u * hf + l;
     let qa = word_$F(o + 64u * hf + 4u * l);
     let qb = word_$F(o + 64u * hf + 32u + 4u * l);
     let qh = word_$F(o + 128u + 32u * hf + 4u * l);
-    var s = 0.0;
-    for (var g = 0u; g < 4u; g++) {
-        let ql = select(qa, qb, (g & 1u) == 1u) >> (4u * (g >> 1u));
-        let hb = qh >> (2u * g);
-        let q = vec4<f32>(
-            f32((ql & 15u) | ((hb & 3u) << 4u)),
-            f32(((ql >> 8u) & 15u) | (((hb >> 8u) & 3u) << 4u)),
-            f32(((ql >> 16u) & 15u) | (((hb >> 16u) & 3u) << 4u)),
-            f32(((ql >> 24u) & 15u) | (((hb >> 24u) & 3u) << 4u)),
-        );
-        let xv = x4[xi + 8u * g];
-        let sc = f32(bitcast<i32>(byte_$F(o + 192u + 8u * hf + l / 4u + 2u * g) << 24u) >> 24u);
-        s += sc * (dot(q, xv) - 32.0 * hsum_$F(xv));
-    }
-    return half_$F(o + 208u) * s;
+    let dots = vec4<f32>(dot(q6_quads_$F(qa, qh), a.x0), dot(q6_quads_$F(qb, qh >> 2u), a.x1),
+                         dot(q6_quads_$F(qa >> 4u, qh >> 4u), a.x2), dot(q6_quads_$F(qb >> 4u, qh >> 6u), a.x3));
+    let sb = o + 192u + 8u * hf + l / 4u;
+    let sc = vec4<f32>(q6_scale_$F(sb), q6_scale_$F(sb + 2u), q6_scale_$F(sb + 4u), q6_scale_$F(sb + 6u));
+    return half_$F(o + 208u) * dot(sc, dots - 32.0 * a.s);
 }
 
 // Q8_0, 4 parts: part t takes words t and t + 4 of qs, weights 4t.. and 16 + 4t...
-fn pdot_q8_0_$F(o: u32, t: u32, xb4: u32) -> f32 {
-    let a = dot(i8x4_$F(word_$F(o + 2u + 4u * t)), x4[xb4 + t]);
-    let b = dot(i8x4_$F(word_$F(o + 18u + 4u * t)), x4[xb4 + 4u + t]);
-    return half_$F(o) * (a + b);
+fn pdot_q8_0_$F(o: u32, t: u32, a: Acts) -> f32 {
+    return half_$F(o) * (dot(i8x4_$F(word_$F(o + 2u + 4u * t)), a.x0) + dot(i8x4_$F(word_$F(o + 18u + 4u * t)), a.x1));
 }
 
-// Q4_0, 4 parts: part t takes word t of qs, weights 4t.. (low nibbles) and 16 + 4t.. (high).
-fn pdot_q4_0_$F(o: u32, t: u32, xb4: u32) -> f32 {
-    let w = word_$F(o + 2u + 4u * t);
-    let xa = x4[xb4 + t];
-    let xb = x4[xb4 + 4u + t];
-    let s = dot(nib4_$F(w, 0u), xa) + dot(nib4_$F(w >> 4u, 0u), xb);
-    return half_$F(o) * (s - 8.0 * (hsum_$F(xa) + hsum_$F(xb)));
+// Σ q·x over part t's 8 weights of a 32-weight block whose nibbles start at byte qs (byte j: weight j low, j + 16
+// high, as Q4_0's), the fifth bit of weight j being bit j of qh (0 for the 4-bit types).
+fn pnib_$F(qs: u32, qh: u32, t: u32, a: Acts) -> f32 {
+    let w = word_$F(qs + 4u * t);
+    return dot(nib4_$F(w, qh >> (4u * t)), a.x0) + dot(nib4_$F(w >> 4u, qh >> (16u + 4u * t)), a.x1);
 }
 
-// Row rb's dot with the row of x at xr, this lane's share: blocks lane / PARTS, + LANES / PARTS, ..., part
-// lane % PARTS of each (PARTS and the block's BLOCK_W weights and BLOCK_BYTES bytes set by matmul.rs).
-fn row_dot_parts_$F(rb: u32, xr: u32, lane: u32) -> f32 {
-    var acc = 0.0;
+// Q4_0, 4 parts: d · (Σ q·x − 8 Σ x).
+fn pdot_q4_0_$F(o: u32, t: u32, a: Acts) -> f32 {
+    return half_$F(o) * (pnib_$F(o + 2u, 0u, t, a) - 8.0 * a.s.x);
+}
+
+// Q4_1, 4 parts: d · Σ q·x + m · Σ x.
+fn pdot_q4_1_$F(o: u32, t: u32, a: Acts) -> f32 {
+    return half_$F(o) * pnib_$F(o + 4u, 0u, t, a) + half_$F(o + 2u) * a.s.x;
+}
+
+// Q5_0, 4 parts: d · (Σ q·x − 16 Σ x).
+fn pdot_q5_0_$F(o: u32, t: u32, a: Acts) -> f32 {
+    return half_$F(o) * (pnib_$F(o + 6u, word_$F(o + 2u), t, a) - 16.0 * a.s.x);
+}
+
+// Q5_1, 4 parts: d · Σ q·x + m · Σ x.
+fn pdot_q5_1_$F(o: u32, t: u32, a: Acts) -> f32 {
+    return half_$F(o) * pnib_$F(o + 8u, word_$F(o + 4u), t, a) + half_$F(o + 2u) * a.s.x;
+}
+
+// The part walk for a thread's nr (<= MROWS) rows at rb, rb + p.row_bytes, ... of matrix a and, where `both`, of
+// b, with the row of x at xr: blocks lane / PARTS, + LANES / PARTS, ..., part lane % PARTS of each (PARTS, the
+// block's BLOCK_W weights and BLOCK_BYTES bytes, and its acts_$A and pdot_$P set by matmul.rs). Column 0 of the
+// result holds a's sums, column 1 b's; component r row r's.
+fn rows_dot_parts(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {
+    var s = mat2x4<f32>();
     let t = lane % PARTS;
     for (var b = lane / PARTS; b < p.cols / BLOCK_W; b += LANES / PARTS) {
-        acc += pdot_$P_$F(rb + b * BLOCK_BYTES, t, (xr + b * BLOCK_W) >> 2u);
+        let a = acts_$A(t, (xr + b * BLOCK_W) >> 2u);
+        for (var r = 0u; r < MROWS; r++) {
+            if (r < nr) {
+                let o = rb + r * p.row_bytes + b * BLOCK_BYTES;
+                s[0][r] += pdot_$P_a(o, t, a);
+                if (both) {
+                    s[1][r] += pdot_$P_b(o, t, a);
+                }
+            }
+        }
     }
-    return acc;
+    return s;
+}
+
+// The unit walk for the same rows, each row on its own (row_dot_units_*): the types and shapes without a part walk.
+fn rows_dot_units(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {
+    var s = mat2x4<f32>();
+    for (var r = 0u; r < MROWS; r++) {
+        if (r < nr) {
+            let o = rb + r * p.row_bytes;
+            s[0][r] = row_dot_units_a(o, xr, lane);
+            if (both) {
+                s[1][r] = row_dot_units_b(o, xr, lane);
+            }
+        }
+    }
+    return s;
 }
 
 // This lane's share of row rb's dot with the row of x starting at xr: units lane, lane + LANES, ... A unit past

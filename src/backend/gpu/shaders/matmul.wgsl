@@ -3,13 +3,18 @@
 //
 // A workgroup of 64 threads takes RPW = 64 / LANES weight rows for up to TT = 8 tokens: LANES threads per row walk
 // the row's 32-weight units, then the lanes' sums are added in workgroup memory. For one token (matvec) each unit
-// is dotted straight from its block (dot.wgsl); for several (matmul) it is dequantized once into an array and
-// dotted with every token's activations, so the weights are decoded once per 8 tokens. LANES is 32 on a GPU
+// is dotted straight from its block (dot.wgsl), and where the type has a part walk each thread takes MROWS rows
+// (RPW = 64 / LANES · MROWS), dotting the activations it loads with all of them; for several tokens (matmul) a unit
+// is dequantized once into an array and dotted with every token's activations, so the weights are decoded once per
+// 8 tokens. LANES is 32 on a GPU
 // (threads of a row read neighbouring blocks) and 1 on a software adapter, where a barrier costs more than a whole
 // row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see device::grid) and z
 // over the token tiles. Batches from TILED_MIN tokens on take matmul_tiled.wgsl.
 
 override LANES: u32 = 16u;
+// Rows a thread of the decode mat-vecs (matvec, matvec_glu) takes, sharing each block's activation loads among them
+// (dot.wgsl's part walk); 1 for the other kernels. RPW = 64 / LANES · MROWS rows a workgroup.
+override MROWS: u32 = 1u;
 override RPW: u32 = 4u;
 const TT: u32 = 8u;
 
@@ -137,34 +142,52 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     }
 }
 
-// Sums a and b each over the LANES threads of every row, for the row's lane 0: every thread of the workgroup
-// calls it (it may hold barriers). Runs of min(LANES, SG) lanes add by subgroup shuffles (subgroup.wgsl; none
-// where SG = 0); what is left, the runs' sums, by a tree in workgroup memory. On a GPU whose subgroups are 32 wide
-// a row of 32 lanes takes no barrier.
-fn lanes_sum(li: u32, a: f32, b: f32) -> vec2<f32> {
+// Sums a thread's row sums (column 0: matrix a's, column 1: b's where `both`; component r < MROWS: its row r's)
+// over the LANES threads of its rows, for the rows' lane 0: every thread of the workgroup calls it (it may hold
+// barriers). Runs of min(LANES, SG) lanes add by subgroup shuffles (subgroup.wgsl; none where SG = 0); what is
+// left, the runs' sums, by a tree in workgroup memory. On a GPU whose subgroups are 32 wide a row of 32 lanes
+// takes no barrier.
+fn lanes_sum(li: u32, v: mat2x4<f32>, both: bool) -> mat2x4<f32> {
     if (LANES == 1u) {
-        return vec2<f32>(a, b);
+        return v;
     }
     let w = max(min(LANES, SG), 1u);
-    var s = vec2<f32>(a, b);
+    var s = v;
     if (w > 1u) {
-        s = vec2<f32>(run_sum(a, w), run_sum(b, w));
+        for (var r = 0u; r < MROWS; r++) {
+            s[0][r] = run_sum(v[0][r], w);
+            if (both) {
+                s[1][r] = run_sum(v[1][r], w);
+            }
+        }
         if (w == LANES) {
             return s;
         }
     }
     let lane = li % LANES;
-    red_a[li] = s.x;
-    red_b[li] = s.y;
+    red_a[li * 4u] = s[0][0];
+    red_a[li * 4u + 1u] = s[0][1];
+    red_a[li * 4u + 2u] = s[0][2];
+    red_a[li * 4u + 3u] = s[0][3];
+    red_b[li * 4u] = s[1][0];
+    red_b[li * 4u + 1u] = s[1][1];
+    red_b[li * 4u + 2u] = s[1][2];
+    red_b[li * 4u + 3u] = s[1][3];
     workgroupBarrier();
     for (var k = LANES / 2u; k >= w; k = k / 2u) {
         if (lane < k) {
-            red_a[li] += red_a[li + k];
-            red_b[li] += red_b[li + k];
+            for (var r = 0u; r < MROWS; r++) {
+                red_a[li * 4u + r] += red_a[(li + k) * 4u + r];
+                if (both) {
+                    red_b[li * 4u + r] += red_b[(li + k) * 4u + r];
+                }
+            }
         }
         workgroupBarrier();
     }
-    return vec2<f32>(red_a[li], red_b[li]);
+    let i = li * 4u;
+    return mat2x4<f32>(vec4<f32>(red_a[i], red_a[i + 1u], red_a[i + 2u], red_a[i + 3u]),
+                       vec4<f32>(red_b[i], red_b[i + 1u], red_b[i + 2u], red_b[i + 3u]));
 }
 
 // What a decode step's mat-vec does around its dot products, so that the RMSNorm before it and the residual add
@@ -206,19 +229,29 @@ fn put(row: u32, v: f32) {
     }
 }
 
-// The mat-vec of a decode step (one token; the mixtures' picks below too): each unit dotted straight from its
-// block (dot.wgsl), no array.
+// This thread's first row in a decode mat-vec, and how many of its MROWS rows the matrix has (0 past its end).
+fn thread_rows(wid: vec3<u32>, li: u32) -> vec2<u32> {
+    let row = (wid.x + wid.y * p.nx) * RPW + (li / LANES) * MROWS;
+    if (row >= p.rows) {
+        return vec2<u32>(row, 0u);
+    }
+    return vec2<u32>(row, min(MROWS, p.rows - row));
+}
+
+// The mat-vec of a decode step (one token): each unit dotted straight from its block (dot.wgsl), no array.
 @compute @workgroup_size(64)
 fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let scale = norm_scale(li);
-    let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
-    var acc = 0.0;
-    if (row < p.rows) {
-        acc = row_dot_a(row * p.row_bytes, 0u, li % LANES);
+    let rows = thread_rows(wid, li);
+    var d = mat2x4<f32>();
+    if (rows.y > 0u) {
+        d = rows_dot(rows.x * p.row_bytes, 0u, li % LANES, rows.y, false);
     }
-    let s = lanes_sum(li, acc, 0.0);
-    if (li % LANES == 0u && row < p.rows) {
-        put(row, s.x * scale);
+    let s = lanes_sum(li, d, false);
+    if (li % LANES == 0u) {
+        for (var r = 0u; r < rows.y; r++) {
+            put(rows.x + r, s[0][r] * scale);
+        }
     }
 }
 
@@ -226,16 +259,16 @@ fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 @compute @workgroup_size(64)
 fn matvec_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let scale = norm_scale(li);
-    let row = (wid.x + wid.y * p.nx) * RPW + li / LANES;
-    var g = 0.0;
-    var u = 0.0;
-    if (row < p.rows) {
-        g = row_dot_a(row * p.row_bytes, 0u, li % LANES);
-        u = row_dot_b(row * p.row_bytes, 0u, li % LANES);
+    let rows = thread_rows(wid, li);
+    var d = mat2x4<f32>();
+    if (rows.y > 0u) {
+        d = rows_dot(rows.x * p.row_bytes, 0u, li % LANES, rows.y, true);
     }
-    let s = lanes_sum(li, g, u);
-    if (li % LANES == 0u && row < p.rows) {
-        put(row, glu(p.act, s.x * scale, s.y * scale));
+    let s = lanes_sum(li, d, true);
+    if (li % LANES == 0u) {
+        for (var r = 0u; r < rows.y; r++) {
+            put(rows.x + r, glu(p.act, s[0][r] * scale, s[1][r] * scale));
+        }
     }
 }
 
@@ -261,13 +294,13 @@ fn matmul_ids(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let r = (wid.x + wid.y * p.nx) * RPW + li / LANES;
     let z = wid.z;
     let row = expert_row(z, r);
-    var acc = 0.0;
+    var d = mat2x4<f32>();
     if (row < p.rows) {
-        acc = row_dot_a(row * p.row_bytes, (z / p.x_div) * p.cols, li % LANES);
+        d = rows_dot(row * p.row_bytes, (z / p.x_div) * p.cols, li % LANES, 1u, false);
     }
-    let s = lanes_sum(li, acc, 0.0);
+    let s = lanes_sum(li, d, false);
     if (li % LANES == 0u && row < p.rows) {
-        y[z * p.y_stride + r] = s.x;
+        y[z * p.y_stride + r] = s[0][0];
     }
 }
 
@@ -277,15 +310,12 @@ fn matmul_glu_ids(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     let r = (wid.x + wid.y * p.nx) * RPW + li / LANES;
     let z = wid.z;
     let row = expert_row(z, r);
-    var g = 0.0;
-    var u = 0.0;
+    var d = mat2x4<f32>();
     if (row < p.rows) {
-        let xr = (z / p.x_div) * p.cols;
-        g = row_dot_a(row * p.row_bytes, xr, li % LANES);
-        u = row_dot_b(row * p.row_bytes, xr, li % LANES);
+        d = rows_dot(row * p.row_bytes, (z / p.x_div) * p.cols, li % LANES, 1u, true);
     }
-    let s = lanes_sum(li, g, u);
+    let s = lanes_sum(li, d, true);
     if (li % LANES == 0u && row < p.rows) {
-        y[z * p.y_stride + r] = glu(p.act, s.x, s.y);
+        y[z * p.y_stride + r] = glu(p.act, s[0][0], s[1][0]);
     }
 }
