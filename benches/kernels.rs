@@ -185,7 +185,7 @@ fn main() {
 
 /// `--gpu`: the GPU backend's matmuls on the adapter `BATON_GPU_ADAPTER` picks (default a hardware GPU), on Llama 3
 /// 8B's and 1B's shapes: each batch size (`BATON_BENCH_NS`, default 1,2,4,8,16,64,512) with the per-row kernel at
-/// several lane counts, the tiled one and, where the adapter has them, the matrix units' (coop.rs), as GB/s of
+/// several lane counts (and, for one token, rows a thread), the tiled one and, where the adapter has them, the matrix units' (coop.rs), as GB/s of
 /// weights and GFLOP/s; and the time one submission with a read-back takes to come back (a decode step makes one).
 /// Every matrix is uploaded in copies that together pass 256 MiB, taken in turn, so repeats are not served from the
 /// GPU's L2 cache (50 MB on an H100); a figure is the difference between `2r` and `r` dispatches in one submission
@@ -262,38 +262,40 @@ fn gpu_main(filter: &str) {
         for &n in &ns {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
             let (x, y) = (gpu.upload(&x).unwrap(), gpu.zeros(n * rows).unwrap());
-            // (kernel, lanes, tiled_min, split-K target, matrix units): lane counts for the per-row kernel at small
-            // batches, the f32 tiled kernel from 2 tokens on and, where the adapter has them, the matrix units'.
-            let mut kernels: Vec<(String, u32, usize, Option<usize>, bool)> = Vec::new();
+            // (kernel, lanes, mat-vec rows a thread, tiled_min, split-K target, matrix units): lane counts and
+            // rows a thread for the per-row kernel at small batches, the f32 tiled kernel from 2 tokens on and,
+            // where the adapter has them, the matrix units'. The software adapter runs its own layout (a thread a
+            // row), and at one token the GPUs' too, to compare rows a thread on a kernel's instructions.
+            let mut kernels: Vec<(String, u32, u32, usize, Option<usize>, bool)> = Vec::new();
             if n <= 64 {
-                let lanes: &[u32] = if gpu.is_software() {
-                    &[1]
-                } else if n == 1 {
-                    &[16, 32, 64]
-                } else {
-                    &[16]
+                let layouts: &[(u32, u32)] = match (gpu.is_software(), n) {
+                    (true, 1) => &[(1, 1), (32, 1), (32, 2)],
+                    (true, _) => &[(1, 1)],
+                    (false, 1) => &[(16, 2), (32, 1), (32, 2), (32, 4), (64, 2)],
+                    (false, _) => &[(16, 1)],
                 };
                 kernels.extend(
-                    lanes
+                    layouts
                         .iter()
-                        .map(|&l| (format!("per-row {l:>2} lanes"), l, usize::MAX, None, false)),
+                        .map(|&(l, r)| (format!("per-row {l:>2}x{r} lanes"), l, r, usize::MAX, None, false)),
                 );
             }
             if n >= 2 {
                 // The tiled kernels as a pass takes them (split-K where they have few tiles), and never split.
-                kernels.push(("tiled".into(), 16, 1, None, false));
-                kernels.push(("tiled, no split-K".into(), 16, 1, Some(0), false));
+                kernels.push(("tiled".into(), 16, 1, 1, None, false));
+                kernels.push(("tiled, no split-K".into(), 16, 1, 1, Some(0), false));
                 if gpu.coop() > 0 {
-                    kernels.push(("matrix units".into(), 16, 1, None, true));
-                    kernels.push(("units, no split-K".into(), 16, 1, Some(0), true));
+                    kernels.push(("matrix units".into(), 16, 1, 1, None, true));
+                    kernels.push(("units, no split-K".into(), 16, 1, 1, Some(0), true));
                 }
             }
-            for (kname, lanes, tiled_min, ksplit, coop) in kernels {
+            for (kname, lanes, mv_rows, tiled_min, ksplit, coop) in kernels {
                 let run = |r: usize| {
                     time(5, || {
                         let mut p = gpu
                             .pass_cached(&binds)
                             .with_lanes(lanes)
+                            .with_mv_rows(mv_rows)
                             .with_tiled_min(tiled_min)
                             .with_coop(coop);
                         if let Some(k) = ksplit {
