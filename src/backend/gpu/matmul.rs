@@ -79,6 +79,13 @@ pub(super) fn gpu_lanes() -> u32 {
     *LANES.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 32))
 }
 
+/// Threads a weight row on a software adapter: 1 (llvmpipe runs barriers in software, and a row's work costs less
+/// than one), unless `BATON_GPU_LANES` asks for a GPU's layout, to check it end to end on a whole model there.
+pub(super) fn software_lanes() -> u32 {
+    static LANES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *LANES.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 1))
+}
+
 /// Rows each thread of a decode mat-vec takes on a GPU, dotting each block's activations, loaded once, with all of
 /// them (`MROWS` in `matmul.wgsl`, the types with a part walk): `BATON_GPU_MV_ROWS` (1, 2 or 4) to compare, else 2,
 /// as llama.cpp's Vulkan mat-vecs take 2 rows of these types on NVIDIA. Read once.
