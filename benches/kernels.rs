@@ -185,8 +185,8 @@ fn main() {
 
 /// `--gpu`: the GPU backend's matmuls on the adapter `BATON_GPU_ADAPTER` picks (default a hardware GPU), on Llama 3
 /// 8B's and 1B's shapes: each batch size (`BATON_BENCH_NS`, default 1,2,4,8,16,64,512) with the per-row kernel at
-/// several lane counts (and, for one token, rows a thread), the tiled one and, where the adapter has them, the matrix units' (coop.rs), as GB/s of
-/// weights and GFLOP/s; and the time one submission with a read-back takes to come back (a decode step makes one).
+/// several lane counts (and, for one token, rows a thread), the tiled one and, where the adapter has them, the
+/// matrix units' (coop.rs), as GB/s of weights and GFLOP/s; and the time one submission with a read-back takes to come back (a decode step makes one).
 /// Every matrix is uploaded in copies that together pass 256 MiB, taken in turn, so repeats are not served from the
 /// GPU's L2 cache (50 MB on an H100); a figure is the difference between `2r` and `r` dispatches in one submission
 /// (medians of 5), divided by `r`, so the submission's own cost drops out.

@@ -72,18 +72,17 @@ pub(super) fn fold_on() -> bool {
     *ON.get_or_init(|| env_number("BATON_GPU_FOLD", |v| *v <= 1, 1) == 1)
 }
 
-/// Threads a weight row in the per-row matmuls on a GPU: `BATON_GPU_LANES` (16, 32 or 64) to compare them on a
-/// model, else 32 (on an H200 the 1B's decode ran at 237, 294 and 293 tokens/s with 16, 32 and 64). Read once.
-pub(super) fn gpu_lanes() -> u32 {
-    static LANES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *LANES.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 32))
-}
-
-/// Threads a weight row on a software adapter: 1 (llvmpipe runs barriers in software, and a row's work costs less
-/// than one), unless `BATON_GPU_LANES` asks for a GPU's layout, to check it end to end on a whole model there.
-pub(super) fn software_lanes() -> u32 {
-    static LANES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *LANES.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 1))
+/// Threads a weight row in the per-row matmuls: `BATON_GPU_LANES` (16, 32 or 64) where set, to compare them on a
+/// model, or to run a GPU's layout on a software adapter and check it end to end; else 32 on a GPU (on an H200 the
+/// 1B's decode ran at 237, 294 and 293 tokens/s with 16, 32 and 64) and 1 on a software adapter (llvmpipe runs
+/// barriers in software, and a row's work costs less than one). Read once.
+pub(super) fn lanes(software: bool) -> u32 {
+    static SET: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    match *SET.get_or_init(|| env_number("BATON_GPU_LANES", |v| [16, 32, 64].contains(v), 0)) {
+        0 if software => 1,
+        0 => 32,
+        set => set,
+    }
 }
 
 /// Rows each thread of a decode mat-vec takes on a GPU, dotting each block's activations, loaded once, with all of
@@ -265,32 +264,30 @@ fn dots(ty: GgmlType, bufs: &[(&str, &str)]) -> String {
             if item.contains("$F") { &mut each } else { &mut once }.push(item);
         }
     }
-    let once = once.join("\n\n");
-    let walk = match &blocks {
-        Some(b) => format!(
-            "const PARTS: u32 = {}u;\nconst BLOCK_W: u32 = {}u;\nconst BLOCK_BYTES: u32 = {}u;\n{}\n{}",
-            b.parts,
-            b.block_w,
-            b.block_bytes,
-            once.replace("$A", b.acts).replace("$P", wgsl_type(ty)),
-            r"fn rows_dot(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {
-    if (LANES >= PARTS && (p.cols % BLOCK_W) == 0u) {
+    // The part walk's constants, and rows_dot taking it where the row's lanes are enough for a block.
+    let (consts, parts_first) = match &blocks {
+        Some(b) => (
+            format!(
+                "const PARTS: u32 = {}u;\nconst BLOCK_W: u32 = {}u;\nconst BLOCK_BYTES: u32 = {}u;\n",
+                b.parts, b.block_w, b.block_bytes
+            ),
+            "if (LANES >= PARTS && (p.cols % BLOCK_W) == 0u) {
         return rows_dot_parts(rb, xr, lane, nr, both);
     }
-    return rows_dot_units(rb, xr, lane, nr, both);
-}
-"
+    ",
         ),
-        None => format!(
-            "{once}\n{}",
-            r"fn rows_dot(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {
-    return rows_dot_units(rb, xr, lane, nr, both);
-}
-"
-        ),
+        None => (String::new(), ""),
     };
+    let acts = blocks.as_ref().map_or("", |b| b.acts);
+    let once = once.join("\n\n").replace("$A", acts).replace("$P", wgsl_type(ty));
+    let rows_dot = format!(
+        "fn rows_dot(rb: u32, xr: u32, lane: u32, nr: u32, both: bool) -> mat2x4<f32> {{
+    {parts_first}return rows_dot_units(rb, xr, lane, nr, both);
+}}
+"
+    );
     let text = each.join("\n\n").replace("$D", own).replace("$P", wgsl_type(ty));
-    per_buffer(&text, bufs) + "\n" + &walk
+    consts + &per_buffer(&text, bufs) + "\n" + &once + "\n" + &rows_dot
 }
 
 /// The name `dot_$F` calls for `ty`: its own dot product or the dequantizing one.

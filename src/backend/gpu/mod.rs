@@ -148,8 +148,8 @@ pub struct Pass<'g> {
     cp: Option<wgpu::ComputePass<'static>>,
     /// Declared after `cp`, so a pass dropped unfinished (an error) closes its compute pass first.
     enc: wgpu::CommandEncoder,
-    /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): on a software adapter
-    /// [`matmul::software_lanes`] (1), on a GPU [`matmul::gpu_lanes`] (32).
+    /// Threads per weight row in the matmuls (`LANES` in `matmul.wgsl`): [`matmul::lanes`], 32 on a GPU and 1 on a
+    /// software adapter unless `BATON_GPU_LANES` sets them.
     lanes: u32,
     /// Rows a thread of a decode mat-vec takes where its type has a part walk (`MROWS` in `matmul.wgsl`): on a GPU
     /// [`matmul::gpu_mv_rows`] (2), changed by tests ([`Pass::with_mv_rows`]).
@@ -186,11 +186,7 @@ impl Gpu {
             enc: self
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("baton") }),
-            lanes: if self.is_software() {
-                matmul::software_lanes()
-            } else {
-                matmul::gpu_lanes()
-            },
+            lanes: matmul::lanes(self.is_software()),
             mv_rows: matmul::gpu_mv_rows(),
             tiled_min: if self.is_software() {
                 matmul::TILED_MIN_SOFTWARE

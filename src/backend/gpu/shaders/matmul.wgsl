@@ -6,9 +6,8 @@
 // is dotted straight from its block (dot.wgsl), and where the type has a part walk each thread takes MROWS rows
 // (RPW = 64 / LANES · MROWS), dotting the activations it loads with all of them; for several tokens (matmul) a unit
 // is dequantized once into an array and dotted with every token's activations, so the weights are decoded once per
-// 8 tokens. LANES is 32 on a GPU
-// (threads of a row read neighbouring blocks) and 1 on a software adapter, where a barrier costs more than a whole
-// row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see device::grid) and z
+// 8 tokens. LANES is 32 on a GPU (threads of a row read neighbouring blocks) and 1 on a software adapter, where a
+// barrier costs more than a whole row's work. The workgroup grid is (x, y) over the row groups (index wid.x + wid.y·nx, see device::grid) and z
 // over the token tiles. Batches from TILED_MIN tokens on take matmul_tiled.wgsl.
 
 override LANES: u32 = 16u;
@@ -164,15 +163,12 @@ fn lanes_sum(li: u32, v: mat2x4<f32>, both: bool) -> mat2x4<f32> {
             return s;
         }
     }
+    // Each thread's rows at 4·li.. of red_a (matrix a) and red_b (b).
     let lane = li % LANES;
-    red_a[li * 4u] = s[0][0];
-    red_a[li * 4u + 1u] = s[0][1];
-    red_a[li * 4u + 2u] = s[0][2];
-    red_a[li * 4u + 3u] = s[0][3];
-    red_b[li * 4u] = s[1][0];
-    red_b[li * 4u + 1u] = s[1][1];
-    red_b[li * 4u + 2u] = s[1][2];
-    red_b[li * 4u + 3u] = s[1][3];
+    for (var r = 0u; r < MROWS; r++) {
+        red_a[li * 4u + r] = s[0][r];
+        red_b[li * 4u + r] = s[1][r];
+    }
     workgroupBarrier();
     for (var k = LANES / 2u; k >= w; k = k / 2u) {
         if (lane < k) {
@@ -185,9 +181,11 @@ fn lanes_sum(li: u32, v: mat2x4<f32>, both: bool) -> mat2x4<f32> {
         }
         workgroupBarrier();
     }
-    let i = li * 4u;
-    return mat2x4<f32>(vec4<f32>(red_a[i], red_a[i + 1u], red_a[i + 2u], red_a[i + 3u]),
-                       vec4<f32>(red_b[i], red_b[i + 1u], red_b[i + 2u], red_b[i + 3u]));
+    for (var r = 0u; r < MROWS; r++) {
+        s[0][r] = red_a[li * 4u + r];
+        s[1][r] = red_b[li * 4u + r];
+    }
+    return s;
 }
 
 // What a decode step's mat-vec does around its dot products, so that the RMSNorm before it and the residual add
@@ -238,38 +236,36 @@ fn thread_rows(wid: vec3<u32>, li: u32) -> vec2<u32> {
     return vec2<u32>(row, min(MROWS, p.rows - row));
 }
 
-// The mat-vec of a decode step (one token): each unit dotted straight from its block (dot.wgsl), no array.
-@compute @workgroup_size(64)
-fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+// A decode step's mat-vec (one token) of matrix a, or where `glu` the gated feed-forward's first half,
+// y[r] = act(G[r, :]·x) · (U[r, :]·x) with the gate in a and up in b: each unit dotted straight from its block
+// (dot.wgsl), no array. Every thread of the workgroup calls it (lanes_sum may hold barriers).
+fn matvec_rows(wid: vec3<u32>, li: u32, glu_up: bool) {
     let scale = norm_scale(li);
     let rows = thread_rows(wid, li);
     var d = mat2x4<f32>();
     if (rows.y > 0u) {
-        d = rows_dot(rows.x * p.row_bytes, 0u, li % LANES, rows.y, false);
+        d = rows_dot(rows.x * p.row_bytes, 0u, li % LANES, rows.y, glu_up);
     }
-    let s = lanes_sum(li, d, false);
+    let s = lanes_sum(li, d, glu_up);
     if (li % LANES == 0u) {
         for (var r = 0u; r < rows.y; r++) {
-            put(rows.x + r, s[0][r] * scale);
+            if (glu_up) {
+                put(rows.x + r, glu(p.act, s[0][r] * scale, s[1][r] * scale));
+            } else {
+                put(rows.x + r, s[0][r] * scale);
+            }
         }
     }
 }
 
-// The gated feed-forward's first half for one token: y[r] = act(G[r, :]·x) · (U[r, :]·x), gate in wa, up in wb.
+@compute @workgroup_size(64)
+fn matvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    matvec_rows(wid, li, false);
+}
+
 @compute @workgroup_size(64)
 fn matvec_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let scale = norm_scale(li);
-    let rows = thread_rows(wid, li);
-    var d = mat2x4<f32>();
-    if (rows.y > 0u) {
-        d = rows_dot(rows.x * p.row_bytes, 0u, li % LANES, rows.y, true);
-    }
-    let s = lanes_sum(li, d, true);
-    if (li % LANES == 0u) {
-        for (var r = 0u; r < rows.y; r++) {
-            put(rows.x + r, glu(p.act, s[0][r] * scale, s[1][r] * scale));
-        }
-    }
+    matvec_rows(wid, li, true);
 }
 
 // The indexed mat-vecs of a mixture of experts: W is a 3-D expert tensor as its 2-D view (expert e's matrix is
