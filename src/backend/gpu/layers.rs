@@ -11,6 +11,7 @@
 use super::attention::Queries;
 use super::buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 use super::matmul::Norm;
+use super::moe::PickGroups;
 use super::rope::{GpuRope, QkvExtras, Ready, fresh_halves};
 use super::{Binds, Gpu, u32_of};
 use crate::backend::{self, KvLayers};
@@ -361,6 +362,8 @@ struct MoeBuffers {
     /// Each row's experts and weights in its top-k order, `[n, k]`.
     ids: U32s,
     wts: Tensor,
+    /// The picks grouped by expert for a batch's tiled matmuls.
+    groups: PickGroups,
     /// The picks' hidden activations `[n·k, n_ff_exp]` and outputs `[n·k, n_embd]`.
     hx: Tensor,
     yx: Tensor,
@@ -418,6 +421,7 @@ impl GpuLayers {
                         logits: gpu.zeros(n * m.n_expert)?,
                         ids: gpu.upload_u32(&vec![0; slots])?,
                         wts: gpu.zeros(slots)?,
+                        groups: PickGroups::new(gpu, slots, m.n_expert)?,
                         hx: gpu.zeros(slots * m.n_ff_exp)?,
                         yx: gpu.zeros(slots * hp.n_embd)?,
                         shared: gpu.zeros(if m.routing.n_shared > 0 { n * hp.n_embd } else { 1 })?,
@@ -735,9 +739,9 @@ impl GpuLayers {
     /// A mixture of experts' feed-forward of the `n` normalised rows of `xn`, written back to `xn`, as
     /// `model::moe::ffn` computes it: the shared experts; the router's logits; each row's top k experts and their
     /// weights, chosen on the device; the picked experts' SwiGLU feed-forwards, each pick reading its expert's rows
-    /// (so a decode step reads k experts, not all); their outputs summed in each row's top-k order, plus the shared
-    /// experts'. A prefill runs a mat-vec per (row, pick) rather than grouping a batch's rows by expert: each picked
-    /// expert's weights are read once per row that picks it (docs/gpu.md, "What is left").
+    /// (so a decode step reads k experts, not all; a batch's picks are grouped by expert on the device first, so a
+    /// prefill reads each picked expert once per 64 picks of it); their outputs summed in each row's top-k order,
+    /// plus the shared experts'.
     fn moe_ffn(&self, pass: &mut super::Pass, m: &Moe, n: usize) -> Result<()> {
         let hp = &self.w.hp;
         let moe = hp
@@ -755,8 +759,9 @@ impl GpuLayers {
         }
         pass.matmul(&m.router, &self.xn, n, &b.logits)?;
         pass.route(&b.logits, m.bias.as_ref(), &moe.routing, n, n_x, k, &b.ids, &b.wts)?;
-        pass.matmul_glu_ids(&m.gate, &m.up, Glu::Silu, &self.xn, k, &b.ids, n * k, &b.hx)?;
-        pass.matmul_ids(&m.down, &b.hx, 1, &b.ids, n * k, &b.yx)?;
+        let picks = pass.picks(&b.ids, n, k, n_x, &b.groups)?;
+        pass.matmul_glu_ids(&m.gate, &m.up, Glu::Silu, &self.xn, k, &picks, &b.hx)?;
+        pass.matmul_ids(&m.down, &b.hx, 1, &picks, &b.yx)?;
         let shared = m.shared.as_ref().map(|_| &b.shared);
         pass.moe_sum(&b.yx, &b.wts, shared, n, k, e, &self.xn)
     }

@@ -9,8 +9,9 @@
 //! (on a software adapter [`TILED_MIN_SOFTWARE`]). Where the adapter has matrix units, the tiled matmuls take
 //! `matmul_coop.wgsl` instead (coop.rs).
 
-use super::buffers::{GpuExperts, GpuMatrix, Tensor, U32s, UNIT};
+use super::buffers::{GpuExperts, GpuMatrix, Tensor, UNIT};
 use super::device::grid;
+use super::moe::Picks;
 use super::{Pass, act8, env_number, module, u32_of, wgsl};
 use crate::gguf::GgmlType;
 use crate::kernels::Glu;
@@ -314,6 +315,14 @@ pub(super) fn source(ty: GgmlType, kernel: &str) -> String {
         kernel,
         reduce,
     ])
+}
+
+/// Which tokens the tiled kernel's tiles take (`matmul_tiled.wgsl`): a batch's in order (`tiled_batch.wgsl`), or a
+/// mixture's picks grouped by expert (`tiled_picks.wgsl`).
+#[derive(Clone, Copy)]
+enum Rows {
+    Batch,
+    Picks,
 }
 
 /// The activation's code in `act.wgsl`.
@@ -627,7 +636,7 @@ impl Pass<'_> {
         let (pipeline, rpw, tt, xb) = match coop {
             Some((pipeline, h)) => (pipeline, rows, TILE_TOKENS, vec![(7, &h.buf)]),
             None if tiled => (
-                self.tiled_pipeline(w.ty, entry)?,
+                self.tiled_pipeline(w.ty, entry, Rows::Batch)?,
                 rows,
                 TILE_TOKENS,
                 vec![(2, &x.x.buf), (7, &x.x.buf)],
@@ -710,12 +719,22 @@ impl Pass<'_> {
         Ok((pipeline, rpw))
     }
 
-    /// The entry point `entry` of the tiled matmul module for weights of type `ty`.
-    fn tiled_pipeline(&self, ty: GgmlType, entry: &'static str) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-        let key = format!("matmul_tiled_{}", wgsl_type(ty));
+    /// The entry point `entry` of the tiled matmul module for weights of type `ty`, over `rows`.
+    fn tiled_pipeline(
+        &self,
+        ty: GgmlType,
+        entry: &'static str,
+        rows: Rows,
+    ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
+        let (name, rows) = match rows {
+            Rows::Batch => ("", wgsl::TILED_BATCH),
+            Rows::Picks => ("_picks", wgsl::TILED_PICKS),
+        };
+        let key = format!("matmul_tiled{name}_{}", wgsl_type(ty));
         let constants = [("PROBE", tiled_probe() as f64)];
-        self.gpu()
-            .pipeline(&key, entry, &constants, || source(ty, wgsl::MATMUL_TILED))
+        self.gpu().pipeline(&key, entry, &constants, || {
+            source(ty, &module(&[wgsl::MATMUL_TILED, rows]))
+        })
     }
 
     /// A tiled (or matrix-unit) matmul of a one-part matrix with its columns in `slices`, the activations bound as
@@ -747,27 +766,18 @@ impl Pass<'_> {
         bufs.extend(xb.iter().copied());
         bufs.extend(self.grid_binding(w.ty)?);
         self.dispatch(pipeline, &params(gx)?, &bufs, (gx, gy, tiles * k_split));
-        let reduce = self.tiled_pipeline(w.ty, "reduce_k")?;
+        let reduce = self.tiled_pipeline(w.ty, "reduce_k", Rows::Batch)?;
         let (rx, ry) = grid(u32_of((n * w.rows).div_ceil(256), "matmul outputs")?);
         self.dispatch(&reduce, &params(rx)?, &[(2, &parts.buf), (3, &y.buf)], (rx, ry, 1));
         Ok(())
     }
 
-    /// The indexed mat-vecs of a mixture of experts: for each of the `n_picks` picks z, `y[z] = W_e · x[z / x_div]`
-    /// with `e = ids[z]`, read on the device (written there by [`Pass::route`]), `y` `[n_picks, w.rows]`. `x_div`
-    /// is k where the picks of a row share its input (gate and up), 1 where each pick has its own (down).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_ids(
-        &mut self,
-        w: &GpuExperts,
-        x: &Tensor,
-        x_div: usize,
-        ids: &U32s,
-        n_picks: usize,
-        y: &Tensor,
-    ) -> Result<()> {
-        self.check_ids(w, x, x_div, ids, n_picks, y)?;
-        self.mm_ids(w, None, Glu::Silu, x, x_div, ids, n_picks, y)
+    /// The indexed matmuls of a mixture of experts: for each pick z of `picks`, `y[z] = W_e · x[z / x_div]` with
+    /// `e = ids[z]`, read on the device (written there by [`Pass::route`]), `y` `[picks.n, w.rows]`. `x_div` is k
+    /// where the picks of a row share its input (gate and up), 1 where each pick has its own (down).
+    pub fn matmul_ids(&mut self, w: &GpuExperts, x: &Tensor, x_div: usize, picks: &Picks, y: &Tensor) -> Result<()> {
+        self.check_ids(w, x, x_div, picks, y)?;
+        self.mm_ids(w, None, Glu::Silu, x, x_div, picks, y)
     }
 
     /// `y[z] = act(G_e · x[z / x_div]) * (U_e · x[z / x_div])`, the experts' gate and up projections: one pass over
@@ -780,35 +790,31 @@ impl Pass<'_> {
         glu: Glu,
         x: &Tensor,
         x_div: usize,
-        ids: &U32s,
-        n_picks: usize,
+        picks: &Picks,
         y: &Tensor,
     ) -> Result<()> {
         ensure!(
             (gate.n_expert, gate.rows, gate.mat.cols) == (up.n_expert, up.rows, up.mat.cols),
             "gate and up experts differ in shape"
         );
-        self.check_ids(gate, x, x_div, ids, n_picks, y)?;
+        self.check_ids(gate, x, x_div, picks, y)?;
         if gate.mat.ty == up.mat.ty && same_parts(&gate.mat, &up.mat) {
-            return self.mm_ids(gate, Some(up), glu, x, x_div, ids, n_picks, y);
+            return self.mm_ids(gate, Some(up), glu, x, x_div, picks, y);
         }
-        let u = self.scratch(n_picks * up.rows)?;
-        self.mm_ids(gate, None, glu, x, x_div, ids, n_picks, y)?;
-        self.mm_ids(up, None, glu, x, x_div, ids, n_picks, &u)?;
-        self.glu_mul(y, &u, glu, n_picks * up.rows)
+        let u = self.scratch(picks.n * up.rows)?;
+        self.mm_ids(gate, None, glu, x, x_div, picks, y)?;
+        self.mm_ids(up, None, glu, x, x_div, picks, &u)?;
+        self.glu_mul(y, &u, glu, picks.n * up.rows)
     }
 
-    fn check_ids(
-        &self,
-        w: &GpuExperts,
-        x: &Tensor,
-        x_div: usize,
-        ids: &U32s,
-        n_picks: usize,
-        y: &Tensor,
-    ) -> Result<()> {
+    fn check_ids(&self, w: &GpuExperts, x: &Tensor, x_div: usize, picks: &Picks, y: &Tensor) -> Result<()> {
+        let n_picks = picks.n;
         ensure!(n_picks > 0 && x_div > 0, "an indexed matmul over no picks");
-        ensure!(ids.len() >= n_picks, "{n_picks} picks with {} expert ids", ids.len());
+        ensure!(
+            picks.ids.len() >= n_picks,
+            "{n_picks} picks with {} expert ids",
+            picks.ids.len()
+        );
         ensure!(
             x.len() >= n_picks.div_ceil(x_div) * w.mat.cols,
             "indexed matmul input holds {} values, {n_picks} picks of {x_div} a row of {} need more",
@@ -829,8 +835,10 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// One dispatch per part of the experts' buffer: a workgroup per (group of an expert's rows, pick); in each
-    /// part, the picks whose expert it does not hold do nothing.
+    /// One dispatch per part of the experts' buffer. Picks grouped by expert ([`Pass::picks`]) take the tiled
+    /// kernel over `tiled_picks.wgsl`: a workgroup per (tile of an expert's rows, tile of up to 64 of its picks);
+    /// others the per-row kernel: a workgroup per (group of an expert's rows, pick). In each part, the picks whose
+    /// expert it does not hold do nothing.
     #[allow(clippy::too_many_arguments)]
     fn mm_ids(
         &mut self,
@@ -839,24 +847,44 @@ impl Pass<'_> {
         glu: Glu,
         x: &Tensor,
         x_div: usize,
-        ids: &U32s,
-        n_picks: usize,
+        picks: &Picks,
         y: &Tensor,
     ) -> Result<()> {
-        let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
         let m = &w.mat;
         // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
-        let x = &self.rounded_for(m, x, n_picks / x_div.max(1))?;
-        let (pipeline, rpw) = self.row_pipeline(m.ty, entry, Fuse::None)?;
+        let x = &self.rounded_for(m, x, picks.n / x_div.max(1))?;
+        let (pipeline, rpw, tiles, grouped) = match picks.grouped {
+            Some(g) => {
+                let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
+                let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
+                let bufs = [(6, &g.groups.order().buf), (8, &g.groups.tiles().buf)];
+                (
+                    self.tiled_pipeline(m.ty, entry, Rows::Picks)?,
+                    rows,
+                    g.tiles,
+                    Some(bufs),
+                )
+            }
+            None => {
+                let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
+                let (pipeline, rpw) = self.row_pipeline(m.ty, entry, Fuse::None)?;
+                (pipeline, rpw, picks.n, None)
+            }
+        };
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
+        let tiles = u32_of(tiles, "expert picks")?;
         for (i, part) in m.parts.iter().enumerate() {
-            let params = mm_params(m, (part.row0, part.rows), n_picks, gx, glu, w.rows, x_div)?;
-            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (6, &ids.buf), (7, &x.buf)];
-            // The plain kernel shares its rows' walk with the gate/up one, which names the second matrix.
+            let params = mm_params(m, (part.row0, part.rows), picks.n, gx, glu, w.rows, x_div)?;
+            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (7, &x.buf)];
+            // The plain kernels share their rows' walk with the gate/up ones, which name the second matrix.
             let second = up.map_or(&part.buf, |u| &u.mat.parts[i].buf);
             bufs.push((4, second));
+            match grouped {
+                Some(g) => bufs.extend(g),
+                None => bufs.push((6, &picks.ids.buf)),
+            }
             bufs.extend(self.grid_binding(m.ty)?);
-            self.dispatch(&pipeline, &params, &bufs, (gx, gy, n_picks as u32));
+            self.dispatch(&pipeline, &params, &bufs, (gx, gy, tiles));
         }
         Ok(())
     }

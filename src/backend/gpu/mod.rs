@@ -40,6 +40,7 @@ pub mod subgroup;
 
 pub use buffers::{GpuExperts, GpuMatrix, Halves, Tensor, U32s};
 pub use device::{AdapterChoice, Gpu, NoAdapter};
+pub use moe::{PickGroups, Picks};
 
 use anyhow::{Result, ensure};
 use std::collections::HashMap;
@@ -56,6 +57,8 @@ mod wgsl {
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
     pub const DOT: &str = include_str!("shaders/dot.wgsl");
     pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
+    pub const TILED_BATCH: &str = include_str!("shaders/tiled_batch.wgsl");
+    pub const TILED_PICKS: &str = include_str!("shaders/tiled_picks.wgsl");
     pub const MATMUL_COOP: &str = include_str!("shaders/matmul_coop.wgsl");
     pub const HALVES: &str = include_str!("shaders/halves.wgsl");
     pub const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
@@ -68,6 +71,7 @@ mod wgsl {
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");
+    pub const PICKS: &str = include_str!("shaders/picks.wgsl");
     pub const SUBGROUP: &str = include_str!("shaders/subgroup.wgsl");
     pub const SUBGROUP_OFF: &str = include_str!("shaders/subgroup_off.wgsl");
     pub const REDUCE: &str = include_str!("shaders/reduce.wgsl");

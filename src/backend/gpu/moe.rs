@@ -1,13 +1,85 @@
 //! A mixture of experts' routing and weighted sum on the device (`shaders/route.wgsl`, `shaders/moe.wgsl`): the
 //! router's logits become each row's top-k expert ids and weights in device buffers, which the indexed matmuls
 //! (`Pass::matmul_ids`, `matmul.rs`) and [`Pass::moe_sum`] read, so a layer of experts needs no read-back to the
-//! host. The semantics are `model::moe::route`'s (tested against it here).
+//! host. The semantics are `model::moe::route`'s (tested against it here). A batch's picks are grouped by expert
+//! on the device ([`Pass::picks`], `shaders/picks.wgsl`), so its indexed matmuls take the tiled kernel and read
+//! each picked expert's weights once per 64 picks of it, not once per pick.
 
 use super::buffers::{Tensor, U32s};
 use super::device::grid;
-use super::{Pass, module, u32_of, wgsl};
+use super::{Gpu, Pass, env_number, module, u32_of, wgsl};
 use crate::model::{Gating, Routing};
 use anyhow::{Result, ensure};
+
+/// The most experts a layer may have for its picks to be grouped on the device (`MAX_EXPERTS` in `picks.wgsl`,
+/// workgroup memory); a layer of more takes the per-pick mat-vecs at every batch size.
+pub const MAX_GROUPED_EXPERTS: usize = 1024;
+
+/// Whether a batch's picks are grouped by expert for the tiled kernel ([`Pass::picks`]): `BATON_GPU_GROUP=0` keeps
+/// the per-pick mat-vecs at every batch size, to compare; else on. Read once.
+fn group_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| env_number("BATON_GPU_GROUP", |v| *v <= 1, 1) == 1)
+}
+
+/// Picks a tile of the grouped picks takes (`TILE` in `picks.wgsl`, the tiled matmul's tokens a tile).
+const PICKS_A_TILE: usize = 64;
+
+/// A batch's expert picks as the indexed matmuls (`Pass::matmul_ids`, matmul.rs) read them: `n` expert ids in
+/// `ids` (`[rows, k]`, each row's in its top-k order) and, where the batch takes the tiled kernel, the same picks
+/// grouped by expert ([`Pass::picks`]).
+pub struct Picks<'a> {
+    pub ids: &'a U32s,
+    pub n: usize,
+    pub(super) grouped: Option<Grouped<'a>>,
+}
+
+/// Picks grouped by expert on the device, and the tiles the grouped matmuls' grid covers.
+#[derive(Clone, Copy)]
+pub(super) struct Grouped<'a> {
+    pub groups: &'a PickGroups,
+    pub tiles: usize,
+}
+
+impl<'a> Picks<'a> {
+    /// The picks as they are: each takes a mat-vec of its expert (a decode step's k picks).
+    pub fn each(ids: &'a U32s, n: usize) -> Picks<'a> {
+        Picks { ids, n, grouped: None }
+    }
+}
+
+/// The device buffers a batch's picks are grouped into (`picks.wgsl`): `order`, the picks expert by expert, and
+/// `tiles`, three words a tile; sized once for a session's largest batch.
+pub struct PickGroups {
+    order: U32s,
+    tiles: U32s,
+    n_expert: usize,
+}
+
+impl PickGroups {
+    /// Buffers for up to `n_picks` picks of `n_expert` experts.
+    pub fn new(gpu: &Gpu, n_picks: usize, n_expert: usize) -> Result<PickGroups> {
+        Ok(PickGroups {
+            order: gpu.upload_u32(&vec![0; n_picks.max(1)])?,
+            tiles: gpu.upload_u32(&vec![0; 3 * max_tiles(n_picks, n_expert).max(1)])?,
+            n_expert,
+        })
+    }
+
+    pub(super) fn order(&self) -> &U32s {
+        &self.order
+    }
+
+    pub(super) fn tiles(&self) -> &U32s {
+        &self.tiles
+    }
+}
+
+/// Tiles `n_picks` picks of `n_expert` experts take at most, however they are routed: every expert's run ends in
+/// at most one tile that is not full.
+fn max_tiles(n_picks: usize, n_expert: usize) -> usize {
+    n_picks.div_ceil(PICKS_A_TILE) + n_expert.min(n_picks)
+}
 
 impl Pass<'_> {
     /// Routes the `n_rows` rows of router logits `logits` (`[n_rows, n_expert]`, overwritten by the probabilities)
@@ -86,6 +158,48 @@ impl Pass<'_> {
         Ok(())
     }
 
+    /// The `n_rows · k` picks in `ids` (of `n_expert` experts) for the indexed matmuls: where a batch of `n_rows`
+    /// rows takes the tiled kernel (as a dense matmul over it would, `tiled_min`) and the layer has at most
+    /// [`MAX_GROUPED_EXPERTS`], grouped by expert into `groups` on the device (one dispatch), unless
+    /// `BATON_GPU_GROUP=0`; else as they are.
+    pub fn picks<'a>(
+        &mut self,
+        ids: &'a U32s,
+        n_rows: usize,
+        k: usize,
+        n_expert: usize,
+        groups: &'a PickGroups,
+    ) -> Result<Picks<'a>> {
+        let n = n_rows * k;
+        ensure!(ids.len() >= n, "{n} picks with {} expert ids", ids.len());
+        if !group_on() || n_rows < self.tiled_min || n_expert > MAX_GROUPED_EXPERTS || n == 0 {
+            return Ok(Picks::each(ids, n));
+        }
+        let tiles = max_tiles(n, n_expert);
+        ensure!(
+            groups.n_expert == n_expert && groups.order.len() >= n && groups.tiles.len() >= 3 * tiles,
+            "grouping {n} picks of {n_expert} experts into buffers for {} picks of {}",
+            groups.order.len(),
+            groups.n_expert
+        );
+        let pipeline = self
+            .gpu()
+            .pipeline("picks", "group_picks", &[], || module(&[wgsl::PICKS]))?;
+        let params = [
+            u32_of(n, "expert picks")?,
+            u32_of(n_expert, "experts")?,
+            u32_of(tiles, "tiles")?,
+            0,
+        ];
+        let bufs = [(1, &ids.buf), (2, &groups.order.buf), (3, &groups.tiles.buf)];
+        self.dispatch(&pipeline, &params, &bufs, (1, 1, 1));
+        Ok(Picks {
+            ids,
+            n,
+            grouped: Some(Grouped { groups, tiles }),
+        })
+    }
+
     /// `y[t] = Σ_j o[t·k + j] · w[t·k + j]` over each row's `k` picks in its top-k order, plus `shared[t]` where
     /// given: the mixture's output, `[n_rows, width]`, from the picks' expert outputs `o` (`[n_rows · k, width]`).
     #[allow(clippy::too_many_arguments)]
@@ -127,6 +241,7 @@ impl Pass<'_> {
 mod tests {
     use super::super::act8::cpu_rounded;
     use super::super::test_gpu;
+    use super::{PickGroups, max_tiles};
     use crate::gguf::GgmlType::{self, *};
     use crate::kernels::tests::random_matrix;
     use crate::kernels::testutil::Rng;
@@ -256,17 +371,24 @@ mod tests {
     }
 
     /// The indexed matmuls equal the exact product of the picked expert's rows (the CPU's dequantization, and its
-    /// rounding of an input of several rows) for a
-    /// few weight types (F32 with rows of 2.5 units, padded on the device), both lane layouts, whole and in parts
-    /// that split experts: the down projection (a pick's own
-    /// input row) within the matmuls' tolerance (`1e-5 · Σ|w·x|`), the fused gate/up (a row's input shared by its
-    /// k picks; gate and up of different types take the unfused path) through SiLU within that error's effect.
+    /// rounding of an input of several rows) for a few weight types (F32 with rows of 2.5 units, padded on the
+    /// device), whole and in parts that split experts, on the per-pick kernel in both lane layouts and on the tiled
+    /// kernel over the picks grouped on the device: the down projection (a pick's own input row) within the
+    /// matmuls' tolerance (`1e-5 · Σ|w·x|`), the fused gate/up (a row's input shared by its k picks; gate and up of
+    /// different types take the unfused path) through SiLU within that error's effect. Two batches: 3 rows, and 70
+    /// whose every row picks the last expert (two tiles of it, the second of 6 picks) and one of the others.
     #[test]
     fn indexed_matmuls_match_the_picked_experts() {
         let Some(gpu) = test_gpu() else { return };
         let mut rng = Rng(2203);
-        let (n_x, rows, n, k) = (5, 37, 3, 2);
+        let (n_x, rows, k) = (5, 37, 2);
         let types: [(GgmlType, GgmlType); 4] = [(F32, F32), (Q8_0, Q8_0), (Q4K, Q4K), (Q4K, Q6K)];
+        // Row t's slots; in the small batch one row picks an expert twice over the batch, expert 0 and the last are
+        // there.
+        let batches: [Vec<u32>; 2] = [
+            vec![4, 0, 2, 4, 1, 3],
+            (0..70u32).flat_map(|t| [4, (t * 7) % 4]).collect(),
+        ];
         for (ty, ty_up) in types {
             // F32 rows of 80: the last unit half padding (buffers.rs).
             let cols = match ty {
@@ -277,55 +399,134 @@ mod tests {
             let gate = random_matrix(&mut rng, ty, n_x * rows, cols);
             let up = random_matrix(&mut rng, ty_up, n_x * rows, cols);
             let (gf, uf) = (gate.to_f32(), up.to_f32());
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
-            // Picks: row t's slots; one row picks an expert twice over the batch, expert 0 and the last are there.
-            let picks: Vec<u32> = vec![4, 0, 2, 4, 1, 3];
-            let gx = gpu.upload(&x).unwrap();
-            let (xg, xu) = (cpu_rounded(ty, &x), cpu_rounded(ty_up, &x));
-            // The down projection's shape: each pick its own input row (here its row's, repeated).
-            let xd: Vec<f32> = (0..n * k)
-                .flat_map(|z| x[(z / k) * cols..(z / k + 1) * cols].to_vec())
-                .collect();
-            let xd = gpu.upload(&xd).unwrap();
-            let ids = gpu.upload_u32(&picks).unwrap();
             let part = |m: &Matrix| m.row_bytes() * 50 + 8;
-            for in_parts in [false, true] {
-                let up_load = |m: &Matrix| match in_parts {
-                    false => gpu.upload_experts(m, n_x).unwrap(),
-                    true => gpu.upload_experts_in_parts(m, n_x, part(m)).unwrap(),
-                };
-                let (gg, gu) = (up_load(&gate), up_load(&up));
-                for lanes in [1, 16] {
-                    let y = gpu.zeros(n * k * rows).unwrap();
-                    let h = gpu.zeros(n * k * rows).unwrap();
-                    let mut pass = gpu.pass().with_lanes(lanes);
-                    pass.matmul_glu_ids(&gg, &gu, Glu::Silu, &gx, k, &ids, n * k, &h)
-                        .unwrap();
-                    pass.matmul_ids(&gg, &xd, 1, &ids, n * k, &y).unwrap();
-                    pass.read(&y, 0, n * k * rows).unwrap();
-                    pass.read(&h, 0, n * k * rows).unwrap();
-                    let got = pass.finish_read().unwrap();
-                    let (y, h) = (f32s(&got[0]), f32s(&got[1]));
-                    for (z, &e) in picks.iter().enumerate() {
-                        // An input of several rows is rounded as the CPU's, for each matrix's type (act8.rs).
-                        let row = |x: &[f32]| x[(z / k) * cols..(z / k + 1) * cols].to_vec();
-                        let g = expert_dot(&gf, cols, rows, e as usize, &row(&xg));
-                        let u = expert_dot(&uf, cols, rows, e as usize, &row(&xu));
-                        for r in 0..rows {
-                            let what = format!("{ty}/{ty_up} parts {in_parts} lanes {lanes} pick {z} row {r}");
-                            let (gv, gm) = g[r];
-                            let (uv, um) = u[r];
-                            let got_y = y[z * rows + r] as f64;
-                            assert!((got_y - gv).abs() <= 1e-5 * gm + 1e-6, "{what}: {got_y} vs {gv}");
-                            let silu = gv / (1.0 + (-gv).exp());
-                            let want = silu * uv;
-                            let tol = 2e-5 * (1.2 * uv.abs() * gm + (gv.abs() + 0.3) * um) + 1e-6;
-                            let got_h = h[z * rows + r] as f64;
-                            assert!((got_h - want).abs() <= tol, "{what}: glu {got_h} vs {want}");
+            let whole = (
+                gpu.upload_experts(&gate, n_x).unwrap(),
+                gpu.upload_experts(&up, n_x).unwrap(),
+            );
+            let parted = (
+                gpu.upload_experts_in_parts(&gate, n_x, part(&gate)).unwrap(),
+                gpu.upload_experts_in_parts(&up, n_x, part(&up)).unwrap(),
+            );
+            for picks in &batches {
+                let n = picks.len() / k;
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+                let gx = gpu.upload(&x).unwrap();
+                let (xg, xu) = (cpu_rounded(ty, &x), cpu_rounded(ty_up, &x));
+                // The down projection's shape: each pick its own input row (here its row's, repeated).
+                let xd: Vec<f32> = (0..n * k)
+                    .flat_map(|z| x[(z / k) * cols..(z / k + 1) * cols].to_vec())
+                    .collect();
+                let xd = gpu.upload(&xd).unwrap();
+                let ids = gpu.upload_u32(picks).unwrap();
+                let groups = PickGroups::new(&gpu, n * k, n_x).unwrap();
+                for (in_parts, (gg, gu)) in [(false, &whole), (true, &parted)] {
+                    for (lanes, tiled) in [(1, false), (16, false), (1, true)] {
+                        let y = gpu.zeros(n * k * rows).unwrap();
+                        let h = gpu.zeros(n * k * rows).unwrap();
+                        let tiled_min = if tiled { 1 } else { usize::MAX };
+                        let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                        let p = pass.picks(&ids, n, k, n_x, &groups).unwrap();
+                        assert_eq!(p.grouped.is_some(), tiled);
+                        pass.matmul_glu_ids(gg, gu, Glu::Silu, &gx, k, &p, &h).unwrap();
+                        pass.matmul_ids(gg, &xd, 1, &p, &y).unwrap();
+                        pass.read(&y, 0, n * k * rows).unwrap();
+                        pass.read(&h, 0, n * k * rows).unwrap();
+                        let got = pass.finish_read().unwrap();
+                        let (y, h) = (f32s(&got[0]), f32s(&got[1]));
+                        for (z, &e) in picks.iter().enumerate() {
+                            // An input of several rows is rounded as the CPU's, for each matrix's type (act8.rs).
+                            let row = |x: &[f32]| x[(z / k) * cols..(z / k + 1) * cols].to_vec();
+                            let g = expert_dot(&gf, cols, rows, e as usize, &row(&xg));
+                            let u = expert_dot(&uf, cols, rows, e as usize, &row(&xu));
+                            for r in 0..rows {
+                                let what = format!(
+                                    "{ty}/{ty_up} {n} rows, parts {in_parts} lanes {lanes} tiled {tiled} pick {z} row {r}"
+                                );
+                                let (gv, gm) = g[r];
+                                let (uv, um) = u[r];
+                                let got_y = y[z * rows + r] as f64;
+                                assert!((got_y - gv).abs() <= 1e-5 * gm + 1e-6, "{what}: {got_y} vs {gv}");
+                                let silu = gv / (1.0 + (-gv).exp());
+                                let want = silu * uv;
+                                let tol = 2e-5 * (1.2 * uv.abs() * gm + (gv.abs() + 0.3) * um) + 1e-6;
+                                let got_h = h[z * rows + r] as f64;
+                                assert!((got_h - want).abs() <= tol, "{what}: glu {got_h} vs {want}");
+                            }
                         }
                     }
                 }
             }
+        }
+    }
+
+    /// The grouping (`picks.wgsl`) for random routings, some with every pick on one expert and some with ids
+    /// past the experts: `order` holds each valid pick once, expert by expert in ascending order, and `tiles`
+    /// cuts each expert's run into tiles of 64 picks (the last shorter), in order, then marks the rest of the
+    /// grid empty; a batch under `tiled_min` rows is not grouped.
+    #[test]
+    fn picks_group_by_expert() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2204);
+        let u32s = |b: &[u8]| -> Vec<u32> {
+            b.chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        for (case, (n_rows, k, n_x)) in [(1, 1, 1), (3, 2, 5), (100, 8, 128), (300, 4, 7), (70, 1, 1024)]
+            .into_iter()
+            .enumerate()
+        {
+            let n = n_rows * k;
+            let ids: Vec<u32> = (0..n)
+                .map(|_| match case {
+                    3 => 2,
+                    4 => [0, 1023, 1024][rng.next() as usize % 3],
+                    _ => (rng.next() % n_x as u64) as u32,
+                })
+                .collect();
+            let groups = PickGroups::new(&gpu, n, n_x).unwrap();
+            let gids = gpu.upload_u32(&ids).unwrap();
+            let mut pass = gpu.pass().with_tiled_min(2);
+            let p = pass.picks(&gids, n_rows, k, n_x, &groups).unwrap();
+            let Some(g) = p.grouped else {
+                assert!(n_rows < 2, "case {case}: {n_rows} rows not grouped");
+                continue;
+            };
+            assert_eq!(g.tiles, max_tiles(n, n_x));
+            pass.read_u32(groups.order(), 0, n).unwrap();
+            pass.read_u32(groups.tiles(), 0, 3 * g.tiles).unwrap();
+            let got = pass.finish_read().unwrap();
+            let (order, tiles) = (u32s(&got[0]), u32s(&got[1]));
+            let valid: Vec<usize> = (0..n).filter(|&z| (ids[z] as usize) < n_x).collect();
+            // The runs: each valid pick once, experts ascending.
+            let run = &order[..valid.len()];
+            let mut seen = run.to_vec();
+            seen.sort();
+            assert_eq!(
+                seen,
+                valid.iter().map(|&z| z as u32).collect::<Vec<_>>(),
+                "case {case}: the picks"
+            );
+            assert!(
+                run.windows(2).all(|w| ids[w[0] as usize] <= ids[w[1] as usize]),
+                "case {case}: runs out of expert order"
+            );
+            // The tiles: expert by expert, each run's picks in tiles of 64.
+            let mut want = Vec::new();
+            let mut at = 0u32;
+            for e in 0..n_x as u32 {
+                let c = valid.iter().filter(|&&z| ids[z] == e).count() as u32;
+                for j in (0..c).step_by(64) {
+                    want.extend([e, at + j, (c - j).min(64)]);
+                }
+                at += c;
+            }
+            assert!(want.len() <= 3 * g.tiles, "case {case}: more tiles than the grid");
+            while want.len() < 3 * g.tiles {
+                want.extend([u32::MAX, 0, 0]);
+            }
+            assert_eq!(tiles, want, "case {case}: tiles");
         }
     }
 }

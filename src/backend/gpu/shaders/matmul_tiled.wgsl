@@ -12,6 +12,10 @@
 // a plain matmul with few tiles, the column slices (p.k_split, "split-K": a 2048-row matrix at 512 tokens has only
 // 256 tiles, 2 warps each, too few to keep a large GPU's memory busy). A slice's partial products go to y as
 // [slice, token, row] (the host binds a scratch tensor there) and reduce_k adds them up.
+//
+// Which tokens a tile takes and where its outputs go are the rows module's (tiled_batch.wgsl: a batch's tokens in
+// order; tiled_picks.wgsl: a mixture's picks of one expert, grouped on the device), through `span`, `x_row`,
+// `w_row` and `y_at`; the kernel's arithmetic is the same for both.
 
 const BN: u32 = 64u;
 // A measuring aid (matmul.rs, tiled_probe): 0 the whole kernel; 1 no dequantizing, 2 one column's products a unit,
@@ -28,17 +32,29 @@ var<workgroup> xs: array<vec4<f32>, 512>;
 // The activations again, as vectors (x's buffer bound a second time, matmul.rs).
 @group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
 
-// Vec4 j of 8 (columns 4j..4j + 4 of unit u) of token t0 + t, zeros past the batch or the row.
-fn x_vec(t: u32, j: u32, u: u32) -> vec4<f32> {
+// No row: a token past the tile's, a weight row past the matrix or outside this part of it.
+const NONE: u32 = 0xffffffffu;
+
+// A tile's tokens: t0 and n, the first and how many (up to BN) in the rows module's numbering; the column slice it
+// sums; e, the expert whose rows it takes (tiled_picks.wgsl; 0 in tiled_batch.wgsl).
+struct Span {
+    t0: u32,
+    n: u32,
+    slice: u32,
+    e: u32,
+}
+
+// Vec4 j of 8 (columns 4j..4j + 4 of unit u) of x's row xr, zeros past the row or for no row (NONE).
+fn x_vec(xr: u32, j: u32, u: u32) -> vec4<f32> {
     let k = u * 32u + 4u * j;
-    if (t >= p.n_tok || k >= p.cols) {
+    if (xr == NONE || k >= p.cols) {
         return vec4<f32>(0.0);
     }
     if ((p.cols & 3u) == 0u) {
-        return x4[(t * p.cols + k) >> 2u];
+        return x4[(xr * p.cols + k) >> 2u];
     }
     // Rows whose length is not a multiple of 4 (float matrices only): 4 scalars, zeros past the row.
-    let b = t * p.cols + k;
+    let b = xr * p.cols + k;
     var v = vec4<f32>(0.0);
     for (var i = 0u; i < min(4u, p.cols - k); i++) {
         v[i] = x[b + i];
@@ -46,9 +62,10 @@ fn x_vec(t: u32, j: u32, u: u32) -> vec4<f32> {
     return v;
 }
 
-// Thread li's 8 of the 512 vec4s of tokens t0..t0 + 64 at unit u: vec4 i = li + 64m is token i / 8, columns
+// Thread li's 8 of the 512 vec4s of the tile's 64 tokens at unit u: vec4 i = li + 64m is token i / 8, columns
 // 4(i % 8).. (a warp reads 4 tokens' 128 contiguous bytes). Written out so the 8 loads are in flight together (a
-// loop that loads and stores in turn waited for each load: a measured half of the kernel's time).
+// loop that loads and stores in turn waited for each load: a measured half of the kernel's time). The thread's 8
+// tokens' rows of x (`x_rows`) are found once, before the walk over the columns.
 struct XLoad {
     v0: vec4<f32>,
     v1: vec4<f32>,
@@ -60,11 +77,21 @@ struct XLoad {
     v7: vec4<f32>,
 }
 
-fn load_x(li: u32, t0: u32, u: u32) -> XLoad {
-    let t = t0 + li / 8u;
+struct XRows {
+    a: vec4<u32>,
+    b: vec4<u32>,
+}
+
+fn x_rows(li: u32, s: Span) -> XRows {
+    let t = li / 8u;
+    return XRows(vec4<u32>(x_row(s, t), x_row(s, t + 8u), x_row(s, t + 16u), x_row(s, t + 24u)),
+                 vec4<u32>(x_row(s, t + 32u), x_row(s, t + 40u), x_row(s, t + 48u), x_row(s, t + 56u)));
+}
+
+fn load_x(li: u32, r: XRows, u: u32) -> XLoad {
     let j = li % 8u;
-    return XLoad(x_vec(t, j, u), x_vec(t + 8u, j, u), x_vec(t + 16u, j, u), x_vec(t + 24u, j, u),
-                 x_vec(t + 32u, j, u), x_vec(t + 40u, j, u), x_vec(t + 48u, j, u), x_vec(t + 56u, j, u));
+    return XLoad(x_vec(r.a.x, j, u), x_vec(r.a.y, j, u), x_vec(r.a.z, j, u), x_vec(r.a.w, j, u),
+                 x_vec(r.b.x, j, u), x_vec(r.b.y, j, u), x_vec(r.b.z, j, u), x_vec(r.b.w, j, u));
 }
 
 // Vec4 `v` of token tl (within the tile), columns 4j..4j + 4, into xs.
@@ -90,14 +117,12 @@ fn store_xs(li: u32, l: XLoad) {
     store_x(tl + 56u, j, l.v7);
 }
 
-// y at rows row..row + 4 for token t of column slice `slice`, those inside the matrix and the batch.
-fn store4(row: u32, t: u32, slice: u32, v: vec4<f32>) {
-    if (t >= p.n_tok) {
-        return;
-    }
+// y at rows row..row + 4 for the tile's token tl, those the rows module places (`y_at`).
+fn store4(s: Span, row: u32, tl: u32, v: vec4<f32>) {
     for (var i = 0u; i < 4u; i++) {
-        if (row + i < p.rows) {
-            y[(slice * p.n_tok + t) * p.y_stride + p.row0 + row + i] = v[i];
+        let at = y_at(s, row + i, tl);
+        if (at != NONE) {
+            y[at] = v[i];
         }
     }
 }
@@ -108,14 +133,19 @@ fn glu4(g: vec4<f32>, u: vec4<f32>) -> vec4<f32> {
 
 // One tile. Thread (tr, tc) sums rows quads tr and tr + 8 (matmul_glu: the gate's and the up's quad tr) for token
 // quads tc and tc + 8: c0j for the first rows, c1j for the second, j the token (0..4 in quad tc, 4..8 in tc + 8).
+// A tile of no tokens (tiled_picks.wgsl: past the groups' tiles) returns at once.
 fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
+    let s = span(wid);
+    if (s.n == 0u) {
+        return;
+    }
     let rows_per_tile = select(64u, 32u, is_glu);
     let r0 = (wid.x + wid.y * p.nx) * rows_per_tile;
     let splits = max(p.k_split, 1u);
-    let slice = wid.z % splits;
-    let t0 = (wid.z / splits) * BN;
+    let slice = s.slice;
     let per_slice = (p.units + splits - 1u) / splits;
     let u_end = min(p.units, (slice + 1u) * per_slice);
+    let xr = x_rows(li, s);
     let tr = li % 8u;
     let tc = li / 8u;
     // Plain vector variables, which every compiler keeps in registers (an indexed function array may go to
@@ -137,17 +167,17 @@ fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
     var c16 = vec4<f32>(0.0);
     var c17 = vec4<f32>(0.0);
     // The row this thread dequantizes, and from which matrix.
-    let row = select(r0 + li, r0 + li % 32u, is_glu);
+    let row = w_row(s, select(r0 + li, r0 + li % 32u, is_glu));
     let from_b = is_glu && li >= 32u;
     for (var u = slice * per_slice; u < u_end; u++) {
         // The activations' loads first, so they are in flight while the weights are dequantized.
         var xl = XLoad(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0),
                        vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
         if (PROBE != 3u) {
-            xl = load_x(li, t0, u);
+            xl = load_x(li, xr, u);
         }
         var w: array<f32, 32>;
-        if (row < p.rows && PROBE != 1u) {
+        if (row != NONE && PROBE != 1u) {
             if (from_b) {
                 dequant_b(row * p.row_bytes, u, &w);
             } else {
@@ -185,35 +215,35 @@ fn tile(wid: vec3<u32>, li: u32, is_glu: bool) {
         workgroupBarrier();
     }
     let ra = r0 + 4u * tr;
-    let ta = t0 + 4u * tc;
+    let ta = 4u * tc;
     let tb = ta + 32u;
     if (is_glu) {
-        store4(ra, ta, slice, glu4(c00, c10));
-        store4(ra, ta + 1u, slice, glu4(c01, c11));
-        store4(ra, ta + 2u, slice, glu4(c02, c12));
-        store4(ra, ta + 3u, slice, glu4(c03, c13));
-        store4(ra, tb, slice, glu4(c04, c14));
-        store4(ra, tb + 1u, slice, glu4(c05, c15));
-        store4(ra, tb + 2u, slice, glu4(c06, c16));
-        store4(ra, tb + 3u, slice, glu4(c07, c17));
+        store4(s, ra, ta, glu4(c00, c10));
+        store4(s, ra, ta + 1u, glu4(c01, c11));
+        store4(s, ra, ta + 2u, glu4(c02, c12));
+        store4(s, ra, ta + 3u, glu4(c03, c13));
+        store4(s, ra, tb, glu4(c04, c14));
+        store4(s, ra, tb + 1u, glu4(c05, c15));
+        store4(s, ra, tb + 2u, glu4(c06, c16));
+        store4(s, ra, tb + 3u, glu4(c07, c17));
     } else {
         let rb = ra + 32u;
-        store4(ra, ta, slice, c00);
-        store4(ra, ta + 1u, slice, c01);
-        store4(ra, ta + 2u, slice, c02);
-        store4(ra, ta + 3u, slice, c03);
-        store4(ra, tb, slice, c04);
-        store4(ra, tb + 1u, slice, c05);
-        store4(ra, tb + 2u, slice, c06);
-        store4(ra, tb + 3u, slice, c07);
-        store4(rb, ta, slice, c10);
-        store4(rb, ta + 1u, slice, c11);
-        store4(rb, ta + 2u, slice, c12);
-        store4(rb, ta + 3u, slice, c13);
-        store4(rb, tb, slice, c14);
-        store4(rb, tb + 1u, slice, c15);
-        store4(rb, tb + 2u, slice, c16);
-        store4(rb, tb + 3u, slice, c17);
+        store4(s, ra, ta, c00);
+        store4(s, ra, ta + 1u, c01);
+        store4(s, ra, ta + 2u, c02);
+        store4(s, ra, ta + 3u, c03);
+        store4(s, ra, tb, c04);
+        store4(s, ra, tb + 1u, c05);
+        store4(s, ra, tb + 2u, c06);
+        store4(s, ra, tb + 3u, c07);
+        store4(s, rb, ta, c10);
+        store4(s, rb, ta + 1u, c11);
+        store4(s, rb, ta + 2u, c12);
+        store4(s, rb, ta + 3u, c13);
+        store4(s, rb, tb, c14);
+        store4(s, rb, tb + 1u, c15);
+        store4(s, rb, tb + 2u, c16);
+        store4(s, rb, tb + 3u, c17);
     }
 }
 
