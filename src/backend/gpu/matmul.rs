@@ -693,8 +693,9 @@ impl Pass<'_> {
 
 impl Pass<'_> {
     /// The entry point `entry` of the per-row matmul module (`matmul.wgsl`) for weights of type `ty`, at this
-    /// pass's lanes a row and subgroups, and the rows a workgroup takes: several a thread (`MROWS`) in the decode
-    /// mat-vecs of a type whose part walk the lanes take, one elsewhere.
+    /// pass's lanes a row and subgroups, and the rows a workgroup takes: several a thread (`MROWS`) in the
+    /// mat-vecs (a decode step's, and the experts' per-pick ones) of a type whose part walk the lanes take, one
+    /// elsewhere.
     fn row_pipeline(
         &self,
         ty: GgmlType,
@@ -703,11 +704,8 @@ impl Pass<'_> {
     ) -> Result<(std::sync::Arc<wgpu::ComputePipeline>, usize)> {
         let key = format!("matmul_{}{}", wgsl_type(ty), fuse.suffix());
         let walks_parts = parts(ty).is_some_and(|b| self.lanes >= b.parts);
-        let mrows = if entry.starts_with("matvec") && walks_parts {
-            self.mv_rows
-        } else {
-            1
-        };
+        let one_token = entry.starts_with("matvec") || entry.ends_with("_ids");
+        let mrows = if one_token && walks_parts { self.mv_rows } else { 1 };
         let rpw = WG / self.lanes as usize * mrows as usize;
         let constants = [
             ("LANES", self.lanes as f64),

@@ -372,7 +372,8 @@ mod tests {
 
     /// The indexed matmuls equal the exact product of the picked expert's rows (the CPU's dequantization, and its
     /// rounding of an input of several rows) for a few weight types (F32 with rows of 2.5 units, padded on the
-    /// device), whole and in parts that split experts, on the per-pick kernel in both lane layouts and on the tiled
+    /// device), whole and in parts of 50 rows that split experts (and, at 2 and 4 rows a thread, a thread's rows), on
+    /// the per-pick kernel in the software layout and at 16 lanes with 2 and 4 rows a thread, and on the tiled
     /// kernel over the picks grouped on the device: the down projection (a pick's own input row) within the
     /// matmuls' tolerance (`1e-5 · Σ|w·x|`), the fused gate/up (a row's input shared by its k picks; gate and up of
     /// different types take the unfused path) through SiLU within that error's effect. Two batches: 3 rows, and 70
@@ -421,11 +422,18 @@ mod tests {
                 let ids = gpu.upload_u32(picks).unwrap();
                 let groups = PickGroups::new(&gpu, n * k, n_x).unwrap();
                 for (in_parts, (gg, gu)) in [(false, &whole), (true, &parted)] {
-                    for (lanes, tiled) in [(1, false), (16, false), (1, true)] {
+                    // (lanes, mat-vec rows a thread, tiled): the per-pick kernel in the software adapter's layout,
+                    // with a K-quant block's 16 lanes and 2 or 4 rows a thread (a Q8_0 block's 4 lanes 4 times
+                    // over), and the tiled one.
+                    for (lanes, mv_rows, tiled) in [(1, 1, false), (16, 2, false), (16, 4, false), (1, 1, true)] {
                         let y = gpu.zeros(n * k * rows).unwrap();
                         let h = gpu.zeros(n * k * rows).unwrap();
                         let tiled_min = if tiled { 1 } else { usize::MAX };
-                        let mut pass = gpu.pass().with_lanes(lanes).with_tiled_min(tiled_min);
+                        let mut pass = gpu
+                            .pass()
+                            .with_lanes(lanes)
+                            .with_mv_rows(mv_rows)
+                            .with_tiled_min(tiled_min);
                         let p = pass.picks(&ids, n, k, n_x, &groups).unwrap();
                         assert_eq!(p.grouped.is_some(), tiled);
                         pass.matmul_glu_ids(gg, gu, Glu::Silu, &gx, k, &p, &h).unwrap();
@@ -441,7 +449,7 @@ mod tests {
                             let u = expert_dot(&uf, cols, rows, e as usize, &row(&xu));
                             for r in 0..rows {
                                 let what = format!(
-                                    "{ty}/{ty_up} {n} rows, parts {in_parts} lanes {lanes} tiled {tiled} pick {z} row {r}"
+                                    "{ty}/{ty_up} {n} rows, parts {in_parts} kernel {lanes}x{mv_rows} tiled {tiled} pick {z} row {r}"
                                 );
                                 let (gv, gm) = g[r];
                                 let (uv, um) = u[r];

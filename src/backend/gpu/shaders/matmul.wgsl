@@ -11,8 +11,8 @@
 // over the token tiles. Batches from TILED_MIN tokens on take matmul_tiled.wgsl.
 
 override LANES: u32 = 16u;
-// Rows a thread of the decode mat-vecs (matvec, matvec_glu) takes, sharing each block's activation loads among them
-// (dot.wgsl's part walk); 1 for the other kernels. RPW = 64 / LANES · MROWS rows a workgroup.
+// Rows a thread of the mat-vecs (matvec, matvec_glu and the indexed matmul_ids, matmul_glu_ids) takes, sharing
+// each block's activation loads among them (dot.wgsl's part walk); 1 for the several-token kernels. RPW = 64 / LANES · MROWS rows a workgroup.
 override MROWS: u32 = 1u;
 override RPW: u32 = 4u;
 const TT: u32 = 8u;
@@ -276,42 +276,50 @@ fn matvec_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 
 @group(0) @binding(6) var<storage, read> ids: array<u32>;
 
-// The pick's row r of its expert as a row of this part's buffer, or none (>= p.rows).
-fn expert_row(z: u32, r: u32) -> u32 {
-    let g = ids[z] * p.y_stride + r;
-    if (r >= p.y_stride || g < p.row0 || g >= p.row0 + p.rows) {
-        return p.rows;
+// This thread's rows of pick z's expert that this part holds, of the expert's rows r..r + MROWS (r from the grid,
+// as thread_rows): the first as a row of the expert and as a row of this part's buffer, and how many (0: none).
+// The expert's rows are consecutive in the view, so the rows a part holds are one run; where a part's boundary falls
+// inside a thread's rows, each part's dispatch takes its side of it.
+fn pick_rows(wid: vec3<u32>, li: u32, z: u32) -> vec3<u32> {
+    let r = (wid.x + wid.y * p.nx) * RPW + (li / LANES) * MROWS;
+    let base = ids[z] * p.y_stride;
+    let lo = max(base + r, p.row0);
+    let hi = min(base + min(r + MROWS, p.y_stride), p.row0 + p.rows);
+    if (r >= p.y_stride || lo >= hi) {
+        return vec3<u32>(0u);
     }
-    return g - p.row0;
+    return vec3<u32>(lo - base, lo - p.row0, hi - lo);
+}
+
+// Pick z = wid.z's mat-vec of its expert, or where `glu_up` the gated feed-forward's first half (gate in a, up in
+// b), its rows as a decode mat-vec's (matvec_rows). Every thread of the workgroup calls it.
+fn pick_matvec(wid: vec3<u32>, li: u32, glu_up: bool) {
+    let z = wid.z;
+    let rows = pick_rows(wid, li, z);
+    var d = mat2x4<f32>();
+    if (rows.z > 0u) {
+        d = rows_dot(rows.y * p.row_bytes, (z / p.x_div) * p.cols, li % LANES, rows.z, glu_up);
+    }
+    let s = lanes_sum(li, d, glu_up);
+    if (li % LANES == 0u) {
+        for (var i = 0u; i < rows.z; i++) {
+            let at = z * p.y_stride + rows.x + i;
+            if (glu_up) {
+                y[at] = glu(p.act, s[0][i], s[1][i]);
+            } else {
+                y[at] = s[0][i];
+            }
+        }
+    }
 }
 
 @compute @workgroup_size(64)
 fn matmul_ids(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r = (wid.x + wid.y * p.nx) * RPW + li / LANES;
-    let z = wid.z;
-    let row = expert_row(z, r);
-    var d = mat2x4<f32>();
-    if (row < p.rows) {
-        d = rows_dot(row * p.row_bytes, (z / p.x_div) * p.cols, li % LANES, 1u, false);
-    }
-    let s = lanes_sum(li, d, false);
-    if (li % LANES == 0u && row < p.rows) {
-        y[z * p.y_stride + r] = s[0][0];
-    }
+    pick_matvec(wid, li, false);
 }
 
 // The experts' gate and up projections together: y[z, r] = act(G_e[r, :]·x) · (U_e[r, :]·x), gate in wa, up in wb.
 @compute @workgroup_size(64)
 fn matmul_glu_ids(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let r = (wid.x + wid.y * p.nx) * RPW + li / LANES;
-    let z = wid.z;
-    let row = expert_row(z, r);
-    var d = mat2x4<f32>();
-    if (row < p.rows) {
-        d = rows_dot(row * p.row_bytes, (z / p.x_div) * p.cols, li % LANES, 1u, true);
-    }
-    let s = lanes_sum(li, d, true);
-    if (li % LANES == 0u && row < p.rows) {
-        y[z * p.y_stride + r] = glu(p.act, s[0][0], s[1][0]);
-    }
+    pick_matvec(wid, li, true);
 }
