@@ -16,6 +16,7 @@
 
 use super::buffers::{GpuMatrix, Tensor, UNIT};
 use super::device::grid;
+use super::matmul::{Rows, tiled_source};
 use super::{Gpu, Pass, module, u32_of, wgsl};
 use crate::gguf::GgmlType;
 use anyhow::{Result, ensure};
@@ -152,13 +153,19 @@ impl Pass<'_> {
         Ok(y)
     }
 
-    /// The entry point `entry` (`matmul` or `matmul_glu`) of the matrix-unit kernel for weights of type `ty`.
-    pub(super) fn coop_pipeline(&self, ty: GgmlType, entry: &'static str) -> Result<Arc<wgpu::ComputePipeline>> {
+    /// The entry point `entry` (`matmul` or `matmul_glu`) of the matrix-unit kernel for weights of type `ty`, its
+    /// tiles over `rows` (a batch's tokens or a mixture's grouped picks).
+    pub(super) fn coop_pipeline(
+        &self,
+        ty: GgmlType,
+        entry: &'static str,
+        rows: Rows,
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
         let (s, sg) = (self.coop, self.gpu().subgroup());
         ensure!(s > 0 && sg > 0, "no matrix units on this pass");
-        let key = format!("matmul_coop_{}_{s}", super::matmul::wgsl_type(ty));
+        let key = format!("matmul_coop{}_{}_{s}", rows.key(), super::matmul::wgsl_type(ty));
         self.gpu().pipeline(&key, entry, &[], || {
-            module(&[&head(s, sg), &super::matmul::source(ty, wgsl::MATMUL_COOP)])
+            module(&[&head(s, sg), &tiled_source(ty, wgsl::MATMUL_COOP, rows)])
         })
     }
 }

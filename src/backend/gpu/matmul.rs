@@ -317,12 +317,32 @@ pub(super) fn source(ty: GgmlType, kernel: &str) -> String {
     ])
 }
 
-/// Which tokens the tiled kernel's tiles take (`matmul_tiled.wgsl`): a batch's in order (`tiled_batch.wgsl`), or a
+/// Which tokens the tiled kernels' tiles take (`tiled_span.wgsl`): a batch's in order (`tiled_batch.wgsl`), or a
 /// mixture's picks grouped by expert (`tiled_picks.wgsl`).
 #[derive(Clone, Copy)]
-enum Rows {
+pub(super) enum Rows {
     Batch,
     Picks,
+}
+
+impl Rows {
+    /// The pipeline key's mark of a module over these rows.
+    pub(super) fn key(self) -> &'static str {
+        match self {
+            Rows::Batch => "",
+            Rows::Picks => "_picks",
+        }
+    }
+}
+
+/// A tiled kernel's module (`matmul_tiled.wgsl`, or the matrix units' `matmul_coop.wgsl`) for weights of type
+/// `ty`, over `rows`.
+pub(super) fn tiled_source(ty: GgmlType, kernel: &str, rows: Rows) -> String {
+    let rows = match rows {
+        Rows::Batch => wgsl::TILED_BATCH,
+        Rows::Picks => wgsl::TILED_PICKS,
+    };
+    source(ty, &module(&[kernel, wgsl::TILED_SPAN, rows]))
 }
 
 /// The activation's code in `act.wgsl`.
@@ -620,18 +640,7 @@ impl Pass<'_> {
         // the kernels' vector view), or the matrix-unit kernel's halves at 7.
         // (Only a batch the tiled kernels take has halves; a pass that gave up the units no longer takes them.)
         let halves = x.halves.as_ref().filter(|_| self.takes_coop(w, n));
-        let coop = match halves {
-            None => None,
-            // A matrix-unit kernel the driver does not compile leaves the f32 tiled one, for good.
-            Some(h) => match self.coop_pipeline(w.ty, entry) {
-                Ok(pipeline) => Some((pipeline, h)),
-                Err(e) => {
-                    self.gpu().stop_coop(&e);
-                    self.coop = 0;
-                    None
-                }
-            },
-        };
+        let coop = halves.and_then(|h| Some((self.coop_or_off(w.ty, entry, Rows::Batch)?, h)));
         let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
         let (pipeline, rpw, tt, xb) = match coop {
             Some((pipeline, h)) => (pipeline, rows, TILE_TOKENS, vec![(7, &h.buf)]),
@@ -717,6 +726,24 @@ impl Pass<'_> {
         Ok((pipeline, rpw))
     }
 
+    /// The matrix-unit kernel's entry point `entry` for weights of type `ty` over `rows`, or none where the driver
+    /// does not compile it: then this pass and the device leave the units for the f32 tiled kernel, for good.
+    fn coop_or_off(
+        &mut self,
+        ty: GgmlType,
+        entry: &'static str,
+        rows: Rows,
+    ) -> Option<std::sync::Arc<wgpu::ComputePipeline>> {
+        match self.coop_pipeline(ty, entry, rows) {
+            Ok(pipeline) => Some(pipeline),
+            Err(e) => {
+                self.gpu().stop_coop(&e);
+                self.coop = 0;
+                None
+            }
+        }
+    }
+
     /// The entry point `entry` of the tiled matmul module for weights of type `ty`, over `rows`.
     fn tiled_pipeline(
         &self,
@@ -724,15 +751,10 @@ impl Pass<'_> {
         entry: &'static str,
         rows: Rows,
     ) -> Result<std::sync::Arc<wgpu::ComputePipeline>> {
-        let (name, rows) = match rows {
-            Rows::Batch => ("", wgsl::TILED_BATCH),
-            Rows::Picks => ("_picks", wgsl::TILED_PICKS),
-        };
-        let key = format!("matmul_tiled{name}_{}", wgsl_type(ty));
+        let key = format!("matmul_tiled{}_{}", rows.key(), wgsl_type(ty));
         let constants = [("PROBE", tiled_probe() as f64)];
-        self.gpu().pipeline(&key, entry, &constants, || {
-            source(ty, &module(&[wgsl::MATMUL_TILED, rows]))
-        })
+        self.gpu()
+            .pipeline(&key, entry, &constants, || tiled_source(ty, wgsl::MATMUL_TILED, rows))
     }
 
     /// A tiled (or matrix-unit) matmul of a one-part matrix with its columns in `slices`, the activations bound as
@@ -850,30 +872,40 @@ impl Pass<'_> {
     ) -> Result<()> {
         let m = &w.mat;
         // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
-        let x = &self.rounded_for(m, x, picks.n / x_div.max(1))?;
-        let (pipeline, rpw, tiles, grouped) = match picks.grouped {
+        let n_rows = picks.n / x_div.max(1);
+        let x = &self.rounded_for(m, x, n_rows)?;
+        let (pipeline, rpw, tiles, grouped, halves) = match picks.grouped {
             Some(g) => {
                 let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
                 let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
                 let bufs = [(6, &g.groups.order().buf), (8, &g.groups.tiles().buf)];
-                (
-                    self.tiled_pipeline(m.ty, entry, Rows::Picks)?,
-                    rows,
-                    g.tiles,
-                    Some(bufs),
-                )
+                let coop = match self.takes_coop(m, n_rows) {
+                    true => self.coop_or_off(m.ty, entry, Rows::Picks),
+                    false => None,
+                };
+                let (pipeline, halves) = match coop {
+                    Some(pipeline) => (pipeline, Some(self.halves(x, n_rows, m.cols)?)),
+                    None => (self.tiled_pipeline(m.ty, entry, Rows::Picks)?, None),
+                };
+                (pipeline, rows, g.tiles, Some(bufs), halves)
             }
             None => {
                 let entry = if up.is_some() { "matmul_glu_ids" } else { "matmul_ids" };
                 let (pipeline, rpw) = self.row_pipeline(m.ty, entry, Fuse::None)?;
-                (pipeline, rpw, picks.n, None)
+                (pipeline, rpw, picks.n, None, None)
             }
+        };
+        // The activations: f32 at 2 and as vectors at 7, or the matrix units' halves at 7.
+        let xb = match &halves {
+            Some(h) => vec![(7, &h.buf)],
+            None => vec![(2, &x.buf), (7, &x.buf)],
         };
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         let tiles = u32_of(tiles, "expert picks")?;
         for (i, part) in m.parts.iter().enumerate() {
             let params = mm_params(m, (part.row0, part.rows), picks.n, gx, glu, w.rows, x_div)?;
-            let mut bufs = vec![(1, &part.buf), (2, &x.buf), (3, &y.buf), (7, &x.buf)];
+            let mut bufs = vec![(1, &part.buf), (3, &y.buf)];
+            bufs.extend(xb.iter().copied());
             // The plain kernels share their rows' walk with the gate/up ones, which name the second matrix.
             let second = up.map_or(&part.buf, |u| &u.mat.parts[i].buf);
             bufs.push((4, second));
@@ -932,7 +964,7 @@ fn same_parts(a: &GpuMatrix, b: &GpuMatrix) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::super::test_gpu;
     use crate::gguf::GgmlType::{self, *};
     use crate::kernels::tests::random_matrix;
@@ -1092,7 +1124,14 @@ mod tests {
 
     /// `got` is act(gate·x)·(up·x) of the exact sums `ge` and `ue` (magnitudes `gm`, `um`), each sum within `tol`
     /// of its magnitude: through an activation of slope ≤ 1.13, plus GeGLU's f16 rounding.
-    fn assert_glu(got: &[f32], glu: Glu, (ge, gm): (&[f64], &[f64]), (ue, um): (&[f64], &[f64]), tol: f64, what: &str) {
+    pub(in crate::backend::gpu) fn assert_glu(
+        got: &[f32],
+        glu: Glu,
+        (ge, gm): (&[f64], &[f64]),
+        (ue, um): (&[f64], &[f64]),
+        tol: f64,
+        what: &str,
+    ) {
         for (i, &g) in got.iter().enumerate() {
             let mut want = [ge[i] as f32];
             glu.apply(&mut want, &[ue[i] as f32]);
@@ -1300,7 +1339,7 @@ mod tests {
     /// dequantization) rounded to f16, each activation (a batch's rounded as the CPU's first, act8.rs) scaled by
     /// its row's power of two as `halves.wgsl` does and rounded to f16; with the exact product of the unrounded
     /// ones ([`reference`]) and the products' magnitude.
-    fn f16_reference(w: &Matrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    pub(in crate::backend::gpu) fn f16_reference(w: &Matrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let (exact, mag) = reference(w, x, n);
         let half = |v: f32| half::f16::from_f32(v).to_f32();
         let wf: Vec<f32> = w.to_f32().into_iter().map(half).collect();
@@ -1322,7 +1361,7 @@ mod tests {
 
     /// Against the f16 products: f32 sums in another order, and a weight whose f32 dequantization on the device
     /// differs from the CPU's in the last bit may round to the neighbouring f16 (2^-11 of one product).
-    const TOL_F16: f64 = 1e-4;
+    pub(in crate::backend::gpu) const TOL_F16: f64 = 1e-4;
     /// Against the exact product of the unrounded values: f16's rounding of each weight and activation, 2^-11
     /// relative each.
     const TOL_HALVES: f64 = 2e-3;
@@ -1366,6 +1405,8 @@ mod tests {
                         mag[i]
                     );
                 }
+                // Still on the units: a kernel that failed to compile would have left them for the f32 one.
+                assert!(gpu.coop() > 0, "{ty}: the device gave up its matrix units");
             }
         }
     }
@@ -1395,6 +1436,7 @@ mod tests {
                 pass.finish().unwrap();
                 let what = format!("{tg}/{tu} {glu:?} on the matrix units");
                 assert_glu(&gpu.read(&h).unwrap(), glu, (&ge, &gm), (&ue, &um), TOL_F16, &what);
+                assert!(gpu.coop() > 0, "{what}: the device gave up its matrix units");
             }
         }
     }

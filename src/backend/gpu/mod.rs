@@ -57,6 +57,7 @@ mod wgsl {
     pub const MATMUL: &str = include_str!("shaders/matmul.wgsl");
     pub const DOT: &str = include_str!("shaders/dot.wgsl");
     pub const MATMUL_TILED: &str = include_str!("shaders/matmul_tiled.wgsl");
+    pub const TILED_SPAN: &str = include_str!("shaders/tiled_span.wgsl");
     pub const TILED_BATCH: &str = include_str!("shaders/tiled_batch.wgsl");
     pub const TILED_PICKS: &str = include_str!("shaders/tiled_picks.wgsl");
     pub const MATMUL_COOP: &str = include_str!("shaders/matmul_coop.wgsl");

@@ -468,6 +468,83 @@ mod tests {
         }
     }
 
+    /// The grouped picks on the matrix units (`matmul_coop.wgsl` over `tiled_picks.wgsl`): the down projection
+    /// within `TOL_F16` of the exact product of its f16 inputs (matmul.rs), the fused gate/up through SiLU, for 70
+    /// rows of 2 picks (every row the last expert: two tiles of it) over 5 experts of 37 rows, whole and in parts of
+    /// 50 rows, for Q8_0, Q4_K and a Q4_K gate with a Q6_K up (each on the units, then the activation). SKIPPED
+    /// without matrix units (scripts/test-coopmat runs it on Mesa 26's lavapipe).
+    #[test]
+    fn coop_grouped_picks_match_f16_products() {
+        use super::super::matmul::Rows;
+        use super::super::matmul::tests::{TOL_F16, assert_glu, f16_reference};
+        let Some(gpu) = super::super::coop::test_units() else {
+            return;
+        };
+        let mut rng = Rng(2205);
+        let (n_x, rows, k, n) = (5, 37, 2, 70);
+        let picks: Vec<u32> = (0..n as u32).flat_map(|t| [4, (t * 7) % 4]).collect();
+        for (ty, ty_up) in [(Q8_0, Q8_0), (Q4K, Q4K), (Q4K, Q6K)] {
+            let cols = if ty.block_size() == 256 { 256 } else { 96 };
+            let gate = random_matrix(&mut rng, ty, n_x * rows, cols);
+            let up = random_matrix(&mut rng, ty_up, n_x * rows, cols);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normal() * 0.3).collect();
+            let xd: Vec<f32> = (0..n * k)
+                .flat_map(|z| x[(z / k) * cols..(z / k + 1) * cols].to_vec())
+                .collect();
+            // The references over every row of the experts' view, for each input row, then each pick's.
+            let view = n_x * rows;
+            let pick = |r: &[f64], per_pick: bool| -> Vec<f64> {
+                (0..n * k)
+                    .flat_map(|z| {
+                        let at = if per_pick { z } else { z / k } * view + picks[z] as usize * rows;
+                        r[at..at + rows].to_vec()
+                    })
+                    .collect()
+            };
+            let (ge, _, gm) = f16_reference(&gate, &x, n);
+            let (ue, _, um) = f16_reference(&up, &x, n);
+            let (de, _, dm) = f16_reference(&gate, &xd, n * k);
+            let (ge, gm, ue, um) = (pick(&ge, false), pick(&gm, false), pick(&ue, false), pick(&um, false));
+            let (de, dm) = (pick(&de, true), pick(&dm, true));
+            let (gx, gxd) = (gpu.upload(&x).unwrap(), gpu.upload(&xd).unwrap());
+            let ids = gpu.upload_u32(&picks).unwrap();
+            let groups = PickGroups::new(&gpu, n * k, n_x).unwrap();
+            for part in [0, 50] {
+                let load = |m: &Matrix| match part {
+                    0 => gpu.upload_experts(m, n_x).unwrap(),
+                    _ => gpu.upload_experts_in_parts(m, n_x, part * m.row_bytes() + 8).unwrap(),
+                };
+                let (gg, gu) = (load(&gate), load(&up));
+                let (y, h) = (gpu.zeros(n * k * rows).unwrap(), gpu.zeros(n * k * rows).unwrap());
+                let mut pass = gpu.pass().with_coop(true).with_tiled_min(1);
+                assert!(pass.takes_coop(&gg.mat, n), "{ty}");
+                // The kernels compile (a failure would leave the f32 kernel, whose sums pass too).
+                for entry in ["matmul", "matmul_glu"] {
+                    pass.coop_pipeline(ty, entry, Rows::Picks).unwrap();
+                }
+                let p = pass.picks(&ids, n, k, n_x, &groups).unwrap();
+                assert!(p.grouped.is_some());
+                pass.matmul_glu_ids(&gg, &gu, Glu::Silu, &gx, k, &p, &h).unwrap();
+                pass.matmul_ids(&gg, &gxd, 1, &p, &y).unwrap();
+                pass.read(&y, 0, n * k * rows).unwrap();
+                pass.read(&h, 0, n * k * rows).unwrap();
+                let got = pass.finish_read().unwrap();
+                let (y, h) = (f32s(&got[0]), f32s(&got[1]));
+                let what = format!("{ty}/{ty_up} part {part} on the matrix units");
+                for (i, &g) in y.iter().enumerate() {
+                    let g = g as f64;
+                    assert!(
+                        (g - de[i]).abs() <= TOL_F16 * dm[i] + 1e-6,
+                        "{what} down out {i}: {g} vs f16 {}",
+                        de[i]
+                    );
+                }
+                assert_glu(&h, Glu::Silu, (&ge, &gm), (&ue, &um), TOL_F16, &what);
+                assert!(gpu.coop() > 0, "{what}: the device gave up its matrix units");
+            }
+        }
+    }
+
     /// The grouping (`picks.wgsl`) for random routings, some with every pick on one expert and some with ids
     /// past the experts: `order` holds each valid pick once, expert by expert in ascending order, and `tiles`
     /// cuts each expert's run into tiles of 64 picks (the last shorter), in order, then marks the rest of the

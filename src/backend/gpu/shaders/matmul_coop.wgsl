@@ -9,8 +9,9 @@
 // multiplies its quadrant (32 rows × 32 tokens; matmul_glu: 16 gate and 16 up rows × 32 tokens) S columns at a
 // time. The activations come as halves.wgsl wrote them: each row scaled by a power of two that keeps it inside
 // f16's range, the scale after the rows; the sums are multiplied back by it as they are stored. Rows and tokens
-// past the matrix or the batch are zeros in the tiles and are not written. The grid and the column slices
-// ("split-K") are matmul_tiled.wgsl's, whose reduce_k adds the slices' partial products.
+// past the matrix or the batch are zeros in the tiles and are not written. Which tokens a tile takes and where its
+// outputs go are the rows module's (tiled_span.wgsl: a batch's, or a mixture's picks grouped by expert). The grid
+// and the column slices ("split-K") are matmul_tiled.wgsl's, whose reduce_k adds the slices' partial products.
 
 const BM: u32 = 64u;
 const BN: u32 = 64u;
@@ -28,20 +29,23 @@ var<workgroup> xt: array<f16, 2560>;
 // Each subgroup's accumulator on its way out (matmul_glu: the gate's, then the up's).
 var<workgroup> cs: array<f32, 8u * S * S>;
 
-// The activations' halves: token t's at words t·cols/2.., then the tokens' scales (f32 bits), as halves.wgsl
+// The activations' halves: x's row xr at words xr·cols/2.., then the rows' scales (f32 bits), as halves.wgsl
 // wrote them.
 @group(0) @binding(7) var<storage, read> xh: array<u32>;
 
-fn tok_scale(t: u32) -> f32 {
-    return bitcast<f32>(xh[p.n_tok * (p.cols / 2u) + t]);
+// The scale of x's row xr: after all the rows, the batch's tokens or the picks' input rows (n_tok picks, x_div a
+// row).
+fn row_scale(xr: u32) -> f32 {
+    let rows = select(p.n_tok, p.n_tok / max(p.x_div, 1u), p.x_div > 0u);
+    return bitcast<f32>(xh[rows * (p.cols / 2u) + xr]);
 }
 
-// Unit u of the tile's rows (from r0; matmul_glu: tile rows 32.. are the up's) and tokens (from t0) into wt and xt.
-fn load_unit(li: u32, r0: u32, t0: u32, u: u32, is_glu: bool) {
+// Unit u of the tile's rows (from wk.r0; matmul_glu: tile rows 32.. are the up's) and tokens into wt and xt.
+fn load_unit(li: u32, wk: Walk, u: u32, is_glu: bool) {
     for (var r = li; r < BM; r += WG) {
-        let row = select(r0 + r, r0 + r % 32u, is_glu);
+        let row = w_row(wk.s, select(wk.r0 + r, wk.r0 + r % 32u, is_glu));
         var w: array<f32, 32>;
-        if (row < p.rows) {
+        if (row != NONE) {
             if (is_glu && r >= 32u) {
                 dequant_b(row * p.row_bytes, u, &w);
             } else {
@@ -56,36 +60,50 @@ fn load_unit(li: u32, r0: u32, t0: u32, u: u32, is_glu: bool) {
         let t = i / 16u;
         let j = i % 16u;
         var v = vec2<f16>(0.0h);
-        if (t0 + t < p.n_tok) {
+        let xr = x_row(wk.s, t);
+        if (xr != NONE) {
             // (Exact: the halves' values through f32. naga 30 types `bitcast<vec2<f16>>` of a u32 as f32.)
-            v = vec2<f16>(unpack2x16float(xh[(t0 + t) * (p.cols / 2u) + u * 16u + j]));
+            v = vec2<f16>(unpack2x16float(xh[xr * (p.cols / 2u) + u * 16u + j]));
         }
         xt[t * LD + 2u * j] = v.x;
         xt[t * LD + 2u * j + 1u] = v.y;
     }
 }
 
-// The tile's first row and token, its column slice and units.
+// The tile's first row, its tokens (the rows module's span, its column slice) and units.
 struct Walk {
     r0: u32,
-    t0: u32,
-    slice: u32,
+    s: Span,
     u0: u32,
     u1: u32,
 }
 
+// The slice and its units from the grid, not from the span (a picks' span comes from a buffer, which naga does not
+// count as uniform, and the matrix units' loads must be in uniform control flow; a picks tile is never split).
 fn walk(wid: vec3<u32>, rows_per_tile: u32) -> Walk {
     let splits = max(p.k_split, 1u);
     let slice = wid.z % splits;
     let per_slice = (p.units + splits - 1u) / splits;
-    return Walk((wid.x + wid.y * p.nx) * rows_per_tile, (wid.z / splits) * BN, slice, slice * per_slice,
+    return Walk((wid.x + wid.y * p.nx) * rows_per_tile, span(wid), slice * per_slice,
                 min(p.units, (slice + 1u) * per_slice));
 }
 
-// y at row `row` (of the matrix) for token t of the walk's slice, where both are inside.
-fn put(row: u32, t: u32, slice: u32, v: f32) {
-    if (row < p.rows && t < p.n_tok) {
-        y[(slice * p.n_tok + t) * p.y_stride + p.row0 + row] = v * tok_scale(t);
+// Whether the tile takes no tokens (tiled_picks.wgsl: past the groups' tiles), as a uniform value: the workgroup
+// returns at once, in uniform control flow.
+var<workgroup> no_tokens: bool;
+
+fn empty(li: u32, wk: Walk) -> bool {
+    if (li == 0u) {
+        no_tokens = wk.s.n == 0u;
+    }
+    return workgroupUniformLoad(&no_tokens);
+}
+
+// Tile row `row`'s sum v for the tile's token tl into y, times its input row's scale, where it goes anywhere.
+fn put(wk: Walk, row: u32, tl: u32, v: f32) {
+    let at = y_at(wk.s, row, tl);
+    if (at != NONE) {
+        y[at] = v * row_scale(x_row(wk.s, tl));
     }
 }
 
@@ -93,6 +111,9 @@ fn put(row: u32, t: u32, slice: u32, v: f32) {
 fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
           @builtin(subgroup_id) sid: u32, @builtin(subgroup_invocation_id) lane: u32) {
     let wk = walk(wid, BM);
+    if (empty(li, wk)) {
+        return;
+    }
     // The subgroup's quadrant: rows mr.., tokens mt.. of the tile.
     let mr = (sid % 2u) * 32u;
     let mt = (sid / 2u) * 32u;
@@ -101,7 +122,7 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         acc[i] = MC();
     }
     for (var u = wk.u0; u < wk.u1; u++) {
-        load_unit(li, wk.r0, wk.t0, u, false);
+        load_unit(li, wk, u, false);
         workgroupBarrier();
         for (var kk = 0u; kk < 32u; kk += S) {
             var b: array<MB, NJ>;
@@ -124,7 +145,7 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             coopStore(acc[i * NJ + j], &cs[c0], S);
             workgroupBarrier();
             for (var e = lane; e < S * S; e += SG) {
-                put(wk.r0 + mr + i * S + e % S, wk.t0 + mt + j * S + e / S, wk.slice, cs[c0 + e]);
+                put(wk, wk.r0 + mr + i * S + e % S, mt + j * S + e / S, cs[c0 + e]);
             }
             workgroupBarrier();
         }
@@ -137,6 +158,9 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
               @builtin(subgroup_id) sid: u32, @builtin(subgroup_invocation_id) lane: u32) {
     let wk = walk(wid, 32u);
+    if (empty(li, wk)) {
+        return;
+    }
     // The subgroup's gate rows mr.. (its up rows 32 + mr..) and tokens mt.. of the tile.
     let mr = (sid % 2u) * 16u;
     let mt = (sid / 2u) * 32u;
@@ -147,7 +171,7 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         uacc[i] = MC();
     }
     for (var u = wk.u0; u < wk.u1; u++) {
-        load_unit(li, wk.r0, wk.t0, u, true);
+        load_unit(li, wk, u, true);
         workgroupBarrier();
         for (var kk = 0u; kk < 32u; kk += S) {
             var b: array<MB, NJ>;
@@ -172,11 +196,11 @@ fn matmul_glu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             coopStore(uacc[i * NJ + j], &cs[c0 + S * S], S);
             workgroupBarrier();
             for (var e = lane; e < S * S; e += SG) {
-                let row = wk.r0 + mr + i * S + e % S;
-                let t = wk.t0 + mt + j * S + e / S;
-                if (row < p.rows && t < p.n_tok) {
-                    let s = tok_scale(t);
-                    y[t * p.y_stride + p.row0 + row] = glu(p.act, cs[c0 + e] * s, cs[c0 + S * S + e] * s);
+                let tl = mt + j * S + e / S;
+                let at = y_at(wk.s, wk.r0 + mr + i * S + e % S, tl);
+                if (at != NONE) {
+                    let s = row_scale(x_row(wk.s, tl));
+                    y[at] = glu(p.act, cs[c0 + e] * s, cs[c0 + S * S + e] * s);
                 }
             }
             workgroupBarrier();

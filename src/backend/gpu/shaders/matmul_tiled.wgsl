@@ -13,9 +13,8 @@
 // 256 tiles, 2 warps each, too few to keep a large GPU's memory busy). A slice's partial products go to y as
 // [slice, token, row] (the host binds a scratch tensor there) and reduce_k adds them up.
 //
-// Which tokens a tile takes and where its outputs go are the rows module's (tiled_batch.wgsl: a batch's tokens in
-// order; tiled_picks.wgsl: a mixture's picks of one expert, grouped on the device), through `span`, `x_row`,
-// `w_row` and `y_at`; the kernel's arithmetic is the same for both.
+// Which tokens a tile takes and where its outputs go are the rows module's (tiled_span.wgsl), the kernel's
+// arithmetic the same for both.
 
 const BN: u32 = 64u;
 // A measuring aid (matmul.rs, tiled_probe): 0 the whole kernel; 1 no dequantizing, 2 one column's products a unit,
@@ -31,18 +30,6 @@ var<workgroup> xs: array<vec4<f32>, 512>;
 
 // The activations again, as vectors (x's buffer bound a second time, matmul.rs).
 @group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
-
-// No row: a token past the tile's, a weight row past the matrix or outside this part of it.
-const NONE: u32 = 0xffffffffu;
-
-// A tile's tokens: t0 and n, the first and how many (up to BN) in the rows module's numbering; the column slice it
-// sums; e, the expert whose rows it takes (tiled_picks.wgsl; 0 in tiled_batch.wgsl).
-struct Span {
-    t0: u32,
-    n: u32,
-    slice: u32,
-    e: u32,
-}
 
 // Vec4 j of 8 (columns 4j..4j + 4 of unit u) of x's row xr, zeros past the row or for no row (NONE).
 fn x_vec(xr: u32, j: u32, u: u32) -> vec4<f32> {
