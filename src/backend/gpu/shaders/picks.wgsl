@@ -33,8 +33,10 @@ var<workgroup> first_slot: array<u32, MAX_EXPERTS>;
 var<workgroup> first_tile: array<u32, MAX_EXPERTS>;
 var<workgroup> n_tiles: u32;
 
-@compute @workgroup_size(256)
-fn group_picks(@builtin(local_invocation_index) li: u32) {
+// Every valid pick takes a turn at its expert's counter, from zero: with `place`, the pick goes to its expert's
+// first slot plus its turn; without, the counters end as the experts' counts. Every thread calls it (it holds a
+// barrier).
+fn take_turns(li: u32, place: bool) {
     for (var e = li; e < p.n_expert; e += WG) {
         atomicStore(&count[e], 0u);
     }
@@ -42,9 +44,17 @@ fn group_picks(@builtin(local_invocation_index) li: u32) {
     for (var z = li; z < p.n_picks; z += WG) {
         let e = ids[z];
         if (e < p.n_expert) {
-            atomicAdd(&count[e], 1u);
+            let turn = atomicAdd(&count[e], 1u);
+            if (place) {
+                order[first_slot[e] + turn] = z;
+            }
         }
     }
+}
+
+@compute @workgroup_size(256)
+fn group_picks(@builtin(local_invocation_index) li: u32) {
+    take_turns(li, false);
     workgroupBarrier();
     if (li == 0u) {
         var slot = 0u;
@@ -73,16 +83,7 @@ fn group_picks(@builtin(local_invocation_index) li: u32) {
         tiles[3u * g + 1u] = 0u;
         tiles[3u * g + 2u] = 0u;
     }
-    // The counts again, as each run's next slot.
+    // The tiles read the counts: they are taken again, for the places, only after.
     workgroupBarrier();
-    for (var e = li; e < p.n_expert; e += WG) {
-        atomicStore(&count[e], 0u);
-    }
-    workgroupBarrier();
-    for (var z = li; z < p.n_picks; z += WG) {
-        let e = ids[z];
-        if (e < p.n_expert) {
-            order[first_slot[e] + atomicAdd(&count[e], 1u)] = z;
-        }
-    }
+    take_turns(li, true);
 }
