@@ -797,7 +797,8 @@ impl Pass<'_> {
     /// where the picks of a row share its input (gate and up), 1 where each pick has its own (down).
     pub fn matmul_ids(&mut self, w: &GpuExperts, x: &Tensor, x_div: usize, picks: &Picks, y: &Tensor) -> Result<()> {
         self.check_ids(w, x, x_div, picks, y)?;
-        self.mm_ids(w, None, Glu::Silu, x, x_div, picks, y)
+        let x = self.picks_input(&w.mat, x, x_div, picks, &mut None)?;
+        self.mm_ids(w, None, Glu::Silu, &x, x_div, picks, y)
     }
 
     /// `y[z] = act(G_e · x[z / x_div]) * (U_e · x[z / x_div])`, the experts' gate and up projections: one pass over
@@ -819,11 +820,15 @@ impl Pass<'_> {
         );
         self.check_ids(gate, x, x_div, picks, y)?;
         if gate.mat.ty == up.mat.ty && same_parts(&gate.mat, &up.mat) {
-            return self.mm_ids(gate, Some(up), glu, x, x_div, picks, y);
+            let x = self.picks_input(&gate.mat, x, x_div, picks, &mut None)?;
+            return self.mm_ids(gate, Some(up), glu, &x, x_div, picks, y);
         }
         let u = self.scratch(picks.n * up.rows)?;
-        self.mm_ids(gate, None, glu, x, x_div, picks, y)?;
-        self.mm_ids(up, None, glu, x, x_div, picks, &u)?;
+        let mut memo = None;
+        let xg = self.picks_input(&gate.mat, x, x_div, picks, &mut memo)?;
+        self.mm_ids(gate, None, glu, &xg, x_div, picks, y)?;
+        let xu = self.picks_input(&up.mat, x, x_div, picks, &mut memo)?;
+        self.mm_ids(up, None, glu, &xu, x_div, picks, &u)?;
         self.glu_mul(y, &u, glu, picks.n * up.rows)
     }
 
@@ -855,6 +860,27 @@ impl Pass<'_> {
         Ok(())
     }
 
+    /// What the indexed matmuls of `w` over `picks` read from the `picks.n / x_div` rows of `x`: for grouped picks
+    /// (a batch the tiled kernels take) [`Pass::input_for`]'s, so the unfused gate and up share one rounding (and
+    /// one set of halves) where their grids match; for the per-pick kernel the rows rounded, no halves.
+    fn picks_input(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Tensor,
+        x_div: usize,
+        picks: &Picks,
+        memo: &mut Memo,
+    ) -> Result<Input> {
+        let n_rows = picks.n / x_div.max(1);
+        match picks.grouped {
+            Some(_) => self.input_for(w, x, n_rows, memo),
+            None => Ok(Input {
+                x: self.rounded_for(w, x, n_rows)?,
+                halves: None,
+            }),
+        }
+    }
+
     /// One dispatch per part of the experts' buffer. Picks grouped by expert ([`Pass::picks`]) take the tiled
     /// kernel over `tiled_picks.wgsl`: a workgroup per (tile of an expert's rows, tile of up to 64 of its picks);
     /// others the per-row kernel: a workgroup per (group of an expert's rows, pick). In each part, the picks whose
@@ -865,26 +891,23 @@ impl Pass<'_> {
         w: &GpuExperts,
         up: Option<&GpuExperts>,
         glu: Glu,
-        x: &Tensor,
+        x: &Input,
         x_div: usize,
         picks: &Picks,
         y: &Tensor,
     ) -> Result<()> {
         let m = &w.mat;
-        // As `mm`: an input of more than one row is rounded as the CPU's (act8.rs).
+        // As `mm`: the halves where the matrix units take the batch and their kernel compiles.
         let n_rows = picks.n / x_div.max(1);
-        let x = &self.rounded_for(m, x, n_rows)?;
         let (pipeline, rpw, tiles, grouped, halves) = match picks.grouped {
             Some(g) => {
                 let entry = if up.is_some() { "matmul_glu" } else { "matmul" };
                 let rows = if up.is_some() { TILE_ROWS_GLU } else { TILE_ROWS };
                 let bufs = [(6, &g.groups.order().buf), (8, &g.groups.tiles().buf)];
-                let coop = match self.takes_coop(m, n_rows) {
-                    true => self.coop_or_off(m.ty, entry, Rows::Picks),
-                    false => None,
-                };
+                let halves = x.halves.as_ref().filter(|_| self.takes_coop(m, n_rows));
+                let coop = halves.and_then(|h| Some((self.coop_or_off(m.ty, entry, Rows::Picks)?, h)));
                 let (pipeline, halves) = match coop {
-                    Some(pipeline) => (pipeline, Some(self.halves(x, n_rows, m.cols)?)),
+                    Some((pipeline, h)) => (pipeline, Some(h)),
                     None => (self.tiled_pipeline(m.ty, entry, Rows::Picks)?, None),
                 };
                 (pipeline, rows, g.tiles, Some(bufs), halves)
@@ -896,9 +919,9 @@ impl Pass<'_> {
             }
         };
         // The activations: f32 at 2 and as vectors at 7, or the matrix units' halves at 7.
-        let xb = match &halves {
+        let xb = match halves {
             Some(h) => vec![(7, &h.buf)],
-            None => vec![(2, &x.buf), (7, &x.buf)],
+            None => vec![(2, &x.x.buf), (7, &x.x.buf)],
         };
         let (gx, gy) = grid(u32_of(w.rows.div_ceil(rpw), "matmul rows")?);
         let tiles = u32_of(tiles, "expert picks")?;
