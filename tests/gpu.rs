@@ -64,8 +64,8 @@ fn greedy(s: &mut Session, logits: &[f32], n: usize) -> Vec<u32> {
 
 /// `baton run` on the GPU prints the CPU's greedy text and names its adapter; `--gpu-layers 2` too; `--backend
 /// gpu` with only a software adapter and `auto` chosen is a clear error; `auto` alone falls back to the CPU. For the
-/// tiny llama and gemma3 and the generated mixtures of experts qwen3moe (all its layers at `--gpu-layers 2`) and
-/// glm4moe (a dense layer and a layer of experts on the GPU, one on the CPU).
+/// tiny llama and gemma3 and the generated mixtures of experts qwen3moe (all its layers at `--gpu-layers 2`),
+/// glm4moe and deepseek2 (a dense layer and a layer of experts on the GPU, one on the CPU).
 #[test]
 fn run_on_the_gpu_gives_the_cpu_text() {
     if software_gpu().is_none() {
@@ -78,6 +78,7 @@ fn run_on_the_gpu_gives_the_cpu_text() {
         (Arch::Gemma3, tiny(Arch::Gemma3, dir.path())),
         (Arch::Qwen3Moe, generated("qwen3moe")),
         (Arch::Glm4Moe, generated("glm4moe")),
+        (Arch::Deepseek2, generated("deepseek2")),
     ];
     for (arch, m) in models {
         let run = |env: &[(&str, &str)], extra: &[&str]| {
@@ -126,18 +127,21 @@ fn run_on_the_gpu_gives_the_cpu_text() {
 
 /// GPU-prefill → CPU-decode and CPU-prefill → GPU-decode, through a real prefill node and the KV stream: the same
 /// logits (within 1e-3 of their scale: the backends' f32 summation order) and greedy tokens as one CPU session
-/// alone, for full and partial offload; for the tiny llama and gemma3 and the generated phi3 (fused projections).
+/// alone, for full and partial offload; for the tiny llama and gemma3 and the generated phi3 (fused projections) and
+/// deepseek2 (latent attention: K heads of 48 and V heads of 24 cross in the stream).
 #[test]
 fn handoff_between_backends_gives_the_local_output() {
     let Some(gpu) = software_gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
     let on_gpu = Placement::on_gpu(gpu, None);
-    let phi3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/phi3.gguf");
+    let generated = |name: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/models/{name}.gguf"));
     let models = [
         (Arch::Llama, tiny(Arch::Llama, dir.path())),
         (Arch::Gemma3, tiny(Arch::Gemma3, dir.path())),
+        (Arch::Phi3, generated("phi3")),
+        (Arch::Deepseek2, generated("deepseek2")),
     ];
-    for (arch, m) in models.into_iter().chain([(Arch::Phi3, phi3)]) {
+    for (arch, m) in models {
         let n_layer = Model::load(&m).unwrap().hp.n_layer;
         let prompt = prompt(40);
         let mut reference = session(&m, &Placement::cpu());

@@ -259,6 +259,54 @@ pub(crate) fn attn_qkv(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<[Ma
     ])
 }
 
+/// Layer `il`'s latent attention (`deepseek2`, llama.cpp's layout without the absorption) as `f` stores it (mapped,
+/// not repacked): its own tensors, and the matrices that stand as `wq` (`attn_q_b` after the low-rank `attn_q_a`, or
+/// `attn_q`), `wk` (`attn_kv_a_mqa`) and `wv` (`attn_kv_b`). The CPU's layers and the GPU's upload both take them
+/// from here.
+pub(crate) fn mla_attn(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<(MlaWeights, [Matrix; 3])> {
+    let p = |t: &str| format!("blk.{il}.{t}.weight");
+    let m = hp
+        .mla
+        .as_ref()
+        .context("latent attention without its hyperparameters")?;
+    let (e, nq, r, hdv, nh) = (hp.n_embd, hp.n_embd_q(), m.kv_lora_rank, hp.head_dim_v, hp.n_head);
+    let has_q_a = m.q_lora_rank > 0;
+    for (t, want) in [
+        ("attn_q_a", has_q_a),
+        ("attn_q_a_norm", has_q_a),
+        ("attn_q_b", has_q_a),
+        ("attn_q", !has_q_a),
+    ] {
+        if f.tensors.contains_key(&p(t)) != want {
+            let why = if want { "lacks" } else { "has" };
+            bail!(
+                "deepseek2 layer {il} {why} {t:?} with attention.q_lora_rank {}",
+                m.q_lora_rank
+            );
+        }
+    }
+    let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
+        let v = mapped_matrix(f, name, n, 1)?;
+        Ok(v.to_f32())
+    };
+    let (q_a, wq) = if has_q_a {
+        let q_a = (
+            mapped_matrix(f, &p("attn_q_a"), e, m.q_lora_rank)?,
+            vector(&p("attn_q_a_norm"), m.q_lora_rank)?,
+        );
+        (Some(q_a), mapped_matrix(f, &p("attn_q_b"), m.q_lora_rank, nq)?)
+    } else {
+        (None, mapped_matrix(f, &p("attn_q"), e, nq)?)
+    };
+    let mla = MlaWeights {
+        q_a,
+        kv_a_norm: vector(&p("attn_kv_a_norm"), r)?,
+    };
+    let wk = mapped_matrix(f, &p("attn_kv_a_mqa"), e, r + hp.n_rot)?;
+    let wv = mapped_matrix(f, &p("attn_kv_b"), r, nh * (m.n_nope + hdv))?;
+    Ok((mla, [wq, wk, wv]))
+}
+
 /// Layer `il`'s dense feed-forward as `f` stores it (mapped, not repacked); Phi-3's `ffn_up` holds the gate's rows,
 /// then the up projection's (ggml's swiglu of one tensor), split here into row views for the CPU and the GPU alike.
 pub(crate) fn dense_ffn(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<DenseFfn> {
@@ -385,46 +433,12 @@ impl Model {
                     })
                 }
             };
-            let nq = hp.n_embd_q();
-            let mut mla = None;
-            let [wq, wk, wv] = if let Some(m) = &hp.mla {
-                // DeepSeek's latent attention (llama.cpp's deepseek2 without the absorption).
-                let (r, hdv, nh) = (m.kv_lora_rank, hp.head_dim_v, hp.n_head);
-                let has_q_a = m.q_lora_rank > 0;
-                for (t, want) in [
-                    ("attn_q_a", has_q_a),
-                    ("attn_q_a_norm", has_q_a),
-                    ("attn_q_b", has_q_a),
-                    ("attn_q", !has_q_a),
-                ] {
-                    if f.tensors.contains_key(&p(t)) != want {
-                        let why = if want { "lacks" } else { "has" };
-                        bail!(
-                            "deepseek2 layer {il} {why} {t:?} with attention.q_lora_rank {}",
-                            m.q_lora_rank
-                        );
-                    }
+            let (mla, [wq, wk, wv]) = match &hp.mla {
+                Some(_) => {
+                    let (mla, qkv) = mla_attn(f, &hp, il)?;
+                    (Some(mla), qkv)
                 }
-                let (q_a, wq) = if has_q_a {
-                    let q_a = (
-                        matrix(&p("attn_q_a"), e, m.q_lora_rank)?,
-                        vector(&p("attn_q_a_norm"), m.q_lora_rank)?,
-                    );
-                    (Some(q_a), matrix(&p("attn_q_b"), m.q_lora_rank, nq)?)
-                } else {
-                    (None, matrix(&p("attn_q"), e, nq)?)
-                };
-                mla = Some(MlaWeights {
-                    q_a,
-                    kv_a_norm: vector(&p("attn_kv_a_norm"), r)?,
-                });
-                [
-                    wq,
-                    matrix(&p("attn_kv_a_mqa"), e, r + hp.n_rot)?,
-                    matrix(&p("attn_kv_b"), r, nh * (m.n_nope + hdv))?,
-                ]
-            } else {
-                attn_qkv(f, &hp, il)?
+                None => (None, attn_qkv(f, &hp, il)?),
             };
             let lw = LayerWeights {
                 attn_norm: vector(&p("attn_norm"), e)?,

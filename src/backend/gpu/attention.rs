@@ -140,7 +140,7 @@ impl Pass<'_> {
             Queries::Rotated(q) => {
                 ensure!(q.len() >= a.n_tok * a.n_head * a.hdk, "attention queries too small");
                 let bufs = vec![(1, &q.buf), (4, &k.buf), (5, &v.buf)];
-                ([0; 10], &[wgsl::REDUCE, wgsl::ATTENTION_CACHED][..], bufs)
+                ([0; 11], &[wgsl::REDUCE, wgsl::ATTENTION_CACHED][..], bufs)
             }
             Queries::Fresh(r) => {
                 ensure!(
@@ -327,7 +327,8 @@ mod tests {
     /// the rotated queries, on the same inputs: biases and head norms or none, both RoPE styles, partial rotation,
     /// GQA, the row's position first in the cache, first in a split (its cached range empty), last of a cache
     /// split three ways, under windows of 100 and 1, heads of 64 to 256 and of 96 (threads idle in the weighted
-    /// sum). The cache and the host's run within one f16 step of the other path's (the head norm's sum is over 256
+    /// sum), and DeepSeek's K heads wider than V heads that end in their rotated part (48 = 32 + 16 with V 24,
+    /// and V2-Lite's 192 = 128 + 64 with V 128). The cache and the host's run within one f16 step of the other path's (the head norm's sum is over 256
     /// threads here, 64 there), the outputs within 2e-5·(1 + |x|).
     #[test]
     fn fresh_attention_matches_rotated() {
@@ -335,28 +336,30 @@ mod tests {
         let mut rng = Rng(2160);
         let n_ctx = 700;
         let cases = [
-            // (n_head, n_head_kv, hd, n_rot, position, window, biased, normed, neox)
-            (8, 2, 64, 64, 5, None, false, false, false),
-            (4, 1, 128, 64, 699, None, true, true, true),
-            (6, 2, 64, 32, 512, Some(100), false, true, false),
-            (2, 2, 256, 256, 0, None, true, false, true),
-            (4, 2, 96, 64, 300, None, true, true, false),
-            (3, 3, 64, 64, 40, Some(1), false, false, true),
+            // (n_head, n_head_kv, (hdk, hdv), (n_rot, from), position, window, biased, normed, neox)
+            (8, 2, (64, 64), (64, 0), 5, None, false, false, false),
+            (4, 1, (128, 128), (64, 0), 699, None, true, true, true),
+            (6, 2, (64, 64), (32, 0), 512, Some(100), false, true, false),
+            (2, 2, (256, 256), (256, 0), 0, None, true, false, true),
+            (4, 2, (96, 96), (64, 0), 300, None, true, true, false),
+            (3, 3, (64, 64), (64, 0), 40, Some(1), false, false, true),
+            (4, 4, (48, 24), (16, 32), 300, None, false, false, false),
+            (2, 2, (192, 128), (64, 128), 650, None, false, false, false),
         ];
-        for (n_head, n_head_kv, hd, n_rot, at, window, biased, normed, neox) in cases {
+        for (n_head, n_head_kv, (hdk, hdv), (n_rot, rot_at), at, window, biased, normed, neox) in cases {
             let a = AttnShape {
                 n_tok: 1,
                 n_head,
                 n_head_kv,
-                hdk: hd,
-                hdv: hd,
+                hdk,
+                hdv,
                 window,
-                scale: 1.0 / (hd as f32).sqrt(),
+                scale: 1.0 / (hdk as f32).sqrt(),
             };
             let normal = |rng: &mut Rng, len: usize, s: f32| (0..len).map(|_| rng.normal() * s).collect::<Vec<f32>>();
             let qkv = gpu.upload(&normal(&mut rng, a.qkv_width(), 1.5)).unwrap();
-            let bias = [n_head, n_head_kv, n_head_kv].map(|h| normal(&mut rng, h * hd, 0.5));
-            let norm = [0, 1].map(|_| (0..hd).map(|_| 1.0 + rng.normal() * 0.2).collect::<Vec<f32>>());
+            let bias = [n_head * hdk, n_head_kv * hdk, n_head_kv * hdv].map(|len| normal(&mut rng, len, 0.5));
+            let norm = [0, 1].map(|_| (0..hdk).map(|_| 1.0 + rng.normal() * 0.2).collect::<Vec<f32>>());
             let extras = gpu
                 .upload_qkv_extras(
                     [0, 1, 2].map(|i| biased.then_some(&bias[i][..])),
@@ -364,26 +367,32 @@ mod tests {
                 )
                 .unwrap();
             let table = gpu.upload_rope(&RopeTable::new(10000.0, n_rot, n_ctx)).unwrap();
-            let old: Vec<f16> = (0..n_head_kv * n_ctx * hd)
-                .map(|_| f16::from_f32(rng.normal()))
-                .collect();
+            let mut old = |hd: usize| -> Vec<f16> {
+                (0..n_head_kv * n_ctx * hd)
+                    .map(|_| f16::from_f32(rng.normal()))
+                    .collect()
+            };
+            let (old_k, old_v) = (old(hdk), old(hdv));
             let gp = gpu.upload_u32(&[at]).unwrap();
             // The run for the host's copy, this layer's after another's.
             let run_at = 2 * fresh_halves(&a);
-            let case = format!("heads {n_head}/{n_head_kv} hd {hd} rot {n_rot} at {at} window {window:?}");
+            let case = format!(
+                "heads {n_head}/{n_head_kv} hd {hdk}/{hdv} rot {n_rot} from {rot_at} at {at} window {window:?}"
+            );
             for sg in [true, false] {
                 // (out, K, V, the host's run) of each path.
                 let mut got = vec![];
                 for fresh_path in [false, true] {
-                    let (kc, vc) = (gpu.upload_halves(&old).unwrap(), gpu.upload_halves(&old).unwrap());
+                    let (kc, vc) = (gpu.upload_halves(&old_k).unwrap(), gpu.upload_halves(&old_v).unwrap());
                     let run = gpu.zero_halves(run_at + fresh_halves(&a)).unwrap();
-                    let (q, out) = (gpu.zeros(n_head * hd).unwrap(), gpu.zeros(n_head * hd).unwrap());
+                    let (q, out) = (gpu.zeros(n_head * hdk).unwrap(), gpu.zeros(n_head * hdv).unwrap());
                     let ready = Ready {
                         qkv: &qkv,
                         extras: &extras,
                         eps: 1e-6,
                         table: &table,
                         neox,
+                        rot_at,
                         fresh: (&run, run_at),
                     };
                     let mut pass = gpu.pass().with_subgroups(sg);

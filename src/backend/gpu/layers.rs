@@ -2,7 +2,8 @@
 //! model ([`GpuWeights`]), and each session's f16 KV cache and working buffers on the device ([`GpuLayers`]).
 //! `engine::Session` runs the first layers of its range here and the rest, if any, on the CPU (`--gpu-layers`).
 //! The layer scripts are those of `model/llama.rs` (llama, qwen2, qwen3, phi3, and the mixtures of experts qwen3moe,
-//! dots1 and glm4moe, whose feed-forward is `model/moe.rs`'s: `GpuLayers::moe_ffn`) and `model/gemma3.rs`.
+//! dots1 and glm4moe, whose feed-forward is `model/moe.rs`'s: `GpuLayers::moe_ffn`), `model/gemma3.rs` and
+//! `model/deepseek2.rs` (its latent attention's projections: `GpuLayers::latent_qkv`; the rest is llama's).
 //!
 //! The host embeds the tokens (a row per token, uploaded), holds the residual stream where the range continues on
 //! the CPU, and keeps a copy of every KV row the device writes, brought back in the same submission: snapshots,
@@ -14,7 +15,7 @@ use super::matmul::Norm;
 use super::moe::PickGroups;
 use super::rope::{GpuRope, QkvExtras, Ready, fresh_halves};
 use super::{Binds, Gpu, u32_of};
-use crate::backend::{self, KvLayers};
+use crate::backend::{self, AttnShape, KvLayers};
 use crate::kernels::Glu;
 use crate::kernels::Matrix;
 use crate::kernels::matrix::{Bytes, Layout};
@@ -28,10 +29,7 @@ use std::sync::Arc;
 /// One block's weights on the device.
 struct Layer {
     attn_norm: Tensor,
-    /// The Q, K and V projections, stacked where they are of one type: each matrix and where its outputs start in
-    /// a row of Q, K and V side by side (`AttnShape::qkv_width`). One matmul reads all three where it can, two or
-    /// three where the types differ (Q4_K_M keeps some V projections in Q6_K): a decode step pays per dispatch.
-    qkv: Vec<(GpuMatrix, usize)>,
+    qkv: Projections,
     wo: GpuMatrix,
     /// Biases added to Q, K and V (Qwen 2) and the RMSNorm of every Q and K head before RoPE (Gemma 3, Qwen 3).
     qkv_extras: QkvExtras,
@@ -39,6 +37,32 @@ struct Layer {
     post_norms: Option<[Tensor; 2]>,
     ffn_norm: Tensor,
     ffn: Ffn,
+}
+
+/// How a block projects its input to a row of Q, K and V side by side (`AttnShape::qkv_width`).
+enum Projections {
+    /// The Q, K and V matrices, stacked where they are of one type: each matrix and where its outputs start in the
+    /// row. One matmul reads all three where it can, two or three where the types differ (Q4_K_M keeps some V
+    /// projections in Q6_K): a decode step pays per dispatch.
+    Stacked(Vec<(GpuMatrix, usize)>),
+    /// DeepSeek's latent attention.
+    Latent(Box<Latent>),
+}
+
+/// DeepSeek's latent attention's matrices (`model::deepseek2`; `LayerWeights`' `wq`, `wk` and `wv` and its
+/// `MlaWeights`).
+struct Latent {
+    /// The matrices that read the block's normalised input: Q's low-rank `attn_q_a` where the layer has one, and
+    /// `attn_kv_a_mqa`, stacked as the Q, K and V are: a row of `LatentBuffers::lowrank` holds Q's low-rank
+    /// values, then the compressed KV vector, then the RoPE key.
+    lowrank: Vec<(GpuMatrix, usize)>,
+    /// `attn_q_a_norm`, where Q has its low-rank pair.
+    q_a_norm: Option<Tensor>,
+    /// Q's projection: `attn_q_b` of the normalised low-rank values, or `attn_q` of the input.
+    q: GpuMatrix,
+    kv_a_norm: Tensor,
+    /// Every head's K_nope and V from the normalised compressed vector.
+    kv_b: GpuMatrix,
 }
 
 /// A block's feed-forward on the device, as the CPU's layer has it (`model::Ffn`).
@@ -89,25 +113,21 @@ impl GpuWeights {
     /// that runs out of memory gives an error naming the sizes and a `--gpu-layers` that would fit.
     pub fn upload(gpu: Arc<Gpu>, model: &Model, layers: Range<usize>) -> Result<GpuWeights> {
         let hp = model.hp.clone();
-        // The GPU layers run the blocks of these architectures, with the tensors the CPU's layer has (checked at
-        // load); RoPE scaling is in the tables ([`RopeTables`]). The mixtures of experts are llama's block with
-        // experts for the feed-forward. DeepSeek's latent attention (deepseek2) is not on the GPU.
-        ensure!(
-            matches!(
-                hp.arch,
-                Arch::Llama
-                    | Arch::Gemma3
-                    | Arch::Qwen2
-                    | Arch::Qwen3
-                    | Arch::Phi3
-                    | Arch::Qwen3Moe
-                    | Arch::Dots1
-                    | Arch::Glm4Moe
-            ),
-            "the GPU backend implements llama, gemma3, qwen2, qwen3, phi3, qwen3moe, dots1 and glm4moe, not {} \
-             (DeepSeek's latent attention is CPU-only): run it with --backend cpu",
-            hp.arch.name()
-        );
+        // The GPU layers run the blocks of every architecture the CPU's do, with the tensors the CPU's layer has
+        // (checked at load); RoPE scaling is in the tables ([`RopeTables`]). The mixtures of experts are llama's
+        // block with experts for the feed-forward; deepseek2 is too, with its latent attention's projections. An
+        // architecture added to `Arch` stops the build here until its block is written for the GPU.
+        match hp.arch {
+            Arch::Llama
+            | Arch::Gemma3
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Phi3
+            | Arch::Qwen3Moe
+            | Arch::Dots1
+            | Arch::Glm4Moe
+            | Arch::Deepseek2 => {}
+        }
         ensure!(
             !layers.is_empty() && layers.start >= model.range.start && layers.end <= model.range.end,
             "GPU layers {layers:?} are not within the model's layers {:?}",
@@ -161,7 +181,23 @@ impl GpuWeights {
                     _ => anyhow::bail!("layer {il} has one of a pair of norms"),
                 };
                 // The projections as the file stores them, split as the CPU's loader splits Phi-3's fused ones.
-                let [wq, wk, wv] = crate::model::attn_qkv(f, &hp, il)?;
+                let qkv = match &hp.mla {
+                    None => Projections::Stacked(stack(&crate::model::attn_qkv(f, &hp, il)?, up)?),
+                    Some(_) => {
+                        let (mla, [q, kv_a, kv_b]) = crate::model::mla_attn(f, &hp, il)?;
+                        let (lowrank, q_a_norm) = match &mla.q_a {
+                            Some((q_a, norm)) => (stack(&[q_a, &kv_a], up)?, Some(gpu.upload(norm)?)),
+                            None => (stack(&[&kv_a], up)?, None),
+                        };
+                        Projections::Latent(Box::new(Latent {
+                            lowrank,
+                            q_a_norm,
+                            q: up(&q)?,
+                            kv_a_norm: gpu.upload(&mla.kv_a_norm)?,
+                            kv_b: up(&kv_b)?,
+                        }))
+                    }
+                };
                 let ffn = match &lw.ffn {
                     crate::model::Ffn::Dense(_) => {
                         let d = crate::model::dense_ffn(f, &hp, il)?;
@@ -200,7 +236,7 @@ impl GpuWeights {
                 };
                 w.push(Layer {
                     attn_norm: vector(&p("attn_norm"))?,
-                    qkv: stack_qkv([&wq, &wk, &wv], up)?,
+                    qkv,
                     wo: up(&mapped(&p("attn_output"))?)?,
                     qkv_extras: gpu.upload_qkv_extras([&lw.bq, &lw.bk, &lw.bv].map(|b| b.as_deref()), qk_norm)?,
                     post_norms: pair(&lw.post_attn_norm, &lw.post_ffn_norm)?,
@@ -271,9 +307,13 @@ impl GpuWeights {
     }
 }
 
-/// The Q, K and V matrices stacked into as few as they can be (runs of one type and row length, uploaded by
-/// `up` as one matrix), each with where its outputs start in a row of Q, K and V side by side.
-fn stack_qkv(ms: [&Matrix; 3], up: impl Fn(&Matrix) -> Result<GpuMatrix>) -> Result<Vec<(GpuMatrix, usize)>> {
+/// Matrices over one input (a block's Q, K and V) stacked into as few as they can be (runs of one type and row
+/// length, uploaded by `up` as one matrix), each with where its outputs start in a row of their outputs side by side.
+fn stack<M: std::borrow::Borrow<Matrix>>(
+    ms: &[M],
+    up: impl Fn(&Matrix) -> Result<GpuMatrix>,
+) -> Result<Vec<(GpuMatrix, usize)>> {
+    let ms: Vec<&Matrix> = ms.iter().map(|m| m.borrow()).collect();
     let stacks_with =
         |a: &Matrix, b: &Matrix| (a.ty, a.cols, a.layout, b.layout) == (b.ty, b.cols, Layout::Rows, Layout::Rows);
     let (mut out, mut at, mut i) = (Vec::new(), 0, 0);
@@ -339,6 +379,8 @@ pub struct GpuLayers {
     h: Tensor,
     /// A mixture of experts' buffers, where the model has one.
     moe: Option<MoeBuffers>,
+    /// Latent attention's buffers, where the model has it.
+    latent: Option<LatentBuffers>,
     /// Logits of up to `head_rows` rows at a time (when the head is here).
     logits: Tensor,
     head_rows: usize,
@@ -369,6 +411,17 @@ struct MoeBuffers {
     yx: Tensor,
     /// The shared experts' output, `[n, n_embd]`.
     shared: Tensor,
+}
+
+/// The working buffers of DeepSeek's latent attention over a batch of `n` rows.
+struct LatentBuffers {
+    /// `Latent::lowrank`'s products, `[n, q_lora_rank + kv_lora_rank + n_rot]`.
+    lowrank: Tensor,
+    /// Q's low-rank values normalised, `[n, q_lora_rank]`, and the compressed KV vector, `[n, kv_lora_rank]`.
+    q_a: Tensor,
+    ckv: Tensor,
+    /// Every head's K_nope and V, `[n, n_head, n_nope + head_dim_v]`.
+    kv_b: Tensor,
 }
 
 /// What [`GpuLayers::forward`] hands back.
@@ -428,6 +481,15 @@ impl GpuLayers {
                     })
                 }
             };
+            let latent = match &hp.mla {
+                None => None,
+                Some(m) => Some(LatentBuffers {
+                    lowrank: gpu.zeros(n * (m.q_lora_rank + m.kv_lora_rank + hp.n_rot))?,
+                    q_a: gpu.zeros(n * m.q_lora_rank.max(1))?,
+                    ckv: gpu.zeros(n * m.kv_lora_rank)?,
+                    kv_b: gpu.zeros(n * hp.n_head * (m.n_nope + hdv))?,
+                }),
+            };
             // The dense feed-forward's hidden activations, or the shared experts'.
             let n_ff = hp
                 .n_ff
@@ -445,6 +507,7 @@ impl GpuLayers {
                 att: gpu.zeros(n * hp.n_head * hdv)?,
                 h: gpu.zeros(n * n_ff)?,
                 moe,
+                latent,
                 logits: gpu.zeros(head_rows.max(1) * hp.n_vocab)?,
                 head_rows,
                 pos: gpu.upload_u32(&vec![0; n])?,
@@ -584,10 +647,13 @@ impl GpuLayers {
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
             let shape = hp.attn_shape(il, n);
-            let qkv = l.qkv.iter().map(|(m, at)| (m, *at));
-            match std::mem::take(&mut weighed) {
-                true => pass.matvecs_normed_at(qkv, &self.xn, folded, &self.qkv, shape.qkv_width())?,
-                false => pass.matmuls_at(qkv, &self.xn, n, &self.qkv, shape.qkv_width())?,
+            let normed = (!std::mem::take(&mut weighed)).then_some(&self.xn);
+            match &l.qkv {
+                Projections::Stacked(ms) => {
+                    let ms = ms.iter().map(|(m, at)| (m, *at));
+                    self.project(&mut pass, ms, (normed, folded), n, &self.qkv, shape.qkv_width())?
+                }
+                Projections::Latent(m) => self.latent_qkv(&mut pass, m, (normed, folded), &shape)?,
             }
             // The rows' Q, K and V made ready (biases, head norms, RoPE), K and V stored into the cache, and the
             // attention: a decode step does all of it in the attention dispatch (`Queries::Fresh`).
@@ -597,6 +663,7 @@ impl GpuLayers {
                 eps: hp.rms_eps,
                 table: rope,
                 neox,
+                rot_at: hp.mla.as_ref().map_or(0, |m| m.n_nope),
                 fresh: (&self.fresh, (il - first) * fresh_halves(&shape)),
             };
             let kv_cache = [&kv.k, &kv.v];
@@ -734,6 +801,61 @@ impl GpuLayers {
             f32s_into(&got[0], &mut logits[at..at + (r1 - r0) * nv]);
         }
         Ok(())
+    }
+
+    /// Matmuls of the stacked matrices `ms` over the input into columns of `out` (rows of `width`). The input is
+    /// the `n` normalised rows of `xn` (`normed`), or a decode step's row of `xn` weighed by the norm and to be
+    /// scaled by its 1 / rms (`None`: `folded` says where the residual is; `Pass::folds`).
+    fn project<'w>(
+        &self,
+        pass: &mut super::Pass,
+        ms: impl IntoIterator<Item = (&'w GpuMatrix, usize)>,
+        (normed, folded): (Option<&Tensor>, Norm),
+        n: usize,
+        out: &Tensor,
+        width: usize,
+    ) -> Result<()> {
+        match normed {
+            Some(x) => pass.matmuls_at(ms, x, n, out, width),
+            None => pass.matvecs_normed_at(ms, &self.xn, folded, out, width),
+        }
+    }
+
+    /// DeepSeek's latent attention's projections of the block's input (as [`GpuLayers::project`] takes it) into
+    /// the rows of `qkv`, as `model::deepseek2::latent_qkv` computes them before its RoPE and stores: Q through
+    /// its low-rank pair (or one matrix), the compressed KV vector normalised, every head's K_nope and V through
+    /// `attn_kv_b`, and the RoPE key in every K head; RoPE then turns the last `n_rot` dimensions of each Q and K
+    /// head where the other architectures' are turned (`Ready::rot_at`).
+    fn latent_qkv(
+        &self,
+        pass: &mut super::Pass,
+        m: &Latent,
+        input: (Option<&Tensor>, Norm),
+        a: &AttnShape,
+    ) -> Result<()> {
+        let hp = &self.w.hp;
+        let mla = hp
+            .mla
+            .as_ref()
+            .context("latent attention without its hyperparameters")?;
+        let b = self
+            .latent
+            .as_ref()
+            .context("a session without its latent attention's buffers")?;
+        let (n, r, ql) = (a.n_tok, mla.kv_lora_rank, mla.q_lora_rank);
+        let width = ql + r + hp.n_rot;
+        let lowrank = m.lowrank.iter().map(|(m, at)| (m, *at));
+        self.project(pass, lowrank, input, n, &b.lowrank, width)?;
+        match &m.q_a_norm {
+            Some(norm) => {
+                pass.rms_norm_cols(&b.lowrank, (width, 0), norm, hp.rms_eps, n, &b.q_a)?;
+                pass.matmuls_at([(&m.q, 0)], &b.q_a, n, &self.qkv, a.qkv_width())?;
+            }
+            None => self.project(pass, [(&m.q, 0)], input, n, &self.qkv, a.qkv_width())?,
+        }
+        pass.rms_norm_cols(&b.lowrank, (width, ql), &m.kv_a_norm, hp.rms_eps, n, &b.ckv)?;
+        pass.matmul(&m.kv_b, &b.ckv, n, &b.kv_b)?;
+        pass.latent_kv((&b.lowrank, width, ql + r), &b.kv_b, a, hp.n_rot, &self.qkv)
     }
 
     /// A mixture of experts' feed-forward of the `n` normalised rows of `xn`, written back to `xn`, as
@@ -946,12 +1068,16 @@ mod tests {
     /// mixtures of experts (F32): qwen3moe (softmax routing, 8 experts, 2 a token), dots1 (a leading dense layer,
     /// sigmoid gating with a selection bias, 4 groups of which 2 are kept, scale 2.5, shared experts) and glm4moe
     /// (Q/K/V biases, Q/K norms in some layers only, RoPE on 16 of a head's 32 dimensions, its pre-FFN norm stored
-    /// as `post_attention_norm`, 32 experts, a shared one), whose experts are routed and picked on the device.
+    /// as `post_attention_norm`, 32 experts, a shared one), whose experts are routed and picked on the device; and
+    /// deepseek2 (latent attention: Q through its low-rank pair, K heads of 48 ending in 16 rotated dimensions, V
+    /// heads of 24; V3's grouped sigmoid routing, 2 shared experts), and it again with Q one matrix (V2-Lite's).
     #[test]
     fn generated_families_match_cpu() {
         let Some(gpu) = test_gpu() else { return };
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models");
-        let models = [
+        let tmp = tempfile::tempdir().unwrap();
+        let lite = deepseek2_without_q_lora(tmp.path());
+        let files = [
             ("llama3", 1e-3),
             ("qwen2", 2e-2),
             ("qwen3", 1e-3),
@@ -960,9 +1086,14 @@ mod tests {
             ("qwen3moe", 1e-3),
             ("dots1", 1e-3),
             ("glm4moe", 1e-3),
+            ("deepseek2", 1e-3),
         ];
-        for (name, tol) in models {
-            let model = Arc::new(Model::load(&dir.join(format!("{name}.gguf"))).unwrap());
+        let models = files
+            .map(|(name, tol)| (name, dir.join(format!("{name}.gguf")), tol))
+            .into_iter()
+            .chain([("deepseek2 (attn_q)", lite, 1e-3)]);
+        for (name, path, tol) in models {
+            let model = Arc::new(Model::load(&path).unwrap());
             let prompt: Vec<u32> = (0..20).map(|i| 300 + (i * 53) % 3000).collect();
             let mut cpu = Session::placed(model.clone(), pool(), 64, 32, &Placement::cpu()).unwrap();
             let all = cpu.forward(Input::Tokens(&prompt), Want::AllLogits).unwrap().to_vec();
@@ -997,6 +1128,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The generated deepseek2 with Q one matrix, as DeepSeek-V2-Lite's (`attention.q_lora_rank` 0, a random
+    /// `attn_q` for each layer's low-rank pair), written into `dir`.
+    fn deepseek2_without_q_lora(dir: &std::path::Path) -> std::path::PathBuf {
+        use crate::gguf::{GgmlType, GgufFile, GgufWriter, Value};
+        use crate::kernels::testutil::Rng;
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/deepseek2.gguf");
+        let f = GgufFile::open(&src).unwrap();
+        let hp = crate::model::Hparams::from_gguf(&f).unwrap();
+        let mut w = GgufWriter::from_file(&f).unwrap();
+        let key = "deepseek2.attention.q_lora_rank";
+        w.metadata.retain(|(k, _)| k != key);
+        w.meta(key, Value::U32(0));
+        w.tensors.retain(|(n, ..)| {
+            !["attn_q_a.", "attn_q_a_norm.", "attn_q_b."]
+                .iter()
+                .any(|t| n.contains(t))
+        });
+        let (e, nq) = (hp.n_embd, hp.n_embd_q());
+        let mut rng = Rng(2150);
+        for il in 0..hp.n_layer {
+            let q: Vec<u8> = (0..e * nq)
+                .flat_map(|_| (rng.normal() / (e as f32).sqrt()).to_le_bytes())
+                .collect();
+            w.tensor(
+                &format!("blk.{il}.attn_q.weight"),
+                vec![e as u64, nq as u64],
+                GgmlType::F32,
+                q,
+            );
+        }
+        let p = dir.join("deepseek2-lite.gguf");
+        w.write(&p).unwrap();
+        p
     }
 
     /// `--experts-on-disk` with the GPU: the experts of the GPU's layers are uploaded all the same (read from the

@@ -30,6 +30,7 @@ pub mod coop;
 pub mod device;
 pub mod elementwise;
 pub mod embed;
+pub mod latent;
 pub mod layers;
 pub mod matmul;
 pub mod moe;
@@ -70,6 +71,7 @@ mod wgsl {
     pub const ATTENTION_CACHED: &str = include_str!("shaders/attention_cached.wgsl");
     pub const ATTENTION_FRESH: &str = include_str!("shaders/attention_fresh.wgsl");
     pub const EMBED: &str = include_str!("shaders/embed.wgsl");
+    pub const LATENT: &str = include_str!("shaders/latent.wgsl");
     pub const ROUTE: &str = include_str!("shaders/route.wgsl");
     pub const MOE: &str = include_str!("shaders/moe.wgsl");
     pub const PICKS: &str = include_str!("shaders/picks.wgsl");

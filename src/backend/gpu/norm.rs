@@ -12,22 +12,45 @@ fn source() -> String {
 impl Pass<'_> {
     /// RMS-normalises each of the `n` rows of `x` (rows of `w.len()`) into `out`, scaled by `w`.
     pub fn rms_norm(&mut self, x: &Tensor, w: &Tensor, eps: f32, n: usize, out: &Tensor) -> Result<()> {
-        self.check_norm(x, w, n)?;
-        ensure!(out.len() >= n * w.len(), "RMSNorm output too small");
-        self.norm(
-            "rms_norm",
-            &[(1, &x.buf), (2, &w.buf), (3, &out.buf)],
+        self.rms_norm_cols(x, (w.len(), 0), w, eps, n, out)
+    }
+
+    /// [`Pass::rms_norm`] of a slice of wider rows: row `r` of `x` is the `w.len()` values from `r·stride + at`;
+    /// `out` holds them side by side.
+    pub fn rms_norm_cols(
+        &mut self,
+        x: &Tensor,
+        (stride, at): (usize, usize),
+        w: &Tensor,
+        eps: f32,
+        n: usize,
+        out: &Tensor,
+    ) -> Result<()> {
+        ensure!(!w.is_empty(), "RMSNorm over rows of no values");
+        ensure!(
+            at + w.len() <= stride && (n == 0 || x.len() >= (n - 1) * stride + at + w.len()),
+            "RMSNorm of {n} rows of {} from {at} of {stride} over a tensor of {}",
             w.len(),
-            eps,
-            n,
-            false,
-        )
+            x.len()
+        );
+        ensure!(out.len() >= n * w.len(), "RMSNorm output too small");
+        let bufs = [(1, &x.buf), (2, &w.buf), (3, &out.buf)];
+        self.norm("rms_norm", &bufs, w.len(), (stride, at), eps, n, false)
     }
 
     /// [`Pass::rms_norm`] in place.
     pub fn rms_norm_inplace(&mut self, x: &Tensor, w: &Tensor, eps: f32, n: usize) -> Result<()> {
         self.check_norm(x, w, n)?;
-        self.norm("rms_norm_inplace", &[(2, &w.buf), (4, &x.buf)], w.len(), eps, n, false)
+        let width = w.len();
+        self.norm(
+            "rms_norm_inplace",
+            &[(2, &w.buf), (4, &x.buf)],
+            width,
+            (width, 0),
+            eps,
+            n,
+            false,
+        )
     }
 
     /// The residual add and the RMSNorm after it, over `n` rows of `w.len()`: `x += y`, then `y = rmsnorm(x)·w`.
@@ -50,7 +73,8 @@ impl Pass<'_> {
         // Without a post-norm its binding holds `w`, unread.
         let pw = post.unwrap_or(w);
         let bufs = [(2, &w.buf), (4, &y.buf), (5, &x.buf), (6, &pw.buf)];
-        self.norm("add_rms_norm", &bufs, w.len(), eps, n, post.is_some())
+        let width = w.len();
+        self.norm("add_rms_norm", &bufs, width, (width, 0), eps, n, post.is_some())
     }
 
     fn check_norm(&self, x: &Tensor, w: &Tensor, n: usize) -> Result<()> {
@@ -64,11 +88,13 @@ impl Pass<'_> {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn norm(
         &mut self,
         entry: &'static str,
         bufs: &[(u32, &wgpu::Buffer)],
         width: usize,
+        (stride, at): (usize, usize),
         eps: f32,
         n: usize,
         post: bool,
@@ -84,6 +110,8 @@ impl Pass<'_> {
             eps.to_bits(),
             gx,
             post as u32,
+            u32_of(stride, "row stride")?,
+            u32_of(at, "row offset")?,
         ];
         self.dispatch(&pipeline, &params, bufs, (gx, gy, 1));
         Ok(())
@@ -131,6 +159,39 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// A slice of wider rows (DeepSeek's compressed KV vector before its RoPE key, after Q's low-rank values)
+    /// normalised into rows of its own, as the CPU normalises the slice copied out; a slice past its rows is
+    /// refused.
+    #[test]
+    fn rms_norm_of_a_slice_of_each_row() {
+        let Some(gpu) = test_gpu() else { return };
+        let mut rng = Rng(2122);
+        let (n, stride, at, width) = (4, 90, 32, 40);
+        let x: Vec<f32> = (0..n * stride).map(|_| rng.normal() * 3.0).collect();
+        let w: Vec<f32> = (0..width).map(|_| 1.0 + rng.normal() * 0.2).collect();
+        let eps = 1e-6;
+        let mut want = vec![0.0; n * width];
+        for (xr, o) in x.chunks(stride).zip(want.chunks_mut(width)) {
+            ops::rms_norm(&xr[at..at + width], &w, eps, o);
+        }
+        let (gx, gw, out) = (
+            gpu.upload(&x).unwrap(),
+            gpu.upload(&w).unwrap(),
+            gpu.zeros(n * width).unwrap(),
+        );
+        let mut pass = gpu.pass();
+        pass.rms_norm_cols(&gx, (stride, at), &gw, eps, n, &out).unwrap();
+        assert!(
+            pass.rms_norm_cols(&gx, (stride, stride - width + 1), &gw, eps, n, &out)
+                .is_err()
+        );
+        assert!(pass.rms_norm_cols(&gx, (stride, at), &gw, eps, n + 1, &out).is_err());
+        pass.finish().unwrap();
+        for (i, (g, e)) in gpu.read(&out).unwrap().iter().zip(&want).enumerate() {
+            assert!((g - e).abs() <= 2e-6 * e.abs() + 1e-7, "at {i}: {g} vs {e}");
         }
     }
 

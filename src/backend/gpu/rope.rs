@@ -99,6 +99,9 @@ pub struct Ready<'a> {
     /// The angles Q and K are rotated by; `neox`: the halves of a head rather than adjacent pairs.
     pub table: &'a GpuRope,
     pub neox: bool,
+    /// The first dimension of a Q or K head that RoPE turns: 0, or DeepSeek's unrotated part (`Mla::n_nope`),
+    /// whose heads end in their rotated dimensions.
+    pub rot_at: usize,
     /// The run the host's copy of the cache is read back from, and the half this layer's rows start at (per KV
     /// head, its K rows at the batch's positions, then its V rows).
     pub fresh: (&'a Halves, usize),
@@ -107,7 +110,7 @@ pub struct Ready<'a> {
 impl Ready<'_> {
     /// Checks the shapes against `a`'s rows, the caches `kc`/`vc` of `n_ctx` positions and the positions `pos`,
     /// and gives the words qkv_head.wgsl reads from its module's Params (`half_rot` to `fresh_at`).
-    pub(super) fn words(&self, a: &AttnShape, [kc, vc]: [&Halves; 2], n_ctx: usize, pos: &U32s) -> Result<[u32; 10]> {
+    pub(super) fn words(&self, a: &AttnShape, [kc, vc]: [&Halves; 2], n_ctx: usize, pos: &U32s) -> Result<[u32; 11]> {
         let (n, hq, hkv) = (a.n_tok, a.n_head, a.n_head_kv);
         let (table, (fresh, fresh_at)) = (self.table, self.fresh);
         ensure!(
@@ -117,9 +120,10 @@ impl Ready<'_> {
             a.hdv
         );
         ensure!(
-            2 * table.half <= a.hdk,
-            "RoPE rotates {} values of a head of {}",
+            self.rot_at + 2 * table.half <= a.hdk,
+            "RoPE rotates {} values from {} of a head of {}",
             2 * table.half,
+            self.rot_at,
             a.hdk
         );
         ensure!(self.qkv.len() >= n * a.qkv_width(), "Q, K and V smaller than {n} rows");
@@ -156,6 +160,7 @@ impl Ready<'_> {
             offset(qn, a.hdk, "Q norm")?,
             offset(kn, a.hdk, "K norm")?,
             u32_of(fresh_at / 2, "KV run offset")?,
+            u32_of(self.rot_at, "first rotated dimension")?,
         ])
     }
 
@@ -221,7 +226,8 @@ mod tests {
     use half::f16;
 
     /// The fused op against the CPU's ops it replaces (`model::blocks`: bias, head norm, RoPE, f16 store), with and
-    /// without biases and norms, both RoPE styles, partial rotation and full, GQA, rows at scattered positions. Q
+    /// without biases and norms, both RoPE styles, partial rotation and full, of a head's first dimensions or its
+    /// last (DeepSeek's), GQA, rows at scattered positions. Q
     /// within 4e-6 of 1 + its magnitude (the CPU sums a norm's squares in f64; a rotation is a product and a sum,
     /// maybe fused); the cache within one f16 step of the CPU's f16 of its K and V, the other positions untouched.
     #[test]
@@ -242,11 +248,13 @@ mod tests {
             scale: 1.0,
         };
         let eps = 1e-6;
-        for (n_rot, biased, normed) in [
-            (64, false, false),
-            (32, true, false),
-            (64, false, true),
-            (32, true, true),
+        for (n_rot, rot_at, biased, normed) in [
+            (64, 0, false, false),
+            (32, 0, true, false),
+            (64, 0, false, true),
+            (32, 0, true, true),
+            (16, 48, false, false),
+            (32, 32, true, true),
         ] {
             let table = RopeTable::new(10000.0, n_rot, n_ctx);
             let gt = gpu.upload_rope(&table).unwrap();
@@ -273,7 +281,7 @@ mod tests {
                             ops::rms_norm_inplace(head, w, eps);
                         }
                         if rotate {
-                            table.apply(head, pos[i / heads] as usize, neox);
+                            table.apply(&mut head[rot_at..], pos[i / heads] as usize, neox);
                         }
                     }
                     x
@@ -325,6 +333,7 @@ mod tests {
                         eps,
                         table: &gt,
                         neox,
+                        rot_at,
                         fresh: (&fresh, at),
                     };
                     pass.rope_store(&ready, &a, &gq, [&kc, &vc], n_ctx, &gp)
@@ -336,7 +345,7 @@ mod tests {
                     "a run past its buffer is refused"
                 );
                 pass.finish().unwrap();
-                let case = format!("rot {n_rot} bias {biased} norm {normed} neox {neox} subgroups {sg}");
+                let case = format!("rot {n_rot} from {rot_at} bias {biased} norm {normed} neox {neox} subgroups {sg}");
                 for (i, (g, e)) in gpu.read(&gq).unwrap().iter().zip(&want_q).enumerate() {
                     assert!((g - e).abs() <= 4e-6 * (1.0 + e.abs()), "{case}: Q at {i}: {g} vs {e}");
                 }

@@ -44,6 +44,8 @@ struct Params {
     qn: u32,
     kn: u32,
     fresh_at: u32,
+    // The first dimension of a Q or K head that RoPE turns (DeepSeek's heads end in their rotated part).
+    rot_at: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

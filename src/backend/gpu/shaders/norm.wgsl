@@ -10,6 +10,10 @@ struct Params {
     nx: u32,
     // add_rms_norm: whether the added rows are RMS-normalised by `pw` first (Gemma 3's post-norms).
     post: u32,
+    // rms_norm: where row r of `x` starts, r·x_stride + x_at (a slice of wider rows: DeepSeek's compressed KV
+    // vector sits before its RoPE key).
+    x_stride: u32,
+    x_at: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -33,15 +37,16 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     if (r >= p.n_rows) {
         return;
     }
-    let base = r * p.width;
+    let src = r * p.x_stride + p.x_at;
     var part = 0.0;
     for (var i = li; i < p.width; i += WG) {
-        let v = x[base + i];
+        let v = x[src + i];
         part += v * v;
     }
     let scale = inv_rms(li, part);
+    let base = r * p.width;
     for (var i = li; i < p.width; i += WG) {
-        out[base + i] = x[base + i] * scale * w[i];
+        out[base + i] = x[src + i] * scale * w[i];
     }
 }
 

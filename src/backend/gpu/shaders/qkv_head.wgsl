@@ -4,12 +4,13 @@
 // rope.wgsl (every head of a batch, a workgroup each) and attention.wgsl's decode step (each workgroup its query
 // head, and the K and V of its own position).
 //
-// RoPE rotates adjacent pairs (2i, 2i+1) for Llama, halves (i, i + n_rot/2) for NeoX style, by the angles of the
+// RoPE rotates adjacent pairs (2i, 2i+1) for Llama, halves (i, i + n_rot/2) for NeoX style, of the n_rot dimensions
+// from rot_at (0; DeepSeek's latent attention turns the last n_rot of a head), by the angles of the
 // CPU's table (kernels::ops::RopeTable), uploaded as (cos, sin) pairs per position, so both backends rotate by the
 // same numbers. The biases and norm weights are one buffer (`aux`, at the Params offsets bq..kn).
 //
 // The including module defines WG, Params (with n_tok, n_head, n_head_kv, hdk, hdv, n_ctx, half_rot, neox,
-// rope_ctx, eps, bq, bk, bv, qn, kn, fresh_at), `p`, and the reductions (reduce.wgsl, f32).
+// rope_ctx, eps, bq, bk, bv, qn, kn, fresh_at, rot_at), `p`, and the reductions (reduce.wgsl, f32).
 //
 // Cache layout, as the CPU's (engine::kv_cache): K [n_head_kv, n_ctx, hdk], V [n_head_kv, n_ctx, hdv], f16 packed
 // two to a word; hdk and hdv are even and at most 256.
@@ -71,10 +72,10 @@ fn ready_head(t: u32, kind: u32, h: u32, ps: u32, li: u32) {
             var a: u32;
             var b: u32;
             if (p.neox != 0u) {
-                a = i;
-                b = i + p.half_rot;
+                a = p.rot_at + i;
+                b = a + p.half_rot;
             } else {
-                a = 2u * i;
+                a = p.rot_at + 2u * i;
                 b = a + 1u;
             }
             let x0 = hv[a];

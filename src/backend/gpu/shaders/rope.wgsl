@@ -26,6 +26,8 @@ struct Params {
     kn: u32,
     // Where this layer's rows start in `fresh`, in words.
     fresh_at: u32,
+    // The first dimension of a Q or K head that RoPE turns (DeepSeek's heads end in their rotated part).
+    rot_at: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
