@@ -106,6 +106,15 @@ BENCH_MODELS = {
     "llama8b-bench": dict(arch="llama", pre="llama-bpe", n_layer=32, n_embd=4096, n_ff=14336, n_head=32,
                           n_head_kv=8, head_dim=128, rope_base=500000.0, ty="Q4_K", n_vocab=49152,
                           q6k=("attn_v", "ffn_down")),
+    # DeepSeek-V2-Lite's layers (latent attention: 16 heads, K 192 = 128 + 64 rotated, V 128, kv_lora_rank 512; a
+    # dense first layer, then 64 experts of 1408 of which 6 are used, 2 shared, softmax gating) with Q through V2's
+    # low-rank pair of 1536 (llama.cpp reads attn_q only in files of V2-Lite's 26 or 27 layers), 4 layers, Q8_0
+    # (1408 is not whole K-quant blocks), SmolLM2's vocabulary: about 2.1 GB. For the GPU's MLA and experts.
+    "deepseek2-bench": dict(arch="deepseek2", pre="llama-bpe", n_layer=4, n_embd=2048, n_ff=10944, n_head=16,
+                            n_head_kv=16, head_dim=192, head_dim_v=128, n_rot=64, q_lora_rank=1536,
+                            kv_lora_rank=512, rope_base=10000.0, ty="Q8_0", n_vocab=49152, n_expert=64,
+                            n_expert_used=6, n_ff_exp=1408, n_dense_lead=1, n_shared=2, gating="SOFTMAX",
+                            norm_w=False, w_scale=1.0),
 }
 
 # Where each block type keeps its f16 scales (d, and dmin where it has one): random bytes there could be inf or NaN.
@@ -366,7 +375,7 @@ def main():
     every = {**MODELS, **BENCH_MODELS}
     # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
     seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe",
-                  "deepseek2", "llama1b-bench", "llama8b-bench"]
+                  "deepseek2", "llama1b-bench", "llama8b-bench", "deepseek2-bench"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")
