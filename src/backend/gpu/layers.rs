@@ -647,13 +647,13 @@ impl GpuLayers {
             let (l, kv) = (&w.w[i], &self.kv[i]);
             let rope = &self.ropes[self.rope_of[i]];
             let shape = hp.attn_shape(il, n);
-            let normed = (!std::mem::take(&mut weighed)).then_some(&self.xn);
+            let fold = std::mem::take(&mut weighed).then_some(folded);
             match &l.qkv {
                 Projections::Stacked(ms) => {
                     let ms = ms.iter().map(|(m, at)| (m, *at));
-                    self.project(&mut pass, ms, (normed, folded), n, &self.qkv, shape.qkv_width())?
+                    self.project(&mut pass, ms, fold, n, &self.qkv, shape.qkv_width())?
                 }
-                Projections::Latent(m) => self.latent_qkv(&mut pass, m, (normed, folded), &shape)?,
+                Projections::Latent(m) => self.latent_qkv(&mut pass, m, fold, &shape)?,
             }
             // The rows' Q, K and V made ready (biases, head norms, RoPE), K and V stored into the cache, and the
             // attention: a decode step does all of it in the attention dispatch (`Queries::Fresh`).
@@ -803,36 +803,30 @@ impl GpuLayers {
         Ok(())
     }
 
-    /// Matmuls of the stacked matrices `ms` over the input into columns of `out` (rows of `width`). The input is
-    /// the `n` normalised rows of `xn` (`normed`), or a decode step's row of `xn` weighed by the norm and to be
-    /// scaled by its 1 / rms (`None`: `folded` says where the residual is; `Pass::folds`).
+    /// Matmuls of the stacked matrices `ms` over the block's input in `xn` into columns of `out` (rows of `width`):
+    /// its `n` normalised rows, or with `fold` a decode step's row weighed by the norm, each mat-vec scaling its
+    /// products by the row's 1 / rms (`Pass::folds`).
     fn project<'w>(
         &self,
         pass: &mut super::Pass,
         ms: impl IntoIterator<Item = (&'w GpuMatrix, usize)>,
-        (normed, folded): (Option<&Tensor>, Norm),
+        fold: Option<Norm>,
         n: usize,
         out: &Tensor,
         width: usize,
     ) -> Result<()> {
-        match normed {
-            Some(x) => pass.matmuls_at(ms, x, n, out, width),
-            None => pass.matvecs_normed_at(ms, &self.xn, folded, out, width),
+        match fold {
+            None => pass.matmuls_at(ms, &self.xn, n, out, width),
+            Some(norm) => pass.matvecs_normed_at(ms, &self.xn, norm, out, width),
         }
     }
 
-    /// DeepSeek's latent attention's projections of the block's input (as [`GpuLayers::project`] takes it) into
+    /// DeepSeek's latent attention's projections of the block's input (`fold` as [`GpuLayers::project`] takes it) into
     /// the rows of `qkv`, as `model::deepseek2::latent_qkv` computes them before its RoPE and stores: Q through
     /// its low-rank pair (or one matrix), the compressed KV vector normalised, every head's K_nope and V through
     /// `attn_kv_b`, and the RoPE key in every K head; RoPE then turns the last `n_rot` dimensions of each Q and K
     /// head where the other architectures' are turned (`Ready::rot_at`).
-    fn latent_qkv(
-        &self,
-        pass: &mut super::Pass,
-        m: &Latent,
-        input: (Option<&Tensor>, Norm),
-        a: &AttnShape,
-    ) -> Result<()> {
+    fn latent_qkv(&self, pass: &mut super::Pass, m: &Latent, fold: Option<Norm>, a: &AttnShape) -> Result<()> {
         let hp = &self.w.hp;
         let mla = hp
             .mla
@@ -845,13 +839,13 @@ impl GpuLayers {
         let (n, r, ql) = (a.n_tok, mla.kv_lora_rank, mla.q_lora_rank);
         let width = ql + r + hp.n_rot;
         let lowrank = m.lowrank.iter().map(|(m, at)| (m, *at));
-        self.project(pass, lowrank, input, n, &b.lowrank, width)?;
+        self.project(pass, lowrank, fold, n, &b.lowrank, width)?;
         match &m.q_a_norm {
             Some(norm) => {
                 pass.rms_norm_cols(&b.lowrank, (width, 0), norm, hp.rms_eps, n, &b.q_a)?;
                 pass.matmuls_at([(&m.q, 0)], &b.q_a, n, &self.qkv, a.qkv_width())?;
             }
-            None => self.project(pass, [(&m.q, 0)], input, n, &self.qkv, a.qkv_width())?,
+            None => self.project(pass, [(&m.q, 0)], fold, n, &self.qkv, a.qkv_width())?,
         }
         pass.rms_norm_cols(&b.lowrank, (width, ql), &m.kv_a_norm, hp.rms_eps, n, &b.ckv)?;
         pass.matmul(&m.kv_b, &b.ckv, n, &b.kv_b)?;
