@@ -101,8 +101,8 @@ def main():
         for name in a.names:
             model = os.path.join(MODELS, f"{name}.gguf")
             # llama3's vocabulary and pre-tokenizer: tokens-llama3.json covers iquants and phi3; qwen3moe's (qwen2) dots1,
-            # glm4moe and deepseek2.
-            if name not in ("iquants", "phi3", "dots1", "glm4moe", "deepseek2"):
+            # glm4moe, deepseek2 and deepseek2-mla; qwen3's qwen3-yarn.
+            if name not in ("iquants", "phi3", "dots1", "glm4moe", "deepseek2", "deepseek2-mla", "qwen3-yarn"):
                 run([ref, "tokens", "-m", model, "--name", name, "--texts",
                      os.path.join(GOLDEN, "tokenizer_texts.json"), "-o", os.path.join(GOLDEN, f"tokens-{name}.json")])
             doc = greedy(ref, name, prompts, tmp)

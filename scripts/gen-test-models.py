@@ -89,6 +89,28 @@ MODELS["deepseek2"] = dict(arch="deepseek2", pre="qwen2", n_layer=3, n_embd=64, 
                            n_shared=2, gating="SIGMOID", norm_w=True, w_scale=2.5, probs_bias=True, n_group=4,
                            n_group_used=2)
 
+# DeepSeek V3 / Kimi K2 as llama.cpp's converters write them now: the absorbed MLA layout. attn_kv_b is split into
+# attn_k_b (per head, K_nope's rows as [kv_lora_rank, n_nope], which takes Q's unrotated part into the compressed
+# space) and attn_v_b (per head, [head_dim_v, kv_lora_rank], which takes the attention's output out of it); the
+# cache holds one KV head: the normalised compressed vector (40) then the RoPE key (16), K 56 and V 40 wide
+# (key_length / value_length), while key_length_mla 48 and value_length_mla 24 are each head's decompressed sizes.
+# With YaRN as DeepSeek's configs have it (factor 4 over an original context of 1024, mscale_all_dim 0.707 written as
+# a log multiplier of 0.0707): the RoPE angles mix interpolation and extrapolation by pair, the attention is scaled
+# by YaRN's mscale squared. Otherwise deepseek2's; F32 matrices.
+MODELS["deepseek2-mla"] = dict(arch="deepseek2", pre="qwen2", n_layer=3, n_embd=64, n_ff=128, n_head=4, n_head_kv=1,
+                               head_dim=48, head_dim_v=24, n_rot=16, q_lora_rank=32, kv_lora_rank=40,
+                               absorbed=True, yarn=dict(factor=4.0, orig_ctx=1024, log_mul=0.0707),
+                               rope_base=10000.0, ty="F32", n_expert=16, n_expert_used=4, n_ff_exp=32,
+                               n_dense_lead=1, n_shared=2, gating="SIGMOID", norm_w=True, w_scale=2.5,
+                               probs_bias=True, n_group=4, n_group_used=2)
+
+# Qwen 3 with YaRN RoPE scaling (factor 4 over an original context of 1024, as Qwen's long-context configs): each
+# rotated pair's angle mixes the interpolated and the original one by a ramp over the pairs, and the cosines and sines
+# are scaled by 1 + 0.1 ln 4; otherwise qwen3's shape; F16 matrices.
+MODELS["qwen3-yarn"] = dict(arch="qwen3", pre="qwen2", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                            head_dim=32, rope_base=1000000.0, ty="F16", qk_norm=True,
+                            yarn=dict(factor=4.0, orig_ctx=1024))
+
 # Models for benchmarks only (`--experts-split` in docs/moe.md), written only when named: too large to commit. A
 # scaled-down Qwen3-30B-A3B: 16 experts of which each token uses 4, experts as wide as the model, Q8_0 matrices
 # (about 230 MB); the active experts are most of a token's work.
@@ -212,8 +234,15 @@ def write_model(path, name, spec, vocab, rng):
     w.add_feed_forward_length(spec["n_ff"])
     w.add_head_count(spec["n_head"])
     w.add_head_count_kv(spec["n_head_kv"])
-    w.add_key_length(hd)
-    w.add_value_length(spec.get("head_dim_v", hd))
+    if spec.get("absorbed"):
+        # The cache's one KV head: the compressed vector and the RoPE key; each head's own sizes as *_mla.
+        w.add_key_length(spec["kv_lora_rank"] + spec["n_rot"])
+        w.add_value_length(spec["kv_lora_rank"])
+        w.add_key_length_mla(hd)
+        w.add_value_length_mla(spec["head_dim_v"])
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(spec.get("head_dim_v", hd))
     if "kv_lora_rank" in spec:
         w.add_q_lora_rank(spec["q_lora_rank"])
         w.add_kv_lora_rank(spec["kv_lora_rank"])
@@ -238,6 +267,13 @@ def write_model(path, name, spec, vocab, rng):
     if "rope_linear" in spec:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec["rope_linear"])
+    if "yarn" in spec:
+        y = spec["yarn"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(y["factor"])
+        w.add_rope_scaling_orig_ctx_len(y["orig_ctx"])
+        if "log_mul" in y:
+            w.add_rope_scaling_yarn_log_mul(y["log_mul"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(spec["pre"])
     w.add_token_list(tokens)
@@ -301,7 +337,13 @@ def write_model(path, name, spec, vocab, rng):
             t[p + "attn_q_b.weight"] = mat(nq, ql)
             t[p + "attn_kv_a_mqa.weight"] = mat(kl + rot, e)
             t[p + "attn_kv_a_norm.weight"] = vec(kl)
-            t[p + "attn_kv_b.weight"] = mat(spec["n_head"] * (hd - rot + hv), kl)
+            if spec.get("absorbed"):
+                # Per head (numpy [head, row, col], llama.cpp's {cols, rows, n_head}): K_nope's rows transposed,
+                # then V's.
+                t[p + "attn_k_b.weight"] = stack([mat(kl, hd - rot) for _ in range(spec["n_head"])])
+                t[p + "attn_v_b.weight"] = stack([mat(hv, kl) for _ in range(spec["n_head"])])
+            else:
+                t[p + "attn_kv_b.weight"] = mat(spec["n_head"] * (hd - rot + hv), kl)
         else:
             t[p + "attn_q.weight"] = mat(nq, e, kind="attn_q", il=il)
             t[p + "attn_k.weight"] = mat(nkv, e, kind="attn_k", il=il)
@@ -375,7 +417,7 @@ def main():
     every = {**MODELS, **BENCH_MODELS}
     # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
     seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe",
-                  "deepseek2", "llama1b-bench", "llama8b-bench", "deepseek2-bench"]
+                  "deepseek2", "llama1b-bench", "llama8b-bench", "deepseek2-bench", "deepseek2-mla", "qwen3-yarn"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")

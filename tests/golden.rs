@@ -298,6 +298,23 @@ fn greedy_matches_llama_cpp_deepseek2() {
     check_generated("deepseek2", FLOAT_TOL);
 }
 
+/// deepseek2 as llama.cpp's converters write it now: the absorbed MLA layout (per-head `attn_k_b` taking Q_nope into
+/// the compressed space, per-head `attn_v_b` taking each head's output out of it; the cache one KV head, K 56 = the
+/// compressed 40 + the RoPE key 16, V 40), with YaRN (factor 4 over an original context of 1024: the ramp over the
+/// pairs, and DeepSeek's mscale squared in the attention scale); otherwise deepseek2's; F32 matrices.
+#[test]
+fn greedy_matches_llama_cpp_deepseek2_mla() {
+    check_generated("deepseek2-mla", FLOAT_TOL);
+}
+
+/// YaRN RoPE scaling on a non-DeepSeek model (qwen3's shape, factor 4 over an original context of 1024): each pair's
+/// angle mixes the interpolated and the original one by the ramp, and every cosine and sine is scaled by
+/// 1 + 0.1 ln 4; F16 matrices.
+#[test]
+fn greedy_matches_llama_cpp_qwen3_yarn() {
+    check_generated("qwen3-yarn", FLOAT_TOL);
+}
+
 /// Phi-3: Q/K/V and gate/up each one fused matrix, NeoX RoPE, and a sliding window (8) that llama.cpp ignores for
 /// phi3, so Baton must too (every prompt is longer); F32 matrices.
 #[test]

@@ -435,6 +435,26 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 }
 
 /// Cosines and sines of RoPE angles for positions `0..n_ctx`, one table per frequency base.
+/// How a [`RopeTable`]'s angles are scaled (the model's `rope.scaling.*`, resolved for one base).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scaled {
+    /// Angles are multiplied by this (1 / the scaling factor).
+    pub freq_scale: f32,
+    /// YaRN's first and last ramp pair (ggml's corr_dims): pairs below the first keep the unscaled angle, pairs past
+    /// the last the scaled one, those between mix them linearly. `None`: every pair is scaled.
+    pub yarn_ramp: Option<[f32; 2]>,
+    /// Factor on every cosine and sine.
+    pub mscale: f32,
+}
+
+impl Scaled {
+    pub const NONE: Scaled = Scaled {
+        freq_scale: 1.0,
+        yarn_ramp: None,
+        mscale: 1.0,
+    };
+}
+
 pub struct RopeTable {
     pub base: f32,
     /// `n_rot / 2` pairs per position.
@@ -445,17 +465,27 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(base: f32, n_rot: usize, n_ctx: usize) -> RopeTable {
-        Self::scaled(base, n_rot, n_ctx, 1.0, None)
+        Self::scaled(base, n_rot, n_ctx, &Scaled::NONE, None)
     }
 
-    /// The table with linear position scaling (`freq_scale` = 1 / the scaling factor) and per-pair frequency
-    /// factors (Llama 3's `rope_freqs.weight`, `n_rot / 2` of them), computed as ggml's `ggml_rope_cache_init` does:
-    /// pair i's angle is `freq_scale · (θ_i / factor_i)`, so with neither the angles are bit for bit the plain ones.
-    pub fn scaled(base: f32, n_rot: usize, n_ctx: usize, freq_scale: f32, factors: Option<&[f32]>) -> RopeTable {
+    /// The table with scaled angles ([`Scaled`]) and per-pair frequency factors (Llama 3's `rope_freqs.weight`,
+    /// `n_rot / 2` of them), computed as ggml's `ggml_rope_cache_init` and `rope_yarn` do: pair i's unscaled angle is
+    /// `θ_i / factor_i`, its scaled one `freq_scale` times that, and under YaRN the two are mixed by the ramp; the
+    /// cosine and sine are multiplied by `mscale`. Without scaling or factors the angles are bit for bit the plain
+    /// ones.
+    pub fn scaled(base: f32, n_rot: usize, n_ctx: usize, sc: &Scaled, factors: Option<&[f32]>) -> RopeTable {
         let half = n_rot / 2;
         if let Some(f) = factors {
             assert_eq!(f.len(), half, "one frequency factor per rotated pair");
         }
+        // YaRN's share of the unscaled angle for pair i (ggml's rope_yarn_ramp, extrapolation factor 1).
+        let ramp = |i: usize| match sc.yarn_ramp {
+            None => 0.0,
+            Some([low, high]) => {
+                let y = (i as f32 - low) / (high - low).max(0.001);
+                1.0 - y.clamp(0.0, 1.0)
+            }
+        };
         let mut cos = vec![0.0; n_ctx * half];
         let mut sin = vec![0.0; n_ctx * half];
         // As ggml: theta_i = p · base^(-2i/n_rot), the power taken by repeated multiplication in f32.
@@ -464,9 +494,17 @@ impl RopeTable {
             let mut theta = p as f32;
             for i in 0..half {
                 let ff = factors.map_or(1.0, |f| f[i]);
-                let angle = freq_scale * (theta / ff);
-                cos[p * half + i] = angle.cos();
-                sin[p * half + i] = angle.sin();
+                let extrap = theta / ff;
+                let interp = sc.freq_scale * extrap;
+                let angle = match sc.yarn_ramp {
+                    None => interp,
+                    Some(_) => {
+                        let mix = ramp(i);
+                        interp * (1.0 - mix) + extrap * mix
+                    }
+                };
+                cos[p * half + i] = angle.cos() * sc.mscale;
+                sin[p * half + i] = angle.sin() * sc.mscale;
                 theta *= theta_scale;
             }
         }
@@ -541,10 +579,17 @@ mod tests {
     #[test]
     fn rope_scaling_divides_angles() {
         let plain = RopeTable::new(10000.0, 8, 64);
-        assert_eq!(RopeTable::scaled(10000.0, 8, 64, 1.0, Some(&[1.0; 4])).cos, plain.cos);
+        assert_eq!(
+            RopeTable::scaled(10000.0, 8, 64, &Scaled::NONE, Some(&[1.0; 4])).cos,
+            plain.cos
+        );
         let f = [1.0, 2.0, 4.0, 8.0];
-        let t = RopeTable::scaled(10000.0, 8, 64, 1.0, Some(&f));
-        let lin = RopeTable::scaled(10000.0, 8, 64, 0.25, None);
+        let t = RopeTable::scaled(10000.0, 8, 64, &Scaled::NONE, Some(&f));
+        let quarter = Scaled {
+            freq_scale: 0.25,
+            ..Scaled::NONE
+        };
+        let lin = RopeTable::scaled(10000.0, 8, 64, &quarter, None);
         for i in 0..4 {
             let p = 32;
             let (c, s) = t.cos_sin(p);

@@ -72,11 +72,17 @@ impl Buffers {
     }
 
     /// Floats DeepSeek's latent attention keeps besides Q, K, V and the output, for `n_rows` rows: Q's low-rank
-    /// intermediate, the `attn_kv_a_mqa` rows, the normalised compressed vectors and the `attn_kv_b` rows.
+    /// intermediate, the `attn_kv_a_mqa` rows, the normalised compressed vectors, then the `attn_kv_b` rows, or (in
+    /// the absorbed layout) Q as `attn_q_b` writes it and one head's input and output of `attn_k_b`/`attn_v_b`.
     fn mla_len(hp: &Hparams, n_rows: usize) -> usize {
         hp.mla.as_ref().map_or(0, |m| {
-            let kv_b = hp.n_head * (m.n_nope + hp.head_dim_v);
-            n_rows * (m.q_lora_rank + (m.kv_lora_rank + hp.n_rot) + m.kv_lora_rank + kv_b)
+            let r = m.kv_lora_rank;
+            let last = if m.absorbed {
+                hp.n_head * m.q_head(hp.n_rot) + m.n_nope.max(r) + r.max(m.v_head)
+            } else {
+                hp.n_head * (m.n_nope + m.v_head)
+            };
+            n_rows * (m.q_lora_rank + (r + hp.n_rot) + r + last)
         })
     }
 

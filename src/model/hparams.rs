@@ -89,8 +89,8 @@ pub struct Hparams {
     pub attn_scale: f32,
     /// Scale applied to the token embedding (Gemma: √n_embd).
     pub embd_scale: f32,
-    /// Linear RoPE position scaling: positions are multiplied by this (1 / `rope.scaling.factor`; 1 without).
-    pub rope_freq_scale: f32,
+    /// How RoPE angles are scaled (linear, YaRN), as llama.cpp reads `rope.scaling.*`.
+    pub rope_scaling: RopeScaling,
     /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, one per rotated pair): pair i's angle is divided by
     /// factor i, on every layer.
     pub rope_freqs: Option<Vec<f32>>,
@@ -100,19 +100,97 @@ pub struct Hparams {
     pub mla: Option<Mla>,
 }
 
-/// The shape of DeepSeek's multi-head latent attention, as llama.cpp's deepseek2 graph without the absorption
-/// (legacy `attn_kv_b` files): each head's K is `[K_nope (n_nope) | k_pe (n_rot)]` (`head_dim_k`), its V
-/// `head_dim_v` wide; K_nope and V come from the normalised compressed vector through `attn_kv_b`, `k_pe` (rotated,
-/// one for all heads) from the same `attn_kv_a_mqa` row. Baton stores the full per-head K and V in its ordinary KV
-/// cache (not the compressed vector llama.cpp's absorbed form caches).
+/// How RoPE angles are scaled, from `<arch>.rope.scaling.*` as llama.cpp reads and combines them: a linear position
+/// scale (`freq_scale` = 1 / `rope.scaling.factor`), and with YaRN a per-pair mix of the scaled and the unscaled
+/// angle. Every cosine and sine is multiplied by [`RopeScaling::mscale`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeScaling {
+    /// Angles are multiplied by this (1 / `rope.scaling.factor`; 1 without scaling or with type `none`).
+    pub freq_scale: f32,
+    /// YaRN's ramp (`rope.scaling.type` `yarn`); `None` for linear scaling.
+    pub yarn: Option<Yarn>,
+    /// The factor llama.cpp passes to ggml's RoPE as `attn_factor`: `rope.scaling.attn_factor` (1 by default), and
+    /// under YaRN its mscale over the `1 + 0.1 ln(factor)` ggml's RoPE multiplies back in.
+    pub attn_factor: f32,
+    /// DeepSeek's `rope.scaling.yarn_log_multiplier` over 0.1 (llama.cpp's `rope_yarn_log_mul`, its
+    /// `mscale_all_dim`); 0 without, and for the architectures whose llama.cpp graph does not read it.
+    pub yarn_log_mul: f32,
+}
+
+/// YaRN's extrapolation ramp: pairs that turn fewer than `beta_slow` times over the original context are
+/// interpolated (the scaled angle), those that turn more than `beta_fast` times keep the unscaled angle, those
+/// between are mixed linearly by pair index (ggml's `rope_yarn_corr_dims`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.original_context_length` (the training context without it).
+    pub orig_ctx: usize,
+    /// llama.cpp's defaults for every architecture Baton runs (32 and 1; only its grok and mistral3 read keys).
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+}
+
+impl RopeScaling {
+    /// No scaling: the plain angles, bit for bit.
+    pub const NONE: RopeScaling = RopeScaling {
+        freq_scale: 1.0,
+        yarn: None,
+        attn_factor: 1.0,
+        yarn_log_mul: 0.0,
+    };
+
+    /// The factor on every cosine and sine: `attn_factor`, times `1 + 0.1 ln(1 / freq_scale)` under YaRN (ggml's
+    /// `rope_yarn` with an extrapolation factor of 1, llama.cpp's for YaRN).
+    pub fn mscale(&self) -> f32 {
+        match self.yarn {
+            Some(_) => self.attn_factor * (1.0 + 0.1 * (1.0 / self.freq_scale).ln()),
+            None => self.attn_factor,
+        }
+    }
+}
+
+impl Yarn {
+    /// The first and last pair index of the ramp for `n_rot` rotated dimensions at base `base` (ggml's
+    /// `ggml_rope_yarn_corr_dims`, in its f32 arithmetic).
+    pub fn corr_dims(&self, n_rot: usize, base: f32) -> [f32; 2] {
+        let dim = |beta: f32| {
+            n_rot as f32 * (self.orig_ctx as f32 / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln())
+        };
+        [
+            dim(self.beta_fast).floor().max(0.0),
+            dim(self.beta_slow).ceil().min(n_rot as f32 - 1.0),
+        ]
+    }
+}
+
+/// The shape of DeepSeek's multi-head latent attention (MLA), in either of llama.cpp's layouts:
+/// - without the absorption (legacy `attn_kv_b` files): each head's K is `[K_nope (n_nope) | k_pe (n_rot)]`
+///   (`head_dim_k`), its V `head_dim_v` wide; K_nope and V come from the normalised compressed vector through
+///   `attn_kv_b`, `k_pe` (rotated, one for all heads) from the same `attn_kv_a_mqa` row. The cache holds every head's
+///   K and V.
+/// - absorbed (`attn_k_b`/`attn_v_b`, what llama.cpp's converters write now): the cache holds one KV head, K the
+///   normalised compressed vector then the rotated `k_pe` (`head_dim_k` = `kv_lora_rank + n_rot`), V the compressed
+///   vector (`head_dim_v` = `kv_lora_rank`). Each head's Q_nope is taken into the compressed space by its
+///   `attn_k_b`, and its attention output out of it by its `attn_v_b`: the same attention, far less cache.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mla {
     /// Width of Q's low-rank intermediate (`attention.q_lora_rank`; 0: Q is one matrix, `attn_q`).
     pub q_lora_rank: usize,
     /// Width of the compressed KV vector (`attention.kv_lora_rank`).
     pub kv_lora_rank: usize,
-    /// Dimensions of each head that RoPE does not turn: `head_dim_k - n_rot`, first in the head.
+    /// Dimensions of each head's Q and K that RoPE does not turn, first in the head (`key_length_mla - n_rot` when
+    /// absorbed, `head_dim_k - n_rot` otherwise).
     pub n_nope: usize,
+    /// Each head's V width as `attn_output` reads it (`value_length_mla` when absorbed, `head_dim_v` otherwise).
+    pub v_head: usize,
+    /// llama.cpp's absorbed layout (above).
+    pub absorbed: bool,
+}
+
+impl Mla {
+    /// Width of each head's Q as `attn_q_b` (or `attn_q`) writes it: `n_nope` then the `n_rot` RoPE turns.
+    pub fn q_head(&self, n_rot: usize) -> usize {
+        self.n_nope + n_rot
+    }
 }
 
 /// A mixture-of-experts feed-forward's shape and how it routes.
@@ -295,7 +373,7 @@ impl Hparams {
                 g.tensors.len()
             );
         }
-        let rope_freq_scale = rope_scaling(g, &key)?;
+        let rope_scaling = rope_scaling(g, arch, n_ctx_train, &key)?;
         let rope_freqs = rope_freqs(g, n_rot)?;
 
         // The llama shape; Gemma 3 differs in RoPE pairing, local layers and scales.
@@ -320,7 +398,7 @@ impl Hparams {
             swa_layers: vec![false; n_layer],
             attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
             embd_scale: 1.0,
-            rope_freq_scale,
+            rope_scaling,
             rope_freqs,
             moe: None,
             mla: None,
@@ -359,7 +437,7 @@ impl Hparams {
             }
         }
         if arch == Arch::Deepseek2 {
-            hp.mla = Some(mla_hparams(g, &hp, &key)?);
+            hp.mla = Some(mla_hparams(g, &mut hp, &key)?);
         }
         if matches!(
             arch,
@@ -390,8 +468,19 @@ impl Hparams {
     /// How RoPE positions are scaled, for `baton info`.
     pub fn rope_scaling_label(&self) -> String {
         let mut parts = Vec::new();
-        if self.rope_freq_scale != 1.0 {
-            parts.push(format!("linear, factor {}", 1.0 / self.rope_freq_scale));
+        let r = &self.rope_scaling;
+        match &r.yarn {
+            Some(y) => parts.push(format!(
+                "YaRN, factor {}, original context {}, mscale {}",
+                1.0 / r.freq_scale,
+                y.orig_ctx,
+                r.mscale()
+            )),
+            None if r.freq_scale != 1.0 => parts.push(format!("linear, factor {}", 1.0 / r.freq_scale)),
+            None => {}
+        }
+        if r.yarn.is_none() && r.attn_factor != 1.0 {
+            parts.push(format!("attention factor {}", r.attn_factor));
         }
         if let Some(f) = &self.rope_freqs {
             let (lo, hi) = f.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
@@ -413,6 +502,11 @@ impl Hparams {
     }
     pub fn n_embd_q(&self) -> usize {
         self.n_head * self.head_dim_k
+    }
+    /// Width of the attention's output as `attn_output` reads it: every head's V (DeepSeek's absorbed layout: each
+    /// head's V after `attn_v_b`, not the compressed width the cache holds).
+    pub fn n_embd_attn_out(&self) -> usize {
+        self.n_head * self.mla.as_ref().map_or(self.head_dim_v, |m| m.v_head)
     }
 
     /// The sliding window of layer `il`, if it has one.
@@ -707,42 +801,17 @@ fn moe_hparams(g: &GgufFile, arch: Arch, n_layer: usize, n_ff: usize, key: &dyn 
     })
 }
 
-/// DeepSeek's MLA shape (`deepseek2`), checked against what llama.cpp's graph without the absorption computes.
-/// What it does not (the split `attn_k_b`/`attn_v_b` of MLA-absorbed files, YaRN's attention scale, temperature
-/// tuning, grouped KV heads) is a load error naming the key.
-fn mla_hparams(g: &GgufFile, hp: &Hparams, key: &dyn Fn(&str) -> String) -> Result<Mla> {
+/// DeepSeek's MLA shape (`deepseek2`), in either layout ([`Mla`]), checked against what llama.cpp's graph computes;
+/// sets the attention scale (llama.cpp's kq_scale, with YaRN's mscale). What Baton does not compute (temperature
+/// tuning, grouped KV heads without the absorption) is a load error naming the key.
+fn mla_hparams(g: &GgufFile, hp: &mut Hparams, key: &dyn Fn(&str) -> String) -> Result<Mla> {
     let opt = |k: &str| g.get_u64(&key(k)).map(|v| v as usize);
-    for k in ["attention.key_length_mla", "attention.value_length_mla"] {
-        if g.get(&key(k)).is_some() {
-            bail!(
-                "{} is set: this file is in llama.cpp's absorbed MLA layout (attn_k_b/attn_v_b and a compressed KV \
-                 cache), which Baton does not implement; a file with attn_kv_b loads",
-                key(k)
-            );
-        }
-    }
-    // llama.cpp's kq_scale carries YaRN's mscale (from the scaling factor and `rope.scaling.yarn_log_multiplier`)
-    // whenever positions are scaled; Baton has no YaRN, and refuses any position scaling here.
-    if hp.rope_freq_scale != 1.0 {
-        bail!(
-            "deepseek2 with RoPE scaling (factor {}) scales its attention by YaRN's mscale, which Baton does not \
-             implement",
-            1.0 / hp.rope_freq_scale
-        );
-    }
     if let Some(v) = g.get(&key("attention.temperature_scale"))
         && g.get_f32(&key("attention.temperature_scale")) != Some(0.0)
     {
         bail!(
             "{} is {v:?}: attention temperature tuning is not implemented",
             key("attention.temperature_scale")
-        );
-    }
-    if hp.n_head_kv != hp.n_head {
-        bail!(
-            "deepseek2 without the absorbed MLA layout has one KV head per query head, but this file says {} and {}",
-            hp.n_head_kv,
-            hp.n_head
         );
     }
     // As llama.cpp: its DeepSeek-V2-Lite-like files (27 or 26 layers, or 48 with a vocabulary of 128256) have no
@@ -768,58 +837,191 @@ fn mla_hparams(g: &GgufFile, hp: &Hparams, key: &dyn Fn(&str) -> String) -> Resu
             key("attention.q_lora_rank")
         );
     }
-    if hp.n_rot >= hp.head_dim_k {
+    // The absorbed layout names each head's sizes in the *_mla keys (llama.cpp's is_mla: both set and non-zero).
+    let (k_mla, v_mla) = (opt("attention.key_length_mla"), opt("attention.value_length_mla"));
+    let absorbed = match (k_mla, v_mla) {
+        (None | Some(0), None | Some(0)) => None,
+        (Some(k), Some(v)) if k > 0 && v > 0 && k <= 1 << 16 && v <= 1 << 16 => Some((k, v)),
+        _ => bail!(
+            "{} is {k_mla:?} and {} is {v_mla:?}: the absorbed MLA layout needs both, each 1 to 65536",
+            key("attention.key_length_mla"),
+            key("attention.value_length_mla")
+        ),
+    };
+    let (q_head, v_head) = match absorbed {
+        Some((k, v)) => {
+            // One KV head: [compressed vector | RoPE key] as K, the compressed vector as V.
+            let want = (1, kv_lora_rank + hp.n_rot, kv_lora_rank);
+            if (hp.n_head_kv, hp.head_dim_k, hp.head_dim_v) != want {
+                bail!(
+                    "deepseek2 in the absorbed MLA layout caches one KV head of K {} (kv_lora_rank + rope dims) and V \
+                     {kv_lora_rank}, but this file says {} KV heads of K {} and V {}",
+                    want.1,
+                    hp.n_head_kv,
+                    hp.head_dim_k,
+                    hp.head_dim_v
+                );
+            }
+            (k, v)
+        }
+        None => {
+            if hp.n_head_kv != hp.n_head {
+                bail!(
+                    "deepseek2 without the absorbed MLA layout has one KV head per query head, but this file says {} \
+                     and {}",
+                    hp.n_head_kv,
+                    hp.n_head
+                );
+            }
+            (hp.head_dim_k, hp.head_dim_v)
+        }
+    };
+    if hp.n_rot >= q_head {
         bail!(
-            "rope dimension count {} leaves no unrotated part of the {}-wide K head (llama.cpp asserts one)",
+            "rope dimension count {} leaves no unrotated part of the {q_head}-wide K head (llama.cpp asserts one)",
             hp.n_rot,
-            hp.head_dim_k
         );
     }
+    // llama.cpp's kq_scale: 1/sqrt of each head's K width, times the square of YaRN's mscale (DeepSeek's
+    // mscale_all_dim), from the attention factor before ggml's RoPE correction (it is applied whatever the scaling
+    // type, as there).
+    let r = &hp.rope_scaling;
+    let ln_f = (1.0 / r.freq_scale).ln();
+    let attn_factor_org = r.attn_factor * (1.0 + 0.1 * ln_f);
+    let mscale = attn_factor_org * (1.0 + 0.1 * r.yarn_log_mul * ln_f);
+    hp.attn_scale = mscale * mscale / (q_head as f32).sqrt();
     Ok(Mla {
         q_lora_rank,
         kv_lora_rank,
-        n_nope: hp.head_dim_k - hp.n_rot,
+        n_nope: q_head - hp.n_rot,
+        v_head,
+        absorbed: absorbed.is_some(),
     })
 }
 
-/// The linear position scale from `<arch>.rope.scaling.*`, as llama.cpp reads it: `rope.scaling.factor` (or the
-/// older `rope.scale_linear`) f gives positions scaled by 1/f, for scaling type `linear` (llama.cpp's default) or
-/// `none`. Other scaling types (YaRN, LongRoPE) change the math in ways Baton does not implement: a load error.
-fn rope_scaling(g: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32> {
+/// RoPE's scaling from `<arch>.rope.scaling.*`, as llama.cpp reads and combines it (its `llama_context`):
+/// - `rope.scaling.factor` (or the older `rope.scale_linear`) f scales angles by 1/f, for type `linear` (the default)
+///   or `yarn`; type `none` ignores it. 0 means none.
+/// - `rope.scaling.attn_factor` multiplies every cosine and sine.
+/// - YaRN adds its ramp over `rope.scaling.original_context_length` (the training context without it) and its
+///   magnitude correction; DeepSeek's `rope.scaling.yarn_log_multiplier` (its `mscale_all_dim` / 10) changes that
+///   correction and its attention scale ([`mla_hparams`]).
+///
+/// LongRoPE and other types change the math in ways Baton does not implement: a load error. YaRN's beta keys, which
+/// llama.cpp reads for other architectures only, are ignored as it ignores them, with a warning.
+fn rope_scaling(g: &GgufFile, arch: Arch, n_ctx_train: usize, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
+    #[derive(PartialEq)]
+    enum Ty {
+        None,
+        Linear,
+        Yarn,
+    }
     let ty_key = key("rope.scaling.type");
-    match g.get(&ty_key) {
-        None => {}
+    let ty = match g.get(&ty_key) {
+        None => Ty::Linear,
         Some(_) => match g.get_str(&ty_key) {
-            Some("none" | "linear") => {}
+            Some("none") => Ty::None,
+            Some("linear") => Ty::Linear,
+            Some("yarn") => Ty::Yarn,
             Some(other) => bail!(
-                "{ty_key} is {other:?}: Baton implements RoPE scaling types none and linear only, so this model \
+                "{ty_key} is {other:?}: Baton implements RoPE scaling types none, linear and yarn, so this model \
                  would give wrong output"
             ),
             None => bail!("{ty_key} is not a string"),
         },
-    }
-    let attn_key = key("rope.scaling.attn_factor");
-    if let Some(a) = g.get(&attn_key) {
-        match g.get_f32(&attn_key) {
-            Some(1.0) => {}
-            _ => bail!("{attn_key} is {a:?}: RoPE attention factors other than 1 are not implemented"),
+    };
+    let num = |k: &str| -> Result<Option<f32>> {
+        let Some(v) = g.get(k) else { return Ok(None) };
+        let x = g.get_f32(k).with_context(|| format!("{k} is {v:?}, not a number"))?;
+        if !x.is_finite() {
+            bail!("{k} is {x}, not a finite number");
         }
-    }
+        Ok(Some(x))
+    };
     let mut factor = None;
     for k in [key("rope.scaling.factor"), key("rope.scale_linear")] {
-        if let Some(v) = g.get(&k) {
-            let f = g.get_f32(&k).with_context(|| format!("{k} is {v:?}, not a number"))?;
-            if !(f.is_finite() && f >= 0.0) {
+        if let Some(f) = num(&k)? {
+            if f < 0.0 {
                 bail!("{k} is {f}, not a non-negative number");
             }
             factor = Some(f);
             break;
         }
     }
-    // As llama.cpp, a factor of 0 means none.
-    Ok(match factor {
-        Some(f) if f != 0.0 => 1.0 / f,
+    // As llama.cpp: a factor of 0 means none, and type none never scales.
+    let freq_scale = match factor {
+        Some(f) if f != 0.0 && ty != Ty::None => 1.0 / f,
         _ => 1.0,
+    };
+    let attn_key = key("rope.scaling.attn_factor");
+    let rope_attn_factor = num(&attn_key)?.unwrap_or(1.0);
+    if rope_attn_factor <= 0.0 {
+        bail!("{attn_key} is {rope_attn_factor}, not a positive number");
+    }
+    let log_key = key("rope.scaling.yarn_log_multiplier");
+    let yarn_log_mul = match num(&log_key)? {
+        // llama.cpp's deepseek2 cancels the converter's factor of 0.1; its other graphs Baton runs do not read it.
+        Some(m) if arch == Arch::Deepseek2 => m / 0.1,
+        Some(m) => {
+            tracing::warn!(
+                "{log_key} = {m} is ignored for {}, as llama.cpp ignores it",
+                arch.name()
+            );
+            0.0
+        }
+        None => 0.0,
+    };
+    for k in [
+        "yarn_beta_fast",
+        "yarn_beta_slow",
+        "yarn_ext_factor",
+        "yarn_attn_factor",
+    ] {
+        let k = key(&format!("rope.scaling.{k}"));
+        if g.get(&k).is_some() {
+            tracing::warn!("{k} is ignored for {}, as llama.cpp ignores it", arch.name());
+        }
+    }
+    if ty != Ty::Yarn {
+        return Ok(RopeScaling {
+            freq_scale,
+            yarn: None,
+            attn_factor: rope_attn_factor,
+            yarn_log_mul,
+        });
+    }
+    let orig_key = key("rope.scaling.original_context_length");
+    let orig_ctx = match g.get(&orig_key) {
+        None => n_ctx_train,
+        Some(v) => match g.get_u64(&orig_key) {
+            Some(n) if n > 0 && n <= 1 << 32 => n as usize,
+            _ => bail!("{orig_key} is {v:?}: expected a context length of 1 to 2^32"),
+        },
+    };
+    // llama.cpp's yarn_attn_factor: YaRN's mscale for the factor (DeepSeek's with its own mscale and mscale_all_dim,
+    // taken equal where mscale_all_dim is not 1, as llama.cpp does), over the correction ggml's RoPE multiplies in.
+    let f = 1.0 / freq_scale;
+    let get_mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let mut yarn_factor = if yarn_log_mul != 0.0 {
+        let m = if arch == Arch::Deepseek2 && yarn_log_mul != 1.0 {
+            yarn_log_mul
+        } else {
+            1.0
+        };
+        get_mscale(f, m) / get_mscale(f, yarn_log_mul)
+    } else {
+        get_mscale(f, 1.0)
+    };
+    yarn_factor *= 1.0 / (1.0 + 0.1 * f.ln());
+    Ok(RopeScaling {
+        freq_scale,
+        yarn: Some(Yarn {
+            orig_ctx,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }),
+        attn_factor: yarn_factor * rope_attn_factor,
+        yarn_log_mul,
     })
 }
 

@@ -16,7 +16,7 @@ pub mod random;
 pub mod rope;
 
 pub use cache::ModelCache;
-pub use hparams::{Arch, Gating, Hparams, Mla, Moe, RopeType, Routing};
+pub use hparams::{Arch, Gating, Hparams, Mla, Moe, RopeScaling, RopeType, Routing, Yarn};
 
 use crate::gguf::GgufFile;
 use crate::kernels::Matrix;
@@ -32,7 +32,9 @@ pub struct LayerWeights {
     pub wq: Matrix,
     /// K's projection (DeepSeek: `attn_kv_a_mqa`, the compressed KV vector and the shared RoPE key).
     pub wk: Matrix,
-    /// V's projection (DeepSeek: `attn_kv_b`, every head's K_nope and V from the compressed vector).
+    /// V's projection (DeepSeek: `attn_kv_b`, every head's K_nope and V from the compressed vector; in the absorbed
+    /// layout `attn_v_b`, every head's V out of the compressed space, which the CPU reads through
+    /// [`Absorbed::v_b`]'s per-head views).
     pub wv: Matrix,
     pub wo: Matrix,
     /// Biases added to Q, K and V (Qwen 2; optional in llama, as in llama.cpp).
@@ -55,6 +57,16 @@ pub struct MlaWeights {
     pub q_a: Option<(Matrix, Vec<f32>)>,
     /// RMSNorm of the compressed KV vector (`attn_kv_a_norm`).
     pub kv_a_norm: Vec<f32>,
+    /// The absorbed layout's per-head decompression (`None` in files with `attn_kv_b`).
+    pub absorbed: Option<Absorbed>,
+}
+
+/// The absorbed MLA layout's `attn_k_b` and `attn_v_b`, one matrix view per head.
+pub struct Absorbed {
+    /// `[kv_lora_rank, n_nope]` each: takes the head's Q_nope into the compressed space.
+    pub k_b: Vec<Matrix>,
+    /// `[v_head, kv_lora_rank]` each: takes the head's attention output (compressed) out to its V width.
+    pub v_b: Vec<Matrix>,
 }
 
 /// A layer's feed-forward: one gated MLP, or a mixture of experts.
@@ -74,9 +86,19 @@ impl LayerWeights {
     /// The matrices the layer multiplies by that loading may repack or copy out of the map: all of them, the experts
     /// only with `experts` (otherwise they stay mapped, and a token reads only its own experts' pages).
     pub fn matrices_mut(&mut self, experts: bool) -> Vec<&mut Matrix> {
-        let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
-        if let Some((q_a, _)) = self.mla.as_mut().and_then(|m| m.q_a.as_mut()) {
-            v.push(q_a);
+        let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wo];
+        match &mut self.mla {
+            Some(m) => {
+                if let Some((q_a, _)) = &mut m.q_a {
+                    v.push(q_a);
+                }
+                match &mut m.absorbed {
+                    // The absorbed layout's `wv` is read through its per-head views only.
+                    Some(a) => v.extend(a.k_b.iter_mut().chain(&mut a.v_b)),
+                    None => v.push(&mut self.wv),
+                }
+            }
+            None => v.push(&mut self.wv),
         }
         match &mut self.ffn {
             Ffn::Dense(d) => v.extend([&mut d.gate, &mut d.up, &mut d.down]),
@@ -161,7 +183,12 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
         "attn_q_b.weight",
         "attn_kv_a_mqa.weight",
         "attn_kv_a_norm.weight",
-        "attn_kv_b.weight",
+        if hp.mla.as_ref().is_some_and(|m| m.absorbed) {
+            "attn_k_b.weight"
+        } else {
+            "attn_kv_b.weight"
+        },
+        "attn_v_b.weight",
     ];
     let layer = |il: usize, t: &str| -> bool {
         // GLM-4.5's norm before the feed-forward is stored as `post_attention_norm`.
@@ -195,8 +222,12 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             Arch::Deepseek2 if has_experts(il) => &[mla, experts, shared],
             Arch::Deepseek2 => &[mla, dense],
         };
-        // DeepSeek has none of attn_k/attn_v: its K and V come through the compressed vector.
-        if hp.arch == Arch::Deepseek2 && matches!(t, "attn_k.weight" | "attn_v.weight") {
+        // DeepSeek has none of attn_k/attn_v: its K and V come through the compressed vector; `attn_v_b` is the
+        // absorbed layout's only.
+        if hp.arch == Arch::Deepseek2
+            && (matches!(t, "attn_k.weight" | "attn_v.weight")
+                || (t == "attn_v_b.weight" && !hp.mla.as_ref().is_some_and(|m| m.absorbed)))
+        {
             return false;
         }
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
@@ -259,17 +290,18 @@ pub(crate) fn attn_qkv(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<[Ma
     ])
 }
 
-/// Layer `il`'s latent attention (`deepseek2`, llama.cpp's layout without the absorption) as `f` stores it (mapped,
-/// not repacked): its own tensors, and the matrices that stand as `wq` (`attn_q_b` after the low-rank `attn_q_a`, or
-/// `attn_q`), `wk` (`attn_kv_a_mqa`) and `wv` (`attn_kv_b`). The CPU's layers and the GPU's upload both take them
-/// from here.
+/// Layer `il`'s latent attention (`deepseek2`, either layout: [`Mla`]) as `f` stores it (mapped, not repacked): its
+/// own tensors, and the matrices that stand as `wq` (`attn_q_b` after the low-rank `attn_q_a`, or `attn_q`), `wk`
+/// (`attn_kv_a_mqa`) and `wv` (`attn_kv_b`, or the absorbed layout's `attn_v_b` whole). The CPU's layers and the
+/// GPU's upload both take them from here.
 pub(crate) fn mla_attn(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<(MlaWeights, [Matrix; 3])> {
     let p = |t: &str| format!("blk.{il}.{t}.weight");
     let m = hp
         .mla
         .as_ref()
         .context("latent attention without its hyperparameters")?;
-    let (e, nq, r, hdv, nh) = (hp.n_embd, hp.n_embd_q(), m.kv_lora_rank, hp.head_dim_v, hp.n_head);
+    let (e, r, nh) = (hp.n_embd, m.kv_lora_rank, hp.n_head);
+    let nq = nh * m.q_head(hp.n_rot);
     let has_q_a = m.q_lora_rank > 0;
     for (t, want) in [
         ("attn_q_a", has_q_a),
@@ -298,12 +330,21 @@ pub(crate) fn mla_attn(f: &Arc<GgufFile>, hp: &Hparams, il: usize) -> Result<(Ml
     } else {
         (None, mapped_matrix(f, &p("attn_q"), e, nq)?)
     };
+    let wk = mapped_matrix(f, &p("attn_kv_a_mqa"), e, r + hp.n_rot)?;
+    let (wv, absorbed) = if m.absorbed {
+        // {n_nope, kv_lora_rank, n_head} and {kv_lora_rank, v_head, n_head}: one view per head.
+        let k_b = moe::Experts::mapped(f, f.tensor_info(&p("attn_k_b"))?, m.n_nope, r, nh)?.mats;
+        let v_b = moe::Experts::mapped(f, f.tensor_info(&p("attn_v_b"))?, r, m.v_head, nh)?.mats;
+        let wv = moe::experts_matrix(f, &p("attn_v_b"), r, m.v_head, nh)?;
+        (wv, Some(Absorbed { k_b, v_b }))
+    } else {
+        (mapped_matrix(f, &p("attn_kv_b"), r, nh * (m.n_nope + m.v_head))?, None)
+    };
     let mla = MlaWeights {
         q_a,
         kv_a_norm: vector(&p("attn_kv_a_norm"), r)?,
+        absorbed,
     };
-    let wk = mapped_matrix(f, &p("attn_kv_a_mqa"), e, r + hp.n_rot)?;
-    let wv = mapped_matrix(f, &p("attn_kv_b"), r, nh * (m.n_nope + hdv))?;
     Ok((mla, [wq, wk, wv]))
 }
 
@@ -445,7 +486,7 @@ impl Model {
                 wq,
                 wk,
                 wv,
-                wo: matrix(&p("attn_output"), hp.n_head * hp.head_dim_v, e)?,
+                wo: matrix(&p("attn_output"), hp.n_embd_attn_out(), e)?,
                 bq: opt_vector(&format!("blk.{il}.attn_q.bias"), hp.n_embd_q())?,
                 bk: opt_vector(&format!("blk.{il}.attn_k.bias"), hp.n_embd_k())?,
                 bv: opt_vector(&format!("blk.{il}.attn_v.bias"), hp.n_embd_v())?,
@@ -578,12 +619,15 @@ impl Model {
                     Ffn::Dense(d) => d.gate.size_bytes() + d.up.size_bytes() + d.down.size_bytes(),
                     Ffn::Moe(m) => m.active_bytes(k),
                 };
-                let q_a = l
-                    .mla
-                    .as_ref()
-                    .and_then(|m| m.q_a.as_ref())
-                    .map_or(0, |(w, _)| w.size_bytes());
-                l.wq.size_bytes() + l.wk.size_bytes() + l.wv.size_bytes() + l.wo.size_bytes() + q_a + ffn
+                let mla = l.mla.as_ref().map_or(0, |m| {
+                    let q_a = m.q_a.as_ref().map_or(0, |(w, _)| w.size_bytes());
+                    let k_b = m
+                        .absorbed
+                        .as_ref()
+                        .map_or(0, |a| a.k_b.iter().map(Matrix::size_bytes).sum());
+                    q_a + k_b
+                });
+                l.wq.size_bytes() + l.wk.size_bytes() + l.wv.size_bytes() + l.wo.size_bytes() + mla + ffn
             })
             .sum();
         per_layer + self.output.as_ref().map_or(0, |m| m.size_bytes())
@@ -632,8 +676,10 @@ mod tests {
     /// Each `(key, value, wanted)`: the generated model `name` with its `name.key` set to `value` (or removed, for
     /// `None`) fails to load with an error that contains `wanted`.
     fn assert_key_refusals(name: &str, cases: &[(&str, Option<Value>, &str)]) {
+        // A generated variant is named `<arch>-<what>`: its keys are the architecture's.
+        let arch = name.split('-').next().unwrap();
         for (key, v, want) in cases {
-            let key = format!("{name}.{key}");
+            let key = format!("{arch}.{key}");
             let e = load_error(name, &[(key.as_str(), v.clone())], &[], &[]);
             assert!(e.contains(want), "{key} = {v:?}: {e}");
         }
@@ -684,35 +730,96 @@ mod tests {
     }
 
     #[test]
-    fn rope_scaling_linear_is_read_and_others_are_refused() {
+    fn rope_scaling_linear_and_yarn_are_read_and_others_are_refused() {
         let linear = [
             ("llama.rope.scaling.type", Some(Value::Str("linear".into()))),
             ("llama.rope.scaling.factor", Some(Value::F32(4.0))),
         ];
         let m = load_edited("llama3", &linear, &[], &[]).unwrap();
-        assert_eq!(m.hp.rope_freq_scale, 0.25);
+        assert_eq!((m.hp.rope_scaling.freq_scale, m.hp.rope_scaling.yarn), (0.25, None));
         assert!(m.hp.rope_scaling_label().contains("linear, factor 4"));
-        let e = load_error(
-            "qwen2",
-            &[("qwen2.rope.scaling.type", Some(Value::Str("yarn".into())))],
-            &[],
-            &[],
+        // Type none ignores the factor, as llama.cpp.
+        let none = [
+            ("llama.rope.scaling.type", Some(Value::Str("none".into()))),
+            ("llama.rope.scaling.factor", Some(Value::F32(4.0))),
+        ];
+        assert_eq!(
+            load_edited("llama3", &none, &[], &[]).unwrap().hp.rope_scaling,
+            RopeScaling::NONE
         );
-        assert!(e.contains("qwen2.rope.scaling.type") && e.contains("yarn"), "{e}");
-        let e = load_error(
-            "llama3",
-            &[("llama.rope.scaling.factor", Some(Value::F32(-2.0)))],
-            &[],
-            &[],
+        // YaRN: the original context from its key (else the training context); ggml's RoPE multiplies the cosines
+        // and sines by 1 + 0.1 ln 4, which llama.cpp's attention factor leaves in place; an attention factor scales
+        // them further.
+        let yarn = [
+            ("llama.rope.scaling.type", Some(Value::Str("yarn".into()))),
+            ("llama.rope.scaling.factor", Some(Value::F32(4.0))),
+            ("llama.rope.scaling.original_context_length", Some(Value::U32(1024))),
+            ("llama.rope.scaling.attn_factor", Some(Value::F32(0.5))),
+        ];
+        let r = load_edited("llama3", &yarn, &[], &[]).unwrap().hp.rope_scaling;
+        assert_eq!(
+            r.yarn.map(|y| (y.orig_ctx, y.beta_fast, y.beta_slow)),
+            Some((1024, 32.0, 1.0))
         );
-        assert!(e.contains("llama.rope.scaling.factor"), "{e}");
-        let e = load_error(
-            "llama3",
-            &[("llama.rope.scaling.attn_factor", Some(Value::F32(0.5)))],
-            &[],
-            &[],
+        assert!(
+            (r.mscale() - 0.5 * (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6,
+            "{}",
+            r.mscale()
         );
-        assert!(e.contains("attn_factor"), "{e}");
+        let r = load_edited("llama3", &yarn[..2], &[], &[]).unwrap().hp.rope_scaling;
+        assert_eq!(r.yarn.unwrap().orig_ctx, 4096);
+        for (k, v, want) in [
+            (
+                "rope.scaling.type",
+                Value::Str("longrope".into()),
+                "none, linear and yarn",
+            ),
+            ("rope.scaling.factor", Value::F32(-2.0), "not a non-negative number"),
+            ("rope.scaling.attn_factor", Value::F32(0.0), "not a positive number"),
+            (
+                "rope.scaling.original_context_length",
+                Value::U32(0),
+                "expected a context length",
+            ),
+        ] {
+            let k = format!("llama.{k}");
+            let e = load_error("llama3", &[yarn[0].clone(), (&k, Some(v))], &[], &[]);
+            assert!(e.contains(&k) && e.contains(want), "{e}");
+        }
+    }
+
+    /// ggml's YaRN ramp for the generated qwen3-yarn (32 rotated dimensions, base 10^6, original context 1024):
+    /// pairs 0 and 1 keep their unscaled angle, pairs from 6 on are interpolated, those between mix the two.
+    #[test]
+    fn yarn_mixes_angles_by_pair() {
+        let m = load_edited("qwen3-yarn", &[], &[], &[]).unwrap();
+        let (hp, r) = (&m.hp, &m.hp.rope_scaling);
+        let y = r.yarn.unwrap();
+        assert_eq!(y.corr_dims(hp.n_rot, hp.rope_base), [1.0, 6.0]);
+        let tables = rope::RopeTables::new(hp, 0..hp.n_layer, 64);
+        let t = &tables.tables()[0];
+        let plain = crate::kernels::ops::RopeTable::new(hp.rope_base, hp.n_rot, 64);
+        let (c, s) = t.cos_sin(40);
+        let (c0, s0) = plain.cos_sin(40);
+        let theta = |i: usize| 40.0 * hp.rope_base.powf(-2.0 * i as f32 / hp.n_rot as f32);
+        let ms = r.mscale();
+        for i in 0..hp.n_rot / 2 {
+            let mix = 1.0 - ((i as f32 - 1.0) / 5.0).clamp(0.0, 1.0);
+            let angle = theta(i) * (0.25 * (1.0 - mix) + mix);
+            assert!(
+                (c[i] - ms * angle.cos()).abs() < 1e-4,
+                "pair {i}: {} vs {}",
+                c[i],
+                ms * angle.cos()
+            );
+            assert!((s[i] - ms * angle.sin()).abs() < 1e-4, "pair {i}");
+            if i <= 1 {
+                assert!(
+                    (c[i] - ms * c0[i]).abs() < 1e-5 && (s[i] - ms * s0[i]).abs() < 1e-5,
+                    "pair {i}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -1027,6 +1134,8 @@ mod tests {
             q_lora_rank: 32,
             kv_lora_rank: 32,
             n_nope: 32,
+            v_head: 24,
+            absorbed: false,
         };
         assert_eq!(hp.mla.as_ref(), Some(&want));
         assert!((hp.attn_scale - 1.0 / 48f32.sqrt()).abs() < 1e-7);
@@ -1062,19 +1171,66 @@ mod tests {
         assert_eq!(m.hp.moe.unwrap().routing.gating, Gating::Softmax);
     }
 
-    /// What llama.cpp's deepseek2 graph does not allow, or Baton does not compute (the absorbed MLA layout, YaRN's
-    /// attention scale), is refused by name.
+    /// The generated deepseek2-mla: the absorbed layout (one KV head of K 56 = 40 + 16 and V 40, heads of 48 and 24
+    /// through per-head attn_k_b/attn_v_b) with YaRN: the attention scale is 1/√48 times DeepSeek's mscale squared.
+    #[test]
+    fn generated_deepseek2_mla_loads() {
+        let m = load_edited("deepseek2-mla", &[], &[], &[]).unwrap();
+        let hp = &m.hp;
+        assert_eq!((hp.head_dim_k, hp.head_dim_v, hp.n_rot, hp.n_head_kv), (56, 40, 16, 1));
+        let want = Mla {
+            q_lora_rank: 32,
+            kv_lora_rank: 40,
+            n_nope: 32,
+            v_head: 24,
+            absorbed: true,
+        };
+        assert_eq!(hp.mla.as_ref(), Some(&want));
+        assert_eq!(hp.n_embd_attn_out(), 4 * 24);
+        let mscale = 1.0 + 0.1 * 0.707 * 4f32.ln();
+        assert!(
+            (hp.attn_scale - mscale * mscale / 48f32.sqrt()).abs() < 1e-6,
+            "{}",
+            hp.attn_scale
+        );
+        // DeepSeek's mscale equals its mscale_all_dim: the cosines and sines keep their length.
+        assert!((hp.rope_scaling.mscale() - 1.0).abs() < 1e-6);
+        for (il, l) in m.layers.iter().enumerate() {
+            let a = l.mla.as_ref().unwrap().absorbed.as_ref().unwrap();
+            assert_eq!((a.k_b.len(), a.v_b.len()), (4, 4), "layer {il}");
+            assert!(
+                a.k_b.iter().all(|w| (w.rows, w.cols) == (40, 32)),
+                "layer {il} attn_k_b"
+            );
+            assert!(
+                a.v_b.iter().all(|w| (w.rows, w.cols) == (24, 40)),
+                "layer {il} attn_v_b"
+            );
+            assert_eq!((l.wq.rows, l.wq.cols), (4 * 48, 32), "layer {il} attn_q_b");
+            assert_eq!((l.wk.rows, l.wk.cols), (40 + 16, 64), "layer {il} attn_kv_a_mqa");
+            assert_eq!((l.wv.rows, l.wv.cols), (4 * 24, 40), "layer {il} attn_v_b");
+            assert_eq!((l.wo.rows, l.wo.cols), (64, 4 * 24), "layer {il} attn_output");
+        }
+        // A token reads both decompressions (as F32), and not attn_kv_b's bytes.
+        let kv = 4 * (4 * 40 * 32 + 4 * 24 * 40);
+        let attn = 4 * (32 * 64 + 192 * 32 + 56 * 64 + 64 * 96) + kv;
+        let dense = 3 * 64 * 128 * 4;
+        let moe_layer = 16 * 64 * 4 + (4 * 3 * 32 * 64 + 3 * 64 * 64) * 4;
+        assert_eq!(
+            m.weight_bytes_per_token(),
+            3 * attn + dense + 2 * moe_layer + 4096 * 64 * 2
+        );
+    }
+
+    /// What llama.cpp's deepseek2 graph does not allow, or Baton does not compute, is refused by name.
     #[test]
     fn bad_deepseek2_is_refused() {
         let cases = [
-            ("attention.key_length_mla", Some(Value::U32(48)), "absorbed MLA layout"),
             (
-                "attention.value_length_mla",
-                Some(Value::U32(24)),
-                "absorbed MLA layout",
+                "attention.key_length_mla",
+                Some(Value::U32(48)),
+                "the absorbed MLA layout needs both",
             ),
-            ("rope.scaling.factor", Some(Value::F32(4.0)), "YaRN's mscale"),
-            ("rope.scaling.type", Some(Value::Str("yarn".into())), "\"yarn\""),
             (
                 "attention.temperature_scale",
                 Some(Value::F32(0.5)),
@@ -1110,10 +1266,38 @@ mod tests {
         let e = load_error("deepseek2", &[], &[], &["blk.2.attn_kv_a_norm.weight"]);
         assert!(e.contains("blk.2.attn_kv_a_norm.weight"), "{e}");
         // The absorbed layout's split K/V decompression, and a plain attn_k, are not this layout's.
-        for t in ["blk.1.attn_k_b.weight", "blk.1.attn_k.weight"] {
+        for t in ["blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", "blk.1.attn_k.weight"] {
             let e = load_error("deepseek2", &[], &[(t, vec![0.0; 32])], &[]);
             assert!(e.contains(&format!("{t:?} is not part of Baton's deepseek2")), "{e}");
         }
+        // The absorbed layout: one KV head of the compressed width (+ the RoPE key), and its own tensors only.
+        let cases = [
+            (
+                "attention.head_count_kv",
+                Some(Value::U32(4)),
+                "caches one KV head of K 56",
+            ),
+            (
+                "attention.key_length",
+                Some(Value::U32(48)),
+                "caches one KV head of K 56",
+            ),
+            ("attention.value_length", Some(Value::U32(24)), "and V 40"),
+            ("attention.value_length_mla", Some(Value::U32(0)), "needs both"),
+            (
+                "attention.key_length_mla",
+                Some(Value::U32(16)),
+                "leaves no unrotated part",
+            ),
+        ];
+        assert_key_refusals("deepseek2-mla", &cases);
+        let e = load_error("deepseek2-mla", &[], &[], &["blk.2.attn_v_b.weight"]);
+        assert!(e.contains("blk.2.attn_v_b.weight"), "{e}");
+        let e = load_error("deepseek2-mla", &[], &[("blk.0.attn_kv_b.weight", vec![0.0; 32])], &[]);
+        assert!(
+            e.contains("\"blk.0.attn_kv_b.weight\" is not part of Baton's deepseek2"),
+            "{e}"
+        );
     }
 
     /// What glm4moe's graph does not allow, or Baton does not compute, is refused by name.

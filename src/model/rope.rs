@@ -2,7 +2,7 @@
 //! with the model's scaling applied, so the CPU session and the GPU layers rotate with the same angles.
 
 use super::Hparams;
-use crate::kernels::ops::RopeTable;
+use crate::kernels::ops::{RopeTable, Scaled};
 use std::ops::Range;
 
 pub struct RopeTables {
@@ -22,7 +22,13 @@ impl RopeTables {
                 let base = hp.rope_base_of(il);
                 tables.iter().position(|t| t.base == base).unwrap_or_else(|| {
                     let freqs = hp.rope_freqs.as_deref();
-                    tables.push(RopeTable::scaled(base, hp.n_rot, n_ctx, hp.rope_freq_scale, freqs));
+                    let r = &hp.rope_scaling;
+                    let scaled = Scaled {
+                        freq_scale: r.freq_scale,
+                        yarn_ramp: r.yarn.map(|y| y.corr_dims(hp.n_rot, base)),
+                        mscale: r.mscale(),
+                    };
+                    tables.push(RopeTable::scaled(base, hp.n_rot, n_ctx, &scaled, freqs));
                     tables.len() - 1
                 })
             })

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// The small random-weight models committed in tests/models/ (written by scripts/gen-test-models.py).
-pub const GENERATED: [&str; 9] = [
+pub const GENERATED: [&str; 11] = [
     "llama3",
     "qwen2",
     "qwen3",
@@ -16,6 +16,8 @@ pub const GENERATED: [&str; 9] = [
     "dots1",
     "glm4moe",
     "deepseek2",
+    "deepseek2-mla",
+    "qwen3-yarn",
 ];
 
 /// Path of a default model (`smollm2` or `gemma3`), fetched into the cache on first use, or of a generated one

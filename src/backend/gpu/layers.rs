@@ -128,6 +128,14 @@ impl GpuWeights {
             | Arch::Glm4Moe
             | Arch::Deepseek2 => {}
         }
+        // DeepSeek's absorbed layout (per-head attn_k_b/attn_v_b and a one-head compressed cache) has no GPU block
+        // yet: refused here, before anything is uploaded, rather than run as the other layout.
+        if hp.mla.as_ref().is_some_and(|m| m.absorbed) {
+            anyhow::bail!(
+                "this deepseek2 file is in llama.cpp's absorbed MLA layout (attn_k_b/attn_v_b), which the GPU backend \
+                 does not run yet; use --backend cpu"
+            );
+        }
         ensure!(
             !layers.is_empty() && layers.start >= model.range.start && layers.end <= model.range.end,
             "GPU layers {layers:?} are not within the model's layers {:?}",
