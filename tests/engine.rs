@@ -274,7 +274,8 @@ fn context_overflow_is_an_error() {
 /// qwen2, qwen3, phi3, the mixtures of experts qwen3moe, dots1 and glm4moe, and deepseek2's latent attention) in
 /// every weight type: each generated model uploads whole, every matrix of its layers and its embeddings and head
 /// once (a tied head is the embedding matrix), and nothing of glm4moe's NextN layer, which Baton does not run.
-/// Their numbers are checked in `backend::gpu::layers`.
+/// Their numbers are checked in `backend::gpu::layers`. The one exception, deepseek2's absorbed MLA layout
+/// (deepseek2-mla), is refused by name before anything is uploaded.
 #[test]
 fn gpu_backend_uploads_every_generated_family() {
     use baton::backend::gpu::layers::GpuWeights;
@@ -290,8 +291,18 @@ fn gpu_backend_uploads_every_generated_family() {
     };
     for name in common::GENERATED {
         let model = Model::load(&common::model(name)).unwrap();
-        let w =
-            GpuWeights::upload(gpu.clone(), &model, model.range.clone()).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        let up = GpuWeights::upload(gpu.clone(), &model, model.range.clone());
+        assert_eq!(
+            GpuWeights::unsupported(&model.hp).is_some(),
+            name == "deepseek2-mla",
+            "{name}"
+        );
+        if name == "deepseek2-mla" {
+            let e = format!("{:#}", up.err().expect("the absorbed layout is refused on the GPU"));
+            assert!(e.contains("absorbed MLA layout") && e.contains("--backend cpu"), "{e}");
+            continue;
+        }
+        let w = up.unwrap_or_else(|e| panic!("{name}: {e:#}"));
         let trunk = |t: &str| {
             t.strip_prefix("blk.")
                 .and_then(|r| r.split_once('.'))

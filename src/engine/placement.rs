@@ -59,6 +59,9 @@ pub struct Placement {
     gpu_layers: Option<usize>,
     /// Weights on the GPU, by model (and the layers uploaded).
     uploaded: Mutex<Vec<Uploaded>>,
+    /// `--backend auto`: a model the GPU backend cannot run ([`GpuWeights::unsupported`]) runs on the CPU instead of
+    /// failing.
+    cpu_fallback: bool,
 }
 
 /// One model's layers on the GPU; the entry goes when the model does.
@@ -71,6 +74,7 @@ impl Placement {
             gpu: None,
             gpu_layers: None,
             uploaded: Mutex::new(Vec::new()),
+            cpu_fallback: false,
         }
     }
 
@@ -80,6 +84,15 @@ impl Placement {
             gpu: Some(gpu),
             gpu_layers,
             uploaded: Mutex::new(Vec::new()),
+            cpu_fallback: false,
+        }
+    }
+
+    /// `--backend auto`'s placement: a model the GPU cannot run runs on the CPU, with a warning, rather than failing.
+    pub fn with_cpu_fallback(self) -> Placement {
+        Placement {
+            cpu_fallback: true,
+            ..self
         }
     }
 
@@ -119,7 +132,12 @@ impl Placement {
         match Gpu::open(AdapterChoice::from_env_or(AdapterChoice::Auto)?) {
             Ok(gpu) => {
                 tracing::info!("backend: GPU {}", gpu.describe());
-                Ok(Placement::on_gpu(Arc::new(gpu), gpu_layers))
+                let p = Placement::on_gpu(Arc::new(gpu), gpu_layers);
+                Ok(if choice == BackendChoice::Auto {
+                    p.with_cpu_fallback()
+                } else {
+                    p
+                })
             }
             Err(e) if choice == BackendChoice::Auto && e.downcast_ref::<NoAdapter>().is_some() => {
                 tracing::info!("backend auto: {e}; running on the CPU");
@@ -162,6 +180,13 @@ impl Placement {
         let Some(gpu) = &self.gpu else { return Ok(None) };
         let layers = self.gpu_range(&model.range);
         if layers.is_empty() {
+            return Ok(None);
+        }
+        if self.cpu_fallback
+            && let Some(why) = GpuWeights::unsupported(&model.hp)
+        {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::warn!("backend auto: {why}: running it on the CPU"));
             return Ok(None);
         }
         let mut up = self.uploaded.lock().unwrap_or_else(|p| p.into_inner());

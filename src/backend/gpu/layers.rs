@@ -108,6 +108,17 @@ pub struct GpuWeights {
 }
 
 impl GpuWeights {
+    /// Why the GPU backend cannot run this model, where it cannot: refused before anything is uploaded, rather than
+    /// run wrongly. `--backend auto` then runs the model on the CPU.
+    pub fn unsupported(hp: &Hparams) -> Option<&'static str> {
+        // DeepSeek's absorbed layout needs a per-head matmul and attention heads of kv_lora_rank + n_rot (576 for
+        // V2/V3), wider than the attention shaders take.
+        hp.mla.as_ref().filter(|m| m.absorbed).map(|_| {
+            "this deepseek2 file is in llama.cpp's absorbed MLA layout (attn_k_b/attn_v_b, a one-head compressed KV \
+             cache), which the GPU backend does not run yet"
+        })
+    }
+
     /// Uploads layers `layers` of `model` (within its range), and the output head when they end the model. The
     /// matrices are read from the file as stored (the CPU's copies may have been repacked for its kernels). A GPU
     /// that runs out of memory gives an error naming the sizes and a `--gpu-layers` that would fit.
@@ -128,13 +139,8 @@ impl GpuWeights {
             | Arch::Glm4Moe
             | Arch::Deepseek2 => {}
         }
-        // DeepSeek's absorbed layout (per-head attn_k_b/attn_v_b and a one-head compressed cache) has no GPU block
-        // yet: refused here, before anything is uploaded, rather than run as the other layout.
-        if hp.mla.as_ref().is_some_and(|m| m.absorbed) {
-            anyhow::bail!(
-                "this deepseek2 file is in llama.cpp's absorbed MLA layout (attn_k_b/attn_v_b), which the GPU backend \
-                 does not run yet; use --backend cpu"
-            );
+        if let Some(why) = Self::unsupported(&hp) {
+            anyhow::bail!("{why}; use --backend cpu (or auto, which runs it on the CPU)");
         }
         ensure!(
             !layers.is_empty() && layers.start >= model.range.start && layers.end <= model.range.end,
@@ -1393,6 +1399,24 @@ mod tests {
         assert!(!a.has_head(), "the head goes with the last layer");
         let other = Arc::new(Model::load(path).unwrap());
         assert!(!Arc::ptr_eq(&a, &p.gpu_weights(&other).unwrap().unwrap()));
+    }
+
+    /// A model the GPU backend does not run (deepseek2's absorbed MLA layout) is an error naming it under `--backend
+    /// gpu`, and runs on the CPU under `auto` (the CPU's logits, bit for bit).
+    #[test]
+    fn unsupported_models_fall_back_to_the_cpu_under_auto() {
+        let Some(gpu) = test_gpu() else { return };
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/deepseek2-mla.gguf");
+        let model = Arc::new(Model::load(&path).unwrap());
+        let gpu_only = Placement::on_gpu(gpu.clone(), None);
+        let e = format!("{:#}", gpu_only.gpu_weights(&model).err().unwrap());
+        assert!(e.contains("absorbed MLA layout"), "{e}");
+        let auto = Placement::on_gpu(gpu, None).with_cpu_fallback();
+        assert!(auto.gpu_weights(&model).unwrap().is_none());
+        let prompt = [1u32, 2, 3, 4];
+        let mut s = Session::placed(model.clone(), pool(), 16, 8, &auto).unwrap();
+        let mut c = Session::placed(model, pool(), 16, 8, &Placement::cpu()).unwrap();
+        assert_eq!(s.eval(&prompt).unwrap(), c.eval(&prompt).unwrap());
     }
 
     /// Greedy decoding of `n_new` tokens after `prompt` on a GPU session and a CPU one: the same tokens, or a first
