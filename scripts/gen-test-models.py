@@ -137,6 +137,15 @@ BENCH_MODELS = {
                             kv_lora_rank=512, rope_base=10000.0, ty="Q8_0", n_vocab=49152, n_expert=64,
                             n_expert_used=6, n_ff_exp=1408, n_dense_lead=1, n_shared=2, gating="SOFTMAX",
                             norm_w=False, w_scale=1.0),
+    # deepseek2-bench in the absorbed layout llama.cpp's converters write now (attn_k_b/attn_v_b, a one-head cache of
+    # 512 + 64), with DeepSeek-V2-Lite's YaRN (factor 40 over 4096, mscale_all_dim 0.707): the CPU's absorbed MLA
+    # against llama.cpp's; about 2.1 GB.
+    "deepseek2-mla-bench": dict(arch="deepseek2", pre="llama-bpe", n_layer=4, n_embd=2048, n_ff=10944, n_head=16,
+                                n_head_kv=1, head_dim=192, head_dim_v=128, n_rot=64, q_lora_rank=1536,
+                                kv_lora_rank=512, absorbed=True, yarn=dict(factor=40.0, orig_ctx=4096, log_mul=0.0707),
+                                rope_base=10000.0, ty="Q8_0", n_vocab=49152, n_expert=64, n_expert_used=6,
+                                n_ff_exp=1408, n_dense_lead=1, n_shared=2, gating="SOFTMAX", norm_w=False,
+                                w_scale=1.0),
 }
 
 # Where each block type keeps its f16 scales (d, and dmin where it has one): random bytes there could be inf or NaN.
@@ -417,7 +426,7 @@ def main():
     every = {**MODELS, **BENCH_MODELS}
     # Seeds in the order the models were added (a new one goes at the end), so adding one leaves the others' bytes.
     seed_order = ["llama3", "qwen2", "qwen3", "qwen3moe", "iquants", "phi3", "qwen3moe-bench", "dots1", "glm4moe",
-                  "deepseek2", "llama1b-bench", "llama8b-bench", "deepseek2-bench", "deepseek2-mla", "qwen3-yarn"]
+                  "deepseek2", "llama1b-bench", "llama8b-bench", "deepseek2-bench", "deepseek2-mla", "qwen3-yarn", "deepseek2-mla-bench"]
     for name in a.names or MODELS:
         if name not in every:
             sys.exit(f"unknown model {name!r} (known: {', '.join(every)})")

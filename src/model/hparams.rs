@@ -582,6 +582,23 @@ impl fmt::Display for Hparams {
         }
         writeln!(f, "heads (q/kv):     {}/{}", self.n_head, self.n_head_kv)?;
         writeln!(f, "head size (k/v):  {}/{}", self.head_dim_k, self.head_dim_v)?;
+        if let Some(m) = &self.mla {
+            writeln!(
+                f,
+                "latent attention: {} layout, kv_lora_rank {}, q_lora_rank {}, heads of {}/{} ({} unrotated){}",
+                if m.absorbed { "absorbed" } else { "attn_kv_b" },
+                m.kv_lora_rank,
+                m.q_lora_rank,
+                m.q_head(self.n_rot),
+                m.v_head,
+                m.n_nope,
+                if m.absorbed {
+                    " through a one-head cache of the compressed vector"
+                } else {
+                    ""
+                }
+            )?;
+        }
         writeln!(f, "vocabulary:       {}", self.n_vocab)?;
         writeln!(f, "training context: {}", self.n_ctx_train)?;
         writeln!(f, "rms epsilon:      {:e}", self.rms_eps)?;
