@@ -73,12 +73,13 @@ impl Buffers {
 
     /// Floats DeepSeek's latent attention keeps besides Q, K, V and the output, for `n_rows` rows: Q's low-rank
     /// intermediate, the `attn_kv_a_mqa` rows, the normalised compressed vectors, then the `attn_kv_b` rows, or (in
-    /// the absorbed layout) Q as `attn_q_b` writes it and one head's input and output of `attn_k_b`/`attn_v_b`.
+    /// the absorbed layout) Q as `attn_q_b` writes it (later the heads' outputs through `attn_v_b`) and one head's
+    /// input and output of `attn_k_b`/`attn_v_b`.
     fn mla_len(hp: &Hparams, n_rows: usize) -> usize {
         hp.mla.as_ref().map_or(0, |m| {
             let r = m.kv_lora_rank;
             let last = if m.absorbed {
-                hp.n_head * m.q_head(hp.n_rot) + m.n_nope.max(r) + r.max(m.v_head)
+                hp.n_head * m.q_head(hp.n_rot).max(m.v_head) + m.n_nope.max(r) + r.max(m.v_head)
             } else {
                 hp.n_head * (m.n_nope + m.v_head)
             };
@@ -356,7 +357,7 @@ mod tests {
     /// dots1's working buffer holds its dense layer's hidden activations (128 wide, wider than its shared experts).
     #[test]
     fn scratch_bytes_are_what_new_allocates() {
-        for name in ["llama3", "qwen3moe", "dots1"] {
+        for name in ["llama3", "qwen3moe", "dots1", "deepseek2", "deepseek2-mla"] {
             let hp = hp(name);
             for (n_batch, n_ctx, threads) in [(1, 16, 1), (32, 256, 2), (4096, 1000, 3)] {
                 let b = Buffers::new(&hp, n_batch, n_ctx, threads);
