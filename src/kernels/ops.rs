@@ -434,7 +434,6 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// Cosines and sines of RoPE angles for positions `0..n_ctx`, one table per frequency base.
 /// How a [`RopeTable`]'s angles are scaled (the model's `rope.scaling.*`, resolved for one base).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Scaled {
@@ -455,8 +454,8 @@ impl Scaled {
     };
 }
 
+/// Cosines and sines of RoPE angles for positions `0..n_ctx`, for one frequency base and scaling.
 pub struct RopeTable {
-    pub base: f32,
     /// `n_rot / 2` pairs per position.
     half: usize,
     cos: Vec<f32>,
@@ -478,14 +477,14 @@ impl RopeTable {
         if let Some(f) = factors {
             assert_eq!(f.len(), half, "one frequency factor per rotated pair");
         }
-        // YaRN's share of the unscaled angle for pair i (ggml's rope_yarn_ramp, extrapolation factor 1).
-        let ramp = |i: usize| match sc.yarn_ramp {
-            None => 0.0,
-            Some([low, high]) => {
-                let y = (i as f32 - low) / (high - low).max(0.001);
-                1.0 - y.clamp(0.0, 1.0)
-            }
-        };
+        // YaRN's share of the unscaled angle, per pair (ggml's rope_yarn_ramp, extrapolation factor 1); 0 without
+        // YaRN, where the mix below is the scaled angle exactly.
+        let mix: Vec<f32> = (0..half)
+            .map(|i| match sc.yarn_ramp {
+                None => 0.0,
+                Some([low, high]) => 1.0 - ((i as f32 - low) / (high - low).max(0.001)).clamp(0.0, 1.0),
+            })
+            .collect();
         let mut cos = vec![0.0; n_ctx * half];
         let mut sin = vec![0.0; n_ctx * half];
         // As ggml: theta_i = p · base^(-2i/n_rot), the power taken by repeated multiplication in f32.
@@ -495,20 +494,13 @@ impl RopeTable {
             for i in 0..half {
                 let ff = factors.map_or(1.0, |f| f[i]);
                 let extrap = theta / ff;
-                let interp = sc.freq_scale * extrap;
-                let angle = match sc.yarn_ramp {
-                    None => interp,
-                    Some(_) => {
-                        let mix = ramp(i);
-                        interp * (1.0 - mix) + extrap * mix
-                    }
-                };
+                let angle = sc.freq_scale * extrap * (1.0 - mix[i]) + extrap * mix[i];
                 cos[p * half + i] = angle.cos() * sc.mscale;
                 sin[p * half + i] = angle.sin() * sc.mscale;
                 theta *= theta_scale;
             }
         }
-        RopeTable { base, half, cos, sin }
+        RopeTable { half, cos, sin }
     }
 
     pub fn n_ctx(&self) -> usize {

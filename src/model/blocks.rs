@@ -79,12 +79,25 @@ impl Buffers {
         hp.mla.as_ref().map_or(0, |m| {
             let r = m.kv_lora_rank;
             let last = if m.absorbed {
-                hp.n_head * m.q_head(hp.n_rot).max(m.v_head) + m.n_nope.max(r) + r.max(m.v_head)
+                Self::absorbed_widths(hp).iter().sum()
             } else {
                 hp.n_head * (m.n_nope + m.v_head)
             };
             n_rows * (m.q_lora_rank + (r + hp.n_rot) + r + last)
         })
+    }
+
+    /// Floats per row of the absorbed layout's part of the latent attention's intermediates (after the compressed
+    /// vectors), in order: Q as `attn_q_b` writes it (later the heads' outputs through `attn_v_b`), one head's input of
+    /// `attn_k_b` or `attn_v_b`, and its output.
+    pub(super) fn absorbed_widths(hp: &Hparams) -> [usize; 3] {
+        let m = hp.mla.as_ref().expect("latent attention");
+        let r = m.kv_lora_rank;
+        [
+            hp.n_head * m.q_head(hp.n_rot).max(m.v_head),
+            m.n_nope.max(r),
+            r.max(m.v_head),
+        ]
     }
 
     /// Scratch for batches of up to `n_batch` rows.

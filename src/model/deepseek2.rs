@@ -106,7 +106,7 @@ fn latent_qkv(s: &Step, lw: &LayerWeights, mw: &MlaWeights, b: &mut Buffers, row
     };
 
     // Absorbed: Q beside the attention's, which takes each head's [attn_k_b · Q_nope | Q_pe].
-    let (q, last) = last.split_at_mut(b.n_rows * nh * q_head.max(m.v_head));
+    let [q, x_h, y_h] = absorbed_parts(s, last, b.n_rows);
     q_and_compressed(s, lw, mw, xn, q, &mut l, rows, sc);
     // The one KV head: K [compressed | k_pe], V the compressed vector.
     let hdk = hp.head_dim_k;
@@ -119,7 +119,6 @@ fn latent_qkv(s: &Step, lw: &LayerWeights, mw: &MlaWeights, b: &mut Buffers, row
         blocks::store(hp, rows.pos(t), k, v, rows.write(t));
     }
     // One head's rows of the batch at a time through its attn_k_b.
-    let (x_h, y_h) = last.split_at_mut(b.n_rows * nope.max(r));
     for (h, k_b) in ab.k_b.iter().enumerate() {
         for t in 0..n {
             let at = (t * nh + h) * q_head;
@@ -132,6 +131,15 @@ fn latent_qkv(s: &Step, lw: &LayerWeights, mw: &MlaWeights, b: &mut Buffers, row
             a.q[at + r..at + hdk].copy_from_slice(&q[src..src + rot]);
         }
     }
+}
+
+/// The absorbed layout's views of [`Latent::last`] for `n_rows` rows ([`Buffers::absorbed_widths`]): Q as `attn_q_b`
+/// writes it (later the heads' outputs through `attn_v_b`), one head's gathered input and its output.
+fn absorbed_parts<'a>(s: &Step, last: &'a mut [f32], n_rows: usize) -> [&'a mut [f32]; 3] {
+    let [wq, wx, _] = Buffers::absorbed_widths(s.hp);
+    let (q, rest) = last.split_at_mut(n_rows * wq);
+    let (x_h, y_h) = rest.split_at_mut(n_rows * wx);
+    [q, x_h, y_h]
 }
 
 /// The low-rank intermediates [`q_and_compressed`] writes.
@@ -188,8 +196,7 @@ fn absorbed_output(s: &Step, lw: &LayerWeights, ab: &Absorbed, b: &mut Buffers) 
     let m = hp.mla.as_ref().expect("deepseek2 has MLA hparams");
     let (n, r, nh, vh) = (s.n_tok, m.kv_lora_rank, hp.n_head, m.v_head);
     let Latent { a, last, .. } = Latent::split(s, &mut b.work, b.mla_len, b.qkv_len, b.n_rows);
-    let (o, last) = last.split_at_mut(b.n_rows * nh * m.q_head(hp.n_rot).max(vh));
-    let (x_h, y_h) = last.split_at_mut(b.n_rows * m.n_nope.max(r));
+    let [o, x_h, y_h] = absorbed_parts(s, last, b.n_rows);
     for (h, v_b) in ab.v_b.iter().enumerate() {
         for t in 0..n {
             let at = (t * nh + h) * r;

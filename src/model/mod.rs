@@ -183,13 +183,13 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
         "attn_q_b.weight",
         "attn_kv_a_mqa.weight",
         "attn_kv_a_norm.weight",
-        if hp.mla.as_ref().is_some_and(|m| m.absorbed) {
-            "attn_k_b.weight"
-        } else {
-            "attn_kv_b.weight"
-        },
-        "attn_v_b.weight",
     ];
+    // ... then each head's K_nope and V through `attn_kv_b`, or (absorbed) `attn_k_b` and `attn_v_b`.
+    let kv_b: &[&str] = if hp.mla.as_ref().is_some_and(|m| m.absorbed) {
+        &["attn_k_b.weight", "attn_v_b.weight"]
+    } else {
+        &["attn_kv_b.weight"]
+    };
     let layer = |il: usize, t: &str| -> bool {
         // GLM-4.5's norm before the feed-forward is stored as `post_attention_norm`.
         let ffn_norm = if hp.arch == Arch::Glm4Moe {
@@ -219,15 +219,11 @@ fn check_tensor_names(f: &GgufFile, hp: &Hparams) -> Result<()> {
             Arch::Glm4Moe if has_experts(il) => &[qkv_bias, qk_norm, experts, shared],
             Arch::Glm4Moe => &[qkv_bias, qk_norm, dense],
             Arch::Gemma3 => &[qk_norm, dense, &["post_attention_norm.weight", "post_ffw_norm.weight"]],
-            Arch::Deepseek2 if has_experts(il) => &[mla, experts, shared],
-            Arch::Deepseek2 => &[mla, dense],
+            Arch::Deepseek2 if has_experts(il) => &[mla, kv_b, experts, shared],
+            Arch::Deepseek2 => &[mla, kv_b, dense],
         };
-        // DeepSeek has none of attn_k/attn_v: its K and V come through the compressed vector; `attn_v_b` is the
-        // absorbed layout's only.
-        if hp.arch == Arch::Deepseek2
-            && (matches!(t, "attn_k.weight" | "attn_v.weight")
-                || (t == "attn_v_b.weight" && !hp.mla.as_ref().is_some_and(|m| m.absorbed)))
-        {
+        // DeepSeek has none of attn_k/attn_v: its K and V come through the compressed vector.
+        if hp.arch == Arch::Deepseek2 && matches!(t, "attn_k.weight" | "attn_v.weight") {
             return false;
         }
         common.contains(&t) || extra.iter().any(|names| names.contains(&t))
